@@ -1,0 +1,92 @@
+"""The contract between the model forward and whatever stores its KV.
+
+A model pass runs over a `ForwardBatch`: the new tokens of N requests flattened into T rows, each
+request's tokens contiguous and in position order. The model asks a `KVContext` to
+
+1. `store` the rows its layer produced for those tokens (latent MLA rows, index keys),
+2. hand back a request's `index_keys` for the whole history (the indexer scores all of it),
+3. `locate` the selected positions: turn a selection `[T, k]` of token positions (-1 = none)
+   into locations `[T, k]` in a row space `[R, latent_dim]` that attention gathers from.
+
+The resident engine, the HiSparse hierarchy and the adaptive hierarchy are different
+implementations of this one protocol; the model code does not change between presets.
+
+  flattened batch (T tokens)
+  |-- req 0: positions n0 .. n0+q0-1 --|-- req 1: n1 .. n1+q1-1 --| ...
+  query_start[0]                        query_start[1]              query_start[N] == T
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of one model pass.
+
+    input_ids  [T] int64   token ids
+    positions  [T] int64   absolute positions (request-local)
+    req_idx    [T] int64   batch row 0..N-1 of each token
+    seq_lens   [N] int64   KV length of each request after this pass (= last position + 1)
+    query_start list[int]  N+1 offsets; request r owns tokens query_start[r]:query_start[r+1]
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_idx: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_start) - 1
+
+    @classmethod
+    def build(cls, chunks: list[tuple[list[int], int]], device: torch.device | str = "cpu") -> "ForwardBatch":
+        """Build from `(token_ids, start_position)` per request."""
+        ids: list[int] = []
+        pos: list[int] = []
+        req: list[int] = []
+        starts = [0]
+        lens: list[int] = []
+        for r, (toks, start) in enumerate(chunks):
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            req.extend([r] * len(toks))
+            starts.append(len(ids))
+            lens.append(start + len(toks))
+        mk = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(mk(ids), mk(pos), mk(req), mk(lens), starts)
+
+    def last_token_index(self) -> torch.Tensor:
+        """[N] flattened index of each request's last token in this pass."""
+        return torch.tensor(self.query_start[1:], dtype=torch.int64, device=self.input_ids.device) - 1
+
+
+class KVContext(Protocol):
+    """Per-pass view of the KV store, built by the engine for one `ForwardBatch`."""
+
+    def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        """Write this pass's rows. latent [T, latent_dim]; index_key [T, index_head_dim] or None
+        on layers without an indexer. Called before the layer's indexer and attention run."""
+        ...
+
+    def index_keys(self, layer: int, req: int) -> torch.Tensor:
+        """[seq_lens[req], index_head_dim] index keys of request `req`, this pass included."""
+        ...
+
+    def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.
+
+        Returns (rows [R, latent_dim], loc [T, k]) with rows[loc[t, i]] == row of position
+        selection[t, i] of token t's request (invariant I2); loc is -1 where selection is -1.
+        """
+        ...

@@ -1,0 +1,59 @@
+"""`DenseKV`: the simplest KVContext, one growing contiguous tensor per request and layer.
+
+No paging, no tiers: the reference the paged and hierarchical stores are tested against, and
+the store used by parity tests against transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.models.config import ModelConfig
+
+
+class DenseKV:
+    """Holds latent rows [L_r, latent_dim] and index keys [L_r, iD] per (request slot, layer)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.latent: dict[tuple[int, int], torch.Tensor] = {}
+        self.index: dict[tuple[int, int], torch.Tensor] = {}
+        self.slots: list[int] = []
+        self.batch: ForwardBatch | None = None
+
+    def begin(self, batch: ForwardBatch, slots: list[int]) -> "DenseKV":
+        """Bind the next pass: batch row r belongs to request slot slots[r]."""
+        self.batch, self.slots = batch, slots
+        return self
+
+    def _append(self, store: dict, layer: int, rows: torch.Tensor) -> None:
+        b = self.batch
+        for r in range(b.num_reqs):
+            a, e = b.query_start[r], b.query_start[r + 1]
+            key = (self.slots[r], layer)
+            old = store.get(key, rows.new_empty(0, rows.shape[1]))
+            start = int(b.positions[a]) if e > a else old.shape[0]
+            if start != old.shape[0]:
+                raise ValueError(f"request slot {self.slots[r]}: pass starts at {start}, cache holds {old.shape[0]}")
+            store[key] = torch.cat([old, rows[a:e].to(self.dtype)])
+
+    def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        self._append(self.latent, layer, latent)
+        if index_key is not None:
+            self._append(self.index, layer, index_key)
+
+    def index_keys(self, layer: int, req: int) -> torch.Tensor:
+        return self.index[(self.slots[req], layer)]
+
+    def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [self.latent[(s, layer)] for s in self.slots]
+        offsets = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=selection.device).cumsum(0)
+        rows = torch.cat(parts)
+        loc = offsets[self.batch.req_idx][:, None] + selection
+        return rows, torch.where(selection >= 0, loc, torch.full_like(loc, -1))
+
+    def drop(self, slot: int) -> None:
+        for store in (self.latent, self.index):
+            for key in [k for k in store if k[0] == slot]:
+                del store[key]

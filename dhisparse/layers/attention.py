@@ -1,0 +1,104 @@
+"""Multi-head latent attention (MLA) in absorbed form over gathered sparse rows.
+
+Cache rows are [c_kv (kv_lora) | k_pe (rope)]. With W_UK/W_UV split out of kv_b_proj,
+    q_abs = q_nope . W_UK                      [T, H, kv_lora]
+    logit = (q_abs . c_kv + q_pe . k_pe) * scale
+    o     = softmax(logit) . c_kv . W_UV       [T, H, v]
+which equals transformers' expanded MLA with the top-k mask, but reads only the selected rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dhisparse.kv.context import ForwardBatch, KVContext
+from dhisparse.layers.indexer import Indexer, indexer_topk_reference
+from dhisparse.layers.norm import RMSNorm
+from dhisparse.layers.rope import rope_interleaved, softmax_mscale
+from dhisparse.models.config import ModelConfig
+
+
+def sparse_mla_reference(
+    q_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, loc: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
+) -> torch.Tensor:
+    """Sparse latent attention, plain PyTorch.
+
+    q_abs [T, H, C], q_pe [T, H, R], rows [N_rows, C + R], loc [T, k] (-1 = skip) -> [T, H, C].
+    A token with no valid location gets zeros (only padding tokens can have none).
+    """
+    T, H, C = q_abs.shape
+    out = q_abs.new_zeros(T, H, C)
+    if T == 0:
+        return out
+    k = loc.shape[1]
+    step = max(1, chunk_elems // max(1, k * rows.shape[1]))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        lc = loc[a:b]
+        valid = lc >= 0
+        g = rows[lc.clamp(min=0)]  # [S, k, C+R]
+        c, kpe = g[..., :C], g[..., C:]
+        logit = torch.einsum("shc,skc->shk", q_abs[a:b].float(), c.float())
+        logit = logit + torch.einsum("shr,skr->shk", q_pe[a:b].float(), kpe.float())
+        logit = (logit * scale).masked_fill(~valid[:, None, :], float("-inf"))
+        p = torch.softmax(logit, dim=-1).nan_to_num(0.0)
+        out[a:b] = torch.einsum("shk,skc->shc", p, c.float()).to(out.dtype)
+    return out
+
+
+class MLAttention(nn.Module):
+    """MLA + lightning indexer (HF module names). Shared (GLM) layers have no indexer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        H = cfg.num_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(cfg) if cfg.indexer_full[layer] else None
+        self.scale = cfg.qk_head_dim**-0.5 * softmax_mscale(cfg.rope)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, C], W_UV [H, v, C]) split out of kv_b_proj."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVContext,
+        prev_selection: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (out [T, hidden], selection [T, index_topk])."""
+        c, T = self.cfg, x.shape[0]
+        q_lat = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_lat).view(T, c.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(ckv[:, : c.kv_lora_rank]), rope_interleaved(ckv[:, c.kv_lora_rank :], cos, sin)], -1)
+        proj = self.indexer.project(x, q_lat, cos, sin) if self.indexer is not None else None
+        kv.store(self.layer, latent, proj.k if proj is not None else None)
+        if proj is not None:
+            selection = indexer_topk_reference(
+                proj, batch.positions, batch.query_start, lambda r: kv.index_keys(self.layer, r), c.index_topk
+            )
+        elif prev_selection is None:
+            raise ValueError(f"layer {self.layer} is 'shared' but received no selection from a full layer")
+        else:
+            selection = prev_selection
+        rows, loc = kv.locate(self.layer, selection)
+        w_uk, w_uv = self.absorbed_weights()
+        q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        o_lat = sparse_mla_reference(q_abs, q_pe, rows, loc, self.scale)
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(T, -1)
+        return self.o_proj(o), selection

@@ -1,0 +1,85 @@
+"""Lightning indexer (DeepSeek Sparse Attention): scores every history row, keeps the top k.
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s] * iD^-0.5),   w = weights_proj(x) * iH^-0.5
+
+over the positions s <= pos(t) of token t's request; the selection is the ordered top-k of those
+scores (descending), with -1 where fewer than k positions are visible (eq. 1 of the paper).
+The plain-PyTorch scorer here is the reference for the GPU kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from dhisparse.layers.rope import rope_half_split, rope_interleaved
+from dhisparse.models.config import ModelConfig
+
+
+class IndexerProjection(NamedTuple):
+    """q [T, iH, iD] roped index queries; k [T, iD] roped index keys; w [T, iH] fp32 head weights."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    w: torch.Tensor
+
+
+class Indexer(nn.Module):
+    """Projections of the lightning indexer (HF names: wq_b, wk, k_norm, weights_proj)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.interleave = cfg.indexer_rope_interleave
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def project(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerProjection:
+        """x [T, H], q_lat [T, q_lora], cos/sin [T, rope/2] -> IndexerProjection."""
+        rope = rope_interleaved if self.interleave else rope_half_split
+        q = self.wq_b(q_lat).view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        r = self.rope_dim
+        q = torch.cat([rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([rope(k[:, :r], cos, sin), k[:, r:]], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return IndexerProjection(q, k, w)
+
+
+def indexer_topk_reference(
+    proj: IndexerProjection,
+    positions: torch.Tensor,
+    query_start: list[int],
+    keys_of: Callable[[int], torch.Tensor],
+    topk: int,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Ordered top-k selection per token.
+
+    proj: projections of the T tokens; positions [T]; query_start: N+1 offsets;
+    keys_of(r) -> [L_r, iD] index keys of request r (history and this pass).
+    Returns selection [T, topk] int64: positions in descending score order, -1 padding.
+    """
+    T = proj.q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=proj.q.device)
+    scale = proj.q.shape[-1] ** -0.5
+    for r in range(len(query_start) - 1):
+        a, b = query_start[r], query_start[r + 1]
+        if a == b:
+            continue
+        keys = keys_of(r).float()  # [L, iD]
+        L = keys.shape[0]
+        for c0 in range(a, b, chunk):
+            c1 = min(b, c0 + chunk)
+            s = torch.relu(torch.matmul(proj.q[c0:c1].float(), keys.T) * scale)  # [S, iH, L]
+            score = torch.matmul(proj.w[c0:c1].unsqueeze(-2), s).squeeze(-2)  # [S, L]
+            future = torch.arange(L, device=keys.device)[None, :] > positions[c0:c1, None]
+            score = score.masked_fill(future, float("-inf"))
+            kk = min(topk, L)
+            val, idx = score.topk(kk, dim=-1)
+            out[c0:c1, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
+    return out

@@ -1,0 +1,103 @@
+"""Feed-forward blocks: SiLU-GLU MLP and the DeepSeek MoE (sigmoid router with correction bias,
+group-limited routing, routed scaling, shared experts). Expert weights are stacked like
+transformers' in-memory layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I]."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dhisparse.models.config import ModelConfig
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); x [T, H]."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Routing(NamedTuple):
+    """experts [T, top_k] int64 expert ids; weights [T, top_k] fp32 (normalized, scaled)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+class Router(nn.Module):
+    """Sigmoid scores; `e_score_correction_bias` only steers selection; top `topk_group` groups
+    (group score = sum of its best two biased scores), then top-k experts inside them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        T, E = choice.shape
+        if self.n_group > 1:
+            grouped = choice.view(T, self.n_group, E // self.n_group)
+            gscore = grouped.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return Routing(idx, w * self.scaling)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sum over chosen experts of weight * expert(x)."""
+        out = torch.zeros_like(x)
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        tok = order // routing.experts.shape[1]
+        wts = routing.weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t, w = tok[start : start + n], wts[start : start + n]
+            start += n
+            gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, t, (y * w[:, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (HF names: gate, experts, shared_experts)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        n_sh = cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_sh) if n_sh > 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts(x, self.gate(x))
+        return y + self.shared_experts(x) if self.shared_experts is not None else y

@@ -1,0 +1,91 @@
+"""GLM-5.x (`glm_moe_dsa`) and DeepSeek-V3.2 (`deepseek_v32`) causal LMs in our own PyTorch.
+
+Module and parameter names follow transformers' state dict (`model.layers.i.self_attn.q_a_proj`,
+`model.layers.i.mlp.experts.gate_up_proj`, ...), so a checkpoint maps onto the module with the
+loader's small renaming (per-expert tensors are stacked). The forward works over a flattened
+`ForwardBatch` and reads / writes KV only through a `KVContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dhisparse.kv.context import ForwardBatch, KVContext
+from dhisparse.layers.attention import MLAttention
+from dhisparse.layers.moe import MLP, MoE
+from dhisparse.layers.norm import RMSNorm
+from dhisparse.layers.rope import RotaryEmbedding
+from dhisparse.models.config import ModelConfig
+
+
+@dataclass
+class ModelOutput:
+    """hidden [T, hidden] after the final norm; captured {layer: [T, hidden]} outputs of the
+    decoder layers asked for (the DFlash drafter conditions on them)."""
+
+    hidden: torch.Tensor
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.mlp_moe[layer] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, kv, prev_selection):
+        a, selection = self.self_attn(self.input_layernorm(h), cos, sin, batch, kv, prev_selection)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), selection
+
+
+class DsaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+
+class DsaForCausalLM(nn.Module):
+    """The target model. `forward(batch, kv)` -> ModelOutput; `logits(hidden)` -> fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DsaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
+        m = self.model
+        h = m.embed_tokens(batch.input_ids)
+        cos, sin = m.rotary_emb(batch.positions, h.dtype)
+        selection = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(m.layers):
+            h, selection = layer(h, cos, sin, batch, kv, selection)
+            if i in capture_layers:
+                captured[i] = h
+        return ModelOutput(m.norm(h), captured)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, vocab] fp32."""
+        return self.lm_head(hidden).float()
