@@ -86,7 +86,8 @@ class KVContext(Protocol):
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.
 
-        Returns (rows [R, latent_dim], loc [T, k]) with rows[loc[t, i]] == row of position
-        selection[t, i] of token t's request (invariant I2); loc is -1 where selection is -1.
+        Returns (rows [P, per_page, latent_dim], loc [T, k]) where the row at flat location
+        loc[t, i] is the row of position selection[t, i] of token t's request (invariant I2);
+        loc is -1 where selection is -1.
         """
         ...

@@ -51,7 +51,7 @@ class DenseKV:
         offsets = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=selection.device).cumsum(0)
         rows = torch.cat(parts)
         loc = offsets[self.batch.req_idx][:, None] + selection
-        return rows, torch.where(selection >= 0, loc, torch.full_like(loc, -1))
+        return rows[None], torch.where(selection >= 0, loc, torch.full_like(loc, -1))
 
     def drop(self, slot: int) -> None:
         for store in (self.latent, self.index):

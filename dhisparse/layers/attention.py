@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, indexer_topk_reference
 from dhisparse.layers.norm import RMSNorm
@@ -24,7 +25,8 @@ def sparse_mla_reference(
 ) -> torch.Tensor:
     """Sparse latent attention, plain PyTorch.
 
-    q_abs [T, H, C], q_pe [T, H, R], rows [N_rows, C + R], loc [T, k] (-1 = skip) -> [T, H, C].
+    q_abs [T, H, C], q_pe [T, H, R], rows [P, per_page, C + R] (a paged row space; flat
+    location l is rows[l // per_page, l % per_page]), loc [T, k] (-1 = skip) -> [T, H, C].
     A token with no valid location gets zeros (only padding tokens can have none).
     """
     T, H, C = q_abs.shape
@@ -32,12 +34,12 @@ def sparse_mla_reference(
     if T == 0:
         return out
     k = loc.shape[1]
-    step = max(1, chunk_elems // max(1, k * rows.shape[1]))
+    step = max(1, chunk_elems // max(1, k * rows.shape[-1]))
     for a in range(0, T, step):
         b = min(T, a + step)
         lc = loc[a:b]
         valid = lc >= 0
-        g = rows[lc.clamp(min=0)]  # [S, k, C+R]
+        g = gather_rows(rows, lc.clamp(min=0))  # [S, k, C+R]
         c, kpe = g[..., :C], g[..., C:]
         logit = torch.einsum("shc,skc->shk", q_abs[a:b].float(), c.float())
         logit = logit + torch.einsum("shr,skr->shk", q_pe[a:b].float(), kpe.float())

@@ -1,0 +1,32 @@
+"""Command line: `dhisparse {demo,generate}`; `dhisparse COMMAND --help` explains each flag."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dhisparse.cli import demo, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dhisparse", description=__doc__)
+    p.add_argument("--log-level", default="WARNING", help="logging level (INFO shows KV pool sizing and waits)")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo.add_parser(sub)
+    generate.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Engine flags shared by every command, named like SGLang's where an equivalent exists.
+Each flag maps onto one field of the frozen EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from dhisparse.engine.config import PRESETS, EngineConfig
+
+# flag -> (EngineConfig field, type, help)
+ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--model-path": ("model", str, "'tiny' (built-in GLM-5-architecture model, random weights) or a Hugging Face checkpoint folder"),
+    "--preset": ("preset", str, f"KV policy: {', '.join(PRESETS)}"),
+    "--device": ("device", str, "auto (cuda if available), cpu, cuda or cuda:N"),
+    "--dtype": ("dtype", str, "float32, bfloat16 or float16 (default: the checkpoint's)"),
+    "--page-size": ("page_size", int, "token positions per KV page"),
+    "--kv-pool-bytes": ("kv_pool_bytes", int, "KV pool capacity in bytes (default: --kv-pool-fraction of free GPU memory; 256 MiB on CPU)"),
+    "--kv-pool-fraction": ("kv_pool_fraction", float, "share of free GPU memory for the KV pool when --kv-pool-bytes is unset"),
+    "--max-running-requests": ("max_running_requests", int, "requests decoding or prefilling at once"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one engine step (chunked prefill)"),
+    "--max-model-len": ("max_model_len", int, "limit on prompt + output tokens (default: the model's)"),
+    "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for flag, (field, typ, help_) in ENGINE_FLAGS.items():
+        names = [flag, "--model"] if field == "model" else [flag]
+        g.add_argument(*names, dest=field, type=typ, default=None, help=help_)
+    g.add_argument("--debug-checks", dest="debug_checks", action="store_true", default=None, help="check KV pool integrity after every step")
+
+
+def engine_config(ns: argparse.Namespace, **overrides: object) -> EngineConfig:
+    kw = {f: getattr(ns, f) for f, _, _ in ENGINE_FLAGS.values() if getattr(ns, f, None) is not None}
+    if getattr(ns, "debug_checks", None):
+        kw["debug_checks"] = True
+    kw.update(overrides)
+    return EngineConfig.from_kwargs(**kw)

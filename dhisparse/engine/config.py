@@ -1,0 +1,75 @@
+"""`EngineConfig`: the one frozen configuration shared by the Python API, the CLI and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
+AVAILABLE_PRESETS = ("resident",)
+
+
+class ConfigValueError(ValueError):
+    """A setting with a bad value; the message names the setting and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (CLI flags in brackets).
+
+    model [--model-path]: "tiny" (built-in) or a Hugging Face checkpoint folder.
+    preset [--preset]: KV policy, one of PRESETS.
+    device [--device]: "auto" (cuda if available), "cpu" or "cuda".
+    dtype [--dtype]: weights/KV dtype; None = checkpoint dtype (fp32 for tiny).
+    page_size [--page-size]: token positions per KV page.
+    kv_pool_bytes [--kv-pool-bytes]: KV pool capacity in bytes; None = kv_pool_fraction of free
+        device memory on CUDA, 256 MiB on CPU.
+    kv_pool_fraction [--kv-pool-fraction]: share of free device memory used when bytes unset.
+    max_running_requests [--max-running-requests]: concurrent requests in decode/prefill.
+    max_num_batched_tokens [--max-num-batched-tokens]: token budget of one step (chunked prefill).
+    max_model_len [--max-model-len]: prompt + output limit; None = model's max positions.
+    seed [--seed]: seed of the built-in model's random weights.
+    debug_checks [--debug-checks]: run pool integrity checks after every step.
+    """
+
+    model: str = "tiny"
+    preset: str = "resident"
+    device: str = "auto"
+    dtype: str | None = None
+    page_size: int = 16
+    kv_pool_bytes: int | None = None
+    kv_pool_fraction: float = 0.85
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    seed: int = 0
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigValueError(f"preset must be one of {', '.join(PRESETS)}; got {self.preset!r}")
+        if self.preset not in AVAILABLE_PRESETS:
+            raise ConfigValueError(
+                f"preset {self.preset!r} is not available in this build yet; available: {', '.join(AVAILABLE_PRESETS)}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+        for name in ("page_size", "max_running_requests", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.kv_pool_bytes is not None and self.kv_pool_bytes < 1:
+            raise ConfigValueError(f"kv_pool_bytes must be positive; got {self.kv_pool_bytes}")
+        if not 0 < self.kv_pool_fraction <= 1:
+            raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kw: object) -> "EngineConfig":
+        """Build from keyword settings, rejecting unknown names with the list of valid ones."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise ConfigValueError(f"unknown engine setting(s) {unknown}; valid settings: {sorted(names)}")
+        return cls(**kw)  # type: ignore[arg-type]

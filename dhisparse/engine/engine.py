@@ -1,0 +1,212 @@
+"""The engine: requests in, one batched model pass per `step()`, outputs out.
+
+Life of a step: schedule (admit + chunks) -> build ForwardBatch -> KV context from the store ->
+model forward -> logits at the last token of chunks that complete a request's pending tokens ->
+sample -> stop checks -> outputs; finished requests free their KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, resolve_device
+from dhisparse.engine.params import SamplingParams
+from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
+from dhisparse.engine.sampling import Sampler, make_generator
+from dhisparse.engine.scheduler import Chunk, Scheduler
+from dhisparse.engine.stops import StopChecker
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.prefix import PrefixStore
+from dhisparse.kv.arena import KVArena
+from dhisparse.kv.resident import ResidentKV
+from dhisparse.models.registry import LoadedModel, load_model
+from dhisparse.models.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("dhisparse.engine")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Snapshot of engine state: requests, KV pool pages and bytes, totals since start."""
+
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_peak: int
+    kv_page_bytes: int
+    steps: int
+    generated_tokens: int
+    prefill_tokens: int
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv_pages_total * self.kv_page_bytes
+
+    @property
+    def kv_peak_bytes(self) -> int:
+        return self.kv_pages_peak * self.kv_page_bytes
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(kv_pool_bytes=self.kv_pool_bytes, kv_peak_bytes=self.kv_peak_bytes)
+        return d
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        dtype = DTYPES[config.dtype] if config.dtype else None
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
+        self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        kv_dtype = self.model.dtype
+        self.page_bytes = KVArena.page_bytes(self.model_config, config.page_size, kv_dtype.itemsize)
+        pages = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device) // self.page_bytes
+        if pages < 1:
+            raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
+        self.arena = KVArena(self.model_config, pages, config.page_size, self.device, kv_dtype)
+        self.store = ResidentKV(self.arena)
+        self.prefixes = PrefixStore(pin=self.device.type == "cuda")
+        self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._steps = self._generated = self._prefilled = self._peak = 0
+        log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+
+    # -- requests --------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            if self.model_config.bos_token_id is None and self.tokenizer.bos_token_id is None:
+                raise ValueError("prompt is empty and the model has no BOS token; send at least one token")
+            ids = [self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.model_config.bos_token_id]
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: {total} exceeds "
+                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        need = self.store.pages_for(total)
+        if need > self.store.pool.num_pages:
+            raise ValueError(
+                f"the request needs {need} KV pages but the pool has {self.store.pool.num_pages}; "
+                "raise --kv-pool-bytes or lower max_tokens"
+            )
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *, export_prefix: bool = False) -> str:
+        """Queue a request; returns its id. Raises ValueError for bad input (nothing is queued)."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        self.validate(ids, params)
+        rid = request_id or next_request_id()
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        detok = _Detok(IncrementalDetokenizer(self.tokenizer))
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
+        req = Request(rid, ids, params, make_generator(params.seed, self.device), StopChecker(params, eos, detok), export_prefix=export_prefix)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request and free its KV; False if unknown/finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _on_admit(self, req: Request) -> None:
+        item, n = self.prefixes.match(req.prompt_ids)
+        if item is not None and n > 0:
+            self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
+            req.num_computed = req.imported_len = n
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        batch = ForwardBatch.build([(c.tokens, c.start) for c in chunks], self.device)
+        ctx = self.store.context(batch, [c.req.request_id for c in chunks])
+        hidden = self.model(batch, ctx).hidden
+        self._steps += 1
+        self._peak = max(self._peak, self.store.usage().used)
+        sampled: list[tuple[Chunk, int]] = []
+        for i, c in enumerate(chunks):
+            self._prefilled += max(0, min(len(c.req.prompt_ids), c.start + len(c.tokens)) - c.start)
+            c.req.num_computed = c.start + len(c.tokens)
+            if c.sample:
+                sampled.append((c, batch.query_start[i + 1] - 1))
+        outputs = self._sample(sampled, hidden)
+        if self.config.debug_checks:
+            self.store.check_integrity()
+        return outputs
+
+    def _sample(self, sampled: list[tuple[Chunk, int]], hidden: torch.Tensor) -> list[RequestOutput]:
+        """Sample the next token of each (chunk, flattened index of its last token)."""
+        for c, _ in sampled:
+            if c.req.export_prefix:
+                self._export(c.req)
+        sampled = [(c, i) for c, i in sampled if not c.req.export_prefix]
+        if not sampled:
+            return []
+        reqs = [c.req for c, _ in sampled]
+        logits = self.model.logits(hidden[[i for _, i in sampled]])
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tokens.tolist()
+        now = time.perf_counter()
+        return [self._append_token(r, tok, now) for r, tok in zip(reqs, tokens)]
+
+    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
+        req.output_ids.append(tok)
+        self._generated += 1
+        if req.first_token_at is None:
+            req.first_token_at = now
+        upd = req.stop.update(tok)
+        if upd.finished:
+            self.scheduler.finish(req, upd.reason)
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [tok], list(req.output_ids), upd.text_delta, req.stop.text,
+                             upd.finished, req.finish_reason, req.metrics())
+
+    def _export(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        latent, index = self.store.read_rows(req.request_id, n)
+        self.prefixes.add(req.prompt_ids, latent, index)
+        self.scheduler.finish(req, "prefix")
+        self.requests.pop(req.request_id, None)
+
+    def prepare_prefix(self, prompt: str | list[int]) -> int:
+        """Prefill `prompt` once and keep its KV for later requests to import; returns its length."""
+        rid = self.add_request(prompt, SamplingParams(max_tokens=1), export_prefix=True)
+        while rid in self.requests:
+            self.step()
+        return len(self.encode_prompt(prompt))
+
+    def stats(self) -> EngineStats:
+        u = self.store.usage()
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
+                           self._peak, self.page_bytes, self._steps, self._generated, self._prefilled)
+
+
+class _Detok:
+    """Adapts the tokenizer's incremental detokenizer to the StopChecker's `add` protocol."""
+
+    def __init__(self, inner: IncrementalDetokenizer) -> None:
+        self.add = inner.feed

@@ -1,0 +1,81 @@
+"""`KVArena`: the device memory of the KV pools, one array of equal-sized pages.
+
+A page is typed when it is allocated: a *latent* page holds `page_size` token positions of every
+layer's latent row, an *index* page holds `index_page_size` positions of every full layer's index
+keys (index rows are narrower, so an index page packs more positions). One pool of pages means
+the capacity M of eq. 3 is one number whatever the pages are used for.
+
+  storage [P, page_elems]
+  latent view [P, L, page_size, latent_dim]          location = page * page_size + offset
+  index  view [P, F, index_page_size, index_dim]     location = page * index_page_size + offset
+
+A layer's row space is `latent[:, layer]` ([P, page_size, latent_dim], strided); locations index
+it as (loc // page_size, loc % page_size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.layout import KVLayout
+from dhisparse.kv.pool import PagePool
+from dhisparse.models.config import ModelConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVArena:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.cfg, self.page_size, self.device, self.dtype = cfg, page_size, torch.device(device), dtype
+        self.layout = KVLayout.from_model(cfg)
+        L, d = cfg.num_layers, cfg.latent_dim
+        F, di = len(self.layout.index_layers), cfg.index_head_dim
+        self.page_elems = L * page_size * d
+        self.index_page_size = max(1, self.page_elems // (F * di))
+        self.storage = torch.zeros(num_pages, self.page_elems, device=device, dtype=dtype)
+        self.latent = self.storage.view(num_pages, L, page_size, d)
+        self.index = self.storage[:, : F * self.index_page_size * di].view(num_pages, F, self.index_page_size, di)
+        self.index_slot = {layer: j for j, layer in enumerate(self.layout.index_layers)}
+        self.pool = PagePool(num_pages, "kv pages")
+
+    @staticmethod
+    def page_bytes(cfg: ModelConfig, page_size: int, elem_bytes: int) -> int:
+        return cfg.num_layers * page_size * cfg.latent_dim * elem_bytes
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_elems * self.storage.element_size()
+
+    def latent_pages_for(self, n_tokens: int) -> int:
+        return cdiv(n_tokens, self.page_size)
+
+    def index_pages_for(self, n_tokens: int) -> int:
+        return cdiv(n_tokens, self.index_page_size)
+
+    def latent_rows(self, layer: int) -> torch.Tensor:
+        """[P, page_size, latent_dim] row space of `layer`."""
+        return self.latent[:, layer]
+
+    def index_rows(self, layer: int) -> torch.Tensor:
+        """[P, index_page_size, index_dim] index-key space of full layer `layer`."""
+        return self.index[:, self.index_slot[layer]]
+
+    def locations(self, pages: list[int] | torch.Tensor, n: int, per_page: int) -> torch.Tensor:
+        """[n] locations of positions 0..n-1 laid out over `pages` with `per_page` rows a page."""
+        t = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+        loc = (t[:, None] * per_page + torch.arange(per_page, device=self.device)).reshape(-1)
+        return loc[:n]
+
+
+def gather_rows(rows: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """rows [P, per_page, W] indexed by flat locations loc [...] (>= 0) -> [..., W]."""
+    per = rows.shape[1]
+    return rows[loc // per, loc % per]
+
+
+def scatter_rows(rows: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+    """rows[loc] = values for flat locations loc [n]; values [n, W]."""
+    per = rows.shape[1]
+    rows[loc // per, loc % per] = values.to(rows.dtype)

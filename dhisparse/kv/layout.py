@@ -1,0 +1,91 @@
+"""KV sources and the model topology derived from a ModelConfig.
+
+A *KV source* is bytes produced by one layer and read by one or more layers: a row has
+`width` elements and packs `m` token positions (m = 1 uncompressed). For GLM-5 every layer
+produces its own latent source; `full` layers also produce an index-key source and a selection
+that the following `shared` layers consume with their own payload. For DeepSeek-V3.2 every
+layer selects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dhisparse.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """One physical KV source: `kind` is "latent" (attention payload) or "index" (indexer keys)."""
+
+    name: str
+    kind: str
+    layer: int
+    width: int
+    m: int = 1
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How a layer touches KV: the payload source it reads, whether it selects, whose
+    selection it consumes (itself when it selects), and its index source (or -1)."""
+
+    layer: int
+    payload: int
+    selects: bool
+    producer: int
+    index: int
+
+
+class TokenBytes(NamedTuple):
+    """Bytes one token adds to the latent sources and to the index sources (all layers)."""
+
+    latent: int
+    index: int
+
+    @property
+    def total(self) -> int:
+        return self.latent + self.index
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    sources: tuple[KVSource, ...]
+    layers: tuple[LayerPlan, ...]
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig) -> "KVLayout":
+        sources: list[KVSource] = []
+        plans: list[LayerPlan] = []
+        for i in range(cfg.num_layers):
+            sources.append(KVSource(f"latent.{i}", "latent", i, cfg.latent_dim))
+            payload = len(sources) - 1
+            index = -1
+            if cfg.indexer_full[i]:
+                sources.append(KVSource(f"index.{i}", "index", i, cfg.index_head_dim))
+                index = len(sources) - 1
+            plans.append(LayerPlan(i, payload, cfg.indexer_full[i], cfg.producer_of(i), index))
+        return cls(tuple(sources), tuple(plans))
+
+    @property
+    def latent_sources(self) -> list[KVSource]:
+        return [s for s in self.sources if s.kind == "latent"]
+
+    @property
+    def index_sources(self) -> list[KVSource]:
+        return [s for s in self.sources if s.kind == "index"]
+
+    @property
+    def index_layers(self) -> tuple[int, ...]:
+        """Layers with an index source, in order; position in this tuple = index slot."""
+        return tuple(s.layer for s in self.index_sources)
+
+    def followers(self, producer: int) -> tuple[int, ...]:
+        """Layers (other than producer) that attend with producer's selection."""
+        return tuple(p.layer for p in self.layers if p.producer == producer and p.layer != producer)
+
+    def token_bytes(self, elem_bytes: int) -> TokenBytes:
+        lat = sum(s.width for s in self.latent_sources) * elem_bytes
+        idx = sum(s.width for s in self.index_sources) * elem_bytes
+        return TokenBytes(lat, idx)

@@ -1,0 +1,105 @@
+"""Page allocator with ownership tracking.
+
+Pages are integer ids 0..num_pages-1; a page is free or owned by exactly one owner (a request
+id or a named required allocation). `check_integrity()` asserts free + used == total and that
+no page is owned twice (invariant I4's pool half).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class PoolExhausted(RuntimeError):
+    """Raised when an allocation asks for more pages than are free."""
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    total: int
+    used: int
+    reserved: int
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used
+
+
+class PagePool:
+    """Free-list page allocator. Reservations promise pages to an owner without allocating them,
+    so lazy allocation inside a reservation can never fail."""
+
+    def __init__(self, num_pages: int, name: str = "pages") -> None:
+        if num_pages < 1:
+            raise ValueError(f"{name}: the pool needs at least one page, got {num_pages}")
+        self.name, self.num_pages = name, num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._owner: dict[int, object] = {}
+        self._reserved: dict[object, int] = {}
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(self._reserved.values())
+
+    @property
+    def available(self) -> int:
+        """Pages neither allocated nor promised by a reservation."""
+        return len(self._free) - self.num_reserved
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(self.num_pages, len(self._owner), self.num_reserved)
+
+    def owned_by(self, owner: object) -> list[int]:
+        return [p for p, o in self._owner.items() if o == owner]
+
+    # -- reservations ----------------------------------------------------------------------------
+    def reserve(self, owner: object, n: int) -> bool:
+        """Promise n more pages to owner; False (nothing changes) if they are not available."""
+        if n > self.available:
+            return False
+        self._reserved[owner] = self._reserved.get(owner, 0) + n
+        return True
+
+    def unreserve(self, owner: object) -> None:
+        self._reserved.pop(owner, None)
+
+    # -- allocation ------------------------------------------------------------------------------
+    def alloc(self, owner: object, n: int) -> list[int]:
+        """Allocate n pages to owner, drawing on its reservation first."""
+        held = self._reserved.get(owner, 0)
+        from_res = min(held, n)
+        if n - from_res > self.available:
+            raise PoolExhausted(f"{self.name}: asked for {n} pages, {self.available} available")
+        if from_res:
+            self._reserved[owner] = held - from_res
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._owner[p] = owner
+        return pages
+
+    def free(self, owner: object, pages: list[int]) -> None:
+        for p in pages:
+            if self._owner.get(p) != owner:
+                raise ValueError(f"{self.name}: page {p} is not owned by {owner!r}")
+            del self._owner[p]
+            self._free.append(p)
+
+    def release(self, owner: object) -> int:
+        """Free every page of owner and drop its reservation; returns pages freed."""
+        pages = self.owned_by(owner)
+        self.free(owner, pages)
+        self.unreserve(owner)
+        return len(pages)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), f"{self.name}: a page is free twice"
+        assert not free & self._owner.keys(), f"{self.name}: a page is free and owned"
+        assert len(free) + len(self._owner) == self.num_pages, f"{self.name}: pages lost"
+        assert self.num_reserved <= len(self._free), f"{self.name}: reservations exceed free pages"

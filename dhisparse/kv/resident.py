@@ -1,0 +1,114 @@
+"""`ResidentKV`: the `resident` preset's store, full history on device.
+
+Each request has two block tables over the arena: latent pages (page_size positions each) and
+index pages (index_page_size positions each):
+
+  latent table [p0, p1, ...]   position t -> location p[t // ps] * ps + t % ps
+  index  table [q0, ...]       position t -> location q[t // ips] * ips + t % ips
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.pool import PoolUsage
+
+
+class ResidentKV:
+    def __init__(self, arena: KVArena) -> None:
+        self.arena, self.pool = arena, arena.pool
+        self.page_size, self.device = arena.page_size, arena.device
+        self.latent_tables: dict[object, list[int]] = {}
+        self.index_tables: dict[object, list[int]] = {}
+
+    # -- request lifecycle -----------------------------------------------------------------------
+    def pages_for(self, n_tokens: int) -> int:
+        return self.arena.latent_pages_for(n_tokens) + self.arena.index_pages_for(n_tokens)
+
+    def admit(self, req: object, max_tokens_total: int) -> bool:
+        """Reserve pages for the request's whole life; False (nothing reserved) if it must wait."""
+        if not self.pool.reserve(req, self.pages_for(max_tokens_total)):
+            return False
+        self.latent_tables[req], self.index_tables[req] = [], []
+        return True
+
+    def ensure(self, req: object, n_tokens: int) -> None:
+        """Grow req's tables to cover positions 0..n_tokens-1 (inside its reservation)."""
+        for table, per in ((self.latent_tables[req], self.page_size), (self.index_tables[req], self.arena.index_page_size)):
+            need = cdiv(n_tokens, per) - len(table)
+            if need > 0:
+                table.extend(self.pool.alloc(req, need))
+
+    def free(self, req: object) -> None:
+        self.pool.release(req)
+        self.latent_tables.pop(req, None)
+        self.index_tables.pop(req, None)
+
+    def usage(self) -> PoolUsage:
+        return self.pool.usage()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        for req, table in self.latent_tables.items():
+            assert sorted(self.pool.owned_by(req)) == sorted(table + self.index_tables[req]), f"tables of {req!r} disagree with the pool"
+
+    # -- rows ------------------------------------------------------------------------------------
+    def latent_locs(self, req: object, n: int) -> torch.Tensor:
+        return self.arena.locations(self.latent_tables[req], n, self.page_size)
+
+    def index_locs(self, req: object, n: int) -> torch.Tensor:
+        return self.arena.locations(self.index_tables[req], n, self.arena.index_page_size)
+
+    def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
+        """Import positions start..start+n-1: latent [L, n, d], index [F, n, iD]."""
+        n = latent.shape[1]
+        self.ensure(req, start + n)
+        lat, idx = self.latent_locs(req, start + n)[start:], self.index_locs(req, start + n)[start:]
+        for layer in range(latent.shape[0]):
+            scatter_rows(self.arena.latent_rows(layer), lat, latent[layer].to(self.device))
+        for j, layer in enumerate(self.arena.layout.index_layers):
+            scatter_rows(self.arena.index_rows(layer), idx, index[j].to(self.device))
+
+    def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD])."""
+        lat, idx = self.latent_locs(req, n), self.index_locs(req, n)
+        a = self.arena
+        latent = torch.stack([gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)])
+        index = torch.stack([gather_rows(a.index_rows(l), idx) for l in a.layout.index_layers])
+        return latent, index
+
+    def context(self, batch: ForwardBatch, reqs: list[object]) -> "ResidentContext":
+        for r, req in enumerate(reqs):
+            self.ensure(req, int(batch.seq_lens[r]))
+        return ResidentContext(self, batch, reqs)
+
+
+class ResidentContext:
+    """KVContext of one pass over a ResidentKV."""
+
+    def __init__(self, kv: ResidentKV, batch: ForwardBatch, reqs: list[object]) -> None:
+        self.kv, self.batch, self.arena = kv, batch, kv.arena
+        lens = batch.seq_lens.tolist()
+        width = max(max(lens, default=1), 1)
+        self.lat_of = torch.full((len(reqs), width), -1, dtype=torch.int64, device=kv.device)
+        self.idx_of = torch.full_like(self.lat_of, -1)
+        for r, req in enumerate(reqs):
+            self.lat_of[r, : lens[r]] = kv.latent_locs(req, lens[r])
+            self.idx_of[r, : lens[r]] = kv.index_locs(req, lens[r])
+        self.lat_write = self.lat_of[batch.req_idx, batch.positions]
+        self.idx_write = self.idx_of[batch.req_idx, batch.positions]
+
+    def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        scatter_rows(self.arena.latent_rows(layer), self.lat_write, latent)
+        if index_key is not None:
+            scatter_rows(self.arena.index_rows(layer), self.idx_write, index_key)
+
+    def index_keys(self, layer: int, req: int) -> torch.Tensor:
+        n = int(self.batch.seq_lens[req])
+        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, :n])
+
+    def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)]
+        return self.arena.latent_rows(layer), torch.where(selection >= 0, loc, torch.full_like(loc, -1))

@@ -1,0 +1,55 @@
+"""`load_model(spec)`: one entry point for the CLI, server and benchmarks.
+
+spec is the name of a built-in model (`tiny`) or a checkpoint folder (config.json + safetensors,
+optionally tokenizer.json). The result carries its tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
+from dhisparse.models.tiny import build_tiny, tiny_config
+from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _tiny(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+    target = resolve_dtype(dtype, tiny_config())
+    return dataclasses.replace(build_tiny(seed, target, device), tokenizer=ByteTokenizer())
+
+
+BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {"tiny": _tiny}
+
+
+def load_model(
+    spec: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
+) -> LoadedModel:
+    """Built-in name or checkpoint folder -> LoadedModel with `tokenizer` set.
+
+    dtype: torch dtype or name (float32 / bfloat16 / float16); None = the checkpoint's dtype
+    (float32 for built-ins). seed: weights of built-in random models (ignored for folders).
+    """
+    name = str(spec)
+    if name in BUILTINS:
+        return BUILTINS[name](dtype, device, seed)
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}) nor an existing folder; "
+            "pass a built-in name or a folder holding config.json and *.safetensors"
+        )
+    loaded = load_checkpoint(folder, dtype=dtype, device=device)
+    tok = load_tokenizer(folder)
+    if tok.vocab_size > loaded.config.vocab_size:
+        log.warning(
+            "%s: tokenizer has %d ids but the model vocab_size is %d; ids past the vocabulary will fail",
+            folder, tok.vocab_size, loaded.config.vocab_size,
+        )
+    return dataclasses.replace(loaded, tokenizer=tok)

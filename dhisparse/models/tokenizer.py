@@ -1,0 +1,210 @@
+"""Tokenizers: a common protocol, a built-in byte tokenizer, a `tokenizers`-backed HF wrapper, and an
+incremental detokenizer for streaming and stop strings.
+
+Conventions: `encode(text)` adds no special tokens (chat templates write them as text, and added
+special tokens inside text are recognized); `decode(ids, skip_special=True)` drops specials.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
+REPLACEMENT = "\ufffd"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer folder or template we cannot use; the message names the file and the fix."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+
+def default_chat_template(messages: list[dict]) -> str:
+    """Plain template: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"."""
+    parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+class ByteTokenizer:
+    """ids 0/1/2 = pad/bos/eos, byte b -> b + 3; ids >= 259 (model vocab padding) decode to nothing."""
+
+    PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
+    SPECIAL_NAMES = ("<|pad|>", "<|bos|>", "<|eos|>")
+
+    def __init__(self) -> None:
+        self.eos_token_ids: tuple[int, ...] = (self.EOS,)
+        self.bos_token_id: int | None = self.BOS
+        self.pad_token_id: int | None = self.PAD
+        self.vocab_size = 256 + self.OFFSET
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if self.OFFSET <= i < self.vocab_size:
+                buf.append(i - self.OFFSET)
+                continue
+            if not skip_special and 0 <= i < self.OFFSET:
+                out.append(buf.decode("utf-8", errors="replace") + self.SPECIAL_NAMES[i])
+                buf = bytearray()
+        return "".join(out) + buf.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return default_chat_template(messages)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: invalid JSON ({e}); fix or delete the file") from None
+
+
+def _token_text(tok: Any) -> str | None:
+    """tokenizer_config.json writes tokens as strings or AddedToken dicts {"content": ...}."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _id_list(v: Any) -> list[int]:
+    return [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+class HFTokenizer:
+    """Wraps `tokenizers.Tokenizer.from_file(folder/tokenizer.json)`; ids of bos/eos come from
+    tokenizer_config.json, generation_config.json and config.json; the chat template from
+    chat_template.jinja or tokenizer_config.json `chat_template` (rendered with jinja2)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{folder}: no tokenizer.json; export one with the model's tokenizer (save_pretrained)")
+        self._tok = _Tok.from_file(str(path))
+        tcfg = _read_json(folder / "tokenizer_config.json")
+        gcfg = _read_json(folder / "generation_config.json")
+        mcfg = _read_json(folder / "config.json")
+        self.bos_token = _token_text(tcfg.get("bos_token"))
+        self.eos_token = _token_text(tcfg.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        if self.bos_token_id is None:
+            ids = _id_list(mcfg.get("bos_token_id")) or _id_list(gcfg.get("bos_token_id"))
+            self.bos_token_id = ids[0] if ids else None
+        eos = _id_list(gcfg.get("eos_token_id")) + [self._id_of(self.eos_token)] + _id_list(mcfg.get("eos_token_id"))
+        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = self._find_template(folder, tcfg)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @staticmethod
+    def _find_template(folder: Path, tcfg: dict) -> str | None:
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        t = tcfg.get("chat_template")
+        if isinstance(t, list):  # [{"name": ..., "template": ...}]
+            named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+            t = named.get("default") or next(iter(named.values()), None)
+        return t if isinstance(t, str) else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            return default_chat_template(messages)
+        return render_chat_template(self.chat_template, messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _raise(message: str) -> None:
+    raise TokenizerError(f"chat template: {message}")
+
+
+def render_chat_template(template: str, messages: list[dict], **context: Any) -> str:
+    """Render a Hugging Face-style jinja2 chat template with add_generation_prompt=True."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **context)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template failed to render: {e}; fix 'chat_template' in tokenizer_config.json") from None
+
+
+class IncrementalDetokenizer:
+    """Feed token ids one at a time, get back the newly completed text.
+
+    Decodes a short window of context tokens plus the new ones and emits only the text past the
+    context; while the tail decodes to a replacement char (an incomplete multi-byte sequence) the
+    text is held back. `flush()` releases whatever is held at the end of a stream.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, context: int = 6) -> None:
+        self.tok, self.skip_special, self.context = tokenizer, skip_special, context
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # tokens before this were emitted
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, a: int, b: int) -> str:
+        return self.tok.decode(self.ids[a:b], self.skip_special)
+
+    def feed(self, token_id: int) -> str:
+        """Append one token; returns the new text (possibly "")."""
+        self.ids.append(int(token_id))
+        prefix = self._decode(self.prefix_offset, self.read_offset)
+        full = self._decode(self.prefix_offset, len(self.ids))
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            return ""
+        new = full[len(prefix) :]
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(0, self.read_offset - self.context)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """Emit held-back text (incomplete bytes become replacement chars)."""
+        prefix = self._decode(self.prefix_offset, self.read_offset)
+        full = self._decode(self.prefix_offset, len(self.ids))
+        new = full[len(prefix) :]
+        self.read_offset = len(self.ids)
+        self.text += new
+        return new
+
+
+def load_tokenizer(folder: str | Path | None) -> Tokenizer:
+    """None -> ByteTokenizer; a folder with tokenizer.json -> HFTokenizer; else ByteTokenizer (warned)."""
+    if folder is None:
+        return ByteTokenizer()
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer(folder)
+    log.warning("%s has no tokenizer.json; using the built-in byte tokenizer", folder)
+    return ByteTokenizer()

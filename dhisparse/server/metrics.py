@@ -1,0 +1,106 @@
+"""Prometheus metrics for `/metrics`.
+
+Engine state is read from the worker's latest `stats().as_dict()` snapshot at scrape time by a
+custom collector: a few named series (running / waiting requests, KV pages, generated tokens)
+plus every numeric engine stat as `dhisparse_engine_<name>`, so counters that later presets add
+(host-fetched share, coverage, slots, acceptance, ...) appear without code changes here.
+Request latencies are histograms observed when a request finishes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dhisparse.engine.request import RequestOutput
+
+PREFIX = "dhisparse"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5)
+# named series: metric name -> (stats key, help)
+NAMED_GAUGES = {
+    "num_requests_running": ("running", "requests decoding or prefilling"),
+    "num_requests_waiting": ("waiting", "requests queued for admission"),
+    "kv_pages_used": ("kv_pages_used", "KV pool pages in use"),
+    "kv_pages_total": ("kv_pages_total", "KV pool pages in total"),
+    "kv_pool_usage": (None, "share of KV pool pages in use (0..1)"),
+}
+
+
+def metric_name(key: str) -> str:
+    """A stats key -> a valid Prometheus name fragment."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class EngineCollector(Collector):
+    """Yields gauges from `snapshot()` (a dict of engine stats) at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str) -> None:
+        self.snapshot, self.model_name, self.preset = snapshot, model_name, preset
+
+    def _gauge(self, name: str, help_: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=["model_name", "preset"])
+        g.add_metric([self.model_name, self.preset], value)
+        return g
+
+    def collect(self) -> Iterator:
+        stats = self.snapshot()
+        for name, (key, help_) in NAMED_GAUGES.items():
+            if key is None:
+                total = stats.get("kv_pages_total") or 0
+                yield self._gauge(name, help_, (stats.get("kv_pages_used", 0) / total) if total else 0.0)
+            elif key in stats:
+                yield self._gauge(name, help_, float(stats[key]))
+        if "generated_tokens" in stats:
+            c = CounterMetricFamily(f"{PREFIX}_generation_tokens", "tokens generated since start",
+                                    labels=["model_name", "preset"])
+            c.add_metric([self.model_name, self.preset], float(stats["generated_tokens"]))
+            yield c
+        for key, value in numeric_items(stats):
+            yield self._gauge(f"engine_{metric_name(key)}", f"engine stat '{key}' (EngineStats.as_dict)", value)
+
+
+def numeric_items(stats: dict) -> list[tuple[str, float]]:
+    """(key, float) for every finite int/float/bool value of a stats dict."""
+    out = []
+    for k, v in stats.items():
+        if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
+            out.append((k, float(v)))
+    return out
+
+
+class ServerMetrics:
+    """A private registry (so several servers can live in one process, e.g. in tests)."""
+
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(snapshot, model_name, preset))
+        labels = ["model_name", "preset"]
+        self._labels = (model_name, preset)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time to first token",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "mean time per output token after the first",
+                              labels, buckets=TPOT_BUCKETS, registry=self.registry)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "finished requests by finish reason",
+                                labels + ["finish_reason"], registry=self.registry)
+        self.rejected = Counter(f"{PREFIX}_requests_rejected", "requests answered with an HTTP error",
+                                labels + ["status"], registry=self.registry)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.labels(*self._labels).observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.labels(*self._labels).observe(m.tpot)
+        self.finished.labels(*self._labels, out.finish_reason or "unknown").inc()
+
+    def observe_rejected(self, status: int) -> None:
+        self.rejected.labels(*self._labels, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
