@@ -130,3 +130,15 @@ def test_error_bad_indexer_type_and_missing_q_lora():
         ModelConfig.from_hf(glm_config(indexer_types=["full", "full", "shared", "dense", "full"]))
     with pytest.raises(ConfigError, match="q_lora_rank"):
         ModelConfig.from_hf(v32_config(q_lora_rank=None))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_omitted_keys_take_transformers_defaults(model_type):
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    full = AutoConfig.for_model(model_type).to_dict()
+    keep = ("model_type", "vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "q_lora_rank",
+            "n_routed_experts", "num_experts_per_tok", "bos_token_id", "eos_token_id")
+    minimal = {k: full[k] for k in keep}
+    assert ModelConfig.from_hf(minimal) == ModelConfig.from_hf(full)

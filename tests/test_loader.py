@@ -252,3 +252,10 @@ def test_error_index_names_missing_shard(hf_checkpoints, tmp_path):
 def test_error_bad_dtype(hf_checkpoints):
     with pytest.raises(ModelLoadError, match="dtype"):
         load_checkpoint(hf_checkpoints.glm, dtype="int8")
+
+
+def test_error_corrupt_safetensors(hf_checkpoints, tmp_path):
+    folder = copy_checkpoint(hf_checkpoints.glm, tmp_path / "corrupt")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors"):
+        load_checkpoint(folder)

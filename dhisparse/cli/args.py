@@ -19,6 +19,9 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-running-requests": ("max_running_requests", int, "requests decoding or prefilling at once"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one engine step (chunked prefill)"),
     "--max-model-len": ("max_model_len", int, "limit on prompt + output tokens (default: the model's)"),
+    "--hot-cache-rows": ("hot_cache_rows", int, "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
+    "--host-pool-bytes": ("host_pool_bytes", int, "host backing capacity in bytes (default 4 x the KV pool)"),
+    "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }
 

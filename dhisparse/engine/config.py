@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
-AVAILABLE_PRESETS = ("resident",)
+AVAILABLE_PRESETS = ("resident", "hisparse")
 
 
 class ConfigValueError(ValueError):
@@ -27,6 +27,10 @@ class EngineConfig:
     max_running_requests [--max-running-requests]: concurrent requests in decode/prefill.
     max_num_batched_tokens [--max-num-batched-tokens]: token budget of one step (chunked prefill).
     max_model_len [--max-model-len]: prompt + output limit; None = model's max positions.
+    hot_cache_rows [--hot-cache-rows]: hot-cache rows B per request and source (hierarchical
+        presets); None = 2 x the model's index_topk. Must be >= index_topk.
+    host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes.
+    resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     seed [--seed]: seed of the built-in model's random weights.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
     """
@@ -41,6 +45,9 @@ class EngineConfig:
     max_running_requests: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
+    hot_cache_rows: int | None = None
+    host_pool_bytes: int | None = None
+    resolver: str = "auto"
     seed: int = 0
     debug_checks: bool = False
 
@@ -62,6 +69,11 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_bytes must be positive; got {self.kv_pool_bytes}")
         if not 0 < self.kv_pool_fraction <= 1:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
+        if self.resolver not in ("auto", "torch", "triton"):
+            raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
+        for name in ("hot_cache_rows", "host_pool_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
 

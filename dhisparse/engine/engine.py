@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
 from dhisparse.kv.arena import KVArena
+from dhisparse.kv.host import HostStore
+from dhisparse.kv.hierarchy import HierarchicalKV
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
@@ -43,6 +45,7 @@ class EngineStats:
     steps: int
     generated_tokens: int
     prefill_tokens: int
+    counters: dict = field(default_factory=dict)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -53,8 +56,8 @@ class EngineStats:
         return self.kv_pages_peak * self.kv_page_bytes
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(kv_pool_bytes=self.kv_pool_bytes, kv_peak_bytes=self.kv_peak_bytes)
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "counters"}
+        d.update(kv_pool_bytes=self.kv_pool_bytes, kv_peak_bytes=self.kv_peak_bytes, **self.counters)
         return d
 
 
@@ -72,13 +75,35 @@ class Engine:
         if pages < 1:
             raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
         self.arena = KVArena(self.model_config, pages, config.page_size, self.device, kv_dtype)
-        self.store = ResidentKV(self.arena)
+        self.store = self._build_store(pages * self.page_bytes)
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._steps = self._generated = self._prefilled = self._peak = 0
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+
+    def _build_store(self, pool_bytes: int):
+        cfg, mc = self.config, self.model_config
+        if cfg.preset == "resident":
+            return ResidentKV(self.arena)
+        hot = cfg.hot_cache_rows or 2 * mc.index_topk
+        if hot < mc.index_topk:
+            raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({mc.index_topk})")
+        host_bytes = cfg.host_pool_bytes or 4 * pool_bytes
+        host_pages = max(1, host_bytes // self.page_bytes)
+        host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
+        return HierarchicalKV(self.arena, host, hot, cfg.max_running_requests, plan_fn=self._plan_fn(), debug=cfg.debug_checks)
+
+    def _plan_fn(self):
+        use_triton = self.config.resolver == "triton" or (self.config.resolver == "auto" and self.device.type == "cuda")
+        if not use_triton:
+            from dhisparse.kv.resolver import plan_reference
+
+            return plan_reference
+        from dhisparse.kernels.resolver import plan_triton
+
+        return plan_triton
 
     # -- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -99,7 +124,7 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: {total} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        need = self.store.pages_for(total)
+        need = self.store.pages_for(total, len(prompt_ids))
         if need > self.store.pool.num_pages:
             raise ValueError(
                 f"the request needs {need} KV pages but the pool has {self.store.pool.num_pages}; "
@@ -154,17 +179,17 @@ class Engine:
             c.req.num_computed = c.start + len(c.tokens)
             if c.sample:
                 sampled.append((c, batch.query_start[i + 1] - 1))
-        outputs = self._sample(sampled, hidden)
+        for c, _ in sampled:
+            if c.req.export_prefix:
+                self._export(c.req)
+        self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
+        outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], hidden)
         if self.config.debug_checks:
             self.store.check_integrity()
         return outputs
 
     def _sample(self, sampled: list[tuple[Chunk, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sample the next token of each (chunk, flattened index of its last token)."""
-        for c, _ in sampled:
-            if c.req.export_prefix:
-                self._export(c.req)
-        sampled = [(c, i) for c, i in sampled if not c.req.export_prefix]
         if not sampled:
             return []
         reqs = [c.req for c, _ in sampled]
@@ -202,7 +227,23 @@ class Engine:
     def stats(self) -> EngineStats:
         u = self.store.usage()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
-                           self._peak, self.page_bytes, self._steps, self._generated, self._prefilled)
+                           self._peak, self.page_bytes, self._steps, self._generated, self._prefilled, self._counters())
+
+    def _counters(self) -> dict:
+        census = getattr(self.store, "census", None)
+        if census is None:
+            return {}
+        sel = max(census.selected, 1)
+        rows = max(census.direct + census.hot + census.host, 1)
+        return {
+            "host_fetched_share": census.host_selected / sel,
+            "resolver_direct_share": census.direct / rows,
+            "resolver_hot_share": census.hot / rows,
+            "resolver_host_share": census.host / rows,
+            "resolver_calls": census.calls,
+            "resolver_bytes_moved": census.bytes_moved,
+            "resolver_overflow": census.overflow,
+        }
 
 
 class _Detok:

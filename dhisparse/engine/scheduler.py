@@ -20,7 +20,7 @@ log = logging.getLogger("dhisparse.scheduler")
 
 
 class AdmittingStore(Protocol):
-    def admit(self, req: object, max_tokens_total: int) -> bool: ...
+    def admit(self, req: object, max_tokens_total: int, prompt_len: int | None = None) -> bool: ...
     def free(self, req: object) -> None: ...
 
 
@@ -52,7 +52,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self.store.admit(req.request_id, req.max_total_tokens):
+            if not self.store.admit(req.request_id, req.max_total_tokens, len(req.prompt_ids)):
                 if self._blocked_logged != req.request_id:
                     log.info("request %s waits: KV pool cannot reserve %d tokens yet", req.request_id, req.max_total_tokens)
                     self._blocked_logged = req.request_id

@@ -24,10 +24,10 @@ class ResidentKV:
         self.index_tables: dict[object, list[int]] = {}
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def pages_for(self, n_tokens: int) -> int:
+    def pages_for(self, n_tokens: int, prompt_len: int | None = None) -> int:
         return self.arena.latent_pages_for(n_tokens) + self.arena.index_pages_for(n_tokens)
 
-    def admit(self, req: object, max_tokens_total: int) -> bool:
+    def admit(self, req: object, max_tokens_total: int, prompt_len: int | None = None) -> bool:
         """Reserve pages for the request's whole life; False (nothing reserved) if it must wait."""
         if not self.pool.reserve(req, self.pages_for(max_tokens_total)):
             return False
@@ -40,6 +40,16 @@ class ResidentKV:
             need = cdiv(n_tokens, per) - len(table)
             if need > 0:
                 table.extend(self.pool.alloc(req, need))
+
+    def ensure_index(self, req: object, n_tokens: int) -> None:
+        """Grow only the index table (hierarchical presets keep latent rows elsewhere)."""
+        table = self.index_tables[req]
+        need = cdiv(n_tokens, self.arena.index_page_size) - len(table)
+        if need > 0:
+            table.extend(self.pool.alloc(req, need))
+
+    def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
+        """Nothing to do: resident rows never move."""
 
     def free(self, req: object) -> None:
         self.pool.release(req)

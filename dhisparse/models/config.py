@@ -16,12 +16,10 @@ SUPPORTED_ARCHITECTURES = ("glm_moe_dsa", "deepseek_v32")
 
 # transformers' defaults for keys a config.json may omit (where they differ from the generic ones below)
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v32": dict(intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-                         num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
-                         routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=163840),
-    "glm_moe_dsa": dict(intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
-                        num_experts_per_tok=8, n_shared_experts=1, qk_nope_head_dim=192, v_head_dim=256,
-                        index_n_heads=32, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+    "deepseek_v32": dict(intermediate_size=18432, moe_intermediate_size=2048, n_shared_experts=1, n_group=8,
+                         topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=163840),
+    "glm_moe_dsa": dict(intermediate_size=12288, moe_intermediate_size=2048, n_shared_experts=1, qk_nope_head_dim=192,
+                        v_head_dim=256, index_n_heads=32, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
                         max_position_embeddings=202752),
 }
 

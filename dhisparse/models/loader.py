@@ -79,10 +79,14 @@ def read_config(folder: str | Path) -> ModelConfig:
     """Parse folder/config.json (ConfigError from ModelConfig.from_hf propagates)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ModelLoadError(f"model folder {str(folder)!r} does not exist; pass a folder holding config.json and *.safetensors")
+        raise ModelLoadError(
+            f"model folder {str(folder)!r} does not exist; pass a folder holding config.json and *.safetensors"
+        )
     path = folder / "config.json"
     if not path.is_file():
-        raise ModelLoadError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs config.json next to its safetensors")
+        raise ModelLoadError(
+            f"{folder}: no config.json; a Hugging Face checkpoint folder needs config.json next to its safetensors"
+        )
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -134,25 +138,27 @@ class _Reader:
         self.shards = shard_files(folder)
         self.block = cfg.fp8_block_size or (128, 128)
         self.where: dict[str, Path] = {}
+        self.handles: dict[Path, Any] = {}  # open safe_open handles (memory-mapped), one per shard
         for path, names in self.shards.items():
-            for n in names if names is not None else self._keys(path):
+            for n in names if names is not None else self._open(path).keys():
                 self.where[n] = path
 
-    @staticmethod
-    def _keys(path: Path) -> list[str]:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+    def _open(self, path: Path) -> Any:
+        if path not in self.handles:
+            try:
+                self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); re-download or re-export it") from None
+        return self.handles[path]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.shards:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(SCALE_SUFFIX) or self.where.get(name) != path:
-                        continue
-                    yield name, self._finish(name, f.get_tensor(name))
+            f = self._open(path)
+            for name in f.keys():
+                if name.endswith(SCALE_SUFFIX) or self.where.get(name) != path:
+                    continue
+                yield name, self._finish(name, f.get_tensor(name))
+        self.handles.clear()
 
     def _finish(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -160,8 +166,7 @@ class _Reader:
         sname = name + SCALE_SUFFIX
         if sname not in self.where:
             raise ModelLoadError(f"{name} is {t.dtype} but has no {sname} tensor; FP8 weights need their block scales")
-        with safe_open(str(self.where[sname]), framework="pt") as f:
-            return dequantize_fp8(t, f.get_tensor(sname), self.block, name)
+        return dequantize_fp8(t, self._open(self.where[sname]).get_tensor(sname), self.block, name)
 
 
 class _ExpertStacks:
@@ -176,10 +181,15 @@ class _ExpertStacks:
         prefix, e, kind = m.group(1), int(m.group(3)), m.group(4)
         E, I = self.cfg.n_routed_experts, self.cfg.moe_intermediate_size
         if e >= E:
-            raise ModelLoadError(f"{m.group(0)}: expert {e} but config n_routed_experts is {E}; the config does not match the weights")
+            raise ModelLoadError(
+                f"{m.group(0)}: expert {e} but config n_routed_experts is {E}; the config does not match the weights"
+            )
         target = f"{prefix}.down_proj" if kind == "down_proj" else f"{prefix}.gate_up_proj"
         if target not in self.expected:
-            raise ModelLoadError(f"{m.group(0)}: layer {m.group(2)} is not a MoE layer in config.json (check first_k_dense_replace / mlp_layer_types)")
+            raise ModelLoadError(
+                f"{m.group(0)}: layer {m.group(2)} is not a MoE layer in config.json "
+                "(check first_k_dense_replace / mlp_layer_types)"
+            )
         full = self.expected[target]
         want = tuple(full[1:]) if kind == "down_proj" else (I, full[2])
         _check_shape(m.group(0), tuple(t.shape), want)
@@ -195,14 +205,16 @@ class _ExpertStacks:
         for target, done in self.filled.items():
             prefix = target.rsplit(".", 1)[0]
             kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
-            out += [f"{prefix}.{e}.{k}.weight" for e in range(self.cfg.n_routed_experts) for k in kinds if (e, k) not in done]
+            experts = range(self.cfg.n_routed_experts)
+            out += [f"{prefix}.{e}.{k}.weight" for e in experts for k in kinds if (e, k) not in done]
         return out
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ModelLoadError(
-            f"{name}: checkpoint shape {list(got)} but the model expects {list(want)}; config.json does not match these weights"
+            f"{name}: checkpoint shape {list(got)} but the model expects {list(want)}; "
+            "config.json does not match these weights"
         )
 
 
@@ -240,7 +252,9 @@ def _finalize(model: DsaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Te
         raise ModelLoadError(f"internal: tensors left unmaterialized after load: {left[:5]}")
 
 
-def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+def load_checkpoint(
+    folder: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> LoadedModel:
     """Load config.json + safetensors from `folder` into a DsaForCausalLM on `device`.
 
     dtype: explicit target dtype, else the config's `torch_dtype`/`dtype`; the router weight and

@@ -138,7 +138,9 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
             return default_chat_template(messages)
-        return render_chat_template(self.chat_template, messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return render_chat_template(
+            self.chat_template, messages, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
+        )
 
 
 def _raise(message: str) -> None:

@@ -97,9 +97,21 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or None
-        raise ApiError(f"invalid value for '{loc}': {err['msg']}", param=loc) from None
+        raise ApiError(*_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> tuple[str, str | None]:
+    """First bad field -> (message, param); a union field lists what each accepted type said."""
+    errors = e.errors()
+    top = errors[0]["loc"][0] if errors[0]["loc"] else None
+    same = [err for err in errors if err["loc"] and err["loc"][0] == top]
+    if top is None:
+        return f"invalid request body: {errors[0]['msg']}", None
+    if same[0]["type"] == "missing":
+        return f"'{top}' is required", str(top)
+    msgs = list(dict.fromkeys(err["msg"] for err in same))
+    where = ".".join(str(p) for p in same[0]["loc"]) if len(same) == 1 else str(top)
+    return f"invalid value {same[0].get('input')!r} for '{where}': " + "; or ".join(msgs), str(top)
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -4,7 +4,8 @@ The engine is not thread-safe, so HTTP handlers never touch it. They post comman
 prepare prefix) to a thread-safe queue; the worker thread applies them between steps, runs
 `engine.step()` while there is work, and sends every event for a request back to that request's
 asyncio queue with `loop.call_soon_threadsafe`. Events: `accepted`, `output` (a RequestOutput),
-`error` (the engine rejected the request: message), `done` (a prefix is ready: its length).
+`error` (the engine rejected the request: message), `aborted` (aborted by the server, e.g. at
+shutdown), `failed` (the engine crashed: message), `done` (a prefix is ready: its length).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ IDLE_WAIT_S = 0.05
 class Event(NamedTuple):
     """One message from the engine thread to a request's handler."""
 
-    kind: str  # accepted | output | error | done
+    kind: str  # accepted | output | error | aborted | failed | done
     payload: Any = None
 
 
@@ -92,7 +93,7 @@ class EngineWorker:
             log.exception("engine thread crashed")
             self.error = f"engine failed: {type(e).__name__}: {e}"
             for sink in list(self._sinks.values()):
-                self._send(sink, Event("error", self.error))
+                self._send(sink, Event("failed", self.error))
             self._sinks.clear()
         finally:
             self._abort_everything()

@@ -1,0 +1,88 @@
+"""KVContext of one pass over a HierarchicalKV.
+
+Requests still prefilling read and write their transient workspace exactly like resident
+serving. Decoding requests write new rows to their tail and read history through the resolver:
+the producer layer of a selection plans (scan + copies for its own bytes), follower layers replay
+the plan's copies for their bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.arena import gather_rows, scatter_rows
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.resolver import ResolvePlan, run_copies
+
+
+class HierContext:
+    def __init__(self, kv, batch: ForwardBatch, reqs: list[object]) -> None:
+        self.kv, self.batch, self.arena = kv, batch, kv.arena
+        lens = batch.seq_lens.tolist()
+        width = max(max(lens, default=1), 1)
+        dev = kv.device
+        self.lat_of = torch.full((len(reqs), width), -1, dtype=torch.int64, device=dev)
+        self.idx_of = torch.full_like(self.lat_of, -1)
+        self.decode_rows: list[int] = []
+        self.slots: list[int] = []
+        for r, req in enumerate(reqs):
+            st, n = kv.reqs[req], lens[r]
+            self.idx_of[r, :n] = kv.resident.index_locs(req, n)
+            if st.decoding:
+                self.decode_rows.append(r)
+                self.slots.append(st.slot)
+                self.lat_of[r, st.tail_start : n] = kv.tail_loc[st.slot, : n - st.tail_start]
+            else:
+                self.lat_of[r, :n] = kv.resident.latent_locs(req, n)
+        self.lat_write = self.lat_of[batch.req_idx, batch.positions]
+        self.idx_write = self.idx_of[batch.req_idx, batch.positions]
+        self.plans: dict[int, ResolvePlan] = {}
+
+    def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        scatter_rows(self.arena.latent_rows(layer), self.lat_write, latent)
+        if index_key is not None:
+            scatter_rows(self.arena.index_rows(layer), self.idx_write, index_key)
+
+    def index_keys(self, layer: int, req: int) -> torch.Tensor:
+        n = int(self.batch.seq_lens[req])
+        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, :n])
+
+    def _check(self, selection: torch.Tensor) -> None:
+        lens = self.batch.seq_lens[self.batch.req_idx][:, None]
+        bad = (selection >= lens) | (selection < -1)
+        if bool(bad.any()):
+            t = int(bad.any(1).nonzero()[0])
+            raise ValueError(f"selection of token {t} holds position(s) outside its request's history "
+                             f"[0, {int(lens[t])}): {selection[t][bad[t]].tolist()[:4]}")
+
+    def _per_request(self, selection: torch.Tensor) -> torch.Tensor:
+        """[Nd, Kmax, k] selections of decoding requests (their tokens padded with -1)."""
+        qs = self.batch.query_start
+        K = max((qs[r + 1] - qs[r] for r in self.decode_rows), default=1)
+        out = torch.full((len(self.decode_rows), K, selection.shape[1]), -1, dtype=torch.int64, device=selection.device)
+        for i, r in enumerate(self.decode_rows):
+            out[i, : qs[r + 1] - qs[r]] = selection[qs[r] : qs[r + 1]]
+        return out
+
+    def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv
+        if kv.debug:
+            self._check(selection)
+        sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, torch.full_like(selection, -1))
+        loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)]
+        loc = torch.where(sel >= 0, loc, torch.full_like(loc, -1))
+        if self.decode_rows:
+            g = kv.group_of[layer]
+            if layer == kv.groups[g]:
+                slots = torch.tensor(self.slots, dtype=torch.int64, device=sel.device)
+                self.plans[g] = kv.plan_fn(self._per_request(sel), slots, kv.resolver_state(g), kv.now)
+            plan = self.plans[g]
+            nbytes = run_copies(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
+            if layer == kv.groups[g]:
+                kv.census.add(plan.counters, nbytes)
+            else:
+                kv.census.bytes_moved += nbytes
+            qs = self.batch.query_start
+            for i, r in enumerate(self.decode_rows):
+                loc[qs[r] : qs[r + 1]] = plan.loc[i, : qs[r + 1] - qs[r]]
+        return self.arena.latent_rows(layer), loc

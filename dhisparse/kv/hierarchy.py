@@ -1,0 +1,204 @@
+"""`HierarchicalKV`: the `hisparse` preset (HiSparse baseline): host backing + fixed hot cache.
+
+Per request (slot s) on device: index pages for the whole history (the indexer scores all of it),
+a hot cache of B latent rows (B/ps pages, every layer), two tail pages, and - only while its
+prompt is being prefilled - a transient workspace holding the prompt's latent rows. On host:
+every immutable latent row.
+
+  positions:  0 ............................ tail_start ........ n (computed)
+              |<- host (+ hot cache copies) ->|<- tail (device) ->|
+
+Life of a request's latent rows:
+  prefill   rows go to the workspace (resident-style); imported prefixes are copied there too
+  handoff   when the prompt is done: complete pages -> host, the partial page -> tail page 0,
+            workspace freed (this is the prefill/KV handoff of the paper)
+  decode    new rows land in the tail; when a tail page is complete it is backed up to host
+            (per completed page) and recycled; from then on the row follows hot-cache rules
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.host import HostStore
+from dhisparse.kv.pool import PoolUsage
+from dhisparse.kv.resident import ResidentKV
+from dhisparse.kv.resolver import ResolveCounters, ResolverState, plan_reference, run_copies
+
+log = logging.getLogger("dhisparse.kv")
+TAIL_PAGES = 2
+
+
+@dataclass
+class ReqKV:
+    slot: int
+    hot_pages: list[int]
+    tail_pages: list[int]
+    decoding: bool = False
+    tail_start: int = 0
+
+
+@dataclass
+class Census:
+    """Resolver counters accumulated over calls (see ResolveCounters)."""
+
+    selected: int = 0
+    direct: int = 0
+    hot: int = 0
+    host: int = 0
+    host_selected: int = 0
+    overflow: int = 0
+    bytes_moved: int = 0
+    calls: int = 0
+
+    def add(self, c: ResolveCounters, nbytes: int) -> None:
+        for k in ResolveCounters._fields:
+            setattr(self, k, getattr(self, k) + getattr(c, k))
+        self.bytes_moved += nbytes
+        self.calls += 1
+
+
+class HierarchicalKV:
+    def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference, debug: bool = False) -> None:
+        self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
+        self.page_size, self.device = arena.page_size, arena.device
+        self.resident = ResidentKV(arena)  # index pages + prefill workspace
+        self.B = cdiv(hot_rows, self.page_size) * self.page_size
+        self.groups = arena.layout.index_layers
+        self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
+        G, S, dev = len(self.groups), max_slots, self.device
+        self.hot_pos = torch.full((S, G, self.B), -1, dtype=torch.int64, device=dev)
+        self.hot_stamp = torch.full_like(self.hot_pos, -1)
+        self.hot_loc = torch.zeros(S, self.B, dtype=torch.int64, device=dev)
+        self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.tail_loc = torch.zeros(S, TAIL_PAGES * self.page_size, dtype=torch.int64, device=dev)
+        self.free_slots = list(range(S))
+        self.reqs: dict[object, ReqKV] = {}
+        self.plan_fn, self.census, self.now = plan_fn, Census(), 0
+
+    # -- admission / release -------------------------------------------------------------------
+    def required_pages(self, max_total: int) -> int:
+        """Pages a request holds for its whole life: hot cache, tail, index history."""
+        return self.B // self.page_size + TAIL_PAGES + self.arena.index_pages_for(max_total)
+
+    def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
+        return self.required_pages(max_total) + self.arena.latent_pages_for(prompt_len if prompt_len is not None else max_total)
+
+    def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
+        if not self.free_slots:
+            return False
+        if not self.pool.reserve(req, self.pages_for(max_total, prompt_len)):
+            return False
+        if not self.host.admit(req, max_total):
+            self.pool.unreserve(req)
+            log.info("request %s waits: host pool cannot hold %d tokens", req, max_total)
+            return False
+        self.resident.latent_tables[req], self.resident.index_tables[req] = [], []
+        st = ReqKV(self.free_slots.pop(0), self.pool.alloc(req, self.B // self.page_size), self.pool.alloc(req, TAIL_PAGES))
+        self.reqs[req] = st
+        self.hot_loc[st.slot] = self.arena.locations(st.hot_pages, self.B, self.page_size)
+        self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
+        self._set_tail(st)
+        return True
+
+    def free(self, req: object) -> None:
+        st = self.reqs.pop(req, None)
+        self.pool.release(req)
+        self.host.free(req)
+        self.resident.latent_tables.pop(req, None)
+        self.resident.index_tables.pop(req, None)
+        if st is not None:
+            self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
+            self.free_slots.append(st.slot)
+
+    def usage(self) -> PoolUsage:
+        return self.pool.usage()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.host.check_integrity()
+        for req, st in self.reqs.items():
+            held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
+            assert sorted(self.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"
+            if st.decoding:  # I1: every row before the tail has a host page
+                assert len(self.host.tables[req]) * self.host.page_size >= st.tail_start
+
+    # -- prefix import / export (prefill workspace) --------------------------------------------
+    def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
+        self.resident.write_rows(req, latent, index, start)
+
+    def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.resident.read_rows(req, n)
+
+    # -- passes --------------------------------------------------------------------------------
+    def context(self, batch: ForwardBatch, reqs: list[object]) -> "HierContext":
+        from dhisparse.kv.hier_context import HierContext
+
+        self.now += 1
+        for r, req in enumerate(reqs):
+            n = int(batch.seq_lens[r])
+            self.resident.ensure_index(req, n) if self.reqs[req].decoding else self.resident.ensure(req, n)
+        return HierContext(self, batch, reqs)
+
+    def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
+        """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
+        finished; back up completed tail pages of decoding requests."""
+        for req, (n, prompt_done) in computed.items():
+            st = self.reqs.get(req)
+            if st is None:
+                continue
+            if st.decoding:
+                self._backup_tail(req, st, n)
+            elif prompt_done:
+                self._handoff(req, st, n)
+
+    def _set_tail(self, st: ReqKV) -> None:
+        self.tail_start[st.slot] = st.tail_start
+        self.tail_loc[st.slot] = self.arena.locations(st.tail_pages, TAIL_PAGES * self.page_size, self.page_size)
+
+    def _copy_to_host(self, req: object, src_loc: torch.Tensor, start: int, end: int) -> None:
+        self.host.ensure(req, end)
+        dst = self.host.locations(req, start, end)
+        for layer in range(self.arena.cfg.num_layers):
+            scatter_rows(self.host.layer_rows(layer), dst, gather_rows(self.arena.latent_rows(layer), src_loc).cpu())
+
+    def _handoff(self, req: object, st: ReqKV, n: int) -> None:
+        ps = self.page_size
+        full = (n // ps) * ps
+        ws = self.resident.latent_locs(req, n)
+        if full:
+            self._copy_to_host(req, ws[:full], 0, full)
+        st.tail_start = full
+        self._set_tail(st)
+        if n > full:
+            tail = self.tail_loc[st.slot, : n - full]
+            for layer in range(self.arena.cfg.num_layers):
+                rows = self.arena.latent_rows(layer)
+                scatter_rows(rows, tail, gather_rows(rows, ws[full:]))
+        pages = self.resident.latent_tables[req]
+        self.pool.free(req, pages)
+        self.resident.latent_tables[req] = []
+        st.decoding = True
+
+    def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
+        ps = self.page_size
+        while n - st.tail_start >= ps:
+            first = self.arena.locations(st.tail_pages[:1], ps, ps)
+            self._copy_to_host(req, first, st.tail_start, st.tail_start + ps)
+            st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]
+            st.tail_start += ps
+            self._set_tail(st)
+
+    def resolver_state(self, group: int) -> ResolverState:
+        S = self.hot_pos.shape[0]
+        width = max((len(t) for t in self.host.tables.values()), default=1)
+        table = torch.full((S, max(width, 1)), -1, dtype=torch.int64)
+        for req, st in self.reqs.items():
+            table[st.slot] = self.host.table_tensor(req, table.shape[1])
+        return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,
+                             self.tail_loc, table.to(self.device), self.host.page_size)

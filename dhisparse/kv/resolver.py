@@ -1,0 +1,138 @@
+"""The resolver: selected positions in, device locations out (paper §3.2, eq. 5-6, 11-12).
+
+Plan / run shape. `plan` (the producer layer of a selection) decides, per request, where every
+selected row will be read from and which host rows must be copied where; `run` performs the
+copies for one layer's bytes. Follower layers of a shared selection (GLM `shared` layers) call
+`run` with the same plan and their own row spaces: no second scan.
+
+Per request, over the union U of its K queries' selections (each distinct row handled once):
+  1. direct:  positions in the tail (>= tail_start) or in the ready optional map (direct_loc >= 0)
+  2. hot:     positions held by a hot-cache slot (hits; their LRU stamps are refreshed)
+  3. host:    the rest; sorted by host location, the i-th miss takes the i-th victim, victims being
+              the unselected slots in LRU order (empty slots first, then oldest stamp, then slot id)
+Locations come back in selection order, [N, K, k], -1 where the selection is -1.
+
+State (one group g = one selection producer; all layers of a group share the slot state):
+  hot_pos   [S, B] int64  position held by each slot, -1 empty        (mutated)
+  hot_stamp [S, B] int64  step of last use, -1 empty                  (mutated)
+  hot_loc   [S, B] int64  device location of each slot
+  tail_start [S], tail_loc [S, TT]: position p >= tail_start lives at tail_loc[s, p - tail_start]
+  host_table [S, HPmax]: host page of each page-of-positions, host_ps rows per host page
+  direct_loc [S, Lmax] or None: ready optional-history location of each position, -1 if none
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class ResolveCounters(NamedTuple):
+    """selected: valid selection entries; direct/hot/host: distinct rows by where they resolved;
+    host_selected: selection entries whose row came from host; overflow: misses with no victim."""
+
+    selected: int
+    direct: int
+    hot: int
+    host: int
+    host_selected: int
+    overflow: int
+
+
+@dataclass
+class ResolvePlan:
+    """loc [N, K, k] device locations; copy_src [M] host locations, copy_dst [M] device locations
+    (sorted by host location within each request)."""
+
+    loc: torch.Tensor
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    counters: ResolveCounters
+
+
+@dataclass
+class ResolverState:
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    hot_loc: torch.Tensor
+    tail_start: torch.Tensor
+    tail_loc: torch.Tensor
+    host_table: torch.Tensor
+    host_page_size: int
+    direct_loc: torch.Tensor | None = None
+
+
+def _host_loc(st: ResolverState, s: int, pos: torch.Tensor) -> torch.Tensor:
+    ps = st.host_page_size
+    return st.host_table[s, pos // ps] * ps + pos % ps
+
+
+def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: int) -> ResolvePlan:
+    """Plain-PyTorch resolver plan. sel [N, K, k] int64; slots [N] request slot ids."""
+    N = sel.shape[0]
+    loc = torch.full_like(sel, -1)
+    srcs, dsts = [], []
+    c = [0, 0, 0, 0, 0, 0]
+    for n in range(N):
+        s = int(slots[n])
+        flat = sel[n].reshape(-1)
+        valid = flat >= 0
+        c[0] += int(valid.sum())
+        uniq, inv = torch.unique(flat[valid], return_inverse=True)
+        out = torch.full_like(uniq, -1)
+        # 1. direct: tail, then ready optional history
+        in_tail = uniq >= st.tail_start[s]
+        out[in_tail] = st.tail_loc[s, uniq[in_tail] - st.tail_start[s]]
+        if st.direct_loc is not None:
+            opt = ~in_tail & (st.direct_loc[s, uniq.clamp(max=st.direct_loc.shape[1] - 1)] >= 0)
+            out[opt] = st.direct_loc[s, uniq[opt]]
+        done = out >= 0
+        c[1] += int(done.sum())
+        # 2. hot-cache scan
+        rest = (~done).nonzero().squeeze(1)
+        match = st.hot_pos[s][None, :] == uniq[rest][:, None]  # [R, B]
+        hit = match.any(1)
+        hit_slot = match.float().argmax(1)
+        out[rest[hit]] = st.hot_loc[s, hit_slot[hit]]
+        st.hot_stamp[s, hit_slot[hit]] = now
+        c[2] += int(hit.sum())
+        # 3. misses -> LRU victims, fetched in host-address order
+        miss = rest[~hit]
+        if miss.numel():
+            hloc = _host_loc(st, s, uniq[miss])
+            order = torch.argsort(hloc)
+            miss, hloc = miss[order], hloc[order]
+            protected = torch.zeros(st.hot_pos.shape[1], dtype=torch.bool)
+            protected[hit_slot[hit]] = True
+            cand = (~protected).nonzero().squeeze(1)
+            key = st.hot_stamp[s, cand] * (cand.numel() + 1) + torch.arange(cand.numel())  # stamp, then slot
+            victims = cand[torch.argsort(key)]
+            m = min(miss.numel(), victims.numel())
+            c[5] += miss.numel() - m
+            v = victims[:m]
+            out[miss[:m]] = st.hot_loc[s, v]
+            st.hot_pos[s, v], st.hot_stamp[s, v] = uniq[miss[:m]], now
+            srcs.append(hloc[:m])
+            dsts.append(st.hot_loc[s, v])
+            c[3] += m
+            c[4] += int(torch.isin(inv, miss[:m]).sum())
+        res = torch.full_like(flat, -1)
+        res[valid] = out[inv]
+        loc[n] = res.view(sel.shape[1:])
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    return ResolvePlan(loc, cat(srcs), cat(dsts), ResolveCounters(*c))
+
+
+def run_copies(plan: ResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> int:
+    """Copy planned host rows into device rows for one layer. host_rows [HP, ps, W] and
+    dev_rows [P, ps, W] paged row spaces. Returns bytes moved."""
+    if plan.copy_src.numel() == 0:
+        return 0
+    hp, dp = host_rows.shape[1], dev_rows.shape[1]
+    src = plan.copy_src
+    vals = host_rows[src // hp, src % hp].to(dev_rows.device, non_blocking=True)
+    dst = plan.copy_dst.to(dev_rows.device)
+    dev_rows[dst // dp, dst % dp] = vals
+    return vals.numel() * vals.element_size()

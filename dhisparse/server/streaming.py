@@ -1,0 +1,129 @@
+"""Waiting on engine events: collect a whole response, or stream it as SSE chunks.
+
+Both paths abort the engine request whenever they end early - the client went away, the
+handler was cancelled, or the request ran past its timeout - so its KV pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+import anyio
+from starlette.responses import StreamingResponse
+
+from dhisparse.engine.request import RequestOutput
+from dhisparse.server.protocol import ApiError
+from dhisparse.server.responses import SSE_DONE, Formatter, sse
+from dhisparse.server.worker import Event
+
+if TYPE_CHECKING:
+    from dhisparse.server.app import ServerState
+
+log = logging.getLogger("dhisparse.server")
+POLL_S = 0.5  # how often a non-streamed request checks whether its client is still there
+
+
+def _raise_for(ev: Event) -> None:
+    if ev.kind == "failed":
+        raise ApiError(ev.payload, status=500, type_="server_error", code="engine_failed")
+    if ev.kind == "aborted":
+        raise ApiError("request aborted: the server is shutting down", status=503, type_="server_error",
+                       code="aborted")
+
+
+async def next_event(q: asyncio.Queue, state: "ServerState", rid: str, timeout: float | None = None) -> Event:
+    """The next event of `rid`; failures and server-side aborts raise ApiError (5xx)."""
+    try:
+        ev = await asyncio.wait_for(q.get(), timeout or state.config.request_timeout_s)
+    except asyncio.TimeoutError:
+        state.worker.abort(rid)
+        raise ApiError(f"request timed out after {state.config.request_timeout_s:.0f} s; raise --request-timeout",
+                       status=504, type_="server_error", code="timeout") from None
+    _raise_for(ev)
+    return ev
+
+
+async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str) -> RequestOutput:
+    """Wait for the final output; aborts the request if the client disconnects or time runs out."""
+    deadline = time.monotonic() + state.config.request_timeout_s
+    done = False
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError("request timed out; raise --request-timeout", status=504, type_="server_error")
+            try:
+                ev = await asyncio.wait_for(q.get(), min(POLL_S, remaining))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ApiError("client disconnected", status=499) from None
+                continue
+            _raise_for(ev)
+            if ev.kind == "output" and ev.payload.finished:
+                done = True
+                return ev.payload
+    finally:
+        if not done:
+            state.worker.abort(rid)
+
+
+async def stream_events(q: asyncio.Queue, state: "ServerState", fmt: Formatter,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks until the request finishes, then an optional usage chunk and `[DONE]`.
+    Closing the generator early (client gone) aborts the request."""
+    done, last = False, None
+    deadline = time.monotonic() + state.config.request_timeout_s
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield sse(first)
+        while not done:
+            try:
+                ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                yield sse(ApiError("request timed out; raise --request-timeout", status=504).body())
+                break
+            if ev.kind == "output":
+                last = ev.payload
+                done = last.finished
+                if last.text_delta or done:
+                    yield sse(fmt.chunk(last.text_delta, last.finish_reason if done else None))
+            elif ev.kind == "aborted":
+                done = True
+                yield sse(fmt.chunk("", "abort"))
+            elif ev.kind == "failed":
+                done = True
+                yield sse(ApiError(ev.payload, status=500, type_="server_error").body())
+        if include_usage:
+            yield sse(fmt.usage_chunk(last))
+        yield SSE_DONE
+    finally:
+        if not done:
+            state.worker.abort(fmt.request_id)
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client's disconnect (whatever the ASGI
+    spec version) and closes its body generator when streaming stops, so the generator's
+    `finally` runs at once and aborts the engine request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run_stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        log.debug("client went away while streaming")
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run_stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
