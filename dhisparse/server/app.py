@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over an `EngineWorker`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream over SSE with
-`"stream": true`), GET /v1/models, GET /health, GET /metrics, and the dhisparse extension
+`"stream": true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize (vLLM's shape:
+{"prompt"} -> {"tokens", "count", "max_model_len"}), and the dhisparse extension
 POST /v1/dhisparse/prefix (prefill a prompt once; later prompts starting with it import its KV).
 """
 
@@ -144,6 +145,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise P.ApiError(f"chat template failed: {e}", param="messages") from None
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True)
         return await _generate(request, state, prompt, params, fmt, body, "messages")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = P.parse_body(await request.body(), P.TokenizeRequest)
+        P.check_model(body.model, state.model_name)
+        ids = await asyncio.to_thread(state.engine.tokenizer.encode, body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
     @app.post("/v1/dhisparse/prefix")
     async def prefix(request: Request) -> dict:

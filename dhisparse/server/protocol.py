@@ -83,6 +83,13 @@ class PrefixRequest(BaseModel):
     prompt: str | list[int]
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+
+
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -1,0 +1,138 @@
+"""Result files: plain dataclasses -> JSON, with the command line, machine and date.
+
+Schema (`kind` = "bench" or "loadstep", `schema_version` 1):
+    date, command, machine{...}, config{engine{...}, workload{...}, ...},
+    available_presets, unavailable_presets, notes[...],
+    runs[ {preset, concurrency, target (url or "in-process"), metrics{RunMetrics fields},
+           engine{final stats().as_dict()}, series[{t, output_tok_s, decoding, <stats>...}],
+           requests[{index, client, submit, first, finish, output_len, prompt_len, finish_reason,
+                     queue, ttft, tpot}], phases[...] (loadstep only) } ]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dhisparse.bench.records import RequestRecord, RunMetrics, RunTrace, summarize
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One (preset, concurrency) run; `phases` holds per-phase summaries of a load step."""
+
+    preset: str
+    concurrency: int
+    target: str
+    metrics: RunMetrics
+    engine: dict
+    series: list[dict]
+    requests: list[dict]
+    phases: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    kind: str
+    date: str
+    command: str
+    machine: dict
+    config: dict
+    available_presets: list[str]
+    unavailable_presets: list[str]
+    runs: list[RunResult]
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+
+def request_dict(r: RequestRecord) -> dict:
+    d = r._asdict()
+    d.update(ttft=r.ttft, tpot=r.tpot)
+    return d
+
+
+def run_result(preset: str, concurrency: int, target: str, trace: RunTrace, phases: list[dict] | None = None) -> RunResult:
+    return RunResult(preset, concurrency, target, summarize(trace, concurrency), trace.engine,
+                     list(trace.series), [request_dict(r) for r in trace.requests], phases or [])
+
+
+def machine_info() -> dict:
+    """Where the numbers came from: OS, Python, torch, CPU, GPUs."""
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "hostname": platform.node(),
+            "cpu_count": os.cpu_count(), "cpu": _cpu_model()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    return shlex.join(["dhisparse", *(sys.argv[1:] if argv is None else argv)])
+
+
+def _clean(o):
+    """dataclasses / tuples / non-finite floats -> plain JSON values (NaN and inf become None)."""
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return _clean(dataclasses.asdict(o))
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple, set)):
+        return [_clean(v) for v in o]
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if o is None or isinstance(o, (str, int, bool)):
+        return o
+    return str(o)
+
+
+def to_jsonable(result: ResultFile) -> dict:
+    return _clean(result)
+
+
+def write_json(result: ResultFile, path: str | Path) -> Path:
+    """Write the result as indented JSON and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(result), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def read_json(path: str | Path) -> dict:
+    """Load a result file; raises ValueError naming the file when it is not one of ours."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a result JSON ({e})") from None
+    if not isinstance(data, dict) or ("kind" not in data and "records" not in data):
+        raise ValueError(f"{path}: not a dhisparse result (no 'kind' or 'records' key)")
+    return data

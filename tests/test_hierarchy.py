@@ -1,0 +1,137 @@
+"""The `hisparse` preset against `resident`: exactness (I1, I2, I7), placement of every returned
+location, faults (bad positions, aborts, host pool exhaustion)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dhisparse import SamplingParams
+from dhisparse.engine.llm import LLM
+from dhisparse.kv.arena import gather_rows
+from dhisparse.kv.dense import DenseKV
+from dhisparse.kv.hierarchy import HierarchicalKV
+
+GREEDY = SamplingParams(max_tokens=36, ignore_eos=True)
+
+
+def prompts(n: int, vocab: int = 120, base: int = 11) -> list[list[int]]:
+    return [[3 + (7 * i + 5 * j + i * j) % (vocab - 3) for j in range(base + 13 * i)] for i in range(n)]
+
+
+class CheckedContext:
+    """Wraps a pass's KVContext; mirrors every stored row into a DenseKV and asserts that each
+    location `locate` returns holds exactly the selected row of the right request (I2)."""
+
+    def __init__(self, inner, dense: DenseKV, batch, slots):
+        self.inner, self.dense, self.batch = inner, dense.begin(batch, slots), batch
+
+    def store(self, layer, latent, index_key):
+        self.inner.store(layer, latent, index_key)
+        self.dense.store(layer, latent, index_key)
+
+    def index_keys(self, layer, req):
+        return self.inner.index_keys(layer, req)
+
+    def locate(self, layer, selection):
+        rows, loc = self.inner.locate(layer, selection)
+        want_rows, want_loc = self.dense.locate(layer, selection)
+        ok = loc >= 0
+        assert torch.equal(ok, want_loc >= 0)
+        torch.testing.assert_close(gather_rows(rows, loc[ok]), gather_rows(want_rows, want_loc[ok]), rtol=0, atol=0)
+        return rows, loc
+
+
+def checked(llm: LLM) -> LLM:
+    store = llm.engine.store
+    dense = DenseKV(llm.engine.model_config)
+    names: dict[object, int] = {}
+    orig = store.context
+
+    def context(batch, reqs):
+        return CheckedContext(orig(batch, reqs), dense, batch, [names.setdefault(r, len(names)) for r in reqs])
+
+    orig_write = store.write_rows
+
+    def write_rows(req, latent, index, start=0):
+        orig_write(req, latent, index, start)
+        slot = names.setdefault(req, len(names))
+        for layer in range(latent.shape[0]):
+            dense.latent[(slot, layer)] = latent[layer].clone()
+        for j, layer in enumerate(store.arena.layout.index_layers):
+            dense.index[(slot, layer)] = index[j].clone()
+
+    store.context, store.write_rows = context, write_rows
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["glm", "v32"])
+def test_hisparse_matches_resident_with_b_equal_k(hf_checkpoints, arch):
+    folder = str(getattr(hf_checkpoints, arch))
+    ps = prompts(4)
+    ref = [o.token_ids for o in LLM(folder, page_size=4).generate(ps, GREEDY)]
+    llm = LLM(folder, preset="hisparse", page_size=4, debug_checks=True)
+    k = llm.engine.model_config.index_topk
+    llm = checked(LLM(folder, preset="hisparse", page_size=4, hot_cache_rows=k, debug_checks=True))
+    assert llm.engine.store.B == k
+    out = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    assert out == ref
+    st = llm.engine.stats().as_dict()
+    assert st["host_fetched_share"] > 0.1  # B == k: most steps miss
+    assert st["kv_pages_used"] == 0
+
+
+def test_hisparse_prefix_import_and_chunking_match_resident():
+    prefix = prompts(5)[4]
+    reqs = [prefix + [50 + i] for i in range(3)]
+    ref = [o.token_ids for o in LLM("tiny").generate(reqs, GREEDY)]
+    llm = checked(LLM("tiny", preset="hisparse", hot_cache_rows=16, max_num_batched_tokens=9, page_size=8, debug_checks=True))
+    llm.prepare_prefix(prefix)
+    outs = llm.generate(reqs, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.metrics.imported_len == len(prefix) for o in outs)
+
+
+def test_debug_rejects_positions_outside_the_request():
+    llm = LLM("tiny", preset="hisparse", debug_checks=True)
+    eng = llm.engine
+    eng.add_request(prompts(1)[0], SamplingParams(max_tokens=4))
+    eng.step()  # prefill + handoff
+    store: HierarchicalKV = eng.store
+    req = next(iter(store.reqs))
+    from dhisparse.kv.context import ForwardBatch
+
+    n = eng.requests[req].num_computed
+    batch = ForwardBatch.build([([5], n)])
+    ctx = store.context(batch, [req])
+    bad = torch.full((1, eng.model_config.index_topk), -1)
+    bad[0, 0] = n + 5
+    with pytest.raises(ValueError, match="outside its request"):
+        ctx.locate(0, bad)
+
+
+def test_abort_mid_run_frees_everything():
+    llm = LLM("tiny", preset="hisparse", debug_checks=True, page_size=8)
+    eng = llm.engine
+    a = eng.add_request(prompts(3)[2], SamplingParams(max_tokens=60))
+    eng.add_request(prompts(2)[1], SamplingParams(max_tokens=20))
+    for _ in range(6):
+        eng.step()
+    assert eng.store.host.pool.usage().used > 0
+    eng.abort(a)
+    eng.store.check_integrity()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().kv_pages_used == 0 and eng.store.host.pool.usage().used == 0
+    assert sorted(eng.store.free_slots) == list(range(eng.config.max_running_requests))
+
+
+def test_host_pool_exhaustion_makes_admission_wait(caplog):
+    ps = prompts(4)
+    ref = [o.token_ids for o in LLM("tiny").generate(ps, GREEDY)]
+    page = LLM("tiny").engine.page_bytes
+    llm = LLM("tiny", preset="hisparse", page_size=16, host_pool_bytes=8 * page, debug_checks=True)
+    with caplog.at_level("INFO", logger="dhisparse.kv"):
+        out = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    assert out == ref
+    assert any("host pool" in r.message for r in caplog.records)
