@@ -16,9 +16,9 @@ from dhisparse.kv.pool import PagePool
 
 
 class HostStore:
-    def __init__(self, num_pages: int, num_layers: int, page_size: int, width: int, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, num_pages: int, num_layers: int, page_size: int, width: int, dtype: torch.dtype, pin: bool, device: str = "cpu") -> None:
         self.page_size = page_size
-        self.rows = torch.zeros(num_pages, num_layers, page_size, width, dtype=dtype, pin_memory=pin)
+        self.rows = torch.zeros(num_pages, num_layers, page_size, width, dtype=dtype, pin_memory=pin, device=device)
         self.pool = PagePool(num_pages, "host pages")
         self.tables: dict[object, list[int]] = {}
 
