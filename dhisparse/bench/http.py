@@ -1,0 +1,163 @@
+"""Closed loop against a running OpenAI-compatible server (asyncio + httpx streaming).
+
+TTFT and TPOT are measured client-side from the SSE stream. Prompts are token ids: the fixed
+prefix is built with the server's `/tokenize` and prepared with `/v1/dhisparse/prefix` when the
+server has them (dhisparse does; other servers fall back to text prompts of about input_len
+words and their own prefix caching). Engine counters come from scraping `/metrics` every interval
+(`dhisparse_engine_<stat>` gauges), so the series matches the in-process one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from dhisparse.bench.http_client import StreamResult, engine_stats, stream_completion
+from dhisparse.bench.inproc import Progress
+from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
+from dhisparse.bench.series import SeriesRecorder
+from dhisparse.bench.workload import FILLER, Phases, Workload, filler_words, suffix_text
+
+POLL_S = 0.05
+NUM_SUFFIXES = 32
+
+
+class HttpBenchError(ValueError):
+    """The server refused the benchmark's requests; the message carries its answer."""
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    url: str
+    model: str
+    preset: str
+
+    @classmethod
+    def connect(cls, url: str, model: str | None = None, timeout_s: float = 10.0) -> "HttpTarget":
+        url = url.rstrip("/").removesuffix("/v1")
+        try:
+            card = httpx.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise HttpBenchError(f"--url {url}: cannot list models at /v1/models ({e}); is the server up?") from None
+        return cls(url, model or card["id"], str(card.get("preset", "server")))
+
+
+async def _tokenize(client: httpx.AsyncClient, target: HttpTarget, text: str) -> list[int] | None:
+    r = await client.post(f"{target.url}/tokenize", json={"model": target.model, "prompt": text})
+    return r.json()["tokens"] if r.status_code == 200 else None
+
+
+async def build_prompts(client: httpx.AsyncClient, target: HttpTarget, input_len: int) -> tuple[list, list[str]]:
+    """(prompts cycled over requests, notes). Token-id prompts with a prepared prefix when possible."""
+    text = FILLER
+    ids = await _tokenize(client, target, text)
+    if ids is None:
+        prefix = filler_words(input_len)
+        return [prefix + suffix_text(i) for i in range(NUM_SUFFIXES)], [
+            "server has no /tokenize: text prompts of input_len words; input length is approximate"]
+    while len(ids) < input_len:
+        text *= 2
+        ids = await _tokenize(client, target, text)
+    prefix = ids[:input_len]
+    suffixes = [await _tokenize(client, target, suffix_text(i)) for i in range(NUM_SUFFIXES)]
+    r = await client.post(f"{target.url}/v1/dhisparse/prefix", json={"model": target.model, "prompt": prefix})
+    notes = [] if r.status_code == 200 else [f"prefix not prepared (HTTP {r.status_code}): prefill per request"]
+    if r.status_code not in (200, 404):
+        raise HttpBenchError(f"preparing the prefix failed: HTTP {r.status_code} {r.text[:300]}")
+    return [prefix + s for s in suffixes], notes
+
+
+class HttpLoop:
+    """One closed-loop run over HTTP; `await run()` once."""
+
+    def __init__(self, target: HttpTarget, workload: Workload, phases: Phases, progress: Progress | None,
+                 sample_interval_s: float) -> None:
+        self.target, self.workload, self.phases, self.progress = target, workload, phases, progress
+        self.records: list[RequestRecord] = []
+        self.steps: list[StepSample] = []
+        self.series = SeriesRecorder(sample_interval_s)
+        self.live: dict[int, StreamResult] = {}
+        self.issued = 0
+        self.t0 = 0.0
+        self.notes: list[str] = []
+        self.last_stats: dict = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _may_issue(self) -> bool:
+        if self.workload.num_requests is not None:
+            return self.issued < self.workload.num_requests
+        return self.now() < self.phases.total_s
+
+    def _done(self) -> bool:
+        if self.workload.num_requests is not None:
+            return self.issued >= self.workload.num_requests and not self.live
+        return self.now() >= self.phases.total_s
+
+    def _body(self, index: int, prompts: list) -> dict:
+        w = self.workload
+        return {"model": self.target.model, "prompt": prompts[index % len(prompts)], "max_tokens": w.output_len,
+                "temperature": w.temperature, "ignore_eos": w.ignore_eos, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    async def _client(self, client: httpx.AsyncClient, k: int, prompts: list) -> None:
+        while not self._done():
+            if k >= self.phases.target(self.now()) or not self._may_issue():
+                await asyncio.sleep(POLL_S)
+                continue
+            index, self.issued = self.issued, self.issued + 1
+            res = StreamResult(self.now())
+            self.live[index] = res
+            try:
+                await stream_completion(client, f"{self.target.url}/v1/completions", self._body(index, prompts), res, self.now)
+            finally:
+                del self.live[index]
+                self.records.append(res.record(index, k))
+            if res.error is not None:
+                raise HttpBenchError(f"request {index} failed: {res.error}")
+
+    async def _sampler(self, client: httpx.AsyncClient) -> None:
+        next_scrape = 0.0
+        while not self._done():
+            t = self.now()
+            decoding = sum(1 for r in self.live.values() if r.first is not None)
+            if t >= next_scrape:
+                self.last_stats = await engine_stats(client, self.target.url) or self.last_stats
+                next_scrape = t + self.series.interval_s / 2
+            running = int(self.last_stats.get("running", len(self.live)))
+            self.steps.append(StepSample(t, decoding, running))
+            self.series.observe(t, 0, decoding, self.last_stats)
+            if self.progress is not None:
+                self.progress(t, len(self.records))
+            await asyncio.sleep(POLL_S)
+
+    async def run(self) -> RunTrace:
+        limits = httpx.Limits(max_connections=self.phases.max_concurrency + 4)
+        timeout = httpx.Timeout(self.workload.timeout_s, connect=10.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            prompts, self.notes = await build_prompts(client, self.target, self.workload.input_len)
+            start = await engine_stats(client, self.target.url)
+            self.t0 = time.perf_counter()
+            tasks = [self._client(client, k, prompts) for k in range(self.phases.max_concurrency)]
+            await asyncio.wait_for(asyncio.gather(self._sampler(client), *tasks), self.workload.timeout_s)
+            duration = self.now() if self.workload.num_requests is not None else self.phases.total_s
+            end = await engine_stats(client, self.target.url)
+        return self._trace(duration, start, end)
+
+    def _trace(self, duration: float, start: dict | None, end: dict | None) -> RunTrace:
+        if start and end and "generated_tokens" in end:
+            tokens = int(end["generated_tokens"] - start.get("generated_tokens", 0))
+        else:
+            tokens = sum(r.output_len for r in self.records)
+        rows = [dict(r, output_tok_s=None) for r in self.series.rows]  # tok/s per interval: see engine stats
+        return RunTrace(duration, tokens, tuple(self.records), tuple(self.steps), tuple(rows), end or {})
+
+
+def run_http(target: HttpTarget, workload: Workload, phases: Phases, progress: Progress | None = None,
+             sample_interval_s: float = 1.0) -> RunTrace:
+    """Run one closed loop against `target` and return what it observed."""
+    return asyncio.run(HttpLoop(target, workload, phases, progress, sample_interval_s).run())
