@@ -10,6 +10,7 @@ words and their own prefix caching). Engine counters come from scraping `/metric
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
 from dhisparse.bench.series import SeriesRecorder
 from dhisparse.bench.workload import FILLER, Phases, Workload, filler_words, suffix_text
 
+log = logging.getLogger("dhisparse.bench")
 POLL_S = 0.05
 NUM_SUFFIXES = 32
 
@@ -140,21 +142,57 @@ class HttpLoop:
         timeout = httpx.Timeout(self.workload.timeout_s, connect=10.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             prompts, self.notes = await build_prompts(client, self.target, self.workload.input_len)
+            for note in self.notes:
+                log.warning("%s: %s", self.target.url, note)
             start = await engine_stats(client, self.target.url)
             self.t0 = time.perf_counter()
-            tasks = [self._client(client, k, prompts) for k in range(self.phases.max_concurrency)]
-            await asyncio.wait_for(asyncio.gather(self._sampler(client), *tasks), self.workload.timeout_s)
+            tasks = [asyncio.create_task(self._client(client, k, prompts)) for k in range(self.phases.max_concurrency)]
+            tasks.append(asyncio.create_task(self._sampler(client)))
+            await self._wait(tasks)
             duration = self.now() if self.workload.num_requests is not None else self.phases.total_s
             end = await engine_stats(client, self.target.url)
+            await self._cancel(tasks)
         return self._trace(duration, start, end)
+
+    async def _wait(self, tasks: list[asyncio.Task]) -> None:
+        """Until the window closes (duration), every request finished (count) or timeout_s."""
+        limit = self.workload.timeout_s
+        if self.workload.num_requests is None:
+            limit = min(limit, self.phases.total_s)
+        done, _ = await asyncio.wait(tasks, timeout=limit, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                await self._cancel(tasks)
+                raise t.exception()
+
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task]) -> None:
+        """Cancel what still runs (closing a stream makes the server abort that request)."""
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _trace(self, duration: float, start: dict | None, end: dict | None) -> RunTrace:
         if start and end and "generated_tokens" in end:
             tokens = int(end["generated_tokens"] - start.get("generated_tokens", 0))
         else:
             tokens = sum(r.output_len for r in self.records)
-        rows = [dict(r, output_tok_s=None) for r in self.series.rows]  # tok/s per interval: see engine stats
-        return RunTrace(duration, tokens, tuple(self.records), tuple(self.steps), tuple(rows), end or {})
+        return RunTrace(duration, tokens, tuple(self.records), tuple(self.steps), tuple(_rates(self.series.rows)),
+                        end or {})
+
+
+def _rates(rows: list[dict]) -> list[dict]:
+    """Fill each row's output_tok_s from the server's generated_tokens counter."""
+    out, prev = [], None
+    for r in rows:
+        r = dict(r)
+        if prev is not None and "generated_tokens" in r and r["t"] > prev["t"]:
+            r["output_tok_s"] = (r["generated_tokens"] - prev.get("generated_tokens", 0)) / (r["t"] - prev["t"])
+        else:
+            r["output_tok_s"] = None
+        out.append(r)
+        prev = r
+    return out
 
 
 def run_http(target: HttpTarget, workload: Workload, phases: Phases, progress: Progress | None = None,

@@ -104,10 +104,10 @@ def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, no
             hloc = _host_loc(st, s, uniq[miss])
             order = torch.argsort(hloc)
             miss, hloc = miss[order], hloc[order]
-            protected = torch.zeros(st.hot_pos.shape[1], dtype=torch.bool)
+            protected = torch.zeros(st.hot_pos.shape[1], dtype=torch.bool, device=st.hot_pos.device)
             protected[hit_slot[hit]] = True
             cand = (~protected).nonzero().squeeze(1)
-            key = st.hot_stamp[s, cand] * (cand.numel() + 1) + torch.arange(cand.numel())  # stamp, then slot
+            key = st.hot_stamp[s, cand] * (cand.numel() + 1) + torch.arange(cand.numel(), device=cand.device)  # stamp, then slot
             victims = cand[torch.argsort(key)]
             m = min(miss.numel(), victims.numel())
             c[5] += miss.numel() - m
@@ -121,7 +121,7 @@ def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, no
         res = torch.full_like(flat, -1)
         res[valid] = out[inv]
         loc[n] = res.view(sel.shape[1:])
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64, device=sel.device)  # noqa: E731
     return ResolvePlan(loc, cat(srcs), cat(dsts), ResolveCounters(*c))
 
 
@@ -131,7 +131,7 @@ def run_copies(plan: ResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tenso
     if plan.copy_src.numel() == 0:
         return 0
     hp, dp = host_rows.shape[1], dev_rows.shape[1]
-    src = plan.copy_src
+    src = plan.copy_src.to(host_rows.device)
     vals = host_rows[src // hp, src % hp].to(dev_rows.device, non_blocking=True)
     dst = plan.copy_dst.to(dev_rows.device)
     dev_rows[dst // dp, dst % dp] = vals
