@@ -101,8 +101,15 @@ class Engine:
             from dhisparse.kv.resolver import plan_reference
 
             return plan_reference
-        from dhisparse.kernels.resolver import plan_triton
+        try:
+            from dhisparse.kernels.resolver import plan_triton
+        except ImportError as e:
+            if self.config.resolver == "triton":
+                raise ValueError(f"resolver 'triton' is unavailable here ({e}); use --resolver torch") from None
+            log.warning("Triton resolver unavailable (%s); using the PyTorch resolver", e)
+            from dhisparse.kv.resolver import plan_reference
 
+            return plan_reference
         return plan_triton
 
     # -- requests --------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""PNG figures in the paper's form (matplotlib, Agg backend).
+
+* `plot_serving`: Fig. 1/4 - (a) output tok/s against offered concurrency, (b) mean TTFT
+  (log axis) and (c) mean TPOT against output tok/s; one line per preset.
+* `plot_loadstep`: Fig. 6 - (a) request slots, (b) coverage, (c) host-fetched share against
+  time, one line per arm, phases shaded.
+* `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case, min-max
+  error bars, and the least-squares line with its bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+
+from dhisparse.bench.series import column  # noqa: E402
+
+STYLE = {"resident": "tab:gray", "hisparse": "tab:blue", "adaptive": "tab:green",
+         "resident+spec": "tab:purple", "adaptive+spec": "tab:red"}
+
+
+def _color(name: str, i: int) -> str:
+    return STYLE.get(name.split(" ")[0], f"C{i % 10}")
+
+
+def _lines(results: list[dict]) -> dict[str, list[dict]]:
+    """Runs of every bench result grouped by line label, sorted by concurrency."""
+    multi = len(results) > 1
+    lines: dict[str, list[dict]] = defaultdict(list)
+    for k, res in enumerate(results):
+        for r in res["runs"]:
+            label = r["preset"] + (f" [{res.get('label') or k}]" if multi and res.get("label") else "")
+            lines[label].append(r)
+    return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in lines.items()}
+
+
+def plot_serving(results: list[dict], out: str | Path, title: str | None = None) -> Path:
+    """Fig. 1/4 from one or more bench results."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), constrained_layout=True)
+    cs = sorted({r["concurrency"] for res in results for r in res["runs"]})
+    for i, (label, runs) in enumerate(_lines(results).items()):
+        kw = dict(color=_color(label, i), marker="o", label=label)
+        x = [r["concurrency"] for r in runs]
+        tput = [r["metrics"]["output_tok_s"] for r in runs]
+        axes[0].plot(x, tput, **kw)
+        for ax, key in ((axes[1], "ttft_mean_ms"), (axes[2], "tpot_mean_ms")):
+            pts = [(t, r["metrics"][key], r["concurrency"]) for t, r in zip(tput, runs) if r["metrics"][key] is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+            for px, py, c in pts:
+                ax.annotate(f"C{c}", (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color="0.35")
+    _decorate_serving(axes, cs)
+    fig.suptitle(title or _serving_title(results))
+    return _save(fig, out)
+
+
+def _decorate_serving(axes, cs: list[int]) -> None:
+    a, b, c = axes
+    a.set_xscale("log", base=2)
+    a.xaxis.set_major_locator(FixedLocator(cs))
+    a.xaxis.set_minor_locator(NullLocator())
+    a.set_xticklabels([str(v) for v in cs])
+    a.set(xlabel="offered concurrency C", ylabel="output tok/s", title="(a) output vs offered concurrency")
+    a.set_ylim(bottom=0)
+    b.set_yscale("log")
+    b.set(xlabel="output tok/s", ylabel="mean TTFT (ms, log)", title="(b) TTFT vs output")
+    c.set(xlabel="output tok/s", ylabel="mean TPOT (ms)", title="(c) TPOT vs output")
+    c.set_ylim(bottom=0)
+    for ax in axes:
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def _serving_title(results: list[dict]) -> str:
+    res = results[0]
+    w = (res.get("config") or {}).get("workload") or {}
+    eng = (res.get("config") or {}).get("engine") or {}
+    model = eng.get("model") or eng.get("url") or "?"
+    return f"closed loop: {model}, input {w.get('input_len', '?')}, output cap {w.get('output_len', '?')}"
+
+
+def _phase_spans(run: dict) -> list[tuple[float, float, str]]:
+    return [(p["start_s"], p["end_s"], f"{p['name']}") for p in run.get("phases", [])]
+
+
+LOADSTEP_PANELS = (("slots", ("slots", "running"), "(a) request slots", "requests"),
+                   ("coverage", ("coverage",), "(b) coverage: ready optional / eligible history", "share"),
+                   ("host_fetched_share", ("host_fetched_share",), "(c) selected rows fetched from host", "share"))
+
+
+def plot_loadstep(result: dict, out: str | Path, title: str | None = None) -> Path:
+    """Fig. 6 from a loadstep result: slots, coverage, host-fetched share against time."""
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True, constrained_layout=True)
+    runs = result["runs"]
+    for ax, (_, keys, name, ylabel) in zip(axes, LOADSTEP_PANELS):
+        drawn = False
+        for i, r in enumerate(runs):
+            key = next((k for k in keys if column(r["series"], k)[0]), None)
+            if key is None:
+                continue
+            t, v = column(r["series"], key)
+            ax.step(t, v, where="post", color=_color(r["preset"], i), label=f"{r['preset']} ({key})")
+            drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, "not reported by this build's presets", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")
+        else:
+            ax.legend(fontsize=8, loc="upper right")
+        ax.set(title=name, ylabel=ylabel)
+        ax.grid(True, alpha=0.3)
+    _shade_phases(axes, runs[0] if runs else {})
+    axes[-1].set_xlabel("time (s)")
+    unavailable = result.get("unavailable_arms") or []
+    sub = f" (unavailable arms: {', '.join(unavailable)})" if unavailable else ""
+    fig.suptitle((title or "load step: residency under changing load") + sub)
+    return _save(fig, out)
+
+
+def _shade_phases(axes, run: dict) -> None:
+    for k, (start, end, name) in enumerate(_phase_spans(run)):
+        for ax in axes:
+            if k % 2:
+                ax.axvspan(start, end, color="0.92", zorder=0)
+        axes[0].annotate(name, ((start + end) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
+                         va="bottom", fontsize=8, color="0.3")
+
+
+def fit_bandwidth(xs: list[float], ys_ms: list[float]) -> tuple[float, float, float]:
+    """Least squares time_ms = a + b * bytes -> (a_ms, GB/s = 1 / b, R^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys_ms) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys_ms))
+    b = sxy / sxx if sxx else 0.0
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys_ms)
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys_ms))
+    r2 = 1 - ss_res / ss_tot if ss_tot else 1.0
+    gbps = (1e-9 / (b * 1e-3)) if b > 0 else float("inf")
+    return a, gbps, r2
+
+
+def plot_resolver(records: list[dict], out: str | Path, title: str | None = None) -> Path:
+    """Fig. 8a from records {miss_bytes, time_ms, case}: mean with min-max bars per point."""
+    if not records:
+        raise ValueError("resolver plot: no records; expected a list of {miss_bytes, time_ms, case}")
+    groups: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for r in records:
+        groups[(str(r.get("case", "all")), float(r["miss_bytes"]))].append(float(r["time_ms"]))
+    fig, ax = plt.subplots(figsize=(7, 4.8), constrained_layout=True)
+    for i, case in enumerate(sorted({c for c, _ in groups})):
+        pts = sorted((b, v) for (c, b), v in groups.items() if c == case)
+        x = [b / 1e6 for b, _ in pts]
+        y = [sum(v) / len(v) for _, v in pts]
+        err = [[m - min(v) for m, (_, v) in zip(y, pts)], [max(v) - m for m, (_, v) in zip(y, pts)]]
+        ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{i}", capsize=3, label=case)
+    a, gbps, r2 = fit_bandwidth([float(r["miss_bytes"]) for r in records], [float(r["time_ms"]) for r in records])
+    xs = sorted({b for _, b in groups})
+    ax.plot([b / 1e6 for b in xs], [a + b * 1e-6 / gbps for b in xs], "k--", lw=1,
+            label=f"least-squares fit: {gbps:.1f} GB/s (R² = {r2:.4f})")
+    ax.set(xlabel="unique host-miss payload per call (MB)", ylabel="resolver time (ms)",
+           title=title or "resolver time vs host-miss bytes")
+    if min(xs) > 0:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def _save(fig, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
+    """Every figure the given result files support: serving curves from all bench results
+    together, one load-step figure per loadstep result, one resolver figure per resolver file."""
+    out_dir = Path(out_dir)
+    written = []
+    bench = [r for r in results if r.get("kind") == "bench"]
+    if bench:
+        written.append(plot_serving(bench, out_dir / "serving.png"))
+    for k, r in enumerate(x for x in results if x.get("kind") == "loadstep"):
+        written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
+    for k, r in enumerate(x for x in results if "records" in x):
+        written.append(plot_resolver(r["records"], out_dir / f"resolver{'' if k == 0 else k}.png"))
+    return written
