@@ -148,7 +148,7 @@ def greedy_ours(lm, prompt: list[int], n: int, ban: tuple[int, ...] = ()) -> lis
 
 def greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' generate(do_sample=False) of exactly n new tokens (EOS suppressed)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
         out = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     return out[0, len(prompt):].tolist()

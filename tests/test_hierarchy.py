@@ -57,9 +57,9 @@ def checked(llm: LLM) -> LLM:
         orig_write(req, latent, index, start)
         slot = names.setdefault(req, len(names))
         for layer in range(latent.shape[0]):
-            dense.latent[(slot, layer)] = latent[layer].clone()
+            dense.latent[(slot, layer)] = latent[layer].to(store.device).clone()
         for j, layer in enumerate(store.arena.layout.index_layers):
-            dense.index[(slot, layer)] = index[j].clone()
+            dense.index[(slot, layer)] = index[j].to(store.device).clone()
 
     store.context, store.write_rows = context, write_rows
     return llm

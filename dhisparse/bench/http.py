@@ -144,6 +144,8 @@ class HttpLoop:
             prompts, self.notes = await build_prompts(client, self.target, self.workload.input_len)
             for note in self.notes:
                 log.warning("%s: %s", self.target.url, note)
+            if self.workload.warmup:
+                await self._warmup(client, prompts)
             start = await engine_stats(client, self.target.url)
             self.t0 = time.perf_counter()
             tasks = [asyncio.create_task(self._client(client, k, prompts)) for k in range(self.phases.max_concurrency)]
@@ -153,6 +155,16 @@ class HttpLoop:
             end = await engine_stats(client, self.target.url)
             await self._cancel(tasks)
         return self._trace(duration, start, end)
+
+    async def _warmup(self, client: httpx.AsyncClient, prompts: list) -> None:
+        """One short request per client, all at once, before the clock starts."""
+        def body(k: int) -> dict:
+            b = dict(self._body(k, prompts), max_tokens=min(4, self.workload.output_len), stream=False)
+            b.pop("stream_options")
+            return b
+
+        await asyncio.gather(*(client.post(f"{self.target.url}/v1/completions", json=body(k))
+                               for k in range(self.phases.max_concurrency)))
 
     async def _wait(self, tasks: list[asyncio.Task]) -> None:
         """Until the window closes (duration), every request finished (count) or timeout_s."""

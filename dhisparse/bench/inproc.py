@@ -97,8 +97,18 @@ class InProcessLoop:
             return self.issued >= self.workload.num_requests and not self.live
         return now >= self.phases.total_s
 
+    def warmup(self) -> None:
+        """One short request per client, run to completion before the clock starts."""
+        params = SamplingParams(max_tokens=min(4, self.workload.output_len), ignore_eos=True)
+        rids = {self.engine.add_request(self._prompt(-1 - k), params) for k in range(self.phases.max_concurrency)}
+        deadline = time.perf_counter() + self.workload.timeout_s
+        while rids and time.perf_counter() < deadline:
+            rids -= {o.request_id for o in self.engine.step() if o.finished}
+
     def run(self) -> RunTrace:
         self.engine.prepare_prefix(self.prefix)
+        if self.workload.warmup:
+            self.warmup()
         self.t0 = time.perf_counter()
         now = 0.0
         while not self._done(now):
@@ -109,7 +119,7 @@ class InProcessLoop:
             if self.workload.num_requests is not None or now <= self.phases.total_s:
                 self.window_tokens += new
             stats = self.engine.stats().as_dict()
-            self.steps.append(StepSample(now, sum(1 for o in outputs if o.new_token_ids), stats.get("running", 0)))
+            self.steps.append(StepSample(now, sum(1 for o in outputs if o.new_token_ids), stats.get("running", 0), new))
             self.series.observe(now, new, self.steps[-1].decoding, stats)
             if self.progress is not None:
                 self.progress(now, len(self.records))

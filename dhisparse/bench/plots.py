@@ -17,7 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
 from dhisparse.bench.series import column  # noqa: E402
 
@@ -61,19 +61,34 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
 
 def _decorate_serving(axes, cs: list[int]) -> None:
     a, b, c = axes
+    for ax in axes:
+        ax.margins(x=0.08, y=0.12)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
     a.set_xscale("log", base=2)
     a.xaxis.set_major_locator(FixedLocator(cs))
     a.xaxis.set_minor_locator(NullLocator())
     a.set_xticklabels([str(v) for v in cs])
     a.set(xlabel="offered concurrency C", ylabel="output tok/s", title="(a) output vs offered concurrency")
-    a.set_ylim(bottom=0)
-    b.set_yscale("log")
     b.set(xlabel="output tok/s", ylabel="mean TTFT (ms, log)", title="(b) TTFT vs output")
     c.set(xlabel="output tok/s", ylabel="mean TPOT (ms)", title="(c) TPOT vs output")
-    c.set_ylim(bottom=0)
-    for ax in axes:
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
+    for ax in (a, c):
+        ax.set_ylim(0, ax.get_ylim()[1])
+    _plain_log_y(b)
+
+
+def _plain_log_y(ax) -> None:
+    """Log y axis labelled with plain numbers; minor ticks get labels too when the data span
+    less than a decade (otherwise a narrow range would show a single label)."""
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    lo, hi = ax.get_ylim()
+    if lo > 0 and hi / lo < 10:
+        ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)))
+        ax.yaxis.set_minor_formatter(plain)
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _serving_title(results: list[dict]) -> str:
@@ -98,36 +113,48 @@ def plot_loadstep(result: dict, out: str | Path, title: str | None = None) -> Pa
     fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True, constrained_layout=True)
     runs = result["runs"]
     for ax, (_, keys, name, ylabel) in zip(axes, LOADSTEP_PANELS):
-        drawn = False
-        for i, r in enumerate(runs):
-            key = next((k for k in keys if column(r["series"], k)[0]), None)
-            if key is None:
-                continue
-            t, v = column(r["series"], key)
-            ax.step(t, v, where="post", color=_color(r["preset"], i), label=f"{r['preset']} ({key})")
-            drawn = True
-        if not drawn:
-            ax.text(0.5, 0.5, "not reported by this build's presets", ha="center", va="center",
-                    transform=ax.transAxes, color="0.4")
-        else:
-            ax.legend(fontsize=8, loc="upper right")
+        _loadstep_panel(ax, runs, keys, share=ylabel == "share")
         ax.set(title=name, ylabel=ylabel)
         ax.grid(True, alpha=0.3)
     _shade_phases(axes, runs[0] if runs else {})
     axes[-1].set_xlabel("time (s)")
-    unavailable = result.get("unavailable_arms") or []
+    unavailable = (result.get("config") or {}).get("unavailable_arms") or []
     sub = f" (unavailable arms: {', '.join(unavailable)})" if unavailable else ""
     fig.suptitle((title or "load step: residency under changing load") + sub)
     return _save(fig, out)
 
 
+def _loadstep_panel(ax, runs: list[dict], keys: tuple[str, ...], share: bool) -> None:
+    top = 0.0
+    for i, r in enumerate(runs):
+        key = next((k for k in keys if column(r["series"], k)[0]), None)
+        if key is None:
+            continue
+        t, v = column(r["series"], key)
+        ax.step(t, v, where="post", color=_color(r["preset"], i), ls=("-", "--", ":", "-.")[i % 4],
+                lw=2.2 - 0.4 * (i % 3), label=f"{r['preset']} ({key})")
+        top = max(top, max(v))
+    if top == 0.0 and not ax.lines:
+        ax.text(0.5, 0.5, "not reported by this build's presets", ha="center", va="center",
+                transform=ax.transAxes, color="0.4")
+        ax.set_yticks([])
+        return
+    ax.legend(fontsize=8, loc="lower right")
+    if share:
+        ax.set_ylim(0, min(1.0, max(top * 1.15, 0.01)) if top < 0.8 else 1.02)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:.0f}%"))
+    else:
+        ax.set_ylim(0, max(top * 1.15, 1))
+
+
 def _shade_phases(axes, run: dict) -> None:
+    """Alternate phases shaded; phase names along the top of the first panel."""
     for k, (start, end, name) in enumerate(_phase_spans(run)):
         for ax in axes:
             if k % 2:
                 ax.axvspan(start, end, color="0.92", zorder=0)
-        axes[0].annotate(name, ((start + end) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
-                         va="bottom", fontsize=8, color="0.3")
+        axes[0].text((start + end) / 2, 0.96, name, transform=axes[0].get_xaxis_transform(), ha="center",
+                     va="top", fontsize=8, color="0.3")
 
 
 def fit_bandwidth(xs: list[float], ys_ms: list[float]) -> tuple[float, float, float]:

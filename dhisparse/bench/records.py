@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-# engine counters (EngineStats.as_dict keys) that summaries and tables pick out when present
-COUNTERS = ("host_fetched_share", "coverage", "acceptance", "tokens_per_round", "allocation_wait", "handoff",
-            "slots")
+# engine counters (EngineStats.as_dict keys) that summaries pick out when present
+COUNTERS = ("host_fetched_share", "coverage", "resolver_direct_share", "resolver_hot_share", "resolver_host_share",
+            "acceptance", "tokens_per_round", "allocation_wait", "handoff", "slots")
+# the ones bench tables show as columns (host_fetched_share always, "-" when absent)
+TABLE_COUNTERS = ("host_fetched_share", "coverage", "acceptance", "tokens_per_round")
 
 
 class RequestRecord(NamedTuple):
@@ -42,11 +44,13 @@ class RequestRecord(NamedTuple):
 
 
 class StepSample(NamedTuple):
-    """Per engine step (in-process) or per poll (HTTP): requests decoding and running."""
+    """Per engine step (in-process) or per poll (HTTP): requests decoding and running, and the
+    tokens the step returned (in-process only)."""
 
     t: float
     decoding: int
     running: int
+    tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ FILLER = (
 class Workload:
     """input_len: prefix tokens shared by every request; output_len: output cap per request;
     duration_s / num_requests: stop after this long or this many requests (one of them);
-    timeout_s: hard bound on a run in request-count mode; temperature 0 = greedy."""
+    timeout_s: hard bound on a run in request-count mode; temperature 0 = greedy;
+    warmup: before the timed window, run one short request per client at the run's highest
+    concurrency (first-time costs of a batch shape stay out of the numbers)."""
 
     input_len: int = 1024
     output_len: int = 128
@@ -32,6 +34,7 @@ class Workload:
     temperature: float = 0.0
     ignore_eos: bool = True
     timeout_s: float = 3600.0
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:

@@ -1,4 +1,5 @@
-"""Command line: `dhisparse {demo,generate}`; `dhisparse COMMAND --help` explains each flag."""
+"""Command line: `dhisparse {demo,generate,serve,bench,loadstep,plot}`; `dhisparse COMMAND --help`
+explains each flag."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from dhisparse.cli import demo, generate
+from dhisparse.cli import bench, demo, generate, loadstep, plot, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
     generate.add_parser(sub)
+    serve.add_parser(sub)
+    bench.add_parser(sub)
+    loadstep.add_parser(sub)
+    plot.add_parser(sub)
     return p
 
 

@@ -30,6 +30,7 @@ def add_workload_args(p: argparse.ArgumentParser, duration: float | None = 30.0)
     g.add_argument("--output-len", type=int, default=128, help="output cap per request (exact unless --respect-eos)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--respect-eos", action="store_true", help="stop at EOS instead of always producing --output-len tokens")
+    g.add_argument("--no-warmup", action="store_true", help="skip the short warm-up requests before each timed run")
     g.add_argument("--timeout", type=float, default=3600.0, help="hard bound in seconds on one run")
     g.add_argument("--sample-interval", type=float, default=1.0, help="seconds per row of the engine-counter time series")
     if duration is not None:
@@ -61,13 +62,16 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def workload_from(ns: argparse.Namespace):
+def workload_from(ns: argparse.Namespace, duration_s: float | None = None):
+    """The workload flags; `duration_s` overrides --duration (loadstep passes its phases' total)."""
     from dhisparse.bench.workload import Workload
 
     count = getattr(ns, "num_requests", None)
+    duration = duration_s if duration_s is not None else getattr(ns, "duration", None)
     return Workload(input_len=ns.input_len, output_len=ns.output_len,
-                    duration_s=None if count is not None else getattr(ns, "duration", None), num_requests=count,
-                    temperature=ns.temperature, ignore_eos=not ns.respect_eos, timeout_s=ns.timeout)
+                    duration_s=None if count is not None else duration, num_requests=count,
+                    temperature=ns.temperature, ignore_eos=not ns.respect_eos, timeout_s=ns.timeout,
+                    warmup=not ns.no_warmup)
 
 
 def presets_from(ns: argparse.Namespace) -> list[str]:
@@ -80,14 +84,12 @@ def presets_from(ns: argparse.Namespace) -> list[str]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from dhisparse.bench import results as R
-    from dhisparse.bench.report import bench_table
+    from dhisparse.bench.report import console as report_console, bench_table
     from dhisparse.bench.sweep import ProgressBar, sweep_http, sweep_inprocess
     from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
 
-    console = Console()
+    console = report_console()
     concurrencies, workload = int_list(ns.concurrency, "--concurrency"), workload_from(ns)
     t0 = time.perf_counter()
     with ProgressBar(not ns.no_progress, console) as bar:

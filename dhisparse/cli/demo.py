@@ -1,57 +1,100 @@
 """`dhisparse demo`: the README's main job on the built-in model.
 
-Runs a batch of requests through the engine, then prints sample text, throughput and the KV
-memory the pool used.
+A short closed-loop run of every available preset (C clients, each request imports a private
+copy of one prepared prefix), then a comparison table: output tok/s, TTFT, TPOT, host-fetched
+share and the KV memory the pool used. It also prints a greedy sample text per preset, which
+must be identical across presets (they only change where KV lives, not what the model computes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
-from rich.console import Console
-from rich.table import Table
-
 from dhisparse.cli.args import add_engine_args, engine_config
-from dhisparse.engine.memory import format_bytes
-from dhisparse.engine.params import SamplingParams
 
-PROMPTS = [
-    "The hierarchy keeps every row on the host and a small hot cache on the GPU.",
-    "Sparse attention reads only the top-k rows that the indexer selects.",
-    "Speculative decoding verifies a drafted block in one target pass.",
-    "Optional history grows while memory is spare and is reclaimed under load.",
-]
+SAMPLE_PROMPT = "The hierarchy keeps every row on the host and a small hot cache on the GPU."
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run the built-in model end to end and report throughput and KV use",
+    p = sub.add_parser("demo", help="compare every available preset in a short closed-loop run on the built-in model",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--requests", type=int, default=16, help="number of requests")
-    p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
+    g = p.add_argument_group("demo")
+    g.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
+    g.add_argument("--input-len", type=int, default=512, help="tokens of the shared prepared prefix")
+    g.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
+    g.add_argument("--duration", type=float, default=None,
+                   help="seconds per preset (default: 40 s split over the available presets, 4 to 10 s each)")
+    g.add_argument("--out", default=None, help="also write the result JSON here")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
 
 
-def run(ns: argparse.Namespace) -> int:
-    from dhisparse.engine.llm import LLM
+def sample_text(engine, max_tokens: int = 40, timeout_s: float = 60.0) -> str:
+    """Greedy continuation of SAMPLE_PROMPT (bounded in time)."""
+    from dhisparse.engine.params import SamplingParams
 
-    console = Console()
-    llm = LLM.from_config(engine_config(ns))
-    prompts = [PROMPTS[i % len(PROMPTS)] + f" (request {i})" for i in range(ns.requests)]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=ns.max_tokens, ignore_eos=True))
-    dt = time.perf_counter() - t0
-    st = llm.engine.stats()
-    for o, p in list(zip(outs, prompts))[:3]:
-        console.print(f"[bold]{p}[/bold]\n  -> {o.text!r}")
-    n_out = sum(len(o.token_ids) for o in outs)
-    ttft = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
-    tpot = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
-    t = Table(title=f"dhisparse demo: {llm.engine.config.model}, preset {llm.engine.config.preset}, {llm.engine.device}")
-    for col in ("requests", "output tok/s", "TTFT mean (ms)", "TPOT mean (ms)", "KV pool", "KV peak used"):
-        t.add_column(col, justify="right")
-    t.add_row(str(len(outs)), f"{n_out / dt:.1f}", f"{1e3 * sum(ttft) / max(len(ttft), 1):.1f}",
-              f"{1e3 * sum(tpot) / max(len(tpot), 1):.2f}", format_bytes(st.kv_pool_bytes), format_bytes(st.kv_peak_bytes))
-    console.print(t)
+    rid = engine.add_request(SAMPLE_PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.text
+    engine.abort(rid)
+    return "(timed out)"
+
+
+def run(ns: argparse.Namespace) -> int:
+    from dhisparse.bench import results as R
+    from dhisparse.bench.inproc import run_inprocess
+    from dhisparse.bench.report import console as report_console
+    from dhisparse.bench.sweep import ProgressBar, load_shared_model, on_fresh_engine
+    from dhisparse.bench.workload import Phases, Workload
+    from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
+
+    console = report_console()
+    presets = [ns.preset] if ns.preset else list(AVAILABLE_PRESETS)
+    duration = ns.duration or min(10.0, max(4.0, 40.0 / len(presets)))
+    workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=duration)
+    phases = Phases.constant(ns.concurrency, duration)
+    base = engine_config(ns, preset=presets[0])
+    loaded = load_shared_model(base)
+    runs, texts = [], {}
+    with ProgressBar(not ns.no_progress, console) as bar:
+        for preset in presets:
+            tick = bar.task(f"{preset:<14} C{ns.concurrency}", workload, phases)
+
+            def job(engine, tick=tick, preset=preset):
+                trace = run_inprocess(engine, workload, phases, tick)
+                texts[preset] = sample_text(engine)
+                return trace
+
+            trace = on_fresh_engine(dataclasses.replace(base, preset=preset), loaded, job)
+            runs.append(R.run_result(preset, ns.concurrency, "in-process", trace))
+    result = R.ResultFile("bench", R.now_iso(), R.command_line(), R.machine_info(),
+                          {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "demo": True},
+                          list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs)
+    _report(console, result, texts, base, ns)
+    if ns.out:
+        console.print(f"results: {R.write_json(result, ns.out)}")
     return 0
+
+
+def _report(console, result, texts: dict, base, ns: argparse.Namespace) -> None:
+    from dhisparse.bench import results as R
+    from dhisparse.bench.report import demo_table
+
+    console.print(f"[bold]prompt:[/bold] {SAMPLE_PROMPT!r}")
+    for preset, text in texts.items():
+        console.print(f"  [cyan]{preset:<14}[/cyan] -> {text!r}")
+    if len(set(texts.values())) == 1 and len(texts) > 1:
+        console.print("  greedy output is identical across presets (they change where KV lives, not the math)")
+    data = R.to_jsonable(result)
+    title = (f"dhisparse demo: {base.model}, closed loop C{ns.concurrency}, input {ns.input_len} tokens "
+             f"(prepared prefix), output {ns.output_len}")
+    console.print(demo_table(data, title))
+    unavailable = data["unavailable_presets"]
+    if unavailable:
+        console.print(f"presets not in this build yet: {', '.join(unavailable)}")

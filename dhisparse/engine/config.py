@@ -29,7 +29,8 @@ class EngineConfig:
     max_model_len [--max-model-len]: prompt + output limit; None = model's max positions.
     hot_cache_rows [--hot-cache-rows]: hot-cache rows B per request and source (hierarchical
         presets); None = 2 x the model's index_topk. Must be >= index_topk.
-    host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes.
+    host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes, capped at
+        half of the host's available memory.
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     seed [--seed]: seed of the built-in model's random weights.
     debug_checks [--debug-checks]: run pool integrity checks after every step.

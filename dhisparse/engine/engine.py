@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, resolve_device
+from dhisparse.engine.memory import DTYPES, format_bytes, host_pool_bytes, kv_pool_bytes, resolve_device
 from dhisparse.engine.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
 from dhisparse.engine.sampling import Sampler, make_generator
@@ -90,7 +90,7 @@ class Engine:
         hot = cfg.hot_cache_rows or 2 * mc.index_topk
         if hot < mc.index_topk:
             raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({mc.index_topk})")
-        host_bytes = cfg.host_pool_bytes or 4 * pool_bytes
+        host_bytes = host_pool_bytes(cfg.host_pool_bytes, pool_bytes)
         host_pages = max(1, host_bytes // self.page_bytes)
         host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
         return HierarchicalKV(self.arena, host, hot, cfg.max_running_requests, plan_fn=self._plan_fn(), debug=cfg.debug_checks)

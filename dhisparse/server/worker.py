@@ -108,7 +108,8 @@ class EngineWorker:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self.stats = self.engine.stats().as_dict()  # aborts free pages without a step
 
     def _apply(self, op: str, rid: str | None, prompt: Any, params: Any, sink: _Sink | None) -> None:
         if op in ("add", "prefix"):

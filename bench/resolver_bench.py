@@ -1,0 +1,186 @@
+"""Resolver microbenchmark: plan+copy time against unique host-miss bytes, and the zero-copy ceiling.
+
+    python3 bench/resolver_bench.py --out $OUT/resolver.json          # H200, < 4 min
+    python3 bench/resolver_bench.py --quick --out /tmp/resolver.json  # CPU smoke (TRITON_INTERPRET)
+
+Batch N=32, k=2048, B=4096, rows of 656 B (fp16 W=328) and 1152 B (bf16 W=576). For each case the
+hot-cache state is restored before every timed call (outside the CUDA events); a call is
+`plan_triton(defer=True)` + `launch_copies` (the engine's no-sync path). Cases: cold cache and warm
+caches with a swept miss share; selections shared / partial (90% common) / disjoint across K=8
+queries, and K=1; no-miss calls at history 8K/32K/128K; all-direct vs all-hot at B=4096; 8 identical
+selections vs 1. The same run gathers the same numbers of random rows from a >= 4 GiB pinned region
+with the same Triton kernel, random and sorted by address (the ceiling), and fits time vs miss bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.resolver_cases import Case, Rig, check_case, fit  # noqa: E402
+from dhisparse.kernels.gather import gather_rows_padded  # noqa: E402
+from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
+
+
+SPIN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+
+
+def timeit(rig: Rig, fn, restore, iters: int, warmup: int) -> list[float]:
+    """Milliseconds of fn per call; restore() runs before each call, outside the timed region."""
+    for _ in range(warmup):
+        restore()
+        fn()
+    ts = []
+    for _ in range(iters):
+        restore()
+        if rig.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SPIN_CYCLES)  # the GPU waits while the CPU enqueues: launch gaps are not timed
+            a.record()
+            fn()
+            b.record()
+            ts.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    if rig.cuda:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in ts]
+    return [t * 1e3 for t in ts]
+
+
+def stats(ts: list[float]) -> dict:
+    s = sorted(ts)
+    return {"time_ms": s[len(s) // 2], "min_ms": s[0], "max_ms": s[-1], "n_timings": len(s)}
+
+
+def run_case(rig: Rig, case: Case, args) -> dict:
+    """Time plan+copy, plan alone and copy alone for one prepared case."""
+    st, sel, slots = case.state, case.sel, case.slots
+    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    now = int(st.hot_stamp.max()) + 1
+
+    def restore():
+        st.hot_pos.copy_(snap[0])
+        st.hot_stamp.copy_(snap[1])
+
+    def plan():
+        return plan_triton(sel, slots, st, now, defer=True)
+
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb)
+
+    def both():
+        launch_copies(plan(), host, dev)
+
+    restore()
+    p = plan().materialize()
+    restore()
+    c = p.counters
+    rec = {"case": case.name, "row_bytes": case.rb, "K": sel.shape[1], "k": sel.shape[2], "N": sel.shape[0],
+           "B": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host,
+           "miss_bytes": c.host * case.rb, "overflow": c.overflow, "counters": c._asdict(), **case.meta}
+    rec.update(stats(timeit(rig, both, restore, args.iters, args.warmup)))
+    rec["plan_only"] = stats(timeit(rig, plan, restore, args.iters, args.warmup))
+    rec["copy_only"] = stats(timeit(rig, lambda: launch_copies(p, host, dev), lambda: None, args.iters, args.warmup))
+    return rec
+
+
+def ceiling(rig: Rig, rb: int, counts: list[int], args) -> list[dict]:
+    """Plain gather of n random rows of the pinned region, random order and sorted by address."""
+    host = rig.host_rows(rb)
+    total = host.shape[0] * host.shape[1]
+    out = []
+    for n in counts:
+        idx = torch.randperm(total, device=rig.dev)[:n]
+        dst = torch.arange(n, device=rig.dev).view(1, n)
+        buf = torch.empty((n, 1, host.shape[-1]), dtype=host.dtype, device=rig.dev)
+        cnt = torch.full((1,), n, dtype=torch.int32, device=rig.dev)
+        for order, src in (("random", idx), ("sorted", idx.sort().values)):
+            src = src.view(1, n)
+            ts = timeit(rig, lambda: gather_rows_padded(host, buf, src, dst, cnt), lambda: None,
+                        args.iters, args.warmup)
+            r = {"case": f"ceiling_{order}", "row_bytes": rb, "rows": n, "miss_bytes": n * rb, **stats(ts)}
+            r["GBps"] = r["miss_bytes"] / r["time_ms"] / 1e6
+            out.append(r)
+    return out
+
+
+def summarise(records: list[dict], rbs: list[int]) -> dict:
+    summ = {}
+    for rb in rbs:
+        res = [r for r in records if r["row_bytes"] == rb and r["case"].startswith("miss")]
+        f = fit([r["miss_bytes"] for r in res], [r["time_ms"] for r in res])
+        ceil = {o: max((r for r in records if r["row_bytes"] == rb and r["case"] == f"ceiling_{o}"),
+                       key=lambda r: r["rows"]) for o in ("random", "sorted")}
+        cs = [r for r in records if r["row_bytes"] == rb and r["case"] == "ceiling_sorted"]
+        cfit = fit([r["miss_bytes"] for r in cs], [r["time_ms"] for r in cs])
+        s = {"fit_GBps": f["GBps"], "fit_r2": f["r2"], "fit_intercept_ms": f["intercept_ms"],
+             "ceiling_random_GBps": ceil["random"]["GBps"], "ceiling_sorted_GBps": ceil["sorted"]["GBps"],
+             "ceiling_sorted_fit_GBps": cfit["GBps"]}
+        s["fit_over_sorted_ceiling"] = s["fit_GBps"] / s["ceiling_sorted_GBps"]
+        s["fit_over_sorted_fit"] = s["fit_GBps"] / s["ceiling_sorted_fit_GBps"]
+        nm = {r["history"]: r["time_ms"] for r in records if r["row_bytes"] == rb and r["case"] == "nomiss"}
+        s["nomiss_ms_by_history"] = nm
+        by = {r["case"]: r["time_ms"] for r in records if r["row_bytes"] == rb}
+        if "direct_all" in by and "hot_all" in by:
+            s["direct_ms"], s["hot_scan_ms"] = by["direct_all"], by["hot_all"]
+        if "dedup_K8_identical" in by and "dedup_K1" in by:
+            s["identical8_over_1"] = by["dedup_K8_identical"] / by["dedup_K1"]
+        summ[str(rb)] = s
+    return summ
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU-friendly smoke test")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (>= 9 on GPU)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--row-bytes", type=int, nargs="+", default=[656, 1152])
+    ap.add_argument("--no-check", action="store_true", help="skip the bit-exact check against the reference")
+    args = ap.parse_args()
+    args.iters = args.iters or (2 if args.quick else 11)
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 3)
+    t0 = time.time()
+    rig = Rig(quick=args.quick)
+    records, checks = [], []
+    for rb in args.row_bytes:
+        rig.fill(rb)
+        cases = rig.cases(rb)
+        if not args.no_check:
+            checks.append(check_case(rig, cases[0]))
+            print(f"[{time.time() - t0:6.1f}s] rb={rb} reference check: {checks[-1]}", flush=True)
+        counts = sorted({r for r in rig.ceiling_counts()})
+        records += ceiling(rig, rb, counts, args)
+        for case in cases:
+            rec = run_case(rig, case, args)
+            records.append(rec)
+            print(f"[{time.time() - t0:6.1f}s] rb={rb:5d} {case.name:22s} misses={rec['miss_rows']:7d} "
+                  f"{rec['time_ms']:8.3f} ms (plan {rec['plan_only']['time_ms']:.3f}, "
+                  f"copy {rec['copy_only']['time_ms']:.3f})", flush=True)
+    summary = summarise(records, args.row_bytes)
+    doc = {"command": " ".join([sys.executable] + sys.argv), "quick": args.quick,
+           "machine": torch.cuda.get_device_name() if rig.cuda else "cpu (TRITON_INTERPRET)",
+           "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "shapes": rig.shape_doc(), "checks": checks, "summary": summary, "records": records,
+           "wall_s": time.time() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out} in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

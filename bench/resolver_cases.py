@@ -1,0 +1,189 @@
+"""Case construction for bench/resolver_bench.py: the pinned region, row spaces, states, selections."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from dhisparse.kernels.resolver import launch_copies, plan_triton
+from dhisparse.kv.resolver import ResolverState, plan_reference
+
+_DTYPE = {656: torch.float16, 1152: torch.bfloat16}
+
+
+@dataclass
+class Case:
+    name: str
+    rb: int
+    state: ResolverState
+    sel: torch.Tensor  # [N, K, k]
+    slots: torch.Tensor  # [N]
+    history: int
+    meta: dict = field(default_factory=dict)
+
+
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """Least squares y = a + b x (x bytes, y ms): rate 1/b in GB/s, R^2."""
+    n = len(xs)
+    if n < 2:
+        return {"GBps": float("nan"), "r2": float("nan"), "intercept_ms": float("nan")}
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    b = sxy / sxx if sxx else float("nan")
+    a = my - b * mx
+    ss = sum((y - my) ** 2 for y in ys)
+    res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return {"GBps": 1.0 / (b * 1e6) if b > 0 else float("nan"), "r2": 1 - res / ss if ss else float("nan"),
+            "intercept_ms": a}
+
+
+class Rig:
+    """Pinned host region (>= 4 GiB on GPU), per-row-size views, device row spaces, case builder."""
+
+    def __init__(self, quick: bool):
+        self.cuda = torch.cuda.is_available()
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        self.quick = quick
+        if quick:
+            self.N, self.K, self.k, self.B, self.ps, self.L = 2, 2, 16, 32, 4, 128
+            self.histories, region = (64, 128, 256), 4 << 20
+        else:
+            self.N, self.K, self.k, self.B, self.ps, self.L = 32, 8, 2048, 4096, 64, 65536
+            self.histories, region = (8192, 32768, 131072), 4 << 30
+        self.TT = 2 * self.ps
+        self.region = torch.empty(region, dtype=torch.uint8, pin_memory=self.cuda)
+        self.g = torch.Generator(device=self.dev).manual_seed(0)
+        self._dev_rows: dict[int, torch.Tensor] = {}
+        self._filled = False
+
+    def shape_doc(self) -> dict:
+        return {"N": self.N, "K": self.K, "k": self.k, "B": self.B, "host_page": self.ps, "history": self.L,
+                "region_bytes": self.region.numel(), "histories_nomiss": list(self.histories)}
+
+    def host_rows(self, rb: int) -> torch.Tensor:
+        """[HP, ps, W] view of the pinned region for rows of rb bytes."""
+        dt = _DTYPE.get(rb, torch.uint8)
+        W = rb // torch.empty(0, dtype=dt).element_size()
+        hp = self.region.numel() // (rb * self.ps)
+        return self.region[: hp * self.ps * rb].view(dt).view(hp, self.ps, W)
+
+    def dev_rows(self, rb: int) -> torch.Tensor:
+        if rb not in self._dev_rows:
+            h = self.host_rows(rb)
+            rows = self.N * (self.B + self.TT)
+            self._dev_rows[rb] = torch.zeros((rows // 64 + 1, 64, h.shape[-1]), dtype=h.dtype, device=self.dev)
+        return self._dev_rows[rb]
+
+    def fill(self, rb: int) -> None:
+        """Random bytes in the region (once) and a distinct pattern in the device rows."""
+        if not self._filled:
+            chunk = 256 << 20
+            for o in range(0, self.region.numel(), chunk):
+                part = self.region[o: o + chunk]
+                part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, device=self.dev,
+                                         generator=self.g), non_blocking=False)
+            self._filled = True
+        self.dev_rows(rb).view(torch.uint8).fill_(0xA5)
+
+    def ceiling_counts(self) -> list[int]:
+        return [self.N * self.k // 4, self.N * self.k, self.N * self.B]
+
+    # -- states and selections -----------------------------------------------------------------
+    def _randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, device=self.dev, generator=self.g)
+
+    def state(self, rb: int, L: int, direct: bool = False) -> ResolverState:
+        N, B, ps, TT = self.N, self.B, self.ps, self.TT
+        hp = self.host_rows(rb).shape[0]
+        ppr = hp // N  # host pages per request region
+        pages = -(-L // ps)
+        table = torch.stack([s * ppr + (self._randperm(ppr)[:pages] if pages <= ppr
+                                        else torch.arange(pages, device=self.dev) % ppr) for s in range(N)])
+        dev = dict(dtype=torch.int64, device=self.dev)
+        hot_loc = torch.arange(N * B, **dev).view(N, B)
+        tail_loc = N * B + torch.arange(N * TT, **dev).view(N, TT)
+        dmap = None
+        if direct:  # every history position ready on device (rows reused: never read here)
+            dmap = torch.arange(L, **dev).repeat(N, 1) % (N * B)
+        return ResolverState(torch.full((N, B), -1, **dev), torch.full((N, B), -1, **dev), hot_loc,
+                             torch.full((N,), L, **dev), tail_loc, table, ps, dmap)
+
+    def selection(self, kind: str, K: int, L: int) -> torch.Tensor:
+        """[N, K, k] positions < L. shared: one set for all queries; partial: 90% common + 10% own;
+        disjoint: no position shared between queries."""
+        N, k = self.N, self.k
+        own = {"shared": 0, "partial": max(1, k // 10), "disjoint": k}[kind] if K > 1 else 0
+        common = k - own
+        out = torch.empty((N, K, k), dtype=torch.int64, device=self.dev)
+        for n in range(N):
+            p = self._randperm(L)[: common + K * own]
+            for q in range(K):
+                row = torch.cat([p[:common], p[common + q * own: common + (q + 1) * own]])
+                out[n, q] = row[self._randperm(k)]
+        return out
+
+    def warm(self, st: ResolverState, sel: torch.Tensor, miss_share: float, L: int) -> None:
+        """Fill every hot slot: a (1 - miss_share) part of each request's union plus unselected
+        positions; random stamps. miss_share 1.0 on an empty cache = cold."""
+        B = self.B
+        for n in range(sel.shape[0]):
+            u = torch.unique(sel[n][sel[n] >= 0])
+            u = u[self._randperm(u.numel())]
+            keep = int(round((1 - miss_share) * min(u.numel(), B)))
+            others = self._randperm(L)
+            others = others[~torch.isin(others, u)][: B - keep]
+            pos = torch.cat([u[:keep], others])
+            perm = self._randperm(B)
+            st.hot_pos[n, perm[: pos.numel()]] = pos
+            st.hot_stamp[n] = torch.randint(0, 100, (B,), device=self.dev, generator=self.g)
+
+    def cases(self, rb: int) -> list[Case]:
+        L, K = self.L, self.K
+        slots = torch.arange(self.N, device=self.dev)
+        out = []
+
+        def add(name, sel, miss_share, hist=L, direct=False, cold=False, **meta):
+            st = self.state(rb, hist, direct)
+            if not cold:
+                self.warm(st, sel, miss_share, hist)
+            out.append(Case(name, rb, st, sel, slots, hist, {"miss_share": miss_share, "cold": cold, **meta}))
+
+        for kind, kq in (("partial", K), ("shared", K), ("disjoint", K), ("single", 1)):
+            sel = self.selection(kind if kq > 1 else "shared", kq, L)
+            add(f"miss_{kind}_K{kq}_cold", sel, 1.0, cold=True, sharing=kind)
+            for f in (0.5, 0.1):
+                add(f"miss_{kind}_K{kq}_warm{int(f * 100)}", sel, f, sharing=kind)
+        for h in self.histories:
+            add("nomiss", self.selection("partial", K, h), 0.0, hist=h, sharing="partial")
+        sel = self.selection("partial", K, L)
+        add("direct_all", sel, 0.0, direct=True, cold=True, sharing="partial")
+        add("hot_all", sel, 0.0, sharing="partial")
+        one = self.selection("shared", 1, L)
+        add("dedup_K1", one, 1.0, cold=True, sharing="single")
+        add("dedup_K8_identical", one.expand(-1, K, -1).contiguous(), 1.0, cold=True, sharing="identical")
+        return out
+
+
+def check_case(rig: Rig, case: Case) -> dict:
+    """plan_triton vs plan_reference (on CPU copies) bit for bit, then every copied row's bytes."""
+    st_t = copy.deepcopy(case.state)
+    st_r = ResolverState(**{f.name: (lambda v: v.cpu() if torch.is_tensor(v) else v)(getattr(case.state, f.name))
+                            for f in dataclasses.fields(case.state)})
+    now = int(case.state.hot_stamp.max()) + 1
+    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), st_r, now)
+    got = plan_triton(case.sel, case.slots, st_t, now)
+    same = {"loc": torch.equal(ref.loc, got.loc.cpu()), "copy_src": torch.equal(ref.copy_src, got.copy_src.cpu()),
+            "copy_dst": torch.equal(ref.copy_dst, got.copy_dst.cpu()), "counters": ref.counters == got.counters,
+            "hot_pos": torch.equal(st_r.hot_pos, st_t.hot_pos.cpu()),
+            "hot_stamp": torch.equal(st_r.hot_stamp, st_t.hot_stamp.cpu())}
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb)
+    launch_copies(got, host, dev)
+    hf, df = host.reshape(-1, host.shape[-1]), dev.reshape(-1, dev.shape[-1])
+    src = got.copy_src.cpu()
+    same["rows"] = bool(torch.equal(df[got.copy_dst].cpu().view(torch.uint8), hf[src].view(torch.uint8)))
+    same["case"], same["copies"] = case.name, int(src.numel())
+    return same

@@ -1,0 +1,35 @@
+"""`dhisparse plot RESULT.json... --out DIR`: PNG figures in the paper's form."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plot", help="PNG figures from bench / loadstep / resolver result JSON",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs output; "
+                                   "all files on one figure); loadstep -> loadstep.png (slots, coverage, host-fetched "
+                                   "share vs time); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} "
+                                   "-> resolver.png.")
+    p.add_argument("results", nargs="+", help="result JSON files")
+    p.add_argument("--out", default="figures", help="output folder")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from dhisparse.bench.plots import plot_results
+    from dhisparse.bench.results import read_json
+
+    results = []
+    for path in ns.results:
+        data = read_json(path)
+        data.setdefault("label", Path(path).stem)
+        results.append(data)
+    written = plot_results(results, ns.out)
+    if not written:
+        raise ValueError("none of the files is a bench, loadstep or resolver result; nothing to plot")
+    for png in written:
+        print(png)
+    return 0

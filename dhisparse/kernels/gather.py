@@ -1,0 +1,103 @@
+"""Fused row gather-copy: dst_rows[dst[n, r]] = src_rows[src[n, r]] for r < count[n].
+
+Rows are the last dimension of paged row spaces [pages, rows_per_page, W] (any W, any dtype, same
+dtype on both sides). Rows are moved in the widest integer unit the row size and strides allow
+(8 B for 656-B and 1152-B rows) and vector hints let 16-B loads issue. Grid
+(cdiv(C, R), N): it scales with the copy capacity; programs past a request's count exit at once.
+On CUDA a CPU source must be pinned: it is read zero-copy through `host_view` (UVA).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dhisparse.kernels.uva import host_view
+
+_UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+@triton.jit(do_not_specialize=["C"])
+def gather_rows_kernel(src_ptr, dst_ptr, sidx_ptr, didx_ptr, cnt_ptr, C,
+                       hp, hs0, hs1, dp, ds0, ds1,
+                       W: tl.constexpr, R: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
+    """Program (pid, n) copies rows pid*R .. pid*R+R-1 of request n's plan (src/dst idx [N, C])."""
+    pid = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    cnt = tl.load(cnt_ptr + n)
+    r0 = pid * R
+    if r0 < cnt:
+        r = r0 + tl.arange(0, R)
+        rm = r < cnt
+        si = tl.load(sidx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
+        di = tl.load(didx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
+        sb = tl.multiple_of((si // hp) * hs0 + (si % hp) * hs1, VEC)
+        db = tl.multiple_of((di // dp) * ds0 + (di % dp) * ds1, VEC)
+        for c0 in tl.static_range(0, W, CW):
+            cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
+            m = rm[:, None] & (cols[None, :] < W)
+            v = tl.load(src_ptr + sb[:, None] + cols[None, :], mask=m)
+            tl.store(dst_ptr + db[:, None] + cols[None, :], v, mask=m)
+
+
+def row_bytes(rows: torch.Tensor) -> int:
+    """Bytes of one row of a [pages, rows_per_page, W] row space."""
+    return rows.shape[-1] * rows.element_size()
+
+
+def _unit(t: torch.Tensor) -> int:
+    """Widest unit (bytes) dividing the row size, the page/row strides and the base address."""
+    es = t.element_size()
+    for ub, _ in _UNITS:
+        if ub < es:
+            break
+        if (t.shape[-1] * es) % ub == 0 and all(s * es % ub == 0 for s in t.stride()[:-1]) \
+                and t.data_ptr() % ub == 0:
+            return ub
+    return es
+
+
+def _as_units(t: torch.Tensor, ub: int) -> torch.Tensor:
+    if ub == t.element_size():
+        return t
+    return t.view(dict(_UNITS)[ub])
+
+
+def _vec(t: torch.Tensor, ub: int) -> int:
+    """Elements per 16-B vector when the row size, strides and base allow it, else 1."""
+    for v in (16 // ub, 8 // ub, 4 // ub, 2 // ub, 1):
+        if v >= 1 and t.shape[-1] % v == 0 and all(s % v == 0 for s in t.stride()[:-1]) \
+                and t.data_ptr() % (v * ub) == 0:
+            return v
+    return 1
+
+
+def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: torch.Tensor,
+                       dst_idx: torch.Tensor, count: torch.Tensor, *, rows_per_prog: int | None = None,
+                       num_warps: int = 4) -> None:
+    """src_rows [HP, hp, W], dst_rows [P, dp, W] (same dtype, unit last stride); src_idx, dst_idx
+    [N, C] flat row indices (page * rows_per_page + row); count [N] rows to copy per request."""
+    if src_rows.dtype != dst_rows.dtype or src_rows.shape[-1] != dst_rows.shape[-1]:
+        raise ValueError("source and destination rows must share dtype and width")
+    if src_rows.stride(-1) != 1 or dst_rows.stride(-1) != 1:
+        raise ValueError("row spaces need a contiguous last dimension")
+    if src_rows.dim() == 2:
+        src_rows = src_rows.unsqueeze(1)
+    if dst_rows.dim() == 2:
+        dst_rows = dst_rows.unsqueeze(1)
+    N, C = src_idx.shape
+    if N == 0 or C == 0:
+        return
+    if dst_rows.is_cuda and not src_rows.is_cuda:
+        src_rows = host_view(src_rows)
+    ub = min(_unit(src_rows), _unit(dst_rows))
+    s, d = _as_units(src_rows, ub), _as_units(dst_rows, ub)
+    vec = min(_vec(s, ub), _vec(d, ub))
+    W = s.shape[-1]
+    CW = min(triton.next_power_of_2(W), 64)
+    R = rows_per_prog or max(1, min(16, 1024 // CW))
+    grid = (triton.cdiv(C, R), N)
+    gather_rows_kernel[grid](s, d, src_idx, dst_idx, count, C,
+                             s.shape[1], s.stride(0), s.stride(1), d.shape[1], d.stride(0), d.stride(1),
+                             W=W, R=R, CW=CW, VEC=vec, num_warps=num_warps)

@@ -1,0 +1,157 @@
+"""Triton resolver: `plan_triton` (fused plan kernel) and `run_copies_triton` (fused gather-copy).
+
+Same semantics as `dhisparse.kv.resolver.plan_reference` / `run_copies`, bit for bit, in outputs
+and in state mutations (hot_pos, hot_stamp). On CPU the kernels run under TRITON_INTERPRET=1.
+
+Plan / run like FlashInfer:
+
+    plan = plan_triton(sel, slots, st, now)               # one launch, grid = N requests
+    nbytes = run_copies_triton(plan, host_rows, dev_rows)  # one launch per layer of the group
+
+`plan_triton(..., defer=True)` does not synchronise: `plan.loc` and the padded copy plan
+(`src_pad`, `dst_pad`, `copy_n`) and the device counters `counts` are ready on the stream;
+`copy_src`, `copy_dst` and `counters` are None until `plan.materialize()` (one sync).
+`launch_copies` runs the copies of a deferred plan without synchronising.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.kernels.gather import gather_rows_padded, row_bytes
+from dhisparse.kernels.resolver_kernel import resolve_plan_kernel
+from dhisparse.kv.resolver import ResolveCounters, ResolvePlan, ResolverState
+
+__all__ = ["TritonResolvePlan", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
+
+COUNTER_NAMES = ResolveCounters._fields
+
+
+@dataclass
+class TritonResolvePlan(ResolvePlan):
+    """ResolvePlan plus the kernel's padded per-request copy plan.
+
+    src_pad, dst_pad [N, C] int64: row r < copy_n[n] of request n is (host location, device location),
+    sorted by host location within the request (C = min(K*k, B)); copy_n [N] int32;
+    counts [6] int64 device tensor in `ResolveCounters` order.
+    copy_src [M], copy_dst [M], counters: None while deferred, filled by `materialize()`.
+    """
+
+    src_pad: torch.Tensor | None = None
+    dst_pad: torch.Tensor | None = None
+    copy_n: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.counters is None
+
+    def materialize(self) -> "TritonResolvePlan":
+        """Compact the copy plan to [M] (request order, host order within) and read the counters.
+        Synchronises with the device once. Idempotent."""
+        if self.counters is None:
+            keep = torch.arange(self.src_pad.shape[1], device=self.src_pad.device)[None, :] < self.copy_n[:, None]
+            self.copy_src = self.src_pad[keep]
+            self.copy_dst = self.dst_pad[keep]
+            self.counters = ResolveCounters(*(int(v) for v in self.counts.tolist()))
+        return self
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
+    """2-D state tensor with unit last stride (row stride passed to the kernel)."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        if writable:
+            raise ValueError(f"{name} must have a contiguous last dimension (it is updated in place)")
+        t = t.contiguous()
+    return t
+
+
+def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: int, *,
+                defer: bool = False, num_warps: int | None = None) -> TritonResolvePlan:
+    """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
+
+    Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns loc [N, K, k]
+    (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
+    """
+    if sel.dim() != 3:
+        raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
+    dev = st.hot_pos.device
+    N, K, k = sel.shape
+    KK = K * k
+    B = st.hot_pos.shape[1]
+    KKP, BP = _next_pow2(max(KK, 1)), _next_pow2(max(B, 1))
+    C = max(1, min(KK, B))
+    i64 = dict(dtype=torch.int64, device=dev)
+    loc = torch.empty(sel.shape, dtype=sel.dtype, device=dev)
+    src = torch.empty((N, C), **i64)
+    dst = torch.empty((N, C), **i64)
+    copy_n = torch.zeros(N, dtype=torch.int32, device=dev)
+    cnt = torch.zeros((N, 6), **i64)
+    plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, None)
+    if N and KK:
+        _launch(sel.to(dev).reshape(N, KK).contiguous(), slots.to(device=dev, dtype=torch.int64).contiguous(),
+                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps)
+    elif N:
+        loc.fill_(-1)
+    plan.counts = cnt.sum(0)
+    return plan if defer else plan.materialize()
+
+
+def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
+    hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
+    hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
+    hot_loc = _row(st.hot_loc, "hot_loc")
+    tail_loc = _row(st.tail_loc, "tail_loc")
+    table = _row(st.host_table, "host_table")
+    dmap = None if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
+    dev = hot_pos.device
+    N = sel2.shape[0]
+    scr64 = torch.empty((N, KKP), dtype=torch.int64, device=dev)
+    scr32 = torch.empty((N, 3 * KKP + 2 * BP), dtype=torch.int32, device=dev)
+    CH, CHB = min(KKP, 1024), min(BP, 1024)
+    if num_warps is None:
+        num_warps = 4 if KKP <= 1024 else (8 if KKP <= 4096 else 16)
+    resolve_plan_kernel[(N,)](
+        sel2, slots, KK,
+        hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
+        st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
+        table, table.stride(0), table.shape[1], st.host_page_size,
+        dmap if dmap is not None else hot_pos, dmap.stride(0) if dmap is not None else 0,
+        dmap.shape[1] if dmap is not None else 0,
+        int(now),
+        plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
+        scr64, scr32,
+        KKP=KKP, BP=BP, LOGK=KKP.bit_length() - 1, CH=CH, CHB=CHB, HAS_MAP=dmap is not None,
+        num_warps=num_warps,
+    )
+
+
+def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
+    """Copy the plan's host rows into device rows for one layer without synchronising.
+    host_rows [HP, ps, W] (pinned CPU on CUDA: read zero-copy), dev_rows [P, ps, W]."""
+    gather_rows_padded(host_rows, dev_rows, plan.src_pad, plan.dst_pad, plan.copy_n)
+
+
+def run_copies_triton(plan: ResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> int:
+    """Fused gather-copy of one layer's missed rows; same effect as `run_copies`. Returns bytes
+    moved (materialises a deferred plan: one sync). Accepts reference plans too."""
+    if isinstance(plan, TritonResolvePlan) and plan.src_pad is not None:
+        launch_copies(plan, host_rows, dev_rows)
+        plan.materialize()
+        m = plan.copy_src.numel()
+    else:
+        m = plan.copy_src.numel()
+        if m:
+            src = plan.copy_src.to(dev_rows.device).reshape(1, m)
+            dst = plan.copy_dst.to(dev_rows.device).reshape(1, m)
+            gather_rows_padded(host_rows, dev_rows, src, dst, torch.full((1,), m, dtype=torch.int32,
+                                                                          device=dev_rows.device))
+    return m * row_bytes(dev_rows)
