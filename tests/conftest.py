@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # no CUDA: Triton kernels run under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from dataclasses import dataclass
 from pathlib import Path
 

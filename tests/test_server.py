@@ -129,6 +129,15 @@ def test_cancel_mid_stream_frees_pages(server, client):
     assert wait_pages(server, base) == base
 
 
+def test_disconnect_of_non_streamed_request_aborts_it(server, engine):
+    before = engine.stats().generated_tokens
+    with pytest.raises(httpx.TimeoutException):
+        post_timeout = {"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+        httpx.post(server.url + "/v1/completions", json=post_timeout, timeout=0.5)
+    assert wait_pages(server, 0.0) == 0.0
+    assert engine.stats().generated_tokens - before < 480  # stopped early, not run to the end
+
+
 @pytest.mark.parametrize("body, needle", [
     (b"{not json", "malformed JSON"),
     (b"[1, 2]", "JSON object"),

@@ -12,6 +12,7 @@ import dataclasses
 
 from dhisparse.bench.records import COUNTERS, RunTrace, mean
 from dhisparse.bench.results import RunResult, run_result
+from dhisparse.bench.series import interval_shares
 from dhisparse.bench.sweep import ProgressBar, load_shared_model, on_fresh_engine
 from dhisparse.bench.inproc import run_inprocess
 from dhisparse.bench.workload import Phase, Phases, Workload
@@ -36,12 +37,14 @@ def step_phases(c_low: int, c_high: int, low_s: float, high_s: float, after_s: f
 
 
 def _phase_counters(rows: list[dict], start: float, end: float) -> dict:
-    """Mean of each engine counter over the series rows inside [start, end)."""
+    """Each engine counter over the series rows inside (start, end]: a DELTA_SHARES share from
+    its raw counters when exported (counted over the phase, as in Table A1), else the mean."""
     inside = [r for r in rows if start < r["t"] <= end]
-    out = {}
-    for k in COUNTERS:
-        vals = [r[k] for r in inside if r.get(k) is not None]
-        out[k] = mean(vals)
+    before = [r for r in rows if r["t"] <= start]
+    out = {k: mean([r[k] for r in inside if r.get(k) is not None]) for k in COUNTERS}
+    if inside and before:
+        for share, value in interval_shares(before[-1], inside[-1]).items():
+            out[share] = value
     return out
 
 

@@ -4,8 +4,8 @@
   (log axis) and (c) mean TPOT against output tok/s; one line per preset.
 * `plot_loadstep`: Fig. 6 - (a) request slots, (b) coverage, (c) host-fetched share against
   time, one line per arm, phases shaded.
-* `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case, min-max
-  error bars, and the least-squares line with its bandwidth.
+* `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case (linear
+  axes), min-max error bars, and the least-squares line with its bandwidth.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
     """Fig. 1/4 from one or more bench results."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), constrained_layout=True)
     cs = sorted({r["concurrency"] for res in results for r in res["runs"]})
-    for i, (label, runs) in enumerate(_lines(results).items()):
+    lines = _lines(results)
+    widest = max(lines, key=lambda k: max(r["metrics"]["output_tok_s"] for r in lines[k]), default=None)
+    for i, (label, runs) in enumerate(lines.items()):
         kw = dict(color=_color(label, i), marker="o", label=label)
         x = [r["concurrency"] for r in runs]
         tput = [r["metrics"]["output_tok_s"] for r in runs]
@@ -52,11 +54,21 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
         for ax, key in ((axes[1], "ttft_mean_ms"), (axes[2], "tpot_mean_ms")):
             pts = [(t, r["metrics"][key], r["concurrency"]) for t, r in zip(tput, runs) if r["metrics"][key] is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
-            for px, py, c in pts:
-                ax.annotate(f"C{c}", (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color="0.35")
+            if label == widest:
+                _label_points(ax, pts)
     _decorate_serving(axes, cs)
     fig.suptitle(title or _serving_title(results))
     return _save(fig, out)
+
+
+def _label_points(ax, pts: list[tuple[float, float, int]]) -> None:
+    """Mark offered concurrency next to points of one line, skipping points too close to the last label."""
+    span = max((p[0] for p in pts), default=1.0) or 1.0
+    last = None
+    for px, py, c in pts:
+        if last is None or px - last > 0.06 * span:
+            ax.annotate(f"C{c}", (px, py), textcoords="offset points", xytext=(5, -10), fontsize=7, color="0.35")
+            last = px
 
 
 def _decorate_serving(axes, cs: list[int]) -> None:
@@ -192,10 +204,9 @@ def plot_resolver(records: list[dict], out: str | Path, title: str | None = None
             label=f"least-squares fit: {gbps:.1f} GB/s (R² = {r2:.4f})")
     ax.set(xlabel="unique host-miss payload per call (MB)", ylabel="resolver time (ms)",
            title=title or "resolver time vs host-miss bytes")
-    if min(xs) > 0:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out)
 

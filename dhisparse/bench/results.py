@@ -1,12 +1,22 @@
 """Result files: plain dataclasses -> JSON, with the command line, machine and date.
 
-Schema (`kind` = "bench" or "loadstep", `schema_version` 1):
-    date, command, machine{...}, config{engine{...}, workload{...}, ...},
-    available_presets, unavailable_presets, notes[...],
-    runs[ {preset, concurrency, target (url or "in-process"), metrics{RunMetrics fields},
-           engine{final stats().as_dict()}, series[{t, output_tok_s, decoding, <stats>...}],
-           requests[{index, client, submit, first, finish, output_len, prompt_len, finish_reason,
-                     queue, ttft, tpot}], phases[...] (loadstep only) } ]
+Schema (`schema_version` 1; `kind` = "bench" or "loadstep"; NaN / inf are written as null):
+    date (ISO, local tz), command ("dhisparse bench ..."), machine {platform, python, hostname,
+    cpu_count, cpu, torch, gpus?}, config {engine {EngineConfig fields} | {url}, workload
+    {Workload fields}, concurrency [..] (bench) | arms, unavailable_arms, phases (loadstep), wall_s},
+    available_presets, unavailable_presets, notes [str],
+    runs [{preset, concurrency, target ("in-process" or the URL),
+           metrics {concurrency, duration_s, requests_submitted, requests_completed, output_tokens,
+                    output_tok_s, ttft_mean_ms, ttft_p99_ms, post_wave_ttft_mean_ms,
+                    post_wave_ttft_p99_ms, tpot_mean_ms, tpot_p99_ms, active, slots,
+                    queue_mean_ms, counters {host_fetched_share, coverage, ... when reported}},
+           engine {final stats().as_dict()},
+           series [{t, output_tok_s, decoding, <every numeric engine stat>}],
+           requests [{index, client, submit, first, finish, output_len, prompt_len,
+                      finish_reason, queue, ttft, tpot}]   (seconds from the run's start),
+           phases [{name, concurrency, start_s, end_s, requests, output_tok_s, ttft_mean_ms,
+                    tpot_mean_ms, tok_s_per_session, queue_mean_ms, slots_max,
+                    host_fetched_share, coverage, ...}]   (loadstep only)}]
 """
 
 from __future__ import annotations

@@ -4,11 +4,18 @@ Each row: `t` (end of the interval, s from run start), `output_tok_s` over the i
 `decoding` (mean requests decoding per step in it), then every numeric field of the latest
 `stats().as_dict()` (running, waiting, kv_pages_used, and whatever later presets add:
 host_fetched_share, coverage, slots, ...).
+
+Shares the engine reports cumulatively (since start) are replaced by their value over the
+interval when the engine also exports the raw counters behind them (DELTA_SHARES), so a
+one-second row shows that second's share as in the paper's Fig. 6.
 """
 
 from __future__ import annotations
 
 import math
+
+# share key -> (numerator counter, denominator counter), both cumulative engine stats
+DELTA_SHARES = {"host_fetched_share": ("host_selected_rows", "selected_rows")}
 
 
 def numeric(stats: dict) -> dict:
@@ -45,8 +52,20 @@ class SeriesRecorder:
         row = {"t": round(t, 4), "output_tok_s": self._tokens / span,
                "decoding": sum(self._decoding) / len(self._decoding) if self._decoding else 0.0}
         row.update(numeric(stats))
+        if self.rows:
+            row.update(interval_shares(self.rows[-1], row))
         self.rows.append(row)
         self._start, self._tokens, self._decoding = t, 0, []
+
+
+def interval_shares(prev: dict, row: dict) -> dict:
+    """For each DELTA_SHARES key whose counters both rows carry: numerator delta / denominator delta."""
+    out = {}
+    for share, (num, den) in DELTA_SHARES.items():
+        if all(k in r for k in (num, den) for r in (prev, row)):
+            d = row[den] - prev[den]
+            out[share] = (row[num] - prev[num]) / d if d > 0 else None
+    return out
 
 
 def column(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -21,6 +21,9 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-model-len": ("max_model_len", int, "limit on prompt + output tokens (default: the model's)"),
     "--hot-cache-rows": ("hot_cache_rows", int, "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
     "--host-pool-bytes": ("host_pool_bytes", int, "host backing capacity in bytes (default 4 x the KV pool)"),
+    "--admission-reserve-pages": ("admission_reserve_pages", int, "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
+    "--reclaim-order": ("reclaim_order", str, "adaptive: who loses optional history first: remaining (fewest tokens left), largest, newest"),
+    "--repopulate-pages": ("repopulate_pages", int, "adaptive: optional pages refilled from host per step at most"),
     "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }

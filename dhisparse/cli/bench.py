@@ -9,6 +9,15 @@ import time
 from dhisparse.cli.args import add_engine_args, engine_config
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only for real defaults (engine flags default to None = "the engine's")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'1,4,8' -> [1, 4, 8]; every value >= 1."""
     try:
@@ -47,7 +56,7 @@ def add_output_args(p: argparse.ArgumentParser, kind: str) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="closed-loop concurrency benchmark: output tok/s, TTFT, TPOT, active, slots",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="C clients each send their next request when the previous finishes; every request "
                                    "imports a private copy of one prepared prefix. Sweeps --concurrency x --presets.")
     add_engine_args(p)

@@ -13,20 +13,21 @@ import dataclasses
 import time
 
 from dhisparse.cli.args import add_engine_args, engine_config
+from dhisparse.cli.bench import HelpFormatter
 
 SAMPLE_PROMPT = "The hierarchy keeps every row on the host and a small hot cache on the GPU."
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="compare every available preset in a short closed-loop run on the built-in model",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_engine_args(p)
     g = p.add_argument_group("demo")
     g.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
     g.add_argument("--input-len", type=int, default=512, help="tokens of the shared prepared prefix")
     g.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
     g.add_argument("--duration", type=float, default=None,
-                   help="seconds per preset (default: 40 s split over the available presets, 4 to 10 s each)")
+                   help="seconds per preset (default: 30 s split over the available presets, 3 to 8 s each)")
     g.add_argument("--out", default=None, help="also write the result JSON here")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
@@ -56,7 +57,7 @@ def run(ns: argparse.Namespace) -> int:
 
     console = report_console()
     presets = [ns.preset] if ns.preset else list(AVAILABLE_PRESETS)
-    duration = ns.duration or min(10.0, max(4.0, 40.0 / len(presets)))
+    duration = ns.duration or min(8.0, max(3.0, 30.0 / len(presets)))
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=duration)
     phases = Phases.constant(ns.concurrency, duration)
     base = engine_config(ns, preset=presets[0])

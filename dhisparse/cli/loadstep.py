@@ -6,12 +6,12 @@ import argparse
 import time
 
 from dhisparse.cli.args import add_engine_args, engine_config
-from dhisparse.cli.bench import add_output_args, add_workload_args, default_out, workload_from
+from dhisparse.cli.bench import HelpFormatter, add_output_args, add_workload_args, default_out, workload_from
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("loadstep", help="load step C_low -> C_high -> C_low, residency on/off, per-second counters",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="Runs each arm (a preset) through the same offered-load step and records per-second "
                                    "slots, coverage and host-fetched share. Arms default to the residency on/off pair "
                                    "(adaptive, hisparse) that this build has, else resident.")

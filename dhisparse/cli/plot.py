@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+
+from dhisparse.cli.bench import HelpFormatter
 from pathlib import Path
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plot", help="PNG figures from bench / loadstep / resolver result JSON",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs output; "
                                    "all files on one figure); loadstep -> loadstep.png (slots, coverage, host-fetched "
                                    "share vs time); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 from dhisparse.cli.args import add_engine_args, engine_config
+from dhisparse.cli.bench import HelpFormatter
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions (SSE with "
                                    "stream=true), /v1/models, /health, /metrics (Prometheus).")
     add_engine_args(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
-AVAILABLE_PRESETS = ("resident", "hisparse")
+AVAILABLE_PRESETS = ("resident", "hisparse", "adaptive")
 
 
 class ConfigValueError(ValueError):
@@ -31,6 +31,11 @@ class EngineConfig:
         presets); None = 2 x the model's index_topk. Must be >= index_topk.
     host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes, capped at
         half of the host's available memory.
+    admission_reserve_pages [--admission-reserve-pages]: pages M_res kept free for admissions
+        (adaptive); optional history never eats into them.
+    reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
+        "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
+    repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     seed [--seed]: seed of the built-in model's random weights.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
@@ -48,6 +53,9 @@ class EngineConfig:
     max_model_len: int | None = None
     hot_cache_rows: int | None = None
     host_pool_bytes: int | None = None
+    admission_reserve_pages: int = 0
+    reclaim_order: str = "remaining"
+    repopulate_pages: int = 8
     resolver: str = "auto"
     seed: int = 0
     debug_checks: bool = False
@@ -70,6 +78,10 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_bytes must be positive; got {self.kv_pool_bytes}")
         if not 0 < self.kv_pool_fraction <= 1:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
+        if self.reclaim_order not in ("remaining", "largest", "newest"):
+            raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
+        if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:
+            raise ConfigValueError("admission_reserve_pages and repopulate_pages must be >= 0")
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
         for name in ("hot_cache_rows", "host_pool_bytes"):

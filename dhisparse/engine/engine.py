@@ -24,6 +24,7 @@ from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
 from dhisparse.kv.arena import KVArena
 from dhisparse.kv.host import HostStore
+from dhisparse.kv.adaptive import AdaptiveKV
 from dhisparse.kv.hierarchy import HierarchicalKV
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.models.registry import LoadedModel, load_model
@@ -93,7 +94,11 @@ class Engine:
         host_bytes = host_pool_bytes(cfg.host_pool_bytes, pool_bytes)
         host_pages = max(1, host_bytes // self.page_bytes)
         host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
-        return HierarchicalKV(self.arena, host, hot, cfg.max_running_requests, plan_fn=self._plan_fn(), debug=cfg.debug_checks)
+        args = (self.arena, host, hot, cfg.max_running_requests)
+        if cfg.preset == "hisparse":
+            return HierarchicalKV(*args, plan_fn=self._plan_fn(), debug=cfg.debug_checks)
+        return AdaptiveKV(*args, plan_fn=self._plan_fn(), debug=cfg.debug_checks, reserve_pages=cfg.admission_reserve_pages,
+                          reclaim_order=cfg.reclaim_order, repopulate_pages=cfg.repopulate_pages, max_len=self.max_model_len)
 
     def _plan_fn(self):
         use_triton = self.config.resolver == "triton" or (self.config.resolver == "auto" and self.device.type == "cuda")

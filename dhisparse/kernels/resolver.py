@@ -125,11 +125,11 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
         table, table.stride(0), table.shape[1], st.host_page_size,
         dmap if dmap is not None else hot_pos, dmap.stride(0) if dmap is not None else 0,
-        dmap.shape[1] if dmap is not None else 0,
+        dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
         int(now),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
         scr64, scr32,
-        KKP=KKP, BP=BP, LOGK=KKP.bit_length() - 1, CH=CH, CHB=CHB, HAS_MAP=dmap is not None,
+        KKP=KKP, BP=BP, LOGK=KKP.bit_length() - 1, CH=CH, CHB=CHB,
         num_warps=num_warps,
     )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BIG = 9223372036854775807  # int64 max: sorts after every real key
+BIG = tl.constexpr(9223372036854775807)  # int64 max: sorts after every real key
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _dedup(sel_ptr, KK, skey, upos, uidx, n, KKP: tl.constexpr, CH: tl.constexpr
 
 @triton.jit
 def _direct(upos, out, hflag, U, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
-            KKP: tl.constexpr, CH: tl.constexpr, HAS_MAP: tl.constexpr):
+            has_map, KKP: tl.constexpr, CH: tl.constexpr):
     """P2. out[uid] = tail or optional-map location (raw tail value, -1 when not direct).
     Returns (direct rows, remaining rows)."""
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
@@ -68,11 +68,9 @@ def _direct(upos, out, hflag, U, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dm
             in_tail = p >= ts
             t = p - ts
             tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=um & in_tail & (t < TT), other=-1).to(tl.int64)
-            if HAS_MAP:
-                dv = tl.load(dmap_ptr + s * s_dmap + p, mask=um & (~in_tail) & (p < LMAX), other=-1).to(tl.int64)
-                dv = tl.where(dv >= 0, dv, -1)
-            else:
-                dv = tl.full([CH], -1, tl.int64)
+            dv = tl.load(dmap_ptr + s * s_dmap + p, mask=um & (~in_tail) & (p < LMAX) & (has_map != 0),
+                         other=-1).to(tl.int64)
+            dv = tl.where(dv >= 0, dv, -1)
             o = tl.where(in_tail, tv, dv)
             done = um & (o >= 0)
             ndir += tl.sum(done.to(tl.int32), axis=0)
@@ -168,18 +166,17 @@ def _emit(sel_ptr, loc_ptr, KK, n, uidx, out, hflag, KKP: tl.constexpr, CH: tl.c
     return nsel, hsel
 
 
-@triton.jit(do_not_specialize=["now", "KK", "B", "TT", "HPW", "LMAX", "C", "ps"])
+@triton.jit(do_not_specialize=["now", "KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
     hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
     tail_start_ptr, tail_loc_ptr, s_tail, TT,
     table_ptr, s_table, HPW, ps,
-    dmap_ptr, s_dmap, LMAX,
+    dmap_ptr, s_dmap, LMAX, has_map,
     now,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr,
     KKP: tl.constexpr, BP: tl.constexpr, LOGK: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
-    HAS_MAP: tl.constexpr,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -198,7 +195,7 @@ def resolve_plan_kernel(
     U = _dedup(sel_ptr, KK, skey, upos, uidx, n, KKP, CH)
     tl.debug_barrier()
     ndir, nrest = _direct(upos, out, hflag, U, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
-                          LMAX, KKP, CH, HAS_MAP)
+                          LMAX, has_map, KKP, CH)
     tl.debug_barrier()
     nhot = ndir * 0
     if nrest > 0:
@@ -208,8 +205,8 @@ def resolve_plan_kernel(
     nmiss = nrest - nhot
     nhost = nmiss * 0
     if nmiss > 0:
-        ncand = B - nhot
-        nhost = tl.minimum(nmiss, ncand)
+        ncand = (B - nhot).to(tl.int32)
+        nhost = tl.minimum(nmiss, ncand).to(tl.int32)
         _victims(prot, vict, s, hot_stamp_ptr, s_stamp, B, ncand, BP)
         tl.debug_barrier()
         _misses(upos, out, hflag, vict, U, nhost, s, n, C, table_ptr, s_table, HPW, ps,

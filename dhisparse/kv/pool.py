@@ -83,6 +83,17 @@ class PagePool:
             self._owner[p] = owner
         return pages
 
+    def transfer(self, owner: object, new_owner: object, pages: list[int]) -> None:
+        """Hand allocated pages from owner to new_owner (no page is freed or taken)."""
+        for p in pages:
+            if self._owner.get(p) != owner:
+                raise ValueError(f"{self.name}: page {p} is not owned by {owner!r}")
+            self._owner[p] = new_owner
+
+    def count_owned(self, pred) -> int:
+        """Number of allocated pages whose owner satisfies pred."""
+        return sum(1 for o in self._owner.values() if pred(o))
+
     def free(self, owner: object, pages: list[int]) -> None:
         for p in pages:
             if self._owner.get(p) != owner:

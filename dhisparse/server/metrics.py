@@ -29,6 +29,11 @@ NAMED_GAUGES = {
     "kv_pages_used": ("kv_pages_used", "KV pool pages in use"),
     "kv_pages_total": ("kv_pages_total", "KV pool pages in total"),
     "kv_pool_usage": (None, "share of KV pool pages in use (0..1)"),
+    # present once the engine reports them (hierarchical / adaptive / speculative presets)
+    "slots": ("slots", "request slots allocated"),
+    "host_fetched_share": ("host_fetched_share", "selected rows copied from host / all selected rows"),
+    "coverage": ("coverage", "ready optional history / eligible history"),
+    "acceptance": ("acceptance", "speculative acceptance rate"),
 }
 
 

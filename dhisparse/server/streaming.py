@@ -49,17 +49,20 @@ async def next_event(q: asyncio.Queue, state: "ServerState", rid: str, timeout: 
 async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str) -> RequestOutput:
     """Wait for the final output; aborts the request if the client disconnects or time runs out."""
     deadline = time.monotonic() + state.config.request_timeout_s
+    next_check = time.monotonic() + POLL_S
     done = False
     try:
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 raise ApiError("request timed out; raise --request-timeout", status=504, type_="server_error")
-            try:
-                ev = await asyncio.wait_for(q.get(), min(POLL_S, remaining))
-            except asyncio.TimeoutError:
+            if now >= next_check:  # outputs may arrive every step, so check by the clock, not on idle
+                next_check = now + POLL_S
                 if await request.is_disconnected():
-                    raise ApiError("client disconnected", status=499) from None
+                    raise ApiError("client disconnected", status=499)
+            try:
+                ev = await asyncio.wait_for(q.get(), min(POLL_S, deadline - now))
+            except asyncio.TimeoutError:
                 continue
             _raise_for(ev)
             if ev.kind == "output" and ev.payload.finished:

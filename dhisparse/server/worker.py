@@ -97,6 +97,17 @@ class EngineWorker:
             self._sinks.clear()
         finally:
             self._abort_everything()
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Commands that arrived as the thread stopped: their handlers get `aborted`, not silence."""
+        while True:
+            try:
+                op, rid, _, _, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if sink is not None:
+                self._send(sink, Event("aborted", rid))
 
     def _drain(self, block: bool) -> None:
         try:

@@ -1,0 +1,157 @@
+"""`AdaptiveKV`: the `adaptive` preset (Adaptive HiSparse) = hisparse + load-adaptive residency.
+
+Differences from `HierarchicalKV`:
+  admission  resident-first: if admitting leaves a deficit (eq. 3 with the reserve), optional
+             pages of other requests are reclaimed first (eq. 4); if they cannot cover it, the
+             admission waits
+  handoff    complete prompt pages stay on device as published optional pages; their host backup
+             is deferred until a reclaim needs it
+  decode     the resolver's direct path reads the ready optional map (`opt_loc`) before scanning
+  each step  finished copies are published / retired, drained pages freed, and a bounded
+             round-robin repopulates reclaimed history from host while pages are spare
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dhisparse.kv.arena import gather_rows, scatter_rows
+from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
+from dhisparse.kv.residency import ResidencyManager, opt_owner
+from dhisparse.kv.resolver import ResolverState
+
+log = logging.getLogger("dhisparse.kv")
+
+
+class SyncCopyEngine:
+    """Performs page copies at issue and reports them complete at the next `poll` (CPU, or a
+    CUDA stream synchronised at poll). Completion order = issue order."""
+
+    def __init__(self, kv: "AdaptiveKV") -> None:
+        self.kv = kv
+        self.pending: list[tuple[str, object, int]] = []
+
+    def issue(self, kind: str, req: object, index: int, page: int) -> None:
+        self.kv.copy_page(kind, req, index, page)
+        self.pending.append((kind, req, index))
+
+    def poll(self) -> list[tuple[str, object, int]]:
+        done, self.pending = self.pending, []
+        return done
+
+
+class AdaptiveKV(HierarchicalKV):
+    def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4, max_len: int = 4096, **kw) -> None:
+        super().__init__(*args, **kw)
+        S = self.hot_pos.shape[0]
+        self.opt_loc = torch.full((S, max_len), -1, dtype=torch.int64, device=self.device)
+        self.copies = SyncCopyEngine(self)
+        self.res = ResidencyManager(self.pool, reserve_pages, self.copies, reclaim_order, repopulate_pages,
+                                    self._publish, self._unpublish)
+        self.max_total: dict[object, int] = {}
+        self._waiting_logged: object = None
+
+    # -- publication (ready map) ----------------------------------------------------------------
+    def _publish(self, req: object, j: int, page: int) -> None:
+        ps = self.page_size
+        self.opt_loc[self.reqs[req].slot, j * ps : (j + 1) * ps] = self.arena.locations([page], ps, ps)
+
+    def _unpublish(self, req: object, j: int) -> None:
+        st = self.reqs.get(req)
+        if st is not None:
+            ps = self.page_size
+            self.opt_loc[st.slot, j * ps : (j + 1) * ps] = -1
+
+    def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
+        """Copy page index j of req between its device page and its host page (all layers)."""
+        ps = self.page_size
+        dev = self.arena.locations([page], ps, ps)
+        host = self.host.locations(req, j * ps, (j + 1) * ps)
+        for layer in range(self.arena.cfg.num_layers):
+            d_rows, h_rows = self.arena.latent_rows(layer), self.host.layer_rows(layer)
+            if kind == "backup":
+                scatter_rows(h_rows, host, gather_rows(d_rows, dev).to(h_rows.device))
+            else:
+                scatter_rows(d_rows, dev, gather_rows(h_rows, host).to(d_rows.device))
+
+    def progress(self) -> None:
+        for kind, req, j in self.copies.poll():
+            self.res.on_copy_done(kind, req, j)
+        self.res.collect()
+
+    # -- admission --------------------------------------------------------------------------------
+    def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
+        need = self.pages_for(max_total, prompt_len)
+        self.progress()
+        if self.res.deficit(need) > 0:
+            if not self.res.reclaim(need):
+                if self._waiting_logged != req:
+                    log.info("request %s waits: %d pages needed, optional history cannot cover the deficit", req, need)
+                    self._waiting_logged = req
+                return False
+            self.progress()
+            if self.res.deficit(need) > 0:
+                return False  # backups / readers still in flight; retry next step
+        if not super().admit(req, max_total, prompt_len):
+            return False
+        self.max_total[req] = max_total
+        return True
+
+    def free(self, req: object) -> None:
+        st = self.reqs.get(req)
+        self.res.release(req)
+        if st is not None:
+            self.opt_loc[st.slot] = -1
+        self.max_total.pop(req, None)
+        super().free(req)
+        # optional pages still draining stay owned by ("opt", req) until collected
+
+    # -- passes -----------------------------------------------------------------------------------
+    def context(self, batch, reqs):
+        self.res.begin_pass()
+        return super().context(batch, reqs)
+
+    def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
+        super().after_step(computed)
+        self.res.end_pass()
+        for req, (n, _) in computed.items():
+            if req in self.max_total:
+                self.res.set_remaining(req, self.max_total[req] - n)
+        self.progress()
+        self.res.repopulate()
+        self.progress()
+
+    def _handoff(self, req: object, st: ReqKV, n: int) -> None:
+        """Resident-first: keep complete prompt pages as optional history (no host copy yet)."""
+        ps = self.page_size
+        full = n // ps
+        pages = self.resident.latent_tables[req]
+        keep = {j: pages[j] for j in range(full)}
+        st.tail_start = full * ps
+        self._set_tail(st)
+        if n > full * ps:
+            ws = self.resident.latent_locs(req, n)[full * ps :]
+            tail = self.tail_loc[st.slot, : n - full * ps]
+            for layer in range(self.arena.cfg.num_layers):
+                rows = self.arena.latent_rows(layer)
+                scatter_rows(rows, tail, gather_rows(rows, ws))
+        self.pool.free(req, pages[full:])
+        self.resident.latent_tables[req] = []
+        self.host.ensure(req, n)
+        st.decoding = True
+        self.res.register(req, full, keep, set(), self.max_total.get(req, n) - n)
+
+    def resolver_state(self, group: int) -> ResolverState:
+        st = super().resolver_state(group)
+        st.direct_loc = self.opt_loc
+        return st
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self.res.check()
+        assert self.pool.available >= 0
+
+    def owned_pages(self, req: object) -> list[int]:
+        return self.pool.owned_by(opt_owner(req))

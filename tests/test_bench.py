@@ -1,0 +1,150 @@
+"""Closed-loop bench, load step and plots at CI size (built-in tiny model on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image as mpimg
+import pytest
+
+from dhisparse.bench.loadstep import default_arms, unavailable_arms
+from dhisparse.bench.plots import fit_bandwidth, plot_loadstep, plot_resolver, plot_serving
+from dhisparse.bench.records import RequestRecord, RunTrace, StepSample, percentile, summarize
+from dhisparse.bench.series import SeriesRecorder
+from dhisparse.bench.workload import Phase, Phases, Workload
+from dhisparse.cli import main
+from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
+
+METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "post_wave_ttft_p99_ms",
+           "tpot_mean_ms", "tpot_p99_ms", "active", "slots", "counters")
+SMALL = ["--device", "cpu", "--input-len", "48", "--output-len", "6", "--no-progress", "--kv-pool-bytes", str(32 << 20)]
+
+
+def assert_png(path) -> None:
+    img = mpimg.imread(path)
+    assert img.shape[0] > 300 and img.shape[1] > 500
+    assert img[..., :3].std() > 0.05  # not blank
+
+
+def test_bench_cli_writes_json_table_and_png(tmp_path, capsys):
+    out, figs = tmp_path / "bench.json", tmp_path / "figs"
+    rc = main(["bench", *SMALL, "--concurrency", "1,2", "--num-requests", "4", "--presets", AVAILABLE_PRESETS[0],
+               "--out", str(out), "--plot", str(figs)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "bench" and data["schema_version"] == 1
+    assert {"date", "command", "machine", "config", "runs", "unavailable_presets"} <= set(data)
+    assert "bench" in data["command"] and data["machine"]["cpu_count"] >= 1
+    assert [r["concurrency"] for r in data["runs"]] == [1, 2]
+    for run in data["runs"]:
+        m = run["metrics"]
+        assert set(METRICS) <= set(m)
+        assert m["requests_completed"] == 4 and m["output_tokens"] == 24 and m["output_tok_s"] > 0
+        assert m["slots"] == run["concurrency"] and m["tpot_mean_ms"] > 0
+        assert len(run["requests"]) == 4 and run["series"] is not None
+        assert "kv_pages_total" in run["engine"]
+    assert data["unavailable_presets"] == [p for p in PRESETS if p not in AVAILABLE_PRESETS]
+    assert "out tok/s" in capsys.readouterr().out
+    assert_png(figs / "serving.png")
+
+
+def test_bench_duration_mode_counts_window_tokens(tmp_path):
+    out = tmp_path / "b.json"
+    assert main(["bench", *SMALL, "--concurrency", "2", "--duration", "1.0", "--sample-interval", "0.25",
+                 "--presets", AVAILABLE_PRESETS[0], "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["metrics"]["duration_s"] == pytest.approx(1.0)
+    assert run["metrics"]["requests_completed"] >= 2 and len(run["series"]) >= 3
+    assert {"t", "output_tok_s", "running", "kv_pages_used"} <= set(run["series"][0])
+
+
+def test_loadstep_cli_phases_and_figure(tmp_path):
+    out, figs = tmp_path / "ls.json", tmp_path / "figs"
+    assert main(["loadstep", *SMALL, "--c-low", "1", "--c-high", "3", "--low-duration", "0.6", "--high-duration", "0.8",
+                 "--sample-interval", "0.2", "--out", str(out), "--plot", str(figs)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "loadstep" and data["config"]["arms"] == default_arms()
+    assert data["config"]["unavailable_arms"] == unavailable_arms()
+    run = data["runs"][0]
+    assert [p["concurrency"] for p in run["phases"]] == [1, 3, 1]
+    assert [(p["start_s"], p["end_s"]) for p in run["phases"]] == [(0, 0.6), (0.6, 1.4), (1.4, 2.0)]
+    assert {"requests", "output_tok_s", "ttft_mean_ms", "tpot_mean_ms", "slots_max", "host_fetched_share"} <= set(run["phases"][0])
+    assert 1 <= max(s["running"] for s in run["series"]) <= 3 and run["metrics"]["requests_submitted"] >= 1
+    assert_png(figs / "loadstep.png")
+
+
+def test_unavailable_preset_is_a_clear_error(capsys):
+    missing = [p for p in PRESETS if p not in AVAILABLE_PRESETS]
+    if not missing:
+        pytest.skip("every preset is available")
+    assert main(["bench", *SMALL, "--presets", missing[0], "--num-requests", "1"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def _trace(ttfts: list[float]) -> RunTrace:
+    reqs = tuple(RequestRecord(i, i % 2, float(i), i + t, i + t + 0.9, 10, 100, "length") for i, t in enumerate(ttfts))
+    steps = tuple(StepSample(t / 10, 2 if 2.5 <= t / 10 <= 7.5 else 0, 2) for t in range(100))
+    return RunTrace(10.0, 40, reqs, steps, (), {"host_fetched_share": 0.25})
+
+
+def test_summarize_post_wave_active_and_percentiles():
+    m = summarize(_trace([5.0, 5.0, 1.0, 1.0]), concurrency=2)
+    assert m.ttft_mean_ms == pytest.approx(3000) and m.post_wave_ttft_mean_ms == pytest.approx(1000)
+    assert m.tpot_mean_ms == pytest.approx(100) and m.active == pytest.approx(2.0) and m.slots == 2
+    assert m.output_tok_s == pytest.approx(4.0) and m.counters == {"host_fetched_share": 0.25}
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5) and percentile([], 99) is None
+
+
+def test_phases_and_workload_validation():
+    ph = Phases((Phase(1, 2.0, "a"), Phase(4, 3.0, "b"), Phase(1, 2.0, "c")))
+    assert [ph.target(t) for t in (0, 1.9, 2.0, 4.9, 5.0, 99)] == [1, 1, 4, 4, 1, 1]
+    assert ph.total_s == 7.0 and ph.max_concurrency == 4
+    with pytest.raises(ValueError, match="exactly one"):
+        Workload(duration_s=None, num_requests=None)
+    with pytest.raises(ValueError, match="concurrency"):
+        Phases((Phase(0, 1.0),))
+
+
+def _bench_result(presets: list[str]) -> dict:
+    runs = []
+    for k, p in enumerate(presets):
+        for c in (1, 4, 16, 64):
+            tput = 100 * c ** 0.8 * (1 + 0.2 * k)
+            runs.append({"preset": p, "concurrency": c, "metrics": {"output_tok_s": tput, "ttft_mean_ms": 50 * c ** 1.3,
+                                                                    "tpot_mean_ms": 20 + c / (1 + k)}})
+    return {"kind": "bench", "runs": runs, "config": {"engine": {"model": "synthetic"},
+                                                      "workload": {"input_len": 100000, "output_len": 2048}}}
+
+
+def test_plots_on_synthetic_data(tmp_path):
+    assert_png(plot_serving([_bench_result(["hisparse", "adaptive", "adaptive+spec"])], tmp_path / "s.png"))
+    t = [0.5 * i for i in range(60)]
+    series = [{"t": x, "running": 4 if 10 <= x < 20 else 1, "coverage": 0.0 if 10 <= x < 22 else 0.9,
+               "host_fetched_share": 0.14 if 10 <= x < 20 else 0.014} for x in t]
+    run = {"preset": "adaptive", "series": series, "phases": [
+        {"name": "C1 before", "start_s": 0, "end_s": 10}, {"name": "C4", "start_s": 10, "end_s": 20},
+        {"name": "C1 after", "start_s": 20, "end_s": 30}]}
+    off = dict(run, preset="hisparse", series=[dict(r, coverage=0.0) for r in series])
+    assert_png(plot_loadstep({"kind": "loadstep", "runs": [run, off]}, tmp_path / "l.png"))
+
+
+def test_resolver_plot_and_bandwidth_fit(tmp_path):
+    gbps, base_ms = 50.0, 0.2
+    recs = [{"case": case, "miss_bytes": mb * 1e6, "time_ms": base_ms + mb * 1e6 / (gbps * 1e9) * 1e3 * (1 + 0.01 * r)}
+            for case, sizes in (("shared", (4, 38)), ("partial", (75, 150)), ("disjoint", (302,)))
+            for mb in sizes for r in range(-1, 2)]
+    a, fit, r2 = fit_bandwidth([r["miss_bytes"] for r in recs], [r["time_ms"] for r in recs])
+    assert fit == pytest.approx(gbps, rel=0.02) and a == pytest.approx(base_ms, abs=0.1) and r2 > 0.99
+    assert_png(plot_resolver(recs, tmp_path / "r.png"))
+    with pytest.raises(ValueError, match="no records"):
+        plot_resolver([], tmp_path / "empty.png")
+
+
+def test_series_interval_share_from_raw_counters():
+    rec = SeriesRecorder(1.0)
+    rec.observe(1.0, 5, 1, {"host_selected_rows": 10, "selected_rows": 100, "host_fetched_share": 0.1, "running": 1})
+    rec.observe(1.5, 5, 1, {})
+    rec.observe(2.0, 5, 2, {"host_selected_rows": 60, "selected_rows": 200, "host_fetched_share": 0.3, "running": 2})
+    first, second = rec.rows
+    assert first["host_fetched_share"] == 0.1 and second["host_fetched_share"] == pytest.approx(0.5)
+    assert second["output_tok_s"] == pytest.approx(10.0) and second["decoding"] == pytest.approx(1.5)
