@@ -10,7 +10,7 @@ import pytest
 from dhisparse.bench.loadstep import default_arms, unavailable_arms
 from dhisparse.bench.plots import fit_bandwidth, plot_loadstep, plot_resolver, plot_serving
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample, percentile, summarize
-from dhisparse.bench.series import SeriesRecorder
+from dhisparse.engine.series import SeriesRecorder
 from dhisparse.bench.workload import Phase, Phases, Workload
 from dhisparse.cli import main
 from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS

@@ -19,7 +19,7 @@ import httpx
 from dhisparse.bench.http_client import StreamResult, engine_stats, stream_completion
 from dhisparse.bench.inproc import Progress
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
-from dhisparse.bench.series import SeriesRecorder
+from dhisparse.engine.series import SeriesRecorder
 from dhisparse.bench.workload import FILLER, Phases, Workload, filler_words, suffix_text
 
 log = logging.getLogger("dhisparse.bench")

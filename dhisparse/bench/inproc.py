@@ -13,7 +13,7 @@ from typing import Callable
 
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text
-from dhisparse.bench.series import SeriesRecorder
+from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.params import SamplingParams
 
 Progress = Callable[[float, int], None]  # (elapsed s, completed requests)

@@ -12,7 +12,7 @@ import dataclasses
 
 from dhisparse.bench.records import COUNTERS, RunTrace, mean
 from dhisparse.bench.results import RunResult, run_result
-from dhisparse.bench.series import interval_shares
+from dhisparse.engine.series import interval_shares
 from dhisparse.bench.sweep import ProgressBar, load_shared_model, on_fresh_engine
 from dhisparse.bench.inproc import run_inprocess
 from dhisparse.bench.workload import Phase, Phases, Workload

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
-from dhisparse.bench.series import column  # noqa: E402
+from dhisparse.engine.series import column  # noqa: E402
 
 STYLE = {"resident": "tab:gray", "hisparse": "tab:blue", "adaptive": "tab:green",
          "resident+spec": "tab:purple", "adaptive+spec": "tab:red"}

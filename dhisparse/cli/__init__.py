@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in result files
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)

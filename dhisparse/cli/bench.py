@@ -109,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
             base = engine_config(ns, preset=presets_from(ns)[0])
             runs = sweep_inprocess(base, presets_from(ns), concurrencies, workload, bar, ns.sample_interval)
             engine_cfg = R.to_jsonable(base)
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(), R.machine_info(),
+    result = R.ResultFile("bench", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(),
                           {"engine": engine_cfg, "workload": R.to_jsonable(workload), "concurrency": concurrencies,
                            "wall_s": time.perf_counter() - t0},
                           list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs)

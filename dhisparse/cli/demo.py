@@ -74,7 +74,7 @@ def run(ns: argparse.Namespace) -> int:
 
             trace = on_fresh_engine(dataclasses.replace(base, preset=preset), loaded, job)
             runs.append(R.run_result(preset, ns.concurrency, "in-process", trace))
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(), R.machine_info(),
+    result = R.ResultFile("bench", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(),
                           {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "demo": True},
                           list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs)
     _report(console, result, texts, base, ns)

@@ -51,7 +51,7 @@ def run(ns: argparse.Namespace) -> int:
     config = {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "arms": arms,
               "unavailable_arms": unavailable_arms(), "phases": [p._asdict() for p in phases.phases],
               "wall_s": time.perf_counter() - t0}
-    result = R.ResultFile("loadstep", R.now_iso(), R.command_line(), R.machine_info(), config,
+    result = R.ResultFile("loadstep", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(), config,
                           list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs, notes)
     path = R.write_json(result, ns.out or default_out("loadstep"))
     data = R.to_jsonable(result)

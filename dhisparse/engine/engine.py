@@ -19,6 +19,7 @@ from dhisparse.engine.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
 from dhisparse.engine.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
+from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
@@ -46,6 +47,9 @@ class EngineStats:
     steps: int
     generated_tokens: int
     prefill_tokens: int
+    decoding: int = 0
+    admitted: int = 0
+    alloc_wait_s: float = 0.0
     counters: dict = field(default_factory=dict)
 
     @property
@@ -81,7 +85,10 @@ class Engine:
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self._steps = self._generated = self._prefilled = self._peak = 0
+        self._steps = self._generated = self._prefilled = self._peak = self._decoding = self._admitted = 0
+        self._alloc_wait = 0.0
+        self._t0 = time.perf_counter()
+        self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _build_store(self, pool_bytes: int):
@@ -170,6 +177,8 @@ class Engine:
         return self.scheduler.has_work()
 
     def _on_admit(self, req: Request) -> None:
+        self._admitted += 1
+        self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
         item, n = self.prefixes.match(req.prompt_ids)
         if item is not None and n > 0:
             self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
@@ -196,6 +205,8 @@ class Engine:
                 self._export(c.req)
         self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
         outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], hidden)
+        self._decoding = sum(1 for c in chunks if c.start >= len(c.req.prompt_ids))
+        self.series.observe(time.perf_counter() - self._t0, len(outputs), self._decoding, lambda: self.stats().as_dict())
         if self.config.debug_checks:
             self.store.check_integrity()
         return outputs
@@ -239,7 +250,8 @@ class Engine:
     def stats(self) -> EngineStats:
         u = self.store.usage()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
-                           self._peak, self.page_bytes, self._steps, self._generated, self._prefilled, self._counters())
+                           self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
+                           self._decoding, self._admitted, self._alloc_wait, self._counters())
 
     def _counters(self) -> dict:
         census = getattr(self.store, "census", None)
@@ -247,7 +259,10 @@ class Engine:
             return {}
         sel = max(census.selected, 1)
         rows = max(census.direct + census.hot + census.host, 1)
-        return {
+        out = self._residency_counters()
+        return out | {
+            "selected_rows": census.selected,
+            "host_selected_rows": census.host_selected,
             "host_fetched_share": census.host_selected / sel,
             "resolver_direct_share": census.direct / rows,
             "resolver_hot_share": census.hot / rows,
@@ -256,6 +271,14 @@ class Engine:
             "resolver_bytes_moved": census.bytes_moved,
             "resolver_overflow": census.overflow,
         }
+
+    def _residency_counters(self) -> dict:
+        res = getattr(self.store, "res", None)
+        if res is None:
+            return {}
+        ready, eligible = res.coverage()
+        return {"coverage": ready / eligible if eligible else 0.0, "optional_pages": res.optional_pages(),
+                "reclaimed_pages": res.reclaimed, "repopulated_pages": res.repopulated}
 
 
 class _Detok:

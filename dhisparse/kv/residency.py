@@ -95,6 +95,7 @@ class ResidencyManager:
         self.launched = self.completed = 0
         self._admissions = 0
         self._rr: list[object] = []
+        self.reclaimed = self.repopulated = 0  # pages, cumulative
 
     # -- registration ---------------------------------------------------------------------------
     def register(self, req: object, eligible: int, resident: dict[int, int], backed: set[int], remaining: int) -> None:
@@ -180,6 +181,7 @@ class ResidencyManager:
 
     def _retire_request(self, req: object) -> None:
         st = self.reqs[req]
+        self.reclaimed += len(self.reclaimable(req))
         for j in self.reclaimable(req):
             op = st.pages[j]
             if j in st.backed:
@@ -240,6 +242,7 @@ class ResidencyManager:
                 st.pages[j] = OptPage(page, PageState.POPULATING)
                 self.copies.issue("populate", req, j, page)
                 started += 1
+                self.repopulated += 1
         return started
 
     def check(self) -> None:

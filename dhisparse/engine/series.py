@@ -41,11 +41,12 @@ class SeriesRecorder:
         self._tokens = 0
         self._decoding: list[int] = []
 
-    def observe(self, t: float, new_tokens: int, decoding: int, stats: dict) -> None:
+    def observe(self, t: float, new_tokens: int, decoding: int, stats) -> None:
+        """stats: a dict, or a callable returning one (only called when a row closes)."""
         self._tokens += new_tokens
         self._decoding.append(decoding)
         if t - self._start >= self.interval_s:
-            self.close(t, stats)
+            self.close(t, stats() if callable(stats) else stats)
 
     def close(self, t: float, stats: dict) -> None:
         span = max(t - self._start, 1e-9)

@@ -1,0 +1,136 @@
+"""`SpecConfig`: the speculative-decoding settings (CLI flags in brackets), validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dhisparse.spec.ring import ring_rows
+
+ALGORITHMS = ("dflash", "dspark", "ngram", "oracle")
+POLICIES = ("fixed", "static", "online")
+
+
+class SpecConfigError(ValueError):
+    """A speculative setting with a bad value; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings.
+
+    algorithm [--speculative-algorithm]: dflash (block drafter, fixed width), dspark (block drafter
+        + confidence-scheduled width per request), ngram (prompt lookup), oracle (benchmark-only
+        replay of a reference run).
+    num_draft_tokens [--speculative-num-draft-tokens]: K_max, the most target queries per request
+        and round, anchor included (>= 2).
+    draft_window_size [--speculative-draft-window-size]: W, committed positions the drafter sees.
+    page_size [--page-size]: p, ring rows are page-rounded (eq. 9).
+    block_size [--speculative-dflash-block-size]: DFlash block; None = the checkpoint's, or
+        num_draft_tokens for random weights. May exceed K_max (the drafter drafts the whole block,
+        the engine verifies at most K_max).
+    draft_model_path [--speculative-draft-model-path]: DFlash checkpoint folder; None = seeded
+        random weights (dflash / dspark).
+    ngram_min_n / ngram_max_n: suffix lengths the n-gram drafter tries, longest first.
+    oracle_corrupt_rate / oracle_tokens_per_round: oracle calibration, give at most one.
+    policy: fixed (always `fixed_width` or K_max), static (width by concurrency), online.
+    static_schedule / static_default_width: ((max concurrency, width), ...), width above them all.
+    fixed_width: width for the fixed policy; None = K_max.
+    seed: drafter weights and corruption / draft sampling streams.
+    """
+
+    algorithm: str = "dflash"
+    num_draft_tokens: int = 8
+    draft_window_size: int = 2048
+    page_size: int = 64
+    block_size: int | None = None
+    draft_model_path: str | None = None
+    ngram_min_n: int = 2
+    ngram_max_n: int = 4
+    oracle_corrupt_rate: float | None = None
+    oracle_tokens_per_round: float | None = None
+    policy: str = "fixed"
+    static_schedule: tuple[tuple[int, int], ...] = ((32, 8), (127, 6))
+    static_default_width: int = 4
+    fixed_width: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "static_schedule", tuple(tuple(s) for s in self.static_schedule))
+        self._check_choices()
+        self._check_sizes()
+        self._check_widths()
+        self._check_oracle()
+
+    def _check_choices(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise SpecConfigError(
+                f"--speculative-algorithm must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}"
+            )
+        if self.policy not in POLICIES:
+            raise SpecConfigError(f"speculative policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+
+    def _check_sizes(self) -> None:
+        if self.num_draft_tokens < 2:
+            raise SpecConfigError(
+                f"--speculative-num-draft-tokens must be >= 2 (anchor + at least one draft); "
+                f"got {self.num_draft_tokens}"
+            )
+        if self.page_size < 1:
+            raise SpecConfigError(f"--page-size must be >= 1; got {self.page_size}")
+        if self.block_size is not None and self.block_size < 2:
+            raise SpecConfigError(f"--speculative-dflash-block-size must be >= 2; got {self.block_size}")
+        self.check_block(self.block)
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise SpecConfigError(
+                f"n-gram sizes need 1 <= ngram_min_n <= ngram_max_n; got {self.ngram_min_n}, {self.ngram_max_n}"
+            )
+
+    def _check_widths(self) -> None:
+        widths = [w for _, w in self.static_schedule] + [self.static_default_width]
+        if self.fixed_width is not None:
+            widths.append(self.fixed_width)
+        for w in widths:
+            if w < 1:
+                raise SpecConfigError(f"verification widths must be >= 1; got {w}")
+            if w > self.num_draft_tokens:
+                raise SpecConfigError(
+                    f"verification width {w} is larger than K_max = --speculative-num-draft-tokens "
+                    f"{self.num_draft_tokens}; lower the width or raise --speculative-num-draft-tokens"
+                )
+        bounds = [c for c, _ in self.static_schedule]
+        if bounds != sorted(bounds):
+            raise SpecConfigError(f"static_schedule concurrency bounds must increase; got {bounds}")
+
+    def _check_oracle(self) -> None:
+        if self.oracle_corrupt_rate is not None and self.oracle_tokens_per_round is not None:
+            raise SpecConfigError("give oracle_corrupt_rate or oracle_tokens_per_round, not both")
+        if self.oracle_corrupt_rate is not None and not 0.0 <= self.oracle_corrupt_rate <= 1.0:
+            raise SpecConfigError(f"oracle_corrupt_rate must be in [0, 1]; got {self.oracle_corrupt_rate}")
+        t = self.oracle_tokens_per_round
+        if t is not None and not 1.0 <= t <= self.width_for_oracle:
+            raise SpecConfigError(
+                f"oracle_tokens_per_round must be in [1, {self.width_for_oracle}] (the width); got {t}"
+            )
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def block(self) -> int:
+        """Draft block width: block_size, or K_max when unset."""
+        return self.block_size if self.block_size is not None else self.num_draft_tokens
+
+    @property
+    def width_for_oracle(self) -> int:
+        return self.fixed_width if self.fixed_width is not None else self.num_draft_tokens
+
+    @property
+    def ring_rows(self) -> int:
+        """R_d of eq. 9 for this window, page and K_max."""
+        return ring_rows(self.draft_window_size, self.page_size, max(self.num_draft_tokens, self.block))
+
+    def check_block(self, block: int) -> None:
+        """Raise when the draft window cannot hold one block (also used for a checkpoint's block)."""
+        if self.draft_window_size < block:
+            raise SpecConfigError(
+                f"--speculative-draft-window-size {self.draft_window_size} is smaller than the draft block "
+                f"({block}); use a window of at least {block} positions"
+            )

@@ -1,0 +1,166 @@
+"""The drafter contract: what the engine hands a drafter each round and what it gets back.
+
+A speculative round of request r (paper §3.3, eq. 7) starts from n committed positions
+0..n-1 (their target KV exists) and the anchor x_0 at position n (the last emitted token: the
+previous round's correction/bonus, or the first token sampled after prefill; it has no target KV
+yet). The drafter proposes x_1..x_{K_r-1}; the target runs the K_r tokens [x_0, x_1, ...] at
+positions n..n+K_r-1 in one pass; the verifier accepts A of the drafts and emits a bonus b.
+Committed prefix = [x_0..x_A], so the drafter is then told `commit(rid, A, features)` with the
+target features of those 1 + A positions (invariant I5: it advances with the same prefix).
+
+Target features: the engine runs the target with `capture_layers=drafter.capture_layers` and
+passes `{layer: [rows, hidden]}` slices. Features of positions the drafter has not seen yet
+(the prompt after prefill, or anything the engine holds back) go in `DraftRequest.new_features`;
+the features of each round's committed positions go to `commit`. Drafters that need no features
+(n-gram, oracle) report `capture_layers == ()` and ignore them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from dhisparse.engine.params import SamplingParams
+
+Features = Mapping[int, torch.Tensor]  # target layer -> [rows, hidden]
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request's input to `Drafter.propose` for one round.
+
+    request_id        engine request id
+    token_ids         tokens at positions 0..n-1 (prompt + output so far, all with target KV)
+    anchor            token at position n: the last verified / emitted token (x_0)
+    max_width         K_max allowed this round (target queries incl. the anchor; 1 = no drafts)
+    params            the request's sampling params (draft distributions use the same processing)
+    num_prompt_tokens how many of token_ids are prompt (the rest is output)
+    new_features      features of positions the drafter has not seen yet, {layer: [rows, hidden]}
+                      (e.g. the whole prompt after prefill); None when there are none
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    anchor: int
+    max_width: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_prompt_tokens: int = 0
+    new_features: Features | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_width < 1:
+            raise ValueError(f"DraftRequest.max_width must be >= 1 (1 = no drafts), got {self.max_width}")
+        if not 0 <= self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"DraftRequest.num_prompt_tokens must be in [0, len(token_ids)={len(self.token_ids)}], "
+                f"got {self.num_prompt_tokens}"
+            )
+
+    @classmethod
+    def from_history(cls, request_id: str, all_ids: Sequence[int], max_width: int, **kw) -> "DraftRequest":
+        """Build from the engine's full id list (prompt + output); its last id is the anchor."""
+        if not all_ids:
+            raise ValueError("DraftRequest.from_history: all_ids is empty; a round needs an anchor token")
+        return cls(request_id, list(all_ids[:-1]), int(all_ids[-1]), max_width, **kw)
+
+    @property
+    def num_committed(self) -> int:
+        """n: positions with target KV; the anchor sits at position n."""
+        return len(self.token_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.max_width - 1
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """A drafter's answer for one request.
+
+    tokens       x_1..x_{K_r-1}: the K_r - 1 drafted tokens after the anchor (may be empty)
+    probs        [K_r - 1, V] fp32 draft distributions q the tokens were drawn from, for rejection
+                 sampling; None = deterministic drafter (q is a point mass on each token)
+    confidences  per drafted token, the drafter's estimate that it is accepted given its
+                 predecessors were (DSpark schedules widths from these)
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    confidences: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.confidences) != len(self.tokens):
+            raise ValueError(
+                f"DraftProposal: {len(self.confidences)} confidences for {len(self.tokens)} tokens; "
+                "give one confidence per drafted token"
+            )
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.tokens)):
+            raise ValueError(
+                f"DraftProposal.probs must be [{len(self.tokens)}, V] (one row per drafted token), "
+                f"got {tuple(self.probs.shape)}"
+            )
+
+    @property
+    def width(self) -> int:
+        """K_r: target queries this proposal needs (anchor + drafts)."""
+        return len(self.tokens) + 1
+
+    def truncated(self, num_drafts: int) -> "DraftProposal":
+        """The first `num_drafts` drafts (K_r = num_drafts + 1)."""
+        k = max(0, min(num_drafts, len(self.tokens)))
+        probs = None if self.probs is None else self.probs[:k]
+        return DraftProposal(list(self.tokens[:k]), probs, list(self.confidences[:k]))
+
+    @classmethod
+    def empty(cls) -> "DraftProposal":
+        return cls([], None, [])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine needs from any drafter (DFlash block model, n-gram, oracle, ...)."""
+
+    capture_layers: tuple[int, ...]
+    """target layers whose outputs the drafter conditions on (() = none needed)"""
+
+    def admit(self, request_id: str) -> None:
+        """Allocate the request's required drafter state (e.g. its draft KV ring slot)."""
+        ...
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
+        """One proposal per request, in order; each has at most `max_width - 1` tokens."""
+        ...
+
+    def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
+        """Verification accepted `accepted` drafts: positions n..n+accepted are committed.
+        new_features: {layer: [accepted + 1, hidden]} target features of those positions."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Drop all state of a finished / aborted request (no-op if unknown)."""
+        ...
+
+    def state_bytes_per_request(self) -> int:
+        """Required device bytes per admitted request (for memory accounting, eq. 3)."""
+        ...
+
+
+class StatelessDrafter:
+    """Defaults for drafters without per-request device state or feature needs."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def admit(self, request_id: str) -> None:
+        return None
+
+    def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
+        if accepted < 0:
+            raise ValueError(f"commit: accepted must be >= 0, got {accepted}")
+
+    def release(self, request_id: str) -> None:
+        return None
+
+    def state_bytes_per_request(self) -> int:
+        return 0

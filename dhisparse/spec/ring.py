@@ -1,0 +1,168 @@
+"""The draft KV ring (paper §3.4, eq. 9-10) and an unbounded reference store.
+
+A drafter that reads at most W committed positions plus a block of at most K_max needs, with
+page alignment (p rows per page), a ring of
+
+    R_d = ceil((W + p - 1 + K_max) / p) * p        rows per request slot            (eq. 9)
+
+and draft position t of the request in slot i lives at physical row
+
+    phi(i, t) = i * R_d + (t mod R_d)                                               (eq. 10)
+
+Two live positions of one request differ by less than R_d, so they never share a row, and slots
+occupy disjoint ranges [i*R_d, (i+1)*R_d) (invariant I6). The allocation is independent of the
+target's context length. `DraftKVRing` keeps, per draft layer, K and V tensors
+[slots * R_d, kv_heads, head_dim] plus a position tag per row, so every read checks that the
+row still holds the position asked for. `DenseDraftKV` is the unbounded reference (tests).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+
+class RingFull(RuntimeError):
+    """Every ring slot is taken; raise the drafter's max_requests or admit fewer requests."""
+
+
+def ring_rows(window: int, page: int, k_max: int) -> int:
+    """R_d of eq. 9: ceil((W + p - 1 + K_max) / p) * p. W 2048, p 64, K_max 8 -> 2176."""
+    for name, v in (("window", window), ("page", page), ("k_max", k_max)):
+        if v < 1:
+            raise ValueError(f"ring_rows: {name} must be >= 1, got {v}")
+    return math.ceil((window + page - 1 + k_max) / page) * page
+
+
+class RingAllocator:
+    """Hands each request one slot i with the row range [i*R_d, (i+1)*R_d)."""
+
+    def __init__(self, num_slots: int, rows_per_slot: int) -> None:
+        if num_slots < 1 or rows_per_slot < 1:
+            raise ValueError(f"RingAllocator needs num_slots >= 1 and rows_per_slot >= 1, got {num_slots}, {rows_per_slot}")
+        self.num_slots, self.rows_per_slot = num_slots, rows_per_slot
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slot: dict[object, int] = {}
+
+    @property
+    def total_rows(self) -> int:
+        return self.num_slots * self.rows_per_slot
+
+    def alloc(self, owner: object) -> int:
+        """The owner's slot (allocated on first call)."""
+        if owner in self._slot:
+            return self._slot[owner]
+        if not self._free:
+            raise RingFull(f"draft KV ring: all {self.num_slots} slots are in use; raise max_requests")
+        self._slot[owner] = slot = self._free.pop()
+        return slot
+
+    def free(self, owner: object) -> None:
+        slot = self._slot.pop(owner, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def slot_of(self, owner: object) -> int:
+        if owner not in self._slot:
+            raise KeyError(f"draft KV ring: request {owner!r} has no slot; admit it first")
+        return self._slot[owner]
+
+    def slot_range(self, slot: int) -> range:
+        return range(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot)
+
+    def phi(self, slot: int, t: int) -> int:
+        """Physical row of draft position t in slot `slot` (eq. 10)."""
+        return slot * self.rows_per_slot + t % self.rows_per_slot
+
+    def rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """positions [n] int64 -> rows [n] int64 (eq. 10, vectorised)."""
+        return slot * self.rows_per_slot + torch.remainder(positions, self.rows_per_slot)
+
+    def check_integrity(self) -> None:
+        used = set(self._slot.values())
+        assert len(used) == len(self._slot), "draft ring: a slot is owned twice"
+        assert not used & set(self._free), "draft ring: a slot is free and owned"
+        assert len(used) + len(self._free) == self.num_slots, "draft ring: slots lost"
+
+
+class ContextKV(Protocol):
+    """Per-request storage of a drafter's context K/V, per draft layer."""
+
+    def admit(self, owner: object) -> int: ...
+    def release(self, owner: object) -> None: ...
+    def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DraftKVRing:
+    """Window ring: per draft layer K and V [slots * R_d, kv_heads, head_dim] (2 * layers tensors)."""
+
+    def __init__(self, num_layers: int, num_slots: int, rows_per_slot: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.alloc = RingAllocator(num_slots, rows_per_slot)
+        shape = (self.alloc.total_rows, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tags = torch.full((num_layers, self.alloc.total_rows), -1, dtype=torch.int64, device=device)
+
+    def bytes_per_slot(self) -> int:
+        """Device bytes one request slot holds across all draft layers' K and V."""
+        per_row = sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+        return per_row * self.alloc.rows_per_slot
+
+    def admit(self, owner: object) -> int:
+        slot = self.alloc.alloc(owner)
+        span = self.alloc.slot_range(slot)
+        self.tags[:, span.start:span.stop] = -1
+        return slot
+
+    def release(self, owner: object) -> None:
+        self.alloc.free(owner)
+
+    def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """positions [n] int64; k, v [n, kv_heads, head_dim]. At most R_d positions per call."""
+        if positions.numel() > self.alloc.rows_per_slot:
+            raise ValueError(f"draft ring: {positions.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
+        rows = self.alloc.rows(slot, positions.to(self.tags.device))
+        self.k[layer][rows] = k.to(self.k[layer].dtype)
+        self.v[layer][rows] = v.to(self.v[layer].dtype)
+        self.tags[layer][rows] = positions.to(self.tags.device)
+
+    def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [n] -> (k, v) [n, kv_heads, head_dim]; raises if a row was overwritten (I6)."""
+        rows = self.alloc.rows(slot, positions.to(self.tags.device))
+        if not torch.equal(self.tags[layer][rows], positions.to(self.tags.device)):
+            raise RuntimeError("draft ring: a read position is no longer live (window larger than R_d?)")
+        return self.k[layer][rows], self.v[layer][rows]
+
+
+class DenseDraftKV:
+    """Unbounded reference store: every position ever written stays readable (no ring)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._slots: dict[object, int] = {}
+        self._data: dict[int, list[dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def admit(self, owner: object) -> int:
+        if owner not in self._slots:
+            slot = max(self._slots.values(), default=-1) + 1
+            self._slots[owner] = slot
+            self._data[slot] = [dict() for _ in range(self.num_layers)]
+        return self._slots[owner]
+
+    def release(self, owner: object) -> None:
+        slot = self._slots.pop(owner, None)
+        self._data.pop(slot, None)
+
+    def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store = self._data[slot][layer]
+        for i, t in enumerate(positions.tolist()):
+            store[t] = (k[i].clone(), v[i].clone())
+
+    def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self._data[slot][layer]
+        pairs = [store[t] for t in positions.tolist()]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
