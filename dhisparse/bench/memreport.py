@@ -2,7 +2,8 @@
 
 Builds the stores on the `meta` device (no memory is touched), admits one request of the given
 context under each preset and sums the pages and metadata it holds, split into latent history
-(resident), hot cache, tail, index state and metadata; plus its host backup.
+(resident), hot cache, tail, index state and metadata; plus its host backup. `adaptive` is
+measured without optional residency, which only uses memory that is spare.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dhisparse.kv.adaptive import AdaptiveKV
 from dhisparse.kv.arena import KVArena
 from dhisparse.kv.hierarchy import HierarchicalKV
 from dhisparse.kv.host import HostStore
@@ -66,7 +68,8 @@ def resident_row(cfg: ModelConfig, context: int, page_size: int, dtype: torch.dt
 def hisparse_row(cfg: ModelConfig, context: int, page_size: int, hot_rows: int, dtype: torch.dtype, preset: str = "hisparse") -> MemoryRow:
     arena = _arena(cfg, page_size, 1 << 20, dtype)
     host = HostStore(1 << 16, cfg.num_layers, page_size, cfg.latent_dim, dtype, pin=False, device="meta")
-    kv = HierarchicalKV(arena, host, hot_rows, max_slots=1)
+    cls = AdaptiveKV if preset == "adaptive" else HierarchicalKV
+    kv = cls(arena, host, hot_rows, max_slots=1)
     kv.admit("r", context, prompt_len=0)
     kv.resident.ensure_index("r", context)
     host.ensure("r", context)
@@ -82,7 +85,8 @@ def report(contexts=(32 * 1024, 100 * 1024), page_size: int = 64, hot_rows: int 
     cfg = glm52_config()
     rows = []
     for n in contexts:
-        for r in (resident_row(cfg, n, page_size, dtype), hisparse_row(cfg, n, page_size, hot_rows, dtype)):
+        for r in (resident_row(cfg, n, page_size, dtype), hisparse_row(cfg, n, page_size, hot_rows, dtype),
+                  hisparse_row(cfg, n, page_size, hot_rows, dtype, preset="adaptive")):
             rows.append(asdict(r) | {"device_total": r.device_total})
     return rows
 

@@ -50,6 +50,7 @@ class ReqResidency:
     pages: dict[int, OptPage] = field(default_factory=dict)
     remaining: int = 0
     admitted: int = 0
+    released: bool = False
 
 
 class CopyEngine(Protocol):
@@ -127,7 +128,7 @@ class ResidencyManager:
                 op.cancelled = True
             else:
                 op.state, op.epoch = PageState.DRAINING, self.launched
-        st.eligible, st.remaining = 0, 0
+        st.eligible, st.remaining, st.released = 0, 0, True
         if req in self._rr:
             self._rr.remove(req)
         self._collect_req(req)
@@ -220,7 +221,7 @@ class ResidencyManager:
             if op.state is PageState.DRAINING and op.epoch <= self.completed:
                 self.pool.free(opt_owner(req), [op.page])
                 del st.pages[j]
-        if not st.pages and st.eligible == 0:
+        if not st.pages and st.released:
             del self.reqs[req]
 
     # -- repopulation -----------------------------------------------------------------------------
