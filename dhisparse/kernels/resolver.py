@@ -105,6 +105,14 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     return plan if defer else plan.materialize()
 
 
+def _sort_classes(smax: int) -> tuple[int, int, int, int]:
+    """Four distinct power-of-two sort sizes ending at smax (512, 2048, 8192 when smaller)."""
+    cs = sorted({c for c in (512, 2048, 8192) if c < smax} | {smax})
+    while len(cs) < 4:
+        cs.insert(0, max(2, cs[0] // 2))
+    return tuple(cs[-4:])
+
+
 def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
@@ -114,11 +122,12 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     dmap = None if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
     dev = hot_pos.device
     N = sel2.shape[0]
-    scr64 = torch.empty((N, KKP), dtype=torch.int64, device=dev)
-    scr32 = torch.empty((N, 3 * KKP + 2 * BP), dtype=torch.int32, device=dev)
-    CH, CHB = min(KKP, 1024), min(BP, 1024)
+    HT = 2 * KKP
+    scr64 = torch.empty((N, HT + KKP + BP), dtype=torch.int64, device=dev)
+    scr32 = torch.empty((N, 2 * HT + KKP + BP), dtype=torch.int32, device=dev)
     if num_warps is None:
-        num_warps = 4 if KKP <= 1024 else (8 if KKP <= 4096 else 16)
+        num_warps = 4 if KKP <= 512 else (8 if KKP <= 4096 else 16)
+    SA, SB, SC, SD = _sort_classes(max(KKP, BP))
     resolve_plan_kernel[(N,)](
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
@@ -129,8 +138,8 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         int(now),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
         scr64, scr32,
-        KKP=KKP, BP=BP, LOGK=KKP.bit_length() - 1, CH=CH, CHB=CHB,
-        num_warps=num_warps,
+        KKP=KKP, BP=BP, HT=HT, LOGH=HT.bit_length() - 1, CH=min(KKP, 2048), CHH=min(HT, 2048),
+        CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
     )
 
 

@@ -1,20 +1,25 @@
 """Fused Triton resolver plan kernel: one program per request (grid = N).
 
 Each program works over the union of its request's K*k selections (paper §3.2, eq. 5-6) in phases
-separated by CTA barriers, with a small per-program scratch in global memory (L2 resident):
+separated by CTA barriers, with a per-program scratch in global memory (L2 resident). Distinct
+rows are found with an open-addressing table (HT = 2*next_pow2(K*k) buckets, linear probing) built
+in synchronous rounds: an active lane reads its bucket, claims it with its position if empty,
+and after a barrier either finds its own position there (done: all lanes of one position agree on
+one bucket) or steps to the next bucket. A bucket id is the uid of a distinct row.
 
-  P1 dedup   sort (position, index) keys; first-of-run marks a distinct row; uid = rank of its run;
-             upos[uid] = position (ascending), uidx[i] = uid of selection entry i
-  P2 direct  tail (p >= tail_start) or optional map (direct_loc[p] >= 0) -> out[uid]
-  P3 hot     every hot slot binary-searches its position in upos; a hit on a not-yet-direct row
-             sets out[uid] = hot_loc, protects the slot and refreshes its stamp
-  P4 misses  sorted by host location; victims = unprotected slots sorted by (stamp, slot id);
-             the r-th miss takes the r-th victim; copy plan row r of this request
-  P5 output  loc[i] = out[uidx[i]] in selection order, -1 where the selection is -1; counters
+  P1 dedup   bucket of every selection entry -> bidx [KK]; table T [HT] holds the positions
+  P2 direct  tail (p >= tail_start) or optional map (direct_loc[p] >= 0) -> out[bucket]
+  P3 hot     every hot slot probes T for its position; a hit on a not-direct row sets
+             out[bucket] = hot_loc, protects the slot and refreshes its stamp
+  P4 misses  keys (host location, bucket) compacted and sorted; victims = unprotected slots by
+             (stamp, slot id): a stamp threshold found by bisection selects exactly the first
+             nhost, which are then sorted; the r-th miss takes the r-th victim (copy plan row r)
+  P5 output  loc[i] = out[bidx[i]] in selection order, -1 where the selection is -1; counters
 
-P3 runs only when some row is not direct, P4 only when some row missed, so the cost of a call
-depends on K*k and B, never on the history length. Hot positions must be unique per slot row and
-slots unique within a call (each request owns its slot row), as in the reference.
+Sorts only ever see the misses / victims of the call (size classes SA < SB < SC < SD). P3 and P4 run
+only when needed: cost depends on K*k, B and the misses, never on the history length. Hot positions
+must be unique per slot row, slots unique within a call, host locations distinct (as the reference
+assumes); positions < 2^31.
 """
 
 from __future__ import annotations
@@ -26,144 +31,195 @@ BIG = tl.constexpr(9223372036854775807)  # int64 max: sorts after every real key
 
 
 @triton.jit
-def _dedup(sel_ptr, KK, skey, upos, uidx, n, KKP: tl.constexpr, CH: tl.constexpr):
-    """P1. sel row [KK] -> upos [U] ascending distinct positions, uidx [KK] uid per entry. Returns U."""
-    i = tl.arange(0, KKP)
-    x = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-    valid = x >= 0
-    key = tl.sort(tl.where(valid, x * KKP + i, BIG))
-    tl.store(skey + i, key)
-    nvalid = tl.sum(valid.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    carry = tl.sum(tl.zeros([CH], tl.int32), axis=0)
-    for c0 in range(0, KKP, CH):
-        if c0 < nvalid:
-            j = c0 + tl.arange(0, CH)
-            jm = j < nvalid
-            k = tl.load(skey + j, mask=jm, other=0)
-            kp = tl.load(skey + j - 1, mask=jm & (j > 0), other=0)
-            p = k // KKP
-            first = jm & ((j == 0) | (p != kp // KKP))
-            f32 = first.to(tl.int32)
-            uid = carry + tl.cumsum(f32, axis=0) - 1
-            carry += tl.sum(f32, axis=0)
-            tl.store(uidx + (k % KKP), uid, mask=jm)
-            tl.store(upos + uid, p.to(tl.int32), mask=first)
-    return carry
+def _hash(p, LOGH: tl.constexpr):
+    """Fibonacci hash of positions p (int64 >= 0) to [0, 2^LOGH)."""
+    return (((p * 2654435761) & 0xFFFFFFFF) >> (32 - LOGH)).to(tl.int32)
 
 
 @triton.jit
-def _direct(upos, out, hflag, U, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
-            has_map, KKP: tl.constexpr, CH: tl.constexpr):
-    """P2. out[uid] = tail or optional-map location (raw tail value, -1 when not direct).
+def _dedup(sel_ptr, KK, T, bidx, n, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, CHH: tl.constexpr):
+    """P1. T [HT] <- distinct positions (-1 empty); bidx [KK] <- bucket of each valid entry.
+    Returns the number of valid entries."""
+    for c0 in range(0, HT, CHH):
+        tl.store(T + c0 + tl.arange(0, CHH), tl.full([CHH], -1, tl.int32))
+    tl.debug_barrier()
+    i = tl.arange(0, KKP)
+    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+    valid = p >= 0
+    b = _hash(tl.where(valid, p, 0), LOGH)
+    active = valid
+    nact = tl.sum(active.to(tl.int32), axis=0)
+    while nact > 0:
+        t = tl.load(T + b, mask=active, other=0)
+        tl.store(T + b, p.to(tl.int32), mask=active & (t == -1))
+        tl.debug_barrier()
+        t2 = tl.load(T + b, mask=active, other=-1).to(tl.int64)
+        active = active & (t2 != p)
+        b = tl.where(active, (b + 1) & (HT - 1), b)
+        nact = tl.sum(active.to(tl.int32), axis=0)
+        tl.debug_barrier()
+    tl.store(bidx + i, b, mask=valid)
+    return tl.sum(valid.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _direct(T, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map,
+            HT: tl.constexpr, CHH: tl.constexpr):
+    """P2. out[bucket] = tail or optional-map location (raw tail value; -1 when not direct).
     Returns (direct rows, remaining rows)."""
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
-    ndir = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+    ndir = tl.sum(tl.zeros([CHH], tl.int32), axis=0)
     nrest = ndir
-    for c0 in range(0, KKP, CH):
-        if c0 < U:
-            u = c0 + tl.arange(0, CH)
-            um = u < U
-            p = tl.load(upos + u, mask=um, other=0).to(tl.int64)
-            in_tail = p >= ts
-            t = p - ts
-            tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=um & in_tail & (t < TT), other=-1).to(tl.int64)
-            dv = tl.load(dmap_ptr + s * s_dmap + p, mask=um & (~in_tail) & (p < LMAX) & (has_map != 0),
-                         other=-1).to(tl.int64)
-            dv = tl.where(dv >= 0, dv, -1)
-            o = tl.where(in_tail, tv, dv)
-            done = um & (o >= 0)
-            ndir += tl.sum(done.to(tl.int32), axis=0)
-            nrest += tl.sum((um & (o < 0)).to(tl.int32), axis=0)
-            tl.store(out + u, o, mask=um)
-            tl.store(hflag + u, tl.zeros([CH], tl.int32), mask=um)
+    for c0 in range(0, HT, CHH):
+        u = c0 + tl.arange(0, CHH)
+        p = tl.load(T + u).to(tl.int64)
+        occ = p >= 0
+        in_tail = p >= ts
+        t = p - ts
+        tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=occ & in_tail & (t < TT), other=-1).to(tl.int64)
+        dv = tl.load(dmap_ptr + s * s_dmap + p, mask=occ & (~in_tail) & (p < LMAX) & (has_map != 0),
+                     other=-1).to(tl.int64)
+        o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+        ndir += tl.sum((occ & (o >= 0)).to(tl.int32), axis=0)
+        nrest += tl.sum((occ & (o < 0)).to(tl.int32), axis=0)
+        tl.store(out + u, o)
+        tl.store(hflag + u, tl.zeros([CHH], tl.int32))
     return ndir, nrest
 
 
 @triton.jit
-def _hot_scan(upos, out, prot, U, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, now,
-              KKP: tl.constexpr, BP: tl.constexpr, LOGK: tl.constexpr, CHB: tl.constexpr):
-    """P3. Each slot looks its position up in upos [U]; hits on non-direct rows: out[uid] = hot_loc,
+def _hot_scan(T, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, now,
+              BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr):
+    """P3. Each slot probes T for its position; hits on non-direct rows: out[bucket] = hot_loc,
     prot[slot] = 1, stamp = now. Returns the number of hits."""
-    nhot = tl.sum(tl.zeros([CHB], tl.int32), axis=0)
-    for b0 in range(0, BP, CHB):
-        if b0 < B:
-            b = b0 + tl.arange(0, CHB)
-            bm = b < B
-            hp = tl.load(hot_pos_ptr + s * s_pos + b, mask=bm, other=-1).to(tl.int64)
-            lo = tl.zeros([CHB], tl.int32)
-            for step in tl.static_range(LOGK):
-                cand = lo + (KKP >> (step + 1))
-                v = tl.load(upos + cand - 1, mask=cand <= U, other=2147483647).to(tl.int64)
-                lo = tl.where(v < hp, cand, lo)
-            inb = bm & (hp >= 0) & (lo < U)
-            found = tl.load(upos + lo, mask=inb, other=-1).to(tl.int64)
-            o = tl.load(out + lo, mask=inb, other=0)
-            hit = inb & (found == hp) & (o < 0)
-            hl = tl.load(hot_loc_ptr + s * s_loc + b, mask=hit, other=0).to(tl.int64)
-            tl.store(out + lo, hl, mask=hit)
-            tl.store(hot_stamp_ptr + s * s_stamp + b, (tl.zeros([CHB], tl.int64) + now), mask=hit)
-            tl.store(prot + b, hit.to(tl.int32), mask=bm)
-            nhot += tl.sum(hit.to(tl.int32), axis=0)
-    return nhot
+    sl = tl.arange(0, BP)
+    bm = sl < B
+    hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
+    act = bm & (hp >= 0)
+    bk = _hash(tl.where(act, hp, 0), LOGH)
+    found = tl.zeros([BP], tl.int1)
+    nact = tl.sum(act.to(tl.int32), axis=0)
+    while nact > 0:
+        t = tl.load(T + bk, mask=act, other=-1).to(tl.int64)
+        found = found | (act & (t == hp))
+        act = act & (t != hp) & (t != -1)
+        bk = tl.where(act, (bk + 1) & (HT - 1), bk)
+        nact = tl.sum(act.to(tl.int32), axis=0)
+    o = tl.load(out + bk, mask=found, other=0)
+    hit = found & (o < 0)
+    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=hit, other=0).to(tl.int64)
+    tl.store(out + bk, hl, mask=hit)
+    tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
+    tl.store(prot + sl, hit.to(tl.int32), mask=bm)
+    return tl.sum(hit.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _victims(prot, vict, s, hot_stamp_ptr, s_stamp, B, ncand, BP: tl.constexpr):
-    """P4a. vict[r] = r-th unprotected slot by (stamp, slot id), r < ncand."""
-    b = tl.arange(0, BP)
-    bm = b < B
-    pr = tl.load(prot + b, mask=bm, other=1)
-    stv = tl.load(hot_stamp_ptr + s * s_stamp + b, mask=bm, other=0).to(tl.int64)
-    vkey = tl.sort(tl.where(bm & (pr == 0), (stv + 1) * BP + b, BIG))
-    tl.store(vict + b, (vkey % BP).to(tl.int32), mask=b < ncand)
+def _compact_misses(T, out, mk, s, table_ptr, s_table, HPW, ps, HT: tl.constexpr, CHH: tl.constexpr):
+    """P4a. mk[r] = host_location * HT + bucket for every missing row, in bucket order. Returns M."""
+    m = tl.sum(tl.zeros([CHH], tl.int32), axis=0)
+    for c0 in range(0, HT, CHH):
+        u = c0 + tl.arange(0, CHH)
+        p = tl.load(T + u).to(tl.int64)
+        o = tl.load(out + u)
+        miss = (p >= 0) & (o < 0)
+        page = p // ps
+        hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)
+        mi = miss.to(tl.int32)
+        r = m + tl.cumsum(mi, axis=0) - 1
+        tl.store(mk + r, (hpg * ps + p % ps) * HT + u, mask=miss)
+        m += tl.sum(mi, axis=0)
+    return m
 
 
 @triton.jit
-def _misses(upos, out, hflag, vict, U, nhost, s, n, C, table_ptr, s_table, HPW, ps,
-            hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now,
-            KKP: tl.constexpr):
-    """P4b. Misses sorted by host location; miss r < nhost takes vict[r]: copy plan row r."""
-    u = tl.arange(0, KKP)
-    um = u < U
-    o = tl.load(out + u, mask=um, other=0)
-    miss = um & (o < 0)
-    p = tl.load(upos + u, mask=miss, other=0).to(tl.int64)
-    page = p // ps
-    hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)
-    mkey = tl.sort(tl.where(miss, (hpg * ps + p % ps) * KKP + u, BIG))
-    take = u < nhost
-    j = tl.where(take, mkey % KKP, 0)
-    hloc = mkey // KKP
-    v = tl.load(vict + u, mask=take, other=0).to(tl.int64)
-    lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
-    pj = tl.load(upos + j, mask=take, other=0)
-    tl.store(out + j, lv, mask=take)
-    tl.store(hflag + j, tl.full([KKP], 1, tl.int32), mask=take)
-    tl.store(hot_pos_ptr + s * s_pos + v, pj.to(hot_pos_ptr.dtype.element_ty), mask=take)
-    tl.store(hot_stamp_ptr + s * s_stamp + v, (tl.zeros([KKP], tl.int64) + now), mask=take)
-    tl.store(src_ptr + n * C + u, hloc, mask=take)
-    tl.store(dst_ptr + n * C + u, lv, mask=take)
+def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr):
+    """P4b. vk[0:nhost] <- keys (stamp+1)*BP + slot of the first nhost unprotected slots in
+    (stamp, slot) order, in slot order. Returns how many of them need sorting (0: already sorted)."""
+    sl = tl.arange(0, BP)
+    bm = sl < B
+    pr = tl.load(prot + sl, mask=bm, other=1)
+    st = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
+    cand = bm & (pr == 0)
+    lo = tl.min(tl.where(cand, st, BIG), axis=0)
+    hi = tl.max(tl.where(cand, st, -BIG), axis=0)
+    while lo < hi:  # smallest stamp s* with #(cand, stamp <= s*) >= nhost
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid + 1)
+    below = cand & (st < lo)
+    nbelow = tl.sum(below.to(tl.int32), axis=0)
+    eq = cand & (st == lo)
+    take = below | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= nhost - nbelow))
+    r = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(vk + r, (st + 1) * BP + sl, mask=take)
+    return tl.where(nbelow > 0, nhost, 0)
 
 
 @triton.jit
-def _emit(sel_ptr, loc_ptr, KK, n, uidx, out, hflag, KKP: tl.constexpr, CH: tl.constexpr):
-    """P5. loc row [KK] in selection order. Returns (selected entries, host-selected entries)."""
-    nsel = tl.sum(tl.zeros([CH], tl.int32), axis=0)
-    hsel = nsel
+def _sort_block(ptr, cnt, S: tl.constexpr):
+    i = tl.arange(0, S)
+    x = tl.sort(tl.load(ptr + i, mask=i < cnt, other=BIG))
+    tl.store(ptr + i, x, mask=i < cnt)
+
+
+@triton.jit
+def _sort_two(scr, off_a, n_a, off_b, n_b, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
+              SD: tl.constexpr):
+    """Sort scr[off_a : off_a+n_a] and scr[off_b : off_b+n_b] (int64) in place, each with the smallest
+    size class (SA < SB < SC < SD) that holds it; one copy of the sorting code serves both."""
+    for job in range(2):
+        off = tl.where(job == 0, off_a, off_b)
+        cnt = tl.where(job == 0, n_a, n_b)
+        if cnt > 1:
+            if cnt <= SA:
+                _sort_block(scr + off, cnt, SA)
+            elif cnt <= SB:
+                _sort_block(scr + off, cnt, SB)
+            elif cnt <= SC:
+                _sort_block(scr + off, cnt, SC)
+            else:
+                _sort_block(scr + off, cnt, SD)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _assign(T, out, hflag, mk, vk, s, n, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp,
+            s_loc, src_ptr, dst_ptr, now, BP: tl.constexpr, HT: tl.constexpr, CHB: tl.constexpr):
+    """P4d. Miss r < nhost (host order) takes victim r (LRU order): copy plan row r, state update."""
+    for r0 in range(0, BP, CHB):
+        if r0 < nhost:
+            r = r0 + tl.arange(0, CHB)
+            take = r < nhost
+            key = tl.load(mk + r, mask=take, other=0)
+            bk = key % HT
+            v = tl.load(vk + r, mask=take, other=0) % BP
+            lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
+            pj = tl.load(T + bk, mask=take, other=0)
+            tl.store(out + bk, lv, mask=take)
+            tl.store(hflag + bk, tl.full([CHB], 1, tl.int32), mask=take)
+            tl.store(hot_pos_ptr + s * s_pos + v, pj.to(hot_pos_ptr.dtype.element_ty), mask=take)
+            tl.store(hot_stamp_ptr + s * s_stamp + v, tl.zeros([CHB], tl.int64) + now, mask=take)
+            tl.store(src_ptr + n * C + r, key // HT, mask=take)
+            tl.store(dst_ptr + n * C + r, lv, mask=take)
+
+
+@triton.jit
+def _emit(sel_ptr, loc_ptr, KK, n, bidx, out, hflag, KKP: tl.constexpr, CH: tl.constexpr):
+    """P5. loc row [KK] in selection order. Returns the host-selected entries."""
+    hsel = tl.sum(tl.zeros([CH], tl.int32), axis=0)
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
             im = i < KK
             x = tl.load(sel_ptr + n * KK + i, mask=im, other=-1)
             valid = im & (x >= 0)
-            uid = tl.load(uidx + i, mask=valid, other=0)
-            o = tl.load(out + uid, mask=valid, other=-1)
-            hf = tl.load(hflag + uid, mask=valid, other=0)
+            bk = tl.load(bidx + i, mask=valid, other=0)
+            o = tl.load(out + bk, mask=valid, other=-1)
+            hsel += tl.sum(tl.load(hflag + bk, mask=valid, other=0), axis=0)
             tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
-            nsel += tl.sum(valid.to(tl.int32), axis=0)
-            hsel += tl.sum(hf, axis=0)
-    return nsel, hsel
+    return hsel
 
 
 @triton.jit(do_not_specialize=["now", "KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
@@ -176,44 +232,46 @@ def resolve_plan_kernel(
     now,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr,
-    KKP: tl.constexpr, BP: tl.constexpr, LOGK: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
+    KKP: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, CH: tl.constexpr,
+    CHH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
+    SD: tl.constexpr,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
-    (selected, direct, hot, host, host_selected, overflow). scr64 [N, KKP], scr32 [N, 3*KKP + 2*BP]."""
+    (selected, direct, hot, host, host_selected, overflow). scr64 [N, HT + KKP + BP] int64,
+    scr32 [N, 2*HT + KKP + BP] int32."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = now.to(tl.int64)
-    skey = scr64_ptr + n * KKP
-    out = skey  # the sorted keys are dead once P1 ends: reuse the row for out [KKP] int64
-    upos = scr32_ptr + n * (3 * KKP + 2 * BP)
-    uidx = upos + KKP
-    hflag = uidx + KKP
-    prot = hflag + KKP
-    vict = prot + BP
+    out = scr64_ptr + n * (HT + KKP + BP)
+    T = scr32_ptr + n * (2 * HT + KKP + BP)
+    hflag = T + HT
+    bidx = hflag + HT
+    prot = bidx + KKP
 
-    U = _dedup(sel_ptr, KK, skey, upos, uidx, n, KKP, CH)
+    nsel = _dedup(sel_ptr, KK, T, bidx, n, KKP, HT, LOGH, CHH)
     tl.debug_barrier()
-    ndir, nrest = _direct(upos, out, hflag, U, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
-                          LMAX, has_map, KKP, CH)
+    ndir, nrest = _direct(T, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
+                          has_map, HT, CHH)
     tl.debug_barrier()
     nhot = ndir * 0
     if nrest > 0:
-        nhot = _hot_scan(upos, out, prot, U, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc,
-                         B, now, KKP, BP, LOGK, CHB)
+        nhot = _hot_scan(T, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, now,
+                         BP, HT, LOGH)
         tl.debug_barrier()
     nmiss = nrest - nhot
     nhost = nmiss * 0
     if nmiss > 0:
-        ncand = (B - nhot).to(tl.int32)
-        nhost = tl.minimum(nmiss, ncand).to(tl.int32)
-        _victims(prot, vict, s, hot_stamp_ptr, s_stamp, B, ncand, BP)
+        nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
+        _compact_misses(T, out, out + HT, s, table_ptr, s_table, HPW, ps, HT, CHH)
+        nsv = _victims(prot, out + HT + KKP, s, hot_stamp_ptr, s_stamp, B, nhost, BP)
         tl.debug_barrier()
-        _misses(upos, out, hflag, vict, U, nhost, s, n, C, table_ptr, s_table, HPW, ps,
-                hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP)
+        _sort_two(out, HT, nmiss, HT + KKP, nsv, SA, SB, SC, SD)
+        _assign(T, out, hflag, out + HT, out + HT + KKP, s, n, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, BP, HT, CHB)
         tl.debug_barrier()
     tl.store(copy_n_ptr + n, nhost)
-    nsel, hsel = _emit(sel_ptr, loc_ptr, KK, n, uidx, out, hflag, KKP, CH)
+    hsel = _emit(sel_ptr, loc_ptr, KK, n, bidx, out, hflag, KKP, CH)
     c = cnt_ptr + n * 6
     tl.store(c + 0, nsel.to(tl.int64))
     tl.store(c + 1, ndir.to(tl.int64))

@@ -14,7 +14,7 @@ emits A + 1 tokens (accepted drafts + correction/bonus), so
     E[tokens per round] = 1 + sum_{i=1}^{K-1} a^i = sum_{i=0}^{K-1} a^i = (1 - a^K) / (1 - a).
 
 `corrupt_rate_for_tokens_per_round(T, K)` inverts this (monotone in a) by bisection; 2.88 tokens
-per round at width 4 gives a ~= 0.7706, c ~= 0.229.
+per round at width 4 gives a ~= 0.784, c ~= 0.216.
 """
 
 from __future__ import annotations

@@ -1,0 +1,217 @@
+"""`DFlashDrafter`: the DFlash-style block drafter behind the `Drafter` protocol.
+
+Per request it keeps the context K/V of committed positions in a window ring (eq. 9-10, one slot
+per request, allocated at `admit`); the block K/V are recomputed each round and never stored.
+A round for a request with n committed positions and anchor x_0 drafts the block at positions
+n..n+B-1 from [x_0, mask * (B-1)], attending to the last W committed positions (positions
+max(0, n-W)..n-1) plus the block. Drafts x_1..x_{K-1} come from block rows 1..K-1 through the
+target's LM head (K = min(max_width, B)).
+
+Greedy requests get argmax drafts (probs None; confidence = softmax max). Sampled requests draw
+each draft from q = processed_probs(draft logits, params) with the drafter's per-request
+generator and return q for rejection sampling (confidence = q(x)).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dhisparse.engine.sampling import make_generator, processed_probs
+from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
+from dhisparse.spec.dflash_io import load_dflash, save_dflash
+from dhisparse.spec.dflash_model import DFlashModel
+from dhisparse.spec.drafter import DraftProposal, DraftRequest, Features
+from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
+
+
+@dataclass
+class _State:
+    slot: int
+    num_context: int = 0  # positions 0..num_context-1 have context K/V
+    generator: torch.Generator | None = None
+
+
+def _target_parts(target) -> tuple[torch.nn.Embedding, torch.nn.Linear, object]:
+    """(embed_tokens, lm_head, ModelConfig) of a DsaForCausalLM or a LoadedModel wrapping one."""
+    model = getattr(target, "model", target)
+    if not hasattr(model, "lm_head"):  # LoadedModel.model is the DsaForCausalLM
+        model = target
+    return model.model.embed_tokens, model.lm_head, model.config
+
+
+class DFlashDrafter:
+    """Block drafter conditioned on target features. `window` = W, `page` = p and `k_max` size the
+    ring (R_d of eq. 9); `max_requests` ring slots; context="dense" keeps an unbounded store
+    (reference for tests, same window semantics)."""
+
+    def __init__(self, cfg: DFlashConfig, model: DFlashModel, target, *, window: int | None = None,
+                 page: int = 64, k_max: int | None = None, max_requests: int = 64,
+                 context: str = "ring", seed: int = 0) -> None:
+        self.embed, self.lm_head, tcfg = _target_parts(target)
+        cfg.check_target(tcfg.vocab_size, tcfg.hidden_size, tcfg.num_layers)
+        self.cfg, self.model, self.seed = cfg, model.eval(), seed
+        self.window = window or cfg.sliding_window or 2048
+        if self.window < cfg.block_size:
+            raise DFlashConfigError(
+                f"--speculative-draft-window-size {self.window} is smaller than the drafter's block "
+                f"({cfg.block_size}); use a window of at least {cfg.block_size}"
+            )
+        self.k_max = max(k_max or cfg.block_size, 2)
+        self.ring_rows = ring_rows(self.window, page, self.k_max)
+        dtype, device = model.fc.weight.dtype, model.fc.weight.device
+        if context == "ring":
+            self.kv = DraftKVRing(cfg.num_layers, max_requests, self.ring_rows, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        elif context == "dense":
+            self.kv = DenseDraftKV(cfg.num_layers)
+        else:
+            raise ValueError(f"DFlashDrafter.context must be 'ring' or 'dense', got {context!r}")
+        self._bytes = 2 * cfg.num_layers * self.ring_rows * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        self._states: dict[str, _State] = {}
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: DFlashConfig, target, seed: int = 0, **kw) -> "DFlashDrafter":
+        """Seeded random weights in the target's dtype / device."""
+        model = DFlashModel(cfg)
+        model.init_random(torch.Generator().manual_seed(seed))
+        w = _target_parts(target)[1].weight
+        return cls(cfg, model.to(device=w.device, dtype=w.dtype), target, seed=seed, **kw)
+
+    @classmethod
+    def load(cls, folder: str | Path, target, strict: bool = True, **kw) -> "DFlashDrafter":
+        """Load a checkpoint (config.json + safetensors, DFlash layout) onto the target's device."""
+        w = _target_parts(target)[1].weight
+        cfg, model = load_dflash(folder, dtype=w.dtype, device=w.device, strict=strict)
+        return cls(cfg, model, target, **kw)
+
+    def save(self, folder: str | Path) -> Path:
+        return save_dflash(folder, self.cfg, self.model)
+
+    # ---- Drafter protocol ----------------------------------------------------------------------
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.cfg.target_layer_ids)))
+
+    def state_bytes_per_request(self) -> int:
+        return self._bytes
+
+    def admit(self, request_id: str) -> None:
+        if request_id not in self._states:
+            self._states[request_id] = _State(self.kv.admit(request_id))
+
+    def release(self, request_id: str) -> None:
+        if self._states.pop(request_id, None) is not None:
+            self.kv.release(request_id)
+
+    def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
+        if request_id not in self._states:
+            raise KeyError(f"DFlash drafter: commit for unknown request {request_id!r}; admit / propose it first")
+        if new_features is None:
+            raise ValueError("DFlash drafter: commit needs the target features of the committed positions "
+                             f"(run the target with capture_layers={self.capture_layers})")
+        rows = self._rows(new_features)
+        if rows != accepted + 1:
+            raise ValueError(f"DFlash drafter: commit got {rows} feature rows for accepted={accepted}; "
+                             "pass the anchor's and the accepted drafts' rows (accepted + 1)")
+        self._ingest(self._states[request_id], new_features)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
+        out: list[DraftProposal | None] = [None] * len(requests)
+        live = []
+        for i, req in enumerate(requests):
+            state = self._prepare(req)
+            if req.max_drafts < 1:
+                out[i] = DraftProposal.empty()
+            else:
+                live.append((i, req, state))
+        if live:
+            logits = self._draft_logits([r for _, r, _ in live], [s for _, _, s in live])
+            for (i, req, state), row in zip(live, logits):
+                out[i] = self._pick(req, state, row)
+        return out  # type: ignore[return-value]
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _rows(self, features: Features) -> int:
+        missing = [l for l in self.cfg.target_layer_ids if l not in features]
+        if missing:
+            raise ValueError(f"DFlash drafter: features lack target layers {missing}; "
+                             f"run the target with capture_layers={self.capture_layers}")
+        counts = {int(features[l].shape[0]) for l in self.cfg.target_layer_ids}
+        if len(counts) != 1:
+            raise ValueError(f"DFlash drafter: feature layers disagree on row count: {sorted(counts)}")
+        return counts.pop()
+
+    def _ingest(self, state: _State, features: Features) -> None:
+        """Project features of positions num_context.. into context K/V; only the last W matter."""
+        n_new = self._rows(features)
+        keep = min(n_new, self.window)
+        feats = torch.cat([features[l][n_new - keep:] for l in self.cfg.target_layer_ids], dim=-1)
+        start = state.num_context + n_new - keep
+        positions = torch.arange(start, start + keep, dtype=torch.int64)
+        for layer, (k, v) in enumerate(self.model.context_kv(feats, positions)):
+            self.kv.write(state.slot, layer, positions, k, v)
+        state.num_context += n_new
+
+    def _prepare(self, req: DraftRequest) -> _State:
+        self.admit(req.request_id)
+        state = self._states[req.request_id]
+        if req.new_features is not None and self._rows(req.new_features) > 0:
+            self._ingest(state, req.new_features)
+        if state.num_context != req.num_committed:
+            raise ValueError(
+                f"DFlash drafter: request {req.request_id!r} has {req.num_committed} committed positions but the "
+                f"drafter holds features for {state.num_context}; pass positions {state.num_context}.."
+                f"{req.num_committed - 1} in DraftRequest.new_features or via commit()"
+            )
+        return state
+
+    def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> torch.Tensor:
+        """-> [N, B-1, V] fp32 logits of block rows 1..B-1."""
+        b, device = self.cfg.block_size, self.model.fc.weight.device
+        ids = torch.full((len(reqs), b), self.cfg.mask_token_id, dtype=torch.int64, device=device)
+        ids[:, 0] = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=device)
+        n = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64, device=device)
+        positions = n[:, None] + torch.arange(b, device=device)[None, :]
+        ctx, valid = self._gather_context(reqs, states, device)
+        with torch.inference_mode():
+            x = self.embed(ids).to(self.model.fc.weight.dtype)
+            hidden = self.model.block_hidden(x, positions, ctx, valid)
+            return self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype)).float()
+
+    def _gather_context(self, reqs, states, device):
+        """Window K/V per layer, left-aligned and padded: ([(k, v) [N, L, kvh, d]], valid [N, L])."""
+        spans = [torch.arange(max(0, r.num_committed - self.window), r.num_committed, dtype=torch.int64) for r in reqs]
+        width = max(s.numel() for s in spans)
+        shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dtype = self.model.fc.weight.dtype
+        valid = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
+        out = []
+        for layer in range(self.cfg.num_layers):
+            k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            for i, (span, st) in enumerate(zip(spans, states)):
+                if span.numel():
+                    k[i, : span.numel()], v[i, : span.numel()] = self.kv.read(st.slot, layer, span)
+                    valid[i, : span.numel()] = True
+            out.append((k, v))
+        return out, valid
+
+    def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:
+        """logits [B-1, V] -> the first min(max_width, B) - 1 drafts."""
+        k = min(req.max_drafts, logits.shape[0])
+        rows = logits[:k]
+        if req.params.greedy:
+            tokens = rows.argmax(dim=-1)
+            conf = torch.softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
+            return DraftProposal(tokens.tolist(), None, conf.tolist())
+        if state.generator is None:
+            seed = (self.seed * 1_000_003) ^ zlib.crc32(req.request_id.encode()) ^ (req.params.seed or 0)
+            state.generator = make_generator(seed, rows.device)
+        q = processed_probs(rows, [req.params] * k)
+        tokens = torch.stack([torch.multinomial(q[i], 1, generator=state.generator)[0] for i in range(k)])
+        conf = q.gather(1, tokens[:, None])[:, 0]
+        return DraftProposal(tokens.tolist(), q, conf.tolist())

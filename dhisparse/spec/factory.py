@@ -1,0 +1,55 @@
+"""Build the drafter and width policy a `SpecConfig` describes (engine start-up)."""
+
+from __future__ import annotations
+
+from dhisparse.spec.config import SpecConfig, SpecConfigError
+from dhisparse.spec.dflash import DFlashDrafter, _target_parts
+from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
+from dhisparse.spec.drafter import Drafter
+from dhisparse.spec.dspark import DSparkDrafter, VerifyCost
+from dhisparse.spec.ngram import NgramDrafter
+from dhisparse.spec.oracle import OracleDrafter, Reference, corrupt_rate_for_tokens_per_round
+from dhisparse.spec.policy import StaticWidthSchedule
+
+
+def random_dflash_config(target, block_size: int, num_layers: int = 2) -> DFlashConfig:
+    """A small drafter shaped for `target` (hidden / vocab / layer ids), for random weights."""
+    tcfg = _target_parts(target)[2]
+    heads = max(1, tcfg.num_heads)
+    return DFlashConfig(
+        num_layers=num_layers, hidden_size=tcfg.hidden_size, num_heads=heads, num_kv_heads=heads,
+        head_dim=max(2, (tcfg.hidden_size // heads) // 2 * 2), intermediate_size=2 * tcfg.hidden_size,
+        vocab_size=tcfg.vocab_size, target_layer_ids=default_target_layer_ids(tcfg.num_layers, num_layers),
+        block_size=block_size, mask_token_id=tcfg.pad_token_id or 0, rms_norm_eps=tcfg.rms_norm_eps,
+    )
+
+
+def build_dflash(cfg: SpecConfig, target, max_requests: int = 64) -> DFlashDrafter:
+    """Checkpoint at cfg.draft_model_path, else seeded random weights (block = cfg.block)."""
+    kw = dict(window=cfg.draft_window_size, page=cfg.page_size, k_max=cfg.num_draft_tokens, max_requests=max_requests)
+    if cfg.draft_model_path:
+        drafter = DFlashDrafter.load(cfg.draft_model_path, target, **kw)
+        cfg.check_block(drafter.cfg.block_size)
+        return drafter
+    return DFlashDrafter.random(random_dflash_config(target, cfg.block), target, seed=cfg.seed, **kw)
+
+
+def build_drafter(cfg: SpecConfig, target, *, reference: Reference | None = None, max_requests: int = 64,
+                  cost: VerifyCost | None = None) -> Drafter:
+    """The drafter for cfg.algorithm. `reference` is required for the oracle; `cost` for dspark
+    (default: a linear prior until the engine measures)."""
+    if cfg.algorithm == "ngram":
+        return NgramDrafter(cfg.ngram_min_n, cfg.ngram_max_n)
+    if cfg.algorithm == "oracle":
+        if reference is None:
+            raise SpecConfigError("--speculative-algorithm oracle needs a reference run (prompt -> target output ids)")
+        rate = cfg.oracle_corrupt_rate or 0.0
+        if cfg.oracle_tokens_per_round is not None:
+            rate = corrupt_rate_for_tokens_per_round(cfg.oracle_tokens_per_round, cfg.width_for_oracle)
+        return OracleDrafter(reference, _target_parts(target)[2].vocab_size, rate, cfg.seed)
+    drafter = build_dflash(cfg, target, max_requests)
+    return DSparkDrafter(drafter, cost or VerifyCost()) if cfg.algorithm == "dspark" else drafter
+
+
+def static_schedule(cfg: SpecConfig) -> StaticWidthSchedule:
+    return StaticWidthSchedule(cfg.static_schedule, cfg.static_default_width)

@@ -1,0 +1,133 @@
+"""Verification-width policy: a static schedule by load and an online policy (eq. 13).
+
+Static (the paper's GLM runs): width 8 up to C32, 6 at C64, 4 from C128 — configurable as
+((max concurrency, width), ...) plus the width above every bound.
+
+Online (the paper leaves it as future work): with b active sessions output is ~ b / TPOT, so
+speculation at width K against no speculation (K = 1) returns
+
+    Q_K / Q_0 ~ (b_K / b_0) * (TPOT_0 / TPOT_K)                                       (eq. 13)
+
+where TPOT_K = cost(K) / E(K) (round cost over tokens per round, from the measured per-position
+acceptance EMA), and b_K = min(concurrency, sessions that fit in memory with speculation's
+extra per-session and fixed state). The policy picks the K with the largest ratio and turns
+speculation off (K = 1) when no K beats 1 + margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from dhisparse.spec.dspark import VerifyCost, expected_emitted
+
+
+@dataclass(frozen=True)
+class StaticWidthSchedule:
+    """width(C) = the width of the first (bound, width) with C <= bound, else `default`."""
+
+    steps: tuple[tuple[int, int], ...] = ((32, 8), (127, 6))
+    default: int = 4
+
+    def width(self, concurrency: int, k_max: int | None = None) -> int:
+        w = next((w for bound, w in self.steps if concurrency <= bound), self.default)
+        return min(w, k_max) if k_max is not None else w
+
+
+def output_ratio(b_s: float, b_0: float, tpot_s: float, tpot_0: float) -> float:
+    """Eq. 13: Q_s / Q_0 = (b_s / b_0) * (TPOT_0 / TPOT_s)."""
+    if b_0 <= 0 or tpot_s <= 0:
+        raise ValueError(f"output_ratio needs b_0 > 0 and tpot_s > 0, got b_0={b_0}, tpot_s={tpot_s}")
+    return (b_s / b_0) * (tpot_0 / tpot_s)
+
+
+def speculation_pays(b_s: float, b_0: float, tpot_s: float, tpot_0: float, margin: float = 0.0) -> bool:
+    """True while the share of sessions speculation keeps exceeds its TPOT ratio (by `margin`)."""
+    return output_ratio(b_s, b_0, tpot_s, tpot_0) > 1.0 + margin
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Sessions that fit: capacity_bytes for request state; session_bytes required per session
+    without speculation; spec_session_bytes added per session with it (draft ring + staging
+    share); spec_fixed_bytes speculation's fixed cost (drafter weights, workspaces)."""
+
+    capacity_bytes: int
+    session_bytes: int
+    spec_session_bytes: int = 0
+    spec_fixed_bytes: int = 0
+
+    def sessions(self, concurrency: int, speculative: bool, capacity_bytes: int | None = None) -> int:
+        cap = self.capacity_bytes if capacity_bytes is None else capacity_bytes
+        if speculative:
+            fit = max(0, cap - self.spec_fixed_bytes) // (self.session_bytes + self.spec_session_bytes)
+        else:
+            fit = cap // self.session_bytes
+        return int(min(concurrency, fit))
+
+
+class WidthDecision(NamedTuple):
+    """width 1 means speculation off. ratio: eq. 13 estimate of Q_width / Q_0."""
+
+    width: int
+    tokens_per_round: float
+    ratio: float
+    sessions: int
+    sessions_without: int
+
+    @property
+    def speculate(self) -> bool:
+        return self.width > 1
+
+
+class OnlineWidthPolicy:
+    """Chooses the width from measured acceptance (EMA per draft position), step cost per width
+    (`VerifyCost`, width 1 = a non-speculative step) and memory (`MemoryModel`).
+
+    Acceptance at position i is the conditional rate P(x_i accepted | x_1..x_{i-1} accepted);
+    positions never judged keep `prior`.
+    """
+
+    def __init__(self, k_max: int, cost: VerifyCost, memory: MemoryModel | None = None,
+                 widths: Sequence[int] | None = None, ema: float = 0.05, prior: float = 0.6,
+                 margin: float = 0.0) -> None:
+        if k_max < 2:
+            raise ValueError(f"OnlineWidthPolicy.k_max must be >= 2, got {k_max}")
+        self.k_max, self.cost, self.memory = k_max, cost, memory
+        self.widths = sorted(set(widths or range(2, k_max + 1)))
+        if self.widths[0] < 2 or self.widths[-1] > k_max:
+            raise ValueError(f"OnlineWidthPolicy.widths must lie in [2, k_max={k_max}], got {self.widths}")
+        self.ema, self.margin = ema, margin
+        self.acceptance = [prior] * (k_max - 1)  # index i-1 for draft position i
+
+    def observe(self, width: int, accepted: int) -> None:
+        """One verified round: drafts 1..accepted accepted, draft accepted+1 (if any) rejected."""
+        if not 0 <= accepted <= width - 1 <= self.k_max - 1:
+            raise ValueError(f"observe: need 0 <= accepted <= width-1 <= k_max-1, got width={width}, accepted={accepted}")
+        for i in range(min(accepted + 1, width - 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.acceptance[i] += self.ema * (hit - self.acceptance[i])
+
+    def observe_cost(self, width: int, seconds: float) -> None:
+        self.cost.update(width, seconds)
+
+    def tokens_per_round(self, width: int) -> float:
+        return expected_emitted(self.acceptance, width)
+
+    def decide(self, concurrency: int, capacity_bytes: int | None = None) -> WidthDecision:
+        """Best width for `concurrency` offered sessions (and, optionally, the live capacity)."""
+        b0 = self._sessions(concurrency, False, capacity_bytes)
+        tpot0 = self.cost.cost(1)
+        best = WidthDecision(1, 1.0, 1.0, b0, b0)
+        for w in self.widths:
+            bs = self._sessions(concurrency, True, capacity_bytes)
+            e = self.tokens_per_round(w)
+            ratio = output_ratio(bs, b0, self.cost.cost(w) / e, tpot0) if b0 > 0 else 0.0
+            if ratio > max(best.ratio, 1.0 + self.margin):
+                best = WidthDecision(w, e, ratio, bs, b0)
+        return best
+
+    def _sessions(self, concurrency: int, speculative: bool, capacity_bytes: int | None) -> int:
+        if self.memory is None:
+            return max(concurrency, 1)
+        return self.memory.sessions(concurrency, speculative, capacity_bytes)
