@@ -32,6 +32,8 @@ from dhisparse.kernels.gather import gather_rows_padded  # noqa: E402
 from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
 
 
+CHECKED = ("miss_partial_K8_cold", "miss_disjoint_K8_cold", "miss_partial_K8_warm10", "miss_single_K1_warm50",
+           "miss_partial_K2_cold", "miss_disjoint_K2_cold", "miss_partial_K2_warm10", "miss_single_K1_warm50")
 SPIN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 
 
@@ -128,6 +130,8 @@ def summarise(records: list[dict], rbs: list[int]) -> dict:
         s = {"fit_GBps": f["GBps"], "fit_r2": f["r2"], "fit_intercept_ms": f["intercept_ms"],
              "ceiling_random_GBps": ceil["random"]["GBps"], "ceiling_sorted_GBps": ceil["sorted"]["GBps"],
              "ceiling_sorted_fit_GBps": cfit["GBps"]}
+        cf = fit([r["miss_bytes"] for r in res], [r["copy_only"]["time_ms"] for r in res])
+        s["copy_only_fit_GBps"], s["copy_only_fit_r2"] = cf["GBps"], cf["r2"]
         s["fit_over_sorted_ceiling"] = s["fit_GBps"] / s["ceiling_sorted_GBps"]
         s["fit_over_sorted_fit"] = s["fit_GBps"] / s["ceiling_sorted_fit_GBps"]
         nm = {r["history"]: r["time_ms"] for r in records if r["row_bytes"] == rb and r["case"] == "nomiss"}
@@ -158,8 +162,10 @@ def main() -> None:
     for rb in args.row_bytes:
         rig.fill(rb)
         cases = rig.cases(rb)
-        if not args.no_check:
-            checks.append(check_case(rig, cases[0]))
+        for case in ([] if args.no_check else [c for c in cases if c.name in CHECKED]):
+            t1 = time.time()
+            checks.append(check_case(rig, case))
+            checks[-1]["seconds_incl_compile"] = time.time() - t1
             print(f"[{time.time() - t0:6.1f}s] rb={rb} reference check: {checks[-1]}", flush=True)
         counts = sorted({r for r in rig.ceiling_counts()})
         records += ceiling(rig, rb, counts, args)

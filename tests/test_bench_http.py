@@ -24,7 +24,7 @@ def test_bench_over_http_measures_client_side(tmp_path):
     assert run["target"] == srv.url and run["preset"] == engine.config.preset
     assert m["requests_completed"] == 4 and m["ttft_mean_ms"] > 0 and m["tpot_mean_ms"] > 0
     assert all(r["output_len"] == 5 and r["prompt_len"] > 40 for r in run["requests"])
-    assert m["output_tokens"] >= 20 and 1 <= m["slots"] <= 2
+    assert m["output_tokens"] >= 20 and m["slots"] <= 2  # slots come from /metrics polls, which may miss a busy moment
     # the prefix was prefilled once (plus warm-up); requests imported it and prefilled only their suffix
     assert imported < 40 + 6 * 10
 

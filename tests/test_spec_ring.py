@@ -12,7 +12,7 @@ from dhisparse.spec.ring import DraftKVRing, RingAllocator, RingFull, ring_rows
 
 def test_ring_rows_formula():
     assert ring_rows(2048, 64, 8) == 2176  # the paper's GLM-5.3 / DFlash2 setting
-    assert ring_rows(2048, 64, 6) == 2176 and ring_rows(2048, 64, 4) == 2112
+    assert ring_rows(2048, 64, 6) == 2176 and ring_rows(2048, 64, 4) == 2176 and ring_rows(2048, 64, 1) == 2112
     assert ring_rows(8, 4, 4) == 16
     assert ring_rows(1, 1, 1) == 2
     with pytest.raises(ValueError, match="window"):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chi2
+from spec_loop import one_thread  # noqa: F401
 
 from dhisparse.engine.params import SamplingParams
 from dhisparse.engine.sampling import processed_probs
 from dhisparse.spec.verify import commit_rows, verify_batch, verify_greedy, verify_request, verify_sampled
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def onehot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
@@ -60,31 +64,32 @@ def test_verify_batch_mixes_greedy_and_sampled():
 V = 6
 PARAMS = SamplingParams(temperature=0.9, top_k=5)
 W_LAST = torch.randn(V, V, generator=torch.Generator().manual_seed(11)) * 1.5
+# p(. | prev): the target's processed next-token distribution depends on the previous token
+P_TABLE = processed_probs(W_LAST, [PARAMS] * V)
+# arbitrary draft distributions per draft position, independent of the target
+Q_TABLE = torch.softmax(torch.randn(2, V, generator=torch.Generator().manual_seed(100)) * 2, -1)
 
 
-def target_logits(prev: int) -> torch.Tensor:
-    """Target next-token logits depend on the previous token: p(. | prev)."""
-    return W_LAST[prev]
+def draft_stream(trials: int, seed: int):
+    """Pre-drawn drafts: x_i ~ Q_TABLE[i], independent of everything else (a separate stream)."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    cols = [torch.multinomial(Q_TABLE[i], 2 * trials, replacement=True, generator=gen).tolist() for i in range(2)]
+    return iter(list(zip(*cols)))
 
 
-def draft_q(i: int) -> torch.Tensor:
-    """Arbitrary draft distributions (independent of the target, some mass off p's support)."""
-    return torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(100 + i)) * 2, -1)
-
-
-def spec_round(anchor: int, width: int, gen: torch.Generator, always_accept: bool = False) -> list[int]:
-    drafts = [int(torch.multinomial(draft_q(i), 1, generator=gen)) for i in range(width - 1)]
-    q = torch.stack([draft_q(i) for i in range(width - 1)])
-    logits = torch.stack([target_logits(t) for t in [anchor] + drafts])
+def spec_round(anchor: int, drafts: list[int], gen: torch.Generator, always_accept: bool = False) -> list[int]:
+    """One width-3 round: drafts x_1, x_2 ~ q, target rows p(.|x_0), p(.|x_1), p(.|x_2)."""
     if always_accept:
         return drafts
-    return verify_request(logits, drafts, q, PARAMS, gen).emitted
+    rows = P_TABLE[torch.tensor([anchor] + drafts)]
+    return verify_sampled(rows, drafts, Q_TABLE, gen).emitted
 
 
-def two_tokens(gen: torch.Generator, always_accept: bool = False) -> tuple[int, int]:
-    out = spec_round(0, 3, gen, always_accept)
+def two_tokens(gen: torch.Generator, drafts, always_accept: bool = False) -> tuple[int, int]:
+    """First two generated tokens; a second round supplies token 2 when round 1 emitted one."""
+    out = spec_round(0, list(next(drafts)), gen, always_accept)
     if len(out) < 2:
-        out += spec_round(out[-1], 3, gen, always_accept)
+        out += spec_round(out[-1], list(next(drafts)), gen, always_accept)
     return out[0], out[1]
 
 
@@ -98,16 +103,17 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def collect(trials: int, seed: int, always_accept: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
+    drafts = draft_stream(trials, seed)
     counts = torch.zeros(V, V)
     for _ in range(trials):
-        a, b = two_tokens(gen, always_accept)
+        a, b = two_tokens(gen, drafts, always_accept)
         counts[a, b] += 1
     return counts
 
 
 def test_rejection_sampling_preserves_target_distribution():
     counts = collect(12000, seed=1)
-    p = processed_probs(torch.stack([target_logits(t) for t in range(V)]), [PARAMS] * V)
+    p = P_TABLE
     assert chi_square_p(counts.sum(1), p[0]) > 1e-3  # first token ~ p(. | anchor)
     for a in range(V):  # second token ~ p(. | first token), whichever round produced it
         if counts[a].sum() >= 200:
@@ -115,16 +121,15 @@ def test_rejection_sampling_preserves_target_distribution():
 
 
 def test_chi_square_has_power_against_a_wrong_verifier():
-    counts = collect(3000, seed=2, always_accept=True)
-    p = processed_probs(target_logits(0)[None], [PARAMS])[0]
-    try:
-        assert chi_square_p(counts.sum(1), p) < 1e-6
-    except AssertionError as e:  # a token outside the support also proves the point
-        assert "outside" in str(e) or "assert" in str(e)
+    """Emitting the drafts unverified (first token ~ q) must fail the same test."""
+    first = collect(3000, seed=2, always_accept=True).sum(1)
+    p = P_TABLE[0]
+    assert first[p == 0].sum() > 0 or chi_square_p(first, p) < 1e-6
 
 
 def test_point_mass_drafts_and_seeded_determinism():
-    logits = torch.stack([target_logits(t) for t in (0, 1, 2)])
-    runs = [verify_sampled(processed_probs(logits, [PARAMS] * 3), [1, 2], None, torch.Generator().manual_seed(5))
-            for _ in range(2)]
+    logits = W_LAST[torch.tensor([0, 1, 2])]
+    runs = [verify_request(logits, [1, 2], None, PARAMS, torch.Generator().manual_seed(5)) for _ in range(2)]
     assert runs[0] == runs[1] and 0 <= runs[0].accepted <= 2
+    direct = verify_sampled(P_TABLE[torch.tensor([0, 1, 2])], [1, 2], None, torch.Generator().manual_seed(5))
+    assert direct == runs[0]  # verify_request = processed_probs + rejection sampling

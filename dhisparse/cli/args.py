@@ -7,6 +7,15 @@ import argparse
 
 from dhisparse.engine.config import PRESETS, EngineConfig
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only for real defaults (engine flags default to None = "the engine's")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 # flag -> (EngineConfig field, type, help)
 ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model-path": ("model", str, "'tiny' (built-in GLM-5-architecture model, random weights) or a Hugging Face checkpoint folder"),

@@ -6,16 +6,7 @@ import argparse
 import datetime as _dt
 import time
 
-from dhisparse.cli.args import add_engine_args, engine_config
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only for real defaults (engine flags default to None = "the engine's")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
-            return action.help or ""
-        return super()._get_help_string(action)
+from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -12,8 +12,7 @@ import argparse
 import dataclasses
 import time
 
-from dhisparse.cli.args import add_engine_args, engine_config
-from dhisparse.cli.bench import HelpFormatter
+from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
 
 SAMPLE_PROMPT = "The hierarchy keeps every row on the host and a small hot cache on the GPU."
 

@@ -6,12 +6,12 @@ import argparse
 import json
 import time
 
-from dhisparse.cli.args import add_engine_args, engine_config
+from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
 from dhisparse.engine.params import SamplingParams
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=HelpFormatter)
     add_engine_args(p)
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeat for a batch)")

@@ -6,7 +6,8 @@ import argparse
 import time
 
 from dhisparse.cli.args import add_engine_args, engine_config
-from dhisparse.cli.bench import HelpFormatter, add_output_args, add_workload_args, default_out, workload_from
+from dhisparse.cli.args import HelpFormatter
+from dhisparse.cli.bench import add_output_args, add_workload_args, default_out, workload_from
 
 
 def add_parser(sub) -> None:

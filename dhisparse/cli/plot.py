@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dhisparse.cli.bench import HelpFormatter
+from dhisparse.cli.args import HelpFormatter
 from pathlib import Path
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dhisparse.cli.args import add_engine_args, engine_config
-from dhisparse.cli.bench import HelpFormatter
+from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
 
 
 def add_parser(sub) -> None:

@@ -88,6 +88,7 @@ class Engine:
         self._steps = self._generated = self._prefilled = self._peak = self._decoding = self._admitted = 0
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
+        self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
@@ -186,6 +187,10 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        held, self._held_outputs = self._held_outputs, []
+        return held + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -244,7 +249,7 @@ class Engine:
         """Prefill `prompt` once and keep its KV for later requests to import; returns its length."""
         rid = self.add_request(prompt, SamplingParams(max_tokens=1), export_prefix=True)
         while rid in self.requests:
-            self.step()
+            self._held_outputs.extend(self.step())  # other requests' outputs wait for the next step()
         return len(self.encode_prompt(prompt))
 
     def stats(self) -> EngineStats:

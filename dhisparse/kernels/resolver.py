@@ -126,8 +126,9 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     scr64 = torch.empty((N, HT + KKP + BP), dtype=torch.int64, device=dev)
     scr32 = torch.empty((N, 2 * HT + KKP + BP), dtype=torch.int32, device=dev)
     if num_warps is None:
-        num_warps = 4 if KKP <= 512 else (8 if KKP <= 4096 else 16)
-    SA, SB, SC, SD = _sort_classes(max(KKP, BP))
+        big = max(KKP, BP)
+        num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
+    SA, SB, SC, SD = _sort_classes(BP)
     resolve_plan_kernel[(N,)](
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,

@@ -10,7 +10,8 @@ positions states[r].length ..). Each layer calls, in order:
    `append_rows(layer, kind, req, rows)` stores the rows the module pooled from them;
 3. `index_keys(layer, req)` (CSA) and `locate(layer, "kv", selection)`: the compressed rows.
 
-`finish()` advances every request by its token count (and auto-commits).
+`finish()` advances every request by its token count (and auto-commits). `V4Cache` owns the
+RowStore, hands out request states and begins passes.
 
 Window row space of request r (W = 4 shown), new tokens at positions L.. L+S-1:
 
@@ -20,13 +21,14 @@ Window row space of request r (W = 4 shown), new tokens at positions L.. L+S-1:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Hashable, NamedTuple
 
 import torch
 
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.v4_rows import RowStore
+from dhisparse.kv.v4_rows import DenseRowStore, RowStore
 from dhisparse.kv.v4_state import StateError, V4RequestState
+from dhisparse.models.v4_config import V4Config
 
 
 class RowSpace(NamedTuple):
@@ -54,6 +56,8 @@ class V4Pass:
     def __init__(self, batch: ForwardBatch, states: list[V4RequestState], store: RowStore) -> None:
         if len(states) != batch.num_reqs:
             raise StateError(f"{len(states)} states for a batch of {batch.num_reqs} requests")
+        if any(s.store is not store for s in states):
+            raise StateError("every request state of a pass must keep its rows in the pass's RowStore")
         self.batch, self.states, self.store = batch, states, store
         self.rids = [s.rid for s in states]
         self.spans = [(batch.query_start[r], batch.query_start[r + 1]) for r in range(batch.num_reqs)]
@@ -121,3 +125,19 @@ class V4Pass:
     def finish(self) -> None:
         for r, (a, b) in enumerate(self.spans):
             self.states[r].advance(b - a)
+
+
+class V4Cache:
+    """Owns a RowStore and hands out request states; `begin(batch, states)` starts a pass."""
+
+    def __init__(self, cfg: V4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 store: RowStore | None = None) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.store = store or DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype)
+
+    def new_request(self, rid: Hashable, auto_commit: bool = True) -> V4RequestState:
+        return V4RequestState(self.cfg, rid, self.store, self.device, self.dtype, auto_commit)
+
+    def begin(self, batch: ForwardBatch, states: list[V4RequestState]) -> "V4Pass":
+        """Start a pass: batch row r belongs to states[r]."""
+        return V4Pass(batch, states, self.store)

@@ -25,11 +25,11 @@ speculation) every pass commits its tokens, so the tails stay O(W + 2m) rows per
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import torch
 
-from dhisparse.kv.v4_rows import DenseRowStore, RowStore
+from dhisparse.kv.v4_rows import RowStore
 from dhisparse.models.v4_config import CSA, SLIDING, V4Config
 
 
@@ -87,6 +87,17 @@ class LayerState:
         return replace(self, window=tail(self.window), kv_raw=tail(self.kv_raw), idx_raw=tail(self.idx_raw))
 
 
+class CompressorView(NamedTuple):
+    """The streaming state in transformers' cache terms, read from the raw tail (no position_bias):
+    buffer_kv / buffer_gate [length % m, width] tokens of the open window; overlap_kv / overlap_gate
+    [m, width / 2] the Ca half of the last complete window (CSA with >= 1 row; else None)."""
+
+    buffer_kv: torch.Tensor
+    buffer_gate: torch.Tensor
+    overlap_kv: torch.Tensor | None
+    overlap_gate: torch.Tensor | None
+
+
 @dataclass(frozen=True)
 class V4Snapshot:
     """A restorable copy (by reference) of one request's state."""
@@ -119,6 +130,18 @@ class V4RequestState:
     # ---- queries -------------------------------------------------------------------------------
     def rows(self, layer: int, kind: str = "kv") -> int:
         return self.store.count(self.rid, layer, kind)
+
+    def compressor_view(self, layer: int, kind: str = "kv") -> CompressorView:
+        st = self.layers[layer]
+        tail = st.kv_raw if kind == "kv" else st.idx_raw
+        if tail is None:
+            raise StateError(f"layer {layer} has no {kind!r} compressor")
+        width, m, n = tail.rows.shape[1] // 2, st.m, self.length
+        buf = tail.span(n - n % m, n)
+        ov = tail.span((n // m - 1) * m, n // m * m) if st.overlap and n >= m else None
+        half = width // 2
+        return CompressorView(buf[:, :width], buf[:, width:], None if ov is None else ov[:, :half],
+                              None if ov is None else ov[:, width : width + half])
 
     def keep_from(self, layer: int, pos: int) -> tuple[int, int]:
         """(window, raw) first positions that must be held to resume (or roll back) at `pos`."""
@@ -182,20 +205,3 @@ class V4RequestState:
         self._seq += 1
         self.length = min(self.length, pos)
         self._cuts.append((self._seq, pos))
-
-
-class V4Cache:
-    """Owns a RowStore and hands out request states; `begin(batch, states)` starts a pass."""
-
-    def __init__(self, cfg: V4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 store: RowStore | None = None) -> None:
-        self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.store = store or DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype)
-
-    def new_request(self, rid: Hashable, auto_commit: bool = True) -> V4RequestState:
-        return V4RequestState(self.cfg, rid, self.store, self.device, self.dtype, auto_commit)
-
-    def begin(self, batch, states: list[V4RequestState]):
-        from dhisparse.kv.v4_pass import V4Pass
-
-        return V4Pass(batch, states, self.store)

@@ -31,13 +31,13 @@ from dhisparse.models.v4_config import V4Config
 class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: V4Config, layer: int) -> None:
         super().__init__()
-        hc = lambda: HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)  # noqa: E731
+        args = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.self_attn = V4Attention(cfg, layer)
         self.mlp = V4MoE(cfg, layer)
         self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn_hc = hc()
-        self.ffn_hc = hc()
+        self.attn_hc = HyperConnection(*args)
+        self.ffn_hc = HyperConnection(*args)
 
     def forward(self, streams: torch.Tensor, ropes: RopeTables, batch: ForwardBatch, ctx) -> torch.Tensor:
         """streams [T, N, D] -> [T, N, D]."""
@@ -58,8 +58,10 @@ class V4Model(nn.Module):
 
     def build_ropes(self, cfg: V4Config, device: torch.device | str | None = None) -> None:
         """(Re)create the rope modules (non-persistent buffers; call after a meta-device load)."""
-        self.rope_main = RotaryEmbedding(cfg.rope_main, cfg.rope_head_dim).to(device or "cpu")
-        self.rope_compress = RotaryEmbedding(cfg.rope_compress, cfg.rope_head_dim).to(device or "cpu")
+        self.rope_main = RotaryEmbedding(cfg.rope_main, cfg.rope_head_dim)
+        self.rope_compress = RotaryEmbedding(cfg.rope_compress, cfg.rope_head_dim)
+        if device is not None:
+            self.rope_main, self.rope_compress = self.rope_main.to(device), self.rope_compress.to(device)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -83,7 +85,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
-        """batch: T new tokens of N requests; ctx: V4Pass over their states (advanced on return)."""
+        """batch: T new tokens of N requests; ctx: V4Pass over their states (advanced on return).
+
+        Returns ModelOutput(hidden [T, hidden] after hc_head + norm, captured {layer: streams [T, N, D]}).
+        """
         m = self.model
         h = m.embed_tokens(batch.input_ids)
         ropes = RopeTables(m.rope_main(batch.positions, h.dtype), m.rope_compress(batch.positions, h.dtype),

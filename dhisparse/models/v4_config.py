@@ -218,7 +218,7 @@ def _attention_schedule(d: dict[str, Any], n: int) -> tuple[int, int, tuple[str,
 def _mlp_schedule(d: dict[str, Any], n: int) -> tuple[bool, ...]:
     types = d.get("mlp_layer_types")
     if types is None:
-        k = int(d.get("num_hash_layers", 3) if d.get("num_hash_layers") is not None else 3)
+        k = int(_get(d, "num_hash_layers", 3))
         types = ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k)
     types = list(types)[:n]
     if len(types) != n:
@@ -231,7 +231,8 @@ def _mlp_schedule(d: dict[str, Any], n: int) -> tuple[bool, ...]:
 
 def _rope(params: dict[str, Any], d: dict[str, Any], key: str) -> RopeConfig:
     try:
-        rc = RopeConfig.from_hf({"rope_parameters": params, "max_position_embeddings": d.get("max_position_embeddings")})
+        rc = RopeConfig.from_hf({"rope_parameters": params,
+                                 "max_position_embeddings": d.get("max_position_embeddings")})
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"config.json: {key!r}: {e}") from None
     return replace(rc, truncate=True)  # transformers reads `truncate` from the nested dict: always True

@@ -124,7 +124,7 @@ class SpecConfig:
 
     @property
     def ring_rows(self) -> int:
-        """R_d of eq. 9 for this window, page and K_max."""
+        """R_d of eq. 9 for this window and page, with the block of max(K_max, block) positions."""
         return ring_rows(self.draft_window_size, self.page_size, max(self.num_draft_tokens, self.block))
 
     def check_block(self, block: int) -> None:

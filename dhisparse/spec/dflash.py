@@ -7,6 +7,10 @@ n..n+B-1 from [x_0, mask * (B-1)], attending to the last W committed positions (
 max(0, n-W)..n-1) plus the block. Drafts x_1..x_{K-1} come from block rows 1..K-1 through the
 target's LM head (K = min(max_width, B)).
 
+The ring is sized by eq. 9 with room for a block of max(K_max, B) positions, so a device kernel
+may write the block K/V in place; this reference keeps them transient and reads only committed
+rows (the window), which is what the ring guarantees stay live.
+
 Greedy requests get argmax drafts (probs None; confidence = softmax max). Sampled requests draw
 each draft from q = processed_probs(draft logits, params) with the drafter's per-request
 generator and return q for rejection sampling (confidence = q(x)).
@@ -32,16 +36,17 @@ from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
 @dataclass
 class _State:
     slot: int
-    num_context: int = 0  # positions 0..num_context-1 have context K/V
+    num_context: int = 0  # positions floor..num_context-1 have context K/V
+    floor: int = 0  # lowest position observed after the last gap (observe with start > num_context)
     generator: torch.Generator | None = None
 
 
-def _target_parts(target) -> tuple[torch.nn.Embedding, torch.nn.Linear, object]:
+def target_parts(target) -> tuple[torch.nn.Embedding, torch.nn.Linear, object]:
     """(embed_tokens, lm_head, ModelConfig) of a DsaForCausalLM or a LoadedModel wrapping one."""
     model = getattr(target, "model", target)
     if not hasattr(model, "lm_head"):  # LoadedModel.model is the DsaForCausalLM
         model = target
-    return model.model.embed_tokens, model.lm_head, model.config
+    return model.model.embed_tokens, model.lm_head, getattr(target, "config", model.config)
 
 
 class DFlashDrafter:
@@ -52,7 +57,7 @@ class DFlashDrafter:
     def __init__(self, cfg: DFlashConfig, model: DFlashModel, target, *, window: int | None = None,
                  page: int = 64, k_max: int | None = None, max_requests: int = 64,
                  context: str = "ring", seed: int = 0) -> None:
-        self.embed, self.lm_head, tcfg = _target_parts(target)
+        self.embed, self.lm_head, tcfg = target_parts(target)
         cfg.check_target(tcfg.vocab_size, tcfg.hidden_size, tcfg.num_layers)
         self.cfg, self.model, self.seed = cfg, model.eval(), seed
         self.window = window or cfg.sliding_window or 2048
@@ -61,7 +66,7 @@ class DFlashDrafter:
                 f"--speculative-draft-window-size {self.window} is smaller than the drafter's block "
                 f"({cfg.block_size}); use a window of at least {cfg.block_size}"
             )
-        self.k_max = max(k_max or cfg.block_size, 2)
+        self.k_max = max(k_max or 0, cfg.block_size)
         self.ring_rows = ring_rows(self.window, page, self.k_max)
         dtype, device = model.fc.weight.dtype, model.fc.weight.device
         if context == "ring":
@@ -79,13 +84,13 @@ class DFlashDrafter:
         """Seeded random weights in the target's dtype / device."""
         model = DFlashModel(cfg)
         model.init_random(torch.Generator().manual_seed(seed))
-        w = _target_parts(target)[1].weight
+        w = target_parts(target)[1].weight
         return cls(cfg, model.to(device=w.device, dtype=w.dtype), target, seed=seed, **kw)
 
     @classmethod
     def load(cls, folder: str | Path, target, strict: bool = True, **kw) -> "DFlashDrafter":
         """Load a checkpoint (config.json + safetensors, DFlash layout) onto the target's device."""
-        w = _target_parts(target)[1].weight
+        w = target_parts(target)[1].weight
         cfg, model = load_dflash(folder, dtype=w.dtype, device=w.device, strict=strict)
         return cls(cfg, model, target, **kw)
 
@@ -107,6 +112,16 @@ class DFlashDrafter:
     def release(self, request_id: str) -> None:
         if self._states.pop(request_id, None) is not None:
             self.kv.release(request_id)
+
+    def observe(self, request_id: str, features: Features, start: int) -> None:
+        self.admit(request_id)
+        state = self._states[request_id]
+        if start < state.num_context:
+            raise ValueError(f"DFlash drafter: observe(start={start}) rewinds request {request_id!r}, which already "
+                             f"holds positions up to {state.num_context - 1}; release it to start over")
+        if start > state.num_context:
+            state.floor, state.num_context = start, start
+        self._ingest(state, features)
 
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
         if request_id not in self._states:
@@ -162,11 +177,21 @@ class DFlashDrafter:
         state = self._states[req.request_id]
         if req.new_features is not None and self._rows(req.new_features) > 0:
             self._ingest(state, req.new_features)
-        if state.num_context != req.num_committed:
+        if max(0, req.num_committed - self.window) < state.floor:
+            raise ValueError(
+                f"DFlash drafter: request {req.request_id!r} skipped positions before {state.floor} that its window "
+                f"still needs (window starts at {max(0, req.num_committed - self.window)}); observe them"
+            )
+        if state.num_context > req.num_committed:
+            raise ValueError(
+                f"DFlash drafter: request {req.request_id!r} has {req.num_committed} committed positions but the "
+                f"drafter already holds {state.num_context} (committed more than verified?); release it to start over"
+            )
+        if state.num_context < req.num_committed:
             raise ValueError(
                 f"DFlash drafter: request {req.request_id!r} has {req.num_committed} committed positions but the "
                 f"drafter holds features for {state.num_context}; pass positions {state.num_context}.."
-                f"{req.num_committed - 1} in DraftRequest.new_features or via commit()"
+                f"{req.num_committed - 1} in DraftRequest.new_features, observe() or commit()"
             )
         return state
 
@@ -183,22 +208,21 @@ class DFlashDrafter:
             hidden = self.model.block_hidden(x, positions, ctx, valid)
             return self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype)).float()
 
-    def _gather_context(self, reqs, states, device):
+    def _gather_context(self, reqs: list[DraftRequest], states: list[_State], device):
         """Window K/V per layer, left-aligned and padded: ([(k, v) [N, L, kvh, d]], valid [N, L])."""
-        spans = [torch.arange(max(0, r.num_committed - self.window), r.num_committed, dtype=torch.int64) for r in reqs]
-        width = max(s.numel() for s in spans)
-        shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dtype = self.model.fc.weight.dtype
-        valid = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
-        out = []
-        for layer in range(self.cfg.num_layers):
-            k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-            for i, (span, st) in enumerate(zip(spans, states)):
-                if span.numel():
-                    k[i, : span.numel()], v[i, : span.numel()] = self.kv.read(st.slot, layer, span)
-                    valid[i, : span.numel()] = True
-            out.append((k, v))
-        return out, valid
+        starts = torch.tensor([max(0, r.num_committed - self.window) for r in reqs], dtype=torch.int64)
+        ends = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64)
+        width = max(int((ends - starts).max()), 1)
+        positions = starts[:, None] + torch.arange(width)[None, :]  # [N, L]
+        valid = positions < ends[:, None]
+        positions = torch.where(valid, positions, starts[:, None])  # padding reads a live row, then is masked
+        slots = [s.slot for s in states]
+        if not bool(valid.any()):
+            shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
+            zeros = torch.zeros(shape, dtype=self.model.fc.weight.dtype, device=device)
+            return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device)
+        out = [self.kv.read_batch(slots, layer, positions, valid) for layer in range(self.cfg.num_layers)]
+        return out, valid.to(device)
 
     def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:
         """logits [B-1, V] -> the first min(max_width, B) - 1 drafts."""

@@ -9,9 +9,10 @@ Committed prefix = [x_0..x_A], so the drafter is then told `commit(rid, A, featu
 target features of those 1 + A positions (invariant I5: it advances with the same prefix).
 
 Target features: the engine runs the target with `capture_layers=drafter.capture_layers` and
-passes `{layer: [rows, hidden]}` slices. Features of positions the drafter has not seen yet
-(the prompt after prefill, or anything the engine holds back) go in `DraftRequest.new_features`;
-the features of each round's committed positions go to `commit`. Drafters that need no features
+passes `{layer: [rows, hidden]}` slices. Prompt features go to `observe(rid, feats, start)` per
+prefill chunk (a long prompt may pass only its last W positions: start = n - W), or all at once
+in the first `DraftRequest.new_features` (positions right after what the drafter holds); the
+features of each round's committed positions go to `commit`. Drafters that need no features
 (n-gram, oracle) report `capture_layers == ()` and ignore them.
 """
 
@@ -32,7 +33,8 @@ class DraftRequest:
     """One request's input to `Drafter.propose` for one round.
 
     request_id        engine request id
-    token_ids         tokens at positions 0..n-1 (prompt + output so far, all with target KV)
+    token_ids         tokens at positions 0..n-1 (prompt + output so far, all with target KV); any
+                      Sequence (a read-only view avoids a copy: drafters only take len() and slices)
     anchor            token at position n: the last verified / emitted token (x_0)
     max_width         K_max allowed this round (target queries incl. the anchor; 1 = no drafts)
     params            the request's sampling params (draft distributions use the same processing)
@@ -133,6 +135,11 @@ class Drafter(Protocol):
         """One proposal per request, in order; each has at most `max_width - 1` tokens."""
         ...
 
+    def observe(self, request_id: str, features: Features, start: int) -> None:
+        """Features of positions start..start+rows-1 (e.g. one prefill chunk). start may skip
+        positions the drafter will never read (older than its window); it never rewinds."""
+        ...
+
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
         """Verification accepted `accepted` drafts: positions n..n+accepted are committed.
         new_features: {layer: [accepted + 1, hidden]} target features of those positions."""
@@ -153,6 +160,9 @@ class StatelessDrafter:
     capture_layers: tuple[int, ...] = ()
 
     def admit(self, request_id: str) -> None:
+        return None
+
+    def observe(self, request_id: str, features: Features, start: int) -> None:
         return None
 
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:

@@ -62,7 +62,7 @@ class VerifyCost:
             t0 = time.perf_counter()
             for _ in range(repeats):
                 run(w)
-            table[w] = (time.perf_counter() - t0) / repeats
+            table[w] = max((time.perf_counter() - t0) / repeats, 1e-9)
         return cls(table)
 
     def _set(self, width: int, seconds: float) -> None:
@@ -124,6 +124,9 @@ class DSparkDrafter:
 
     def admit(self, request_id: str) -> None:
         self.inner.admit(request_id)
+
+    def observe(self, request_id: str, features: Features, start: int) -> None:
+        self.inner.observe(request_id, features, start)
 
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
         self.inner.commit(request_id, accepted, new_features)

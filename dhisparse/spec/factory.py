@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dhisparse.spec.config import SpecConfig, SpecConfigError
-from dhisparse.spec.dflash import DFlashDrafter, _target_parts
+from dhisparse.spec.dflash import DFlashDrafter, target_parts
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
 from dhisparse.spec.drafter import Drafter
 from dhisparse.spec.dspark import DSparkDrafter, VerifyCost
@@ -14,7 +14,7 @@ from dhisparse.spec.policy import StaticWidthSchedule
 
 def random_dflash_config(target, block_size: int, num_layers: int = 2) -> DFlashConfig:
     """A small drafter shaped for `target` (hidden / vocab / layer ids), for random weights."""
-    tcfg = _target_parts(target)[2]
+    tcfg = target_parts(target)[2]
     heads = max(1, tcfg.num_heads)
     return DFlashConfig(
         num_layers=num_layers, hidden_size=tcfg.hidden_size, num_heads=heads, num_kv_heads=heads,
@@ -46,7 +46,7 @@ def build_drafter(cfg: SpecConfig, target, *, reference: Reference | None = None
         rate = cfg.oracle_corrupt_rate or 0.0
         if cfg.oracle_tokens_per_round is not None:
             rate = corrupt_rate_for_tokens_per_round(cfg.oracle_tokens_per_round, cfg.width_for_oracle)
-        return OracleDrafter(reference, _target_parts(target)[2].vocab_size, rate, cfg.seed)
+        return OracleDrafter(reference, target_parts(target)[2].vocab_size, rate, cfg.seed)
     drafter = build_dflash(cfg, target, max_requests)
     return DSparkDrafter(drafter, cost or VerifyCost()) if cfg.algorithm == "dspark" else drafter
 

@@ -94,6 +94,8 @@ class ContextKV(Protocol):
     def release(self, owner: object) -> None: ...
     def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DraftKVRing:
@@ -137,6 +139,18 @@ class DraftKVRing:
             raise RuntimeError("draft ring: a read position is no longer live (window larger than R_d?)")
         return self.k[layer][rows], self.v[layer][rows]
 
+    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, L] int64 (padding anywhere valid is False) -> (k, v) [N, L, kv_heads, d];
+        padded entries hold arbitrary rows. One gather per tensor for the whole batch."""
+        dev = self.tags.device
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)[:, None]
+        pos, ok = positions.to(dev), valid.to(dev)
+        rows = slot_t * self.alloc.rows_per_slot + torch.remainder(pos, self.alloc.rows_per_slot)
+        if not bool(((self.tags[layer][rows] == pos) | ~ok).all()):
+            raise RuntimeError("draft ring: a read position is no longer live (window larger than R_d?)")
+        return self.k[layer][rows], self.v[layer][rows]
+
 
 class DenseDraftKV:
     """Unbounded reference store: every position ever written stays readable (no ring)."""
@@ -166,3 +180,15 @@ class DenseDraftKV:
         store = self._data[slot][layer]
         pairs = [store[t] for t in positions.tolist()]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as DraftKVRing.read_batch (padded entries are zeros here)."""
+        k0, _ = next(row for s in slots for row in self._data[s][layer].values())
+        k = torch.zeros(positions.shape + k0.shape, dtype=k0.dtype, device=k0.device)
+        v = torch.zeros_like(k)
+        for i, slot in enumerate(slots):
+            keep = valid[i].nonzero()[:, 0]
+            if keep.numel():
+                k[i, keep], v[i, keep] = self.read(slot, layer, positions[i, keep])
+        return k, v

@@ -137,6 +137,11 @@ def verify_batch(
             f"verify_batch: query_start describes {n} requests but got {len(drafts)} drafts, "
             f"{len(draft_probs)} draft_probs, {len(params)} params, {len(generators)} generators"
         )
+    if query_start[0] != 0 or query_start[-1] != logits.shape[0]:
+        raise ValueError(
+            f"verify_batch: query_start must run from 0 to the number of logits rows {logits.shape[0]}, "
+            f"got {query_start[0]}..{query_start[-1]}"
+        )
     row_params = [params[r] for r in range(n) for _ in range(query_start[r], query_start[r + 1])]
     sampled = any(not p.greedy for p in params)
     probs = processed_probs(logits, row_params) if sampled else None

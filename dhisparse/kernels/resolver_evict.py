@@ -1,0 +1,135 @@
+"""Miss / victim phases of the fused resolver plan kernel (see resolver_kernel.py).
+
+Misses are keyed (host location, bucket) and victims (stamp, slot id); both key sets are small
+(misses and victims of one call), sorted in scratch with the smallest of four power-of-two size
+classes, and the r-th miss is paired with the r-th victim exactly as the PyTorch reference does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BIG = tl.constexpr(9223372036854775807)  # int64 max: sorts after every real key
+
+
+@triton.jit
+def _compact_misses(T, out, mk, s, table_ptr, s_table, HPW, ps, HT: tl.constexpr, CHH: tl.constexpr):
+    """P4a. mk[r] = host_location * HT + bucket for every missing row, in bucket order. Returns M."""
+    m = tl.sum(tl.zeros([CHH], tl.int32), axis=0)
+    for c0 in range(0, HT, CHH):
+        u = c0 + tl.arange(0, CHH)
+        p = tl.load(T + u).to(tl.int64)
+        o = tl.load(out + u)
+        miss = (p >= 0) & (o < 0)
+        page = p // ps
+        hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)
+        mi = miss.to(tl.int32)
+        r = m + tl.cumsum(mi, axis=0) - 1
+        tl.store(mk + r, (hpg * ps + p % ps) * HT + u, mask=miss)
+        m += tl.sum(mi, axis=0)
+    return m
+
+
+@triton.jit
+def _keep_smallest(mk, m, need, KKP: tl.constexpr, CH: tl.constexpr):
+    """P4a'. Overflow (m misses > largest sort class): keep the `need` smallest keys of mk[0:m]
+    (distinct) at mk[0:need], by bisection on the key value then an order-preserving compaction."""
+    lo = tl.min(tl.full([CH], BIG, tl.int64), axis=0)
+    hi = -lo
+    for c0 in range(0, KKP, CH):
+        i = c0 + tl.arange(0, CH)
+        x = tl.load(mk + i, mask=i < m, other=BIG)
+        lo = tl.minimum(lo, tl.min(x, axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(i < m, x, -BIG), axis=0))
+    while lo < hi:  # smallest key value v with #(keys <= v) >= need
+        mid = lo + (hi - lo) // 2
+        c = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+        for c0 in range(0, KKP, CH):
+            i = c0 + tl.arange(0, CH)
+            x = tl.load(mk + i, mask=i < m, other=BIG)
+            c += tl.sum((x <= mid).to(tl.int32), axis=0)
+        hi = tl.where(c >= need, mid, hi)
+        lo = tl.where(c >= need, lo, mid + 1)
+    tl.debug_barrier()
+    carry = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+    for c0 in range(0, KKP, CH):
+        i = c0 + tl.arange(0, CH)
+        x = tl.load(mk + i, mask=i < m, other=BIG)
+        keep = x <= lo
+        tl.store(mk + carry + tl.cumsum(keep.to(tl.int32), axis=0) - 1, x, mask=keep)
+        carry += tl.sum(keep.to(tl.int32), axis=0)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr):
+    """P4b. vk[0:nhost] <- keys (stamp+1)*BP + slot of the first nhost unprotected slots in
+    (stamp, slot) order, in slot order. Returns how many of them need sorting (0: already sorted)."""
+    sl = tl.arange(0, BP)
+    bm = sl < B
+    pr = tl.load(prot + sl, mask=bm, other=1)
+    st = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
+    cand = bm & (pr == 0)
+    lo = tl.min(tl.where(cand, st, BIG), axis=0)
+    hi = tl.max(tl.where(cand, st, -BIG), axis=0)
+    while lo < hi:  # smallest stamp s* with #(cand, stamp <= s*) >= nhost
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid + 1)
+    below = cand & (st < lo)
+    nbelow = tl.sum(below.to(tl.int32), axis=0)
+    eq = cand & (st == lo)
+    take = below | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= nhost - nbelow))
+    r = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(vk + r, (st + 1) * BP + sl, mask=take)
+    return tl.where(nbelow > 0, nhost, 0)
+
+
+@triton.jit
+def _sort_block(ptr, cnt, S: tl.constexpr):
+    i = tl.arange(0, S)
+    x = tl.sort(tl.load(ptr + i, mask=i < cnt, other=BIG))
+    tl.store(ptr + i, x, mask=i < cnt)
+
+
+@triton.jit
+def _sort_two(scr, off_a, n_a, off_b, n_b, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
+              SD: tl.constexpr):
+    """Sort scr[off_a : off_a+n_a] and scr[off_b : off_b+n_b] (int64) in place, each with the smallest
+    size class (SA < SB < SC < SD) that holds it; one copy of the sorting code serves both."""
+    for job in range(2):
+        off = tl.where(job == 0, off_a, off_b)
+        cnt = tl.where(job == 0, n_a, n_b)
+        if cnt > 1:
+            if cnt <= SA:
+                _sort_block(scr + off, cnt, SA)
+            elif cnt <= SB:
+                _sort_block(scr + off, cnt, SB)
+            elif cnt <= SC:
+                _sort_block(scr + off, cnt, SC)
+            else:
+                _sort_block(scr + off, cnt, SD)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _assign(T, out, hflag, mk, vk, s, n, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp,
+            s_loc, src_ptr, dst_ptr, now, BP: tl.constexpr, HT: tl.constexpr, CHB: tl.constexpr):
+    """P4d. Miss r < nhost (host order) takes victim r (LRU order): copy plan row r, state update."""
+    for r0 in range(0, BP, CHB):
+        if r0 < nhost:
+            r = r0 + tl.arange(0, CHB)
+            take = r < nhost
+            key = tl.load(mk + r, mask=take, other=0)
+            bk = key % HT
+            v = tl.load(vk + r, mask=take, other=0) % BP
+            lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
+            pj = tl.load(T + bk, mask=take, other=0)
+            tl.store(out + bk, lv, mask=take)
+            tl.store(hflag + bk, tl.full([CHB], 1, tl.int32), mask=take)
+            tl.store(hot_pos_ptr + s * s_pos + v, pj.to(hot_pos_ptr.dtype.element_ty), mask=take)
+            tl.store(hot_stamp_ptr + s * s_stamp + v, tl.zeros([CHB], tl.int64) + now, mask=take)
+            tl.store(src_ptr + n * C + r, key // HT, mask=take)
+            tl.store(dst_ptr + n * C + r, lv, mask=take)

@@ -1,0 +1,97 @@
+"""N-gram and oracle drafters; the greedy speculative loop is exact for every drafter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spec_loop import FakeTarget, one_thread, speculative_greedy  # noqa: F401
+
+from dhisparse.spec.drafter import DraftProposal, DraftRequest
+from dhisparse.spec.ngram import NgramDrafter, continuation, find_last_match
+from dhisparse.spec.oracle import OracleDrafter, corrupt_rate_for_tokens_per_round, expected_tokens_per_round
+from dhisparse.spec.verify import verify_greedy
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_ngram_proposes_the_continuation_on_repetitive_text():
+    d = NgramDrafter(min_n=2, max_n=4)
+    req = DraftRequest("a", [1, 2, 3, 4, 5] * 3 + [1, 2], anchor=3, max_width=6)
+    prop = d.propose([req])[0]
+    assert prop.tokens == [4, 5, 1, 2, 3] and prop.probs is None and len(prop.confidences) == 5
+    assert d.propose([DraftRequest("a", [9, 9], 9, max_width=4)])[0].tokens == [9, 9, 9]  # period 1
+    assert d.propose([DraftRequest("a", [1, 2], 3, max_width=1)])[0] == DraftProposal.empty()
+
+
+def test_ngram_prefers_the_longest_and_latest_match():
+    hist = torch.tensor([7, 1, 2, 8, 0, 1, 2, 9, 5, 0, 1, 2])
+    assert find_last_match(hist, 2) == 5 and find_last_match(hist, 3) == 4 and find_last_match(hist, 4) == -1
+    assert continuation([1, 2, 3], 1, 4) == [2, 3, 2, 3]
+
+
+def test_ngram_on_random_text_proposes_nothing_useful():
+    rng = random.Random(0)
+    text = [rng.randrange(1000) for _ in range(600)]
+    d = NgramDrafter(min_n=2, max_n=4)
+    proposed = accepted = 0
+    for n in range(100, 599):
+        prop = d.propose([DraftRequest("r", text[:n], text[n], max_width=4)])[0]
+        proposed += bool(prop.tokens)
+        accepted += int(bool(prop.tokens) and prop.tokens[0] == text[n + 1])
+    assert proposed <= 0.05 * 499 and accepted == 0
+
+
+def test_ngram_gets_real_acceptance_and_stays_exact():
+    target = FakeTarget(vocab=13)
+    prompt = [1, 1, 2, 3]
+    out, rounds = speculative_greedy(target, NgramDrafter(2, 4), prompt, steps=300, width=4)
+    assert out == target.greedy(prompt, 300)
+    assert 300 / rounds > 2.8  # Fibonacci mod 13 has period 28: after one period every draft is accepted
+
+
+def test_corrupt_rate_solves_tokens_per_round():
+    c = corrupt_rate_for_tokens_per_round(2.88, 4)
+    assert expected_tokens_per_round(1 - c, 4) == pytest.approx(2.88, abs=1e-9)
+    assert c == pytest.approx(0.2161, abs=1e-3)
+    assert corrupt_rate_for_tokens_per_round(4, 4) == pytest.approx(0.0, abs=1e-9)
+    assert corrupt_rate_for_tokens_per_round(1, 4) == pytest.approx(1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="target_tokens_per_round"):
+        corrupt_rate_for_tokens_per_round(4.5, 4)
+
+
+def test_oracle_calibration_over_a_long_run():
+    ref_rng = random.Random(1)
+    prompt = (5, 6, 7)
+    ref = [ref_rng.randrange(50) for _ in range(12000)]
+    oracle = OracleDrafter.for_tokens_per_round({prompt: ref}, vocab_size=50, tokens_per_round=2.88, width=4, seed=3)
+    out, rounds = [ref[0]], 0
+    while len(out) < 9000:
+        req = DraftRequest("r", list(prompt) + out[:-1], out[-1], 4, num_prompt_tokens=3)
+        prop = oracle.propose([req])[0]
+        k = len(out)  # target row i predicts ref[k + i]
+        logits = torch.nn.functional.one_hot(torch.tensor(ref[k: k + len(prop.tokens) + 1]), 50).float()
+        out += verify_greedy(logits, prop.tokens).emitted
+        rounds += 1
+    assert out[:9000] == ref[:9000]
+    assert len(out) / rounds == pytest.approx(2.88, abs=0.06)
+
+
+def test_oracle_exact_replay_and_missing_reference():
+    oracle = OracleDrafter({(1, 2): [3, 4, 5, 6, 7]}, vocab_size=10)
+    prop = oracle.propose([DraftRequest("a", [1, 2, 3], 4, max_width=4, num_prompt_tokens=2)])[0]
+    assert prop.tokens == [5, 6, 7] and prop.confidences == [1.0] * 3
+    with pytest.raises(KeyError, match="no reference run"):
+        oracle.propose([DraftRequest("b", [9, 9], 4, max_width=4, num_prompt_tokens=2)])
+
+
+def test_oracle_in_the_loop_is_exact():
+    target = FakeTarget(vocab=13)
+    prompt = [2, 5, 1]
+    ref = target.greedy(prompt, 200)
+    oracle = OracleDrafter(lambda p: target.greedy(p, 200), vocab_size=13, corrupt_rate=0.3, seed=1)
+    out, rounds = speculative_greedy(target, oracle, prompt, steps=150, width=6)
+    assert out == ref[:150] and 150 / rounds > 1.5

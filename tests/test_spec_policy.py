@@ -1,0 +1,140 @@
+"""DSpark width choice, VerifyCost, static / online width policy (eq. 13) and SpecConfig checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dhisparse.spec.config import SpecConfig, SpecConfigError
+from dhisparse.spec.drafter import DraftProposal, DraftRequest, StatelessDrafter
+from dhisparse.spec.dspark import DSparkDrafter, VerifyCost, choose_width, expected_emitted
+from dhisparse.spec.factory import build_drafter, static_schedule
+from dhisparse.spec.ngram import NgramDrafter
+from dhisparse.spec.policy import (
+    MemoryModel, OnlineWidthPolicy, StaticWidthSchedule, output_ratio, speculation_pays,
+)
+
+
+def test_expected_emitted_is_one_plus_cumulative_products():
+    assert expected_emitted([0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_emitted([0.9], 1) == 1.0 and expected_emitted([], 8) == 1.0
+
+
+def test_dspark_picks_wide_for_confident_and_narrow_for_unconfident_drafts():
+    cost = VerifyCost.linear(base=1.0, per_query=0.08)
+    assert choose_width([0.95] * 7, cost, k_max=8) == 8
+    assert choose_width([0.05] * 7, cost, k_max=8) == 1
+    assert choose_width([0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9], cost, k_max=8) == 3
+    assert choose_width([0.95] * 7, cost, k_max=4) == 4  # bounded by K_max
+    assert choose_width([0.95] * 2, cost, k_max=8) == 3  # bounded by the drafts available
+
+
+class FixedDrafter(StatelessDrafter):
+    def __init__(self, confidences):
+        self.confidences = confidences
+
+    def propose(self, requests):
+        return [DraftProposal(list(range(r.max_drafts)), None, self.confidences[: r.max_drafts]) for r in requests]
+
+
+def test_dspark_drafter_truncates_each_proposal():
+    cost = VerifyCost.linear(1.0, 0.08)
+    sure, unsure = DSparkDrafter(FixedDrafter([0.95] * 7), cost), DSparkDrafter(FixedDrafter([0.05] * 7), cost)
+    r = DraftRequest("a", [1, 2], 3, max_width=8)
+    assert sure.propose([r])[0].tokens == list(range(7)) and unsure.propose([r])[0].tokens == []
+    assert unsure.last_widths == [1]
+
+
+def test_verify_cost_ema_and_interpolation():
+    cost = VerifyCost({1: 1.0, 4: 2.2, 8: 4.0}, alpha=0.5)
+    assert cost.cost(4) == 2.2 and cost.cost(2) == pytest.approx(1.4) and cost.cost(6) == pytest.approx(3.1)
+    assert cost.cost(10) == pytest.approx(4.9)  # extrapolated from the last two points
+    cost.update(4, 3.2)
+    assert cost.cost(4) == pytest.approx(2.7)
+    one = VerifyCost({4: 2.0})
+    assert one.cost(4) == 2.0 and one.cost(1) == pytest.approx(2.0 * 1.0 / 1.3)  # prior's shape
+    timed = VerifyCost.measure(lambda w: None, [1, 2], repeats=2)
+    assert set(timed.measured) == {1, 2}
+
+
+def test_static_schedule_by_load():
+    s = StaticWidthSchedule()
+    assert [s.width(c) for c in (1, 8, 32, 33, 64, 127, 128, 256)] == [8, 8, 8, 6, 6, 6, 4, 4]
+    assert s.width(8, k_max=6) == 6
+    assert static_schedule(SpecConfig(static_schedule=((16, 8),), static_default_width=2)).width(17) == 2
+
+
+def test_eq13_matches_the_paper_and_turns_speculation_off():
+    assert output_ratio(0.99, 1.0, 0.77, 1.0) == pytest.approx(1.286, abs=1e-3)  # C128: 1.29x
+    assert output_ratio(140, 208, 0.71, 1.0) == pytest.approx(0.948, abs=1e-3)  # C256: ~0.96x
+    assert speculation_pays(0.99, 1.0, 0.77, 1.0) and not speculation_pays(140, 208, 0.71, 1.0)
+
+
+def paper_like_policy() -> OnlineWidthPolicy:
+    """Round of 4 queries costs 2.2 non-speculative steps; 208 vs 140 sessions fit in memory."""
+    cost = VerifyCost({1: 1.0, 4: 2.2, 6: 2.8, 8: 3.6})
+    memory = MemoryModel(capacity_bytes=20_800, session_bytes=100, spec_session_bytes=48)
+    policy = OnlineWidthPolicy(k_max=8, cost=cost, memory=memory, widths=(4, 6, 8), ema=0.02, prior=0.5)
+    rng = random.Random(0)
+    for _ in range(6000):  # drafts accepted independently with probability 0.784 (2.88 tokens at width 4)
+        a = 0
+        while a < 7 and rng.random() < 0.784:
+            a += 1
+        policy.observe(8, a)
+    return policy
+
+
+def test_online_policy_from_acceptance_cost_and_memory():
+    policy = paper_like_policy()
+    assert policy.tokens_per_round(4) == pytest.approx(2.88, abs=0.1)
+    assert policy.memory.sessions(256, True) == 140 and policy.memory.sessions(256, False) == 208
+    on = policy.decide(concurrency=128)
+    assert on.speculate and on.ratio > 1.2 and on.sessions == 128
+    off = policy.decide(concurrency=256)
+    assert not off.speculate and off.width == 1  # eq. 13: 140/208 sessions at ~0.77 TPOT does not pay
+    assert policy.decide(concurrency=256, capacity_bytes=10**9).speculate  # plenty of memory -> on again
+
+
+def test_online_policy_turns_off_for_a_useless_drafter():
+    policy = OnlineWidthPolicy(k_max=4, cost=VerifyCost({1: 1.0, 4: 1.6}), ema=0.1)
+    for _ in range(200):
+        policy.observe(4, 0)
+    assert policy.acceptance[0] < 0.01 and policy.decide(8).width == 1
+    with pytest.raises(ValueError, match="accepted"):
+        policy.observe(4, 4)
+
+
+def test_spec_config_validation():
+    cfg = SpecConfig()
+    assert cfg.ring_rows == 2176 and cfg.block == 8
+    with pytest.raises(SpecConfigError, match="--speculative-draft-window-size 4 is smaller than the draft block"):
+        SpecConfig(draft_window_size=4)
+    with pytest.raises(SpecConfigError, match="--speculative-draft-window-size 8 is smaller"):
+        SpecConfig(draft_window_size=8, block_size=16)
+    with pytest.raises(SpecConfigError, match="larger than K_max"):
+        SpecConfig(num_draft_tokens=4, fixed_width=6)
+    with pytest.raises(SpecConfigError, match="larger than K_max"):
+        SpecConfig(num_draft_tokens=6)  # the default static schedule uses width 8
+    with pytest.raises(SpecConfigError, match="--speculative-num-draft-tokens must be >= 2"):
+        SpecConfig(num_draft_tokens=1, static_schedule=(), static_default_width=1)
+    with pytest.raises(SpecConfigError, match="--speculative-algorithm"):
+        SpecConfig(algorithm="eagle")
+    with pytest.raises(SpecConfigError, match="not both"):
+        SpecConfig(oracle_corrupt_rate=0.1, oracle_tokens_per_round=2.0)
+    with pytest.raises(SpecConfigError, match="draft block"):
+        SpecConfig().check_block(4096)
+
+
+def test_factory_builds_each_algorithm():
+    from dhisparse.models.tiny import build_tiny
+    target = build_tiny(0)
+    assert isinstance(build_drafter(SpecConfig(algorithm="ngram"), target), NgramDrafter)
+    oracle = build_drafter(SpecConfig(algorithm="oracle", oracle_tokens_per_round=2.88, fixed_width=4), target,
+                           reference={(1,): [2, 3]})
+    assert oracle.corrupt_rate == pytest.approx(0.216, abs=1e-3)
+    with pytest.raises(SpecConfigError, match="reference run"):
+        build_drafter(SpecConfig(algorithm="oracle"), target)
+    dspark = build_drafter(SpecConfig(algorithm="dspark", draft_window_size=16, page_size=4), target, max_requests=2)
+    assert isinstance(dspark, DSparkDrafter) and dspark.capture_layers == (1, 3)
+    assert dspark.inner.window == 16 and dspark.inner.ring_rows == 28  # ceil((16 + 3 + 8) / 4) * 4
