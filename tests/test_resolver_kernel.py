@@ -128,6 +128,19 @@ def test_run_copies_matches_reference(dtype, width):
     assert run_copies_triton(plan_reference(sel, torch.tensor([0, 2]), clone_state(st), 1), src, d) == nbytes
 
 
+@pytest.mark.parametrize("rounds", [0, 1])
+def test_leftover_fallback_is_exact(monkeypatch, rounds):
+    """With few (or no) hash rounds most rows go through the exact one-at-a-time fallback."""
+    import dhisparse.kernels.resolver as kr
+
+    monkeypatch.setattr(kr, "MAX_ROUNDS", rounds)
+    st = make_state(S=3, B=10, L=40, TT=4)
+    fill_hot(st, 0, [1, 2, 3, 30, 31], [0, 0, 1, 2, 3])
+    p, g = Pair(st), torch.Generator().manual_seed(9)
+    for now in range(3):
+        p.step(torch.randint(-1, 40, (2, 3, 6), generator=g), [0, 2], now=4 + now)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(S=hs.integers(1, 5), K=hs.integers(1, 4), k=hs.integers(1, 12), B=hs.integers(1, 24), L=hs.integers(8, 64),
        TT=hs.integers(1, 8), direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3),

@@ -33,6 +33,12 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--admission-reserve-pages": ("admission_reserve_pages", int, "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
     "--reclaim-order": ("reclaim_order", str, "adaptive: who loses optional history first: remaining (fewest tokens left), largest, newest"),
     "--repopulate-pages": ("repopulate_pages", int, "adaptive: optional pages refilled from host per step at most"),
+    "--speculative-algorithm": ("speculative_algorithm", str, "speculative decoding: dflash, dspark, ngram or oracle (benchmark tool); works with any preset"),
+    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "K_max: target queries per request and round, anchor included"),
+    "--speculative-draft-window-size": ("speculative_draft_window_size", int, "W: positions the drafter's KV ring keeps"),
+    "--speculative-draft-model-path": ("speculative_draft_model_path", str, "DFlash drafter checkpoint folder (default: seeded random weights)"),
+    "--speculative-policy": ("speculative_policy", str, "verification width policy: fixed, static (by load) or online"),
+    "--speculative-oracle-tokens-per-round": ("speculative_oracle_tokens_per_round", float, "oracle drafter calibration, e.g. 2.88"),
     "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }

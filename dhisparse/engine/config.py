@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
-AVAILABLE_PRESETS = ("resident", "hisparse", "adaptive")
+AVAILABLE_PRESETS = PRESETS
 
 
 class ConfigValueError(ValueError):
@@ -36,6 +36,16 @@ class EngineConfig:
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
+    speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
+        speculative decoding on over any preset (the "+spec" presets default to dflash).
+    speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per
+        request and round, anchor included.
+    speculative_draft_window_size [--speculative-draft-window-size]: W, positions the drafter sees.
+    speculative_draft_model_path [--speculative-draft-model-path]: DFlash checkpoint folder (None =
+        seeded random weights).
+    speculative_policy [--speculative-policy]: fixed (K_max), static (8 up to C32, 6 up to C127, 4
+        beyond, capped by K_max) or online.
+    speculative_oracle_tokens_per_round [--speculative-oracle-tokens-per-round]: oracle calibration.
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     seed [--seed]: seed of the built-in model's random weights.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
@@ -56,6 +66,12 @@ class EngineConfig:
     admission_reserve_pages: int = 0
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_window_size: int = 2048
+    speculative_draft_model_path: str | None = None
+    speculative_policy: str = "fixed"
+    speculative_oracle_tokens_per_round: float | None = None
     resolver: str = "auto"
     seed: int = 0
     debug_checks: bool = False
@@ -82,6 +98,7 @@ class EngineConfig:
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:
             raise ConfigValueError("admission_reserve_pages and repopulate_pages must be >= 0")
+        self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
         for name in ("hot_cache_rows", "host_pool_bytes"):
@@ -89,6 +106,26 @@ class EngineConfig:
                 raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
+
+    @property
+    def base_preset(self) -> str:
+        """The KV policy without speculation: resident, hisparse or adaptive."""
+        return self.preset.split("+")[0]
+
+    @property
+    def speculative(self) -> bool:
+        return self.preset.endswith("+spec") or self.speculative_algorithm is not None
+
+    def spec_config(self):
+        """The SpecConfig of this engine (None without speculation)."""
+        if not self.speculative:
+            return None
+        from dhisparse.spec.config import SpecConfig
+
+        return SpecConfig(algorithm=self.speculative_algorithm or "dflash", num_draft_tokens=self.speculative_num_draft_tokens,
+                          draft_window_size=self.speculative_draft_window_size, page_size=self.page_size,
+                          draft_model_path=self.speculative_draft_model_path, policy=self.speculative_policy,
+                          oracle_tokens_per_round=self.speculative_oracle_tokens_per_round, seed=self.seed)
 
     @classmethod
     def from_kwargs(cls, **kw: object) -> "EngineConfig":

@@ -20,6 +20,7 @@ from dhisparse.engine.request import Request, RequestOutput, Status, next_reques
 from dhisparse.engine.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
+from dhisparse.engine.speculative import SpecRuntime
 from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
@@ -67,7 +68,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, oracle_reference=None) -> None:
+        """oracle_reference: prompt ids -> reference output ids (a dict or callable), needed only by
+        the oracle drafter (a benchmark measurement tool)."""
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         dtype = DTYPES[config.dtype] if config.dtype else None
@@ -81,6 +84,8 @@ class Engine:
             raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
         self.arena = KVArena(self.model_config, pages, config.page_size, self.device, kv_dtype)
         self.store = self._build_store(pages * self.page_bytes)
+        spec_cfg = config.spec_config()
+        self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
         self.sampler = Sampler()
@@ -94,7 +99,7 @@ class Engine:
 
     def _build_store(self, pool_bytes: int):
         cfg, mc = self.config, self.model_config
-        if cfg.preset == "resident":
+        if cfg.base_preset == "resident":
             return ResidentKV(self.arena)
         hot = cfg.hot_cache_rows or 2 * mc.index_topk
         if hot < mc.index_topk:
@@ -103,9 +108,10 @@ class Engine:
         host_pages = max(1, host_bytes // self.page_bytes)
         host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
         args = (self.arena, host, hot, cfg.max_running_requests)
-        if cfg.preset == "hisparse":
-            return HierarchicalKV(*args, plan_fn=self._plan_fn(), debug=cfg.debug_checks)
-        return AdaptiveKV(*args, plan_fn=self._plan_fn(), debug=cfg.debug_checks, reserve_pages=cfg.admission_reserve_pages,
+        kw = dict(plan_fn=self._plan_fn(), debug=cfg.debug_checks, max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1)
+        if cfg.base_preset == "hisparse":
+            return HierarchicalKV(*args, **kw)
+        return AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages,
                           reclaim_order=cfg.reclaim_order, repopulate_pages=cfg.repopulate_pages, max_len=self.max_model_len)
 
     def _plan_fn(self):
@@ -171,13 +177,21 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None or req.status is Status.FINISHED:
             return False
-        self.scheduler.finish(req, "abort")
+        self._finish(req, "abort")
         return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.release(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def _on_admit(self, req: Request) -> None:
+        if self.spec is not None:
+            self.spec.admit(req.request_id)
         self._admitted += 1
         self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
         item, n = self.prefixes.match(req.prompt_ids)
@@ -194,27 +208,55 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.spec is not None:
+            chunks = self.spec.expand(chunks, len(self.scheduler.running))
         batch = ForwardBatch.build([(c.tokens, c.start) for c in chunks], self.device)
         ctx = self.store.context(batch, [c.req.request_id for c in chunks])
-        hidden = self.model(batch, ctx).hidden
+        out = self.model(batch, ctx, capture_layers=self.spec.capture if self.spec else ())
         self._steps += 1
         self._peak = max(self._peak, self.store.usage().used)
         sampled: list[tuple[Chunk, int]] = []
+        verifying: list[tuple[Chunk, int, int]] = []
         for i, c in enumerate(chunks):
+            a, b = batch.query_start[i], batch.query_start[i + 1]
+            if c.verify:
+                verifying.append((c, a, b))
+                continue
             self._prefilled += max(0, min(len(c.req.prompt_ids), c.start + len(c.tokens)) - c.start)
             c.req.num_computed = c.start + len(c.tokens)
+            if self.spec is not None and c.start < len(c.req.prompt_ids):
+                self.spec.observe_prefill(c, out.captured, a, b)
             if c.sample:
-                sampled.append((c, batch.query_start[i + 1] - 1))
+                sampled.append((c, b - 1))
+        accs = self._verify(verifying, out.hidden)
         for c, _ in sampled:
             if c.req.export_prefix:
                 self._export(c.req)
         self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
-        outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], hidden)
+        outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], out.hidden)
+        outputs += self._commit(verifying, accs, out.captured)
         self._decoding = sum(1 for c in chunks if c.start >= len(c.req.prompt_ids))
         self.series.observe(time.perf_counter() - self._t0, len(outputs), self._decoding, lambda: self.stats().as_dict())
         if self.config.debug_checks:
             self.store.check_integrity()
         return outputs
+
+    def _verify(self, verifying: list[tuple[Chunk, int, int]], hidden: torch.Tensor):
+        """Accept drafts; the committed frontier becomes n + 1 + A (eq. 7)."""
+        if not verifying:
+            return []
+        rows = torch.cat([torch.arange(a, b, device=hidden.device) for _, a, b in verifying])
+        accs = self.spec.verify(verifying, self.model.logits(hidden[rows]))
+        for (c, _, _), acc in zip(verifying, accs):
+            c.req.num_computed = c.start + acc.committed
+        return accs
+
+    def _commit(self, verifying, accs, captured) -> list[RequestOutput]:
+        now, outs = time.perf_counter(), []
+        for (c, a, _), acc in zip(verifying, accs):
+            self.spec.commit(c, acc, captured, a)
+            outs.append(self._append_tokens(c.req, acc.emitted, now))
+        return outs
 
     def _sample(self, sampled: list[tuple[Chunk, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sample the next token of each (chunk, flattened index of its last token)."""
@@ -224,26 +266,30 @@ class Engine:
         logits = self.model.logits(hidden[[i for _, i in sampled]])
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tokens.tolist()
         now = time.perf_counter()
-        return [self._append_token(r, tok, now) for r, tok in zip(reqs, tokens)]
+        return [self._append_tokens(r, [tok], now) for r, tok in zip(reqs, tokens)]
 
-    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
-        req.output_ids.append(tok)
-        self._generated += 1
+    def _append_tokens(self, req: Request, toks: list[int], now: float) -> RequestOutput:
+        """Append tokens through the stop checks; tokens after a stop are dropped."""
+        new, delta = [], ""
         if req.first_token_at is None:
             req.first_token_at = now
-        upd = req.stop.update(tok)
-        if upd.finished:
-            self.scheduler.finish(req, upd.reason)
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, [tok], list(req.output_ids), upd.text_delta, req.stop.text,
-                             upd.finished, req.finish_reason, req.metrics())
+        for tok in toks:
+            req.output_ids.append(tok)
+            new.append(tok)
+            self._generated += 1
+            upd = req.stop.update(tok)
+            delta += upd.text_delta
+            if upd.finished:
+                self._finish(req, upd.reason)
+                break
+        return RequestOutput(req.request_id, new, list(req.output_ids), delta, req.stop.text,
+                             req.status is Status.FINISHED, req.finish_reason, req.metrics())
 
     def _export(self, req: Request) -> None:
         n = len(req.prompt_ids)
         latent, index = self.store.read_rows(req.request_id, n)
         self.prefixes.add(req.prompt_ids, latent, index)
-        self.scheduler.finish(req, "prefix")
-        self.requests.pop(req.request_id, None)
+        self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
         """Prefill `prompt` once and keep its KV for later requests to import; returns its length."""
@@ -260,11 +306,12 @@ class Engine:
 
     def _counters(self) -> dict:
         census = getattr(self.store, "census", None)
+        spec = self.spec.counters.as_dict() if self.spec else {}
         if census is None:
-            return {}
+            return spec
         sel = max(census.selected, 1)
         rows = max(census.direct + census.hot + census.host, 1)
-        out = self._residency_counters()
+        out = self._residency_counters() | spec
         return out | {
             "selected_rows": census.selected,
             "host_selected_rows": census.host_selected,

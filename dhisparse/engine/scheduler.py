@@ -33,6 +33,7 @@ class Chunk:
     start: int
     tokens: list[int]
     sample: bool
+    verify: bool = False  # speculative verification chunk: [anchor, drafts...]
 
 
 class Scheduler:

@@ -27,6 +27,7 @@ from dhisparse.kv.resolver import ResolveCounters, ResolvePlan, ResolverState
 __all__ = ["TritonResolvePlan", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
 
 COUNTER_NAMES = ResolveCounters._fields
+MAX_ROUNDS = 4  # hash arbitration rounds before the exact one-position-at-a-time fallback
 
 
 @dataclass
@@ -123,8 +124,9 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     dev = hot_pos.device
     N = sel2.shape[0]
     HT = 2 * KKP
-    scr64 = torch.empty((N, HT + KKP + BP), dtype=torch.int64, device=dev)
-    scr32 = torch.empty((N, 2 * HT + KKP + BP), dtype=torch.int32, device=dev)
+    LOGH = HT.bit_length() - 1
+    scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
+    scr32 = torch.empty((N, 2 * HT + 3 * KKP + BP), dtype=torch.int32, device=dev)
     if num_warps is None:
         big = max(KKP, BP)
         num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
@@ -139,8 +141,8 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         int(now),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
         scr64, scr32,
-        KKP=KKP, BP=BP, HT=HT, LOGH=HT.bit_length() - 1, CH=min(KKP, 2048), CHH=min(HT, 2048),
-        CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
+        KKP=KKP, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
+        SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
     )
 
 

@@ -1,6 +1,6 @@
 """Miss / victim phases of the fused resolver plan kernel (see resolver_kernel.py).
 
-Misses are keyed (host location, bucket) and victims (stamp, slot id); both key sets are small
+Misses are keyed (host location, uid) and victims (stamp, slot id); both key sets are small
 (misses and victims of one call), sorted in scratch with the smallest of four power-of-two size
 classes, and the r-th miss is paired with the r-th victim exactly as the PyTorch reference does.
 """
@@ -14,20 +14,23 @@ BIG = tl.constexpr(9223372036854775807)  # int64 max: sorts after every real key
 
 
 @triton.jit
-def _compact_misses(T, out, mk, s, table_ptr, s_table, HPW, ps, HT: tl.constexpr, CHH: tl.constexpr):
-    """P4a. mk[r] = host_location * HT + bucket for every missing row, in bucket order. Returns M."""
-    m = tl.sum(tl.zeros([CHH], tl.int32), axis=0)
-    for c0 in range(0, HT, CHH):
-        u = c0 + tl.arange(0, CHH)
-        p = tl.load(T + u).to(tl.int64)
-        o = tl.load(out + u)
-        miss = (p >= 0) & (o < 0)
-        page = p // ps
-        hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)
-        mi = miss.to(tl.int32)
-        r = m + tl.cumsum(mi, axis=0) - 1
-        tl.store(mk + r, (hpg * ps + p % ps) * HT + u, mask=miss)
-        m += tl.sum(mi, axis=0)
+def _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps,
+                    KKP: tl.constexpr, CH: tl.constexpr):
+    """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order. Returns M."""
+    m = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+    for c0 in range(0, KKP, CH):
+        if c0 < KK:
+            u = c0 + tl.arange(0, CH)
+            um = u < KK
+            p = tl.load(sel_ptr + n * KK + u, mask=um, other=-1).to(tl.int64)
+            is_rep = um & (p >= 0) & (tl.load(rep + u, mask=um, other=-1) == u)
+            miss = is_rep & (tl.load(out + u, mask=is_rep, other=0) < 0)
+            page = p // ps
+            hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)
+            mi = miss.to(tl.int32)
+            r = m + tl.cumsum(mi, axis=0) - 1
+            tl.store(mk + r, (hpg * ps + p % ps) * KKP + u, mask=miss)
+            m += tl.sum(mi, axis=0)
     return m
 
 
@@ -115,21 +118,21 @@ def _sort_two(scr, off_a, n_a, off_b, n_b, SA: tl.constexpr, SB: tl.constexpr, S
 
 
 @triton.jit
-def _assign(T, out, hflag, mk, vk, s, n, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp,
-            s_loc, src_ptr, dst_ptr, now, BP: tl.constexpr, HT: tl.constexpr, CHB: tl.constexpr):
+def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos,
+            s_stamp, s_loc, src_ptr, dst_ptr, now, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr):
     """P4d. Miss r < nhost (host order) takes victim r (LRU order): copy plan row r, state update."""
     for r0 in range(0, BP, CHB):
         if r0 < nhost:
             r = r0 + tl.arange(0, CHB)
             take = r < nhost
             key = tl.load(mk + r, mask=take, other=0)
-            bk = key % HT
+            u = key % KKP
             v = tl.load(vk + r, mask=take, other=0) % BP
             lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
-            pj = tl.load(T + bk, mask=take, other=0)
-            tl.store(out + bk, lv, mask=take)
-            tl.store(hflag + bk, tl.full([CHB], 1, tl.int32), mask=take)
-            tl.store(hot_pos_ptr + s * s_pos + v, pj.to(hot_pos_ptr.dtype.element_ty), mask=take)
+            pu = tl.load(sel_ptr + n * KK + u, mask=take, other=0)
+            tl.store(out + u, lv, mask=take)
+            tl.store(hflag + u, tl.full([CHB], 1, tl.int32), mask=take)
+            tl.store(hot_pos_ptr + s * s_pos + v, pu.to(hot_pos_ptr.dtype.element_ty), mask=take)
             tl.store(hot_stamp_ptr + s * s_stamp + v, tl.zeros([CHB], tl.int64) + now, mask=take)
-            tl.store(src_ptr + n * C + r, key // HT, mask=take)
+            tl.store(src_ptr + n * C + r, key // KKP, mask=take)
             tl.store(dst_ptr + n * C + r, lv, mask=take)

@@ -75,7 +75,9 @@ class HierContext:
             g = kv.group_of[layer]
             if layer == kv.groups[g]:
                 slots = torch.tensor(self.slots, dtype=torch.int64, device=sel.device)
-                self.plans[g] = kv.plan_fn(self._per_request(sel), slots, kv.resolver_state(g), kv.now)
+                per_req = self._per_request(sel)
+                plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
+                self.plans[g] = stage_overflow(plan, per_req, slots, kv)
             plan = self.plans[g]
             nbytes = run_copies(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
             if layer == kv.groups[g]:
@@ -86,3 +88,28 @@ class HierContext:
             for i, r in enumerate(self.decode_rows):
                 loc[qs[r] : qs[r + 1]] = plan.loc[i, : qs[r + 1] - qs[r]]
         return self.arena.latent_rows(layer), loc
+
+
+def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan:
+    """Rows of a request's union that found no hot-cache victim (the union of K queries can exceed
+    B) go to the slot's staging rows: each distinct row copied from host once, its location given
+    to every query that selected it. Staged rows are not cached: the hot cache keeps LRU order."""
+    missing = (sel >= 0) & (plan.loc < 0)
+    if not bool(missing.any()):
+        return plan
+    if kv.stage_loc is None:
+        raise RuntimeError("a request's selections exceed its hot cache but the store has no staging arena; "
+                           "build it with max_queries = the verification width")
+    src, dst, loc, staged, entries = [plan.copy_src], [plan.copy_dst], plan.loc.clone(), 0, 0
+    host_ps = kv.host.page_size
+    for i in missing.any(-1).any(-1).nonzero().squeeze(1).tolist():
+        s, m = int(slots[i]), missing[i]
+        uniq, inv = torch.unique(sel[i][m], return_inverse=True)
+        rows = kv.stage_loc[s, : uniq.numel()]
+        table = torch.tensor(kv.host.tables[kv.slot_req(s)], dtype=torch.int64, device=uniq.device)
+        src.append(table[uniq // host_ps] * host_ps + uniq % host_ps)
+        dst.append(rows)
+        loc[i][m] = rows[inv]
+        staged, entries = staged + uniq.numel(), entries + int(m.sum())
+    c = plan.counters._replace(host=plan.counters.host + staged, host_selected=plan.counters.host_selected + entries)
+    return ResolvePlan(loc, torch.cat([t.to(plan.copy_src.device) for t in src]), torch.cat([t.to(plan.copy_dst.device) for t in dst]), c)

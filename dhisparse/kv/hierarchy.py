@@ -31,7 +31,6 @@ from dhisparse.kv.resident import ResidentKV
 from dhisparse.kv.resolver import ResolveCounters, ResolverState, plan_reference, run_copies
 
 log = logging.getLogger("dhisparse.kv")
-TAIL_PAGES = 2
 
 
 @dataclass
@@ -64,9 +63,15 @@ class Census:
 
 
 class HierarchicalKV:
-    def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference, debug: bool = False) -> None:
+    def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
+                 debug: bool = False, max_queries: int = 1) -> None:
+        """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
+        verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
+        K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
+        union rows that do not fit the hot cache."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
+        self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
         self.resident = ResidentKV(arena)  # index pages + prefill workspace
         self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
@@ -76,15 +81,20 @@ class HierarchicalKV:
         self.hot_stamp = torch.full_like(self.hot_pos, -1)
         self.hot_loc = torch.zeros(S, self.B, dtype=torch.int64, device=dev)
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.tail_loc = torch.zeros(S, TAIL_PAGES * self.page_size, dtype=torch.int64, device=dev)
+        self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
+        self.stage_loc = None
+        if max_queries > 1:  # staging arena: required, allocated once for every slot
+            rows = max_queries * arena.cfg.index_topk
+            pages = self.pool.alloc("staging", S * cdiv(rows, self.page_size))
+            self.stage_loc = arena.locations(pages, S * cdiv(rows, self.page_size) * self.page_size, self.page_size).view(S, -1)
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.census, self.now = plan_fn, Census(), 0
 
     # -- admission / release -------------------------------------------------------------------
     def required_pages(self, max_total: int) -> int:
         """Pages a request holds for its whole life: hot cache, tail, index history."""
-        return self.B // self.page_size + TAIL_PAGES + self.arena.index_pages_for(max_total)
+        return self.B // self.page_size + self.tail_pages + self.arena.index_pages_for(max_total)
 
     def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
         return self.required_pages(max_total) + self.arena.latent_pages_for(prompt_len if prompt_len is not None else max_total)
@@ -99,7 +109,7 @@ class HierarchicalKV:
             log.info("request %s waits: host pool cannot hold %d tokens", req, max_total)
             return False
         self.resident.latent_tables[req], self.resident.index_tables[req] = [], []
-        st = ReqKV(self.free_slots.pop(0), self.pool.alloc(req, self.B // self.page_size), self.pool.alloc(req, TAIL_PAGES))
+        st = ReqKV(self.free_slots.pop(0), self.pool.alloc(req, self.B // self.page_size), self.pool.alloc(req, self.tail_pages))
         self.reqs[req] = st
         self.hot_loc[st.slot] = self.arena.locations(st.hot_pages, self.B, self.page_size)
         self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
@@ -116,12 +126,16 @@ class HierarchicalKV:
             self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
             self.free_slots.append(st.slot)
 
+    def slot_req(self, slot: int) -> object:
+        return next(r for r, st in self.reqs.items() if st.slot == slot)
+
     def usage(self) -> PoolUsage:
         return self.pool.usage()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.host.check_integrity()
+        assert self.stage_loc is None or len(self.pool.owned_by("staging")) * self.page_size >= self.stage_loc.numel()
         for req, st in self.reqs.items():
             held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
             assert sorted(self.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"
@@ -159,7 +173,7 @@ class HierarchicalKV:
 
     def _set_tail(self, st: ReqKV) -> None:
         self.tail_start[st.slot] = st.tail_start
-        self.tail_loc[st.slot] = self.arena.locations(st.tail_pages, TAIL_PAGES * self.page_size, self.page_size)
+        self.tail_loc[st.slot] = self.arena.locations(st.tail_pages, self.tail_pages * self.page_size, self.page_size)
 
     def _copy_to_host(self, req: object, src_loc: torch.Tensor, start: int, end: int) -> None:
         self.host.ensure(req, end)

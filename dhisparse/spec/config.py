@@ -86,10 +86,11 @@ class SpecConfig:
             )
 
     def _check_widths(self) -> None:
-        widths = [w for _, w in self.static_schedule] + [self.static_default_width]
-        if self.fixed_width is not None:
-            widths.append(self.fixed_width)
-        for w in widths:
+        schedule = [w for _, w in self.static_schedule] + [self.static_default_width]
+        for w in schedule:  # schedule widths are capped at K_max when used
+            if w < 1:
+                raise SpecConfigError(f"verification widths must be >= 1; got {w}")
+        for w in [self.fixed_width] if self.fixed_width is not None else []:
             if w < 1:
                 raise SpecConfigError(f"verification widths must be >= 1; got {w}")
             if w > self.num_draft_tokens:

@@ -1,0 +1,109 @@
+"""Speculative decoding inside the engine step (paper §3.3, eq. 5-7).
+
+Per round, each decoding request's single anchor token becomes a verification chunk
+[anchor, d_1 .. d_{K_r - 1}] at positions n .. n + K_r - 1 (one target pass for all requests; each
+query keeps its own causal boundary because the indexer masks positions after it). After the pass,
+the drafts are accepted by the request's own rule (greedy prefix, or rejection sampling), the
+committed frontier moves to n' = n + 1 + A (eq. 7) and only those rows become history: the store
+backs up / publishes rows below n' only; rows at n' and beyond are never published and are
+overwritten by the next round. The drafter advances with the same accepted prefix (I5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from dhisparse.engine.scheduler import Chunk
+from dhisparse.spec.config import SpecConfig
+from dhisparse.spec.drafter import DraftProposal, DraftRequest
+from dhisparse.spec.factory import build_drafter, static_schedule
+from dhisparse.spec.verify import Acceptance, verify_batch
+
+
+@dataclass
+class SpecCounters:
+    """rounds: verification rounds; emitted: tokens they emitted; accepted_at[i]: rounds whose
+    i-th draft was accepted; drafted_at[i]: rounds that verified an i-th draft."""
+
+    rounds: int = 0
+    emitted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+
+    def add(self, width: int, acc: Acceptance) -> None:
+        self.rounds += 1
+        self.emitted += len(acc.emitted)
+        k = max(width - 1, 0)
+        for lst in (self.accepted_at, self.drafted_at):
+            lst.extend([0] * (k - len(lst)))
+        for i in range(k):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < acc.accepted)
+
+    def as_dict(self) -> dict:
+        d = {"spec_rounds": self.rounds, "spec_tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0}
+        for i, (a, n) in enumerate(zip(self.accepted_at, self.drafted_at)):
+            d[f"spec_accept_pos{i + 1}"] = a / n if n else 0.0
+        return d
+
+
+class SpecRuntime:
+    def __init__(self, cfg: SpecConfig, target, max_requests: int, reference=None) -> None:
+        self.cfg = cfg
+        self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests)
+        self.capture = tuple(getattr(self.drafter, "capture_layers", ()))
+        self.schedule = static_schedule(cfg)
+        self.counters = SpecCounters()
+        self.proposals: dict[str, DraftProposal] = {}
+
+    def width(self, running: int) -> int:
+        if self.cfg.policy == "static":
+            return self.schedule.width(running, self.cfg.num_draft_tokens)
+        return self.cfg.fixed_width or self.cfg.num_draft_tokens
+
+    def expand(self, chunks: list[Chunk], running: int) -> list[Chunk]:
+        """Turn decode chunks into verification chunks [anchor + drafts]."""
+        decodes = [i for i, c in enumerate(chunks) if c.start >= len(c.req.prompt_ids)]
+        if not decodes:
+            return chunks
+        width = self.width(running)
+        reqs = []
+        for i in decodes:
+            r = chunks[i].req
+            w = max(1, min(width, r.params.max_tokens - len(r.output_ids)))
+            reqs.append(DraftRequest.from_history(r.request_id, r.all_ids, w, params=r.params, num_prompt_tokens=len(r.prompt_ids)))
+        out = list(chunks)
+        for i, req, prop in zip(decodes, reqs, self.drafter.propose(reqs)):
+            prop = prop.truncated(min(len(prop.tokens), req.max_drafts))
+            self.proposals[req.request_id] = prop
+            out[i] = replace(chunks[i], tokens=[req.anchor, *prop.tokens], verify=True)
+        return out
+
+    def observe_prefill(self, chunk: Chunk, captured: dict[int, torch.Tensor], a: int, b: int) -> None:
+        if self.capture:
+            self.drafter.observe(chunk.req.request_id, {l: captured[l][a:b] for l in self.capture}, chunk.start)
+
+    def verify(self, chunks: list[tuple[Chunk, int, int]], logits: torch.Tensor) -> list[Acceptance]:
+        """chunks: (chunk, first row, end row) of verification chunks; logits rows concatenated."""
+        qs = [0]
+        for _, a, b in chunks:
+            qs.append(qs[-1] + b - a)
+        props = [self.proposals.pop(c.req.request_id) for c, _, _ in chunks]
+        accs = verify_batch(logits, qs, [p.tokens for p in props], [p.probs for p in props],
+                            [c.req.params for c, _, _ in chunks], [c.req.generator for c, _, _ in chunks])
+        for (c, _, _), acc in zip(chunks, accs):
+            self.counters.add(len(c.tokens), acc)
+        return accs
+
+    def commit(self, chunk: Chunk, acc: Acceptance, captured: dict[int, torch.Tensor], a: int) -> None:
+        feats = {l: captured[l][a : a + acc.committed] for l in self.capture} if self.capture else None
+        self.drafter.commit(chunk.req.request_id, acc.accepted, feats)
+
+    def admit(self, request_id: str) -> None:
+        self.drafter.admit(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.proposals.pop(request_id, None)
+        self.drafter.release(request_id)
