@@ -118,25 +118,36 @@ def ceiling(rig: Rig, rb: int, counts: list[int], args) -> list[dict]:
     return out
 
 
+def _fits(res: list[dict], key=lambda r: r["time_ms"]) -> dict:
+    return fit([r["miss_bytes"] for r in res], [key(r) for r in res])
+
+
 def summarise(records: list[dict], rbs: list[int]) -> dict:
+    """Per row size: fitted rate of plan+copy time vs miss bytes over the miss cases that fit the hot
+    cache (overflow cases, where the union exceeds B, are fitted separately), against the ceiling."""
     summ = {}
     for rb in rbs:
-        res = [r for r in records if r["row_bytes"] == rb and r["case"].startswith("miss")]
-        f = fit([r["miss_bytes"] for r in res], [r["time_ms"] for r in res])
-        ceil = {o: max((r for r in records if r["row_bytes"] == rb and r["case"] == f"ceiling_{o}"),
-                       key=lambda r: r["rows"]) for o in ("random", "sorted")}
-        cs = [r for r in records if r["row_bytes"] == rb and r["case"] == "ceiling_sorted"]
-        cfit = fit([r["miss_bytes"] for r in cs], [r["time_ms"] for r in cs])
-        s = {"fit_GBps": f["GBps"], "fit_r2": f["r2"], "fit_intercept_ms": f["intercept_ms"],
+        mine = [r for r in records if r["row_bytes"] == rb]
+        miss = [r for r in mine if r["case"].startswith("miss")]
+        res = [r for r in miss if r["overflow"] == 0]
+        f = _fits(res)
+        ceil = {o: max((r for r in mine if r["case"] == f"ceiling_{o}"), key=lambda r: r["rows"])
+                for o in ("random", "sorted")}
+        cfit = _fits([r for r in mine if r["case"] == "ceiling_sorted"])
+        s = {"fit_GBps": f["GBps"], "fit_r2": f["r2"], "fit_intercept_ms": f["intercept_ms"], "fit_cases": len(res),
              "ceiling_random_GBps": ceil["random"]["GBps"], "ceiling_sorted_GBps": ceil["sorted"]["GBps"],
              "ceiling_sorted_fit_GBps": cfit["GBps"]}
-        cf = fit([r["miss_bytes"] for r in res], [r["copy_only"]["time_ms"] for r in res])
-        s["copy_only_fit_GBps"], s["copy_only_fit_r2"] = cf["GBps"], cf["r2"]
         s["fit_over_sorted_ceiling"] = s["fit_GBps"] / s["ceiling_sorted_GBps"]
         s["fit_over_sorted_fit"] = s["fit_GBps"] / s["ceiling_sorted_fit_GBps"]
-        nm = {r["history"]: r["time_ms"] for r in records if r["row_bytes"] == rb and r["case"] == "nomiss"}
-        s["nomiss_ms_by_history"] = nm
-        by = {r["case"]: r["time_ms"] for r in records if r["row_bytes"] == rb}
+        for K in sorted({r["K"] for r in res}):
+            fk = _fits([r for r in res if r["K"] == K])
+            s[f"fit_K{K}_GBps"], s[f"fit_K{K}_r2"] = fk["GBps"], fk["r2"]
+        fa = _fits(miss)
+        s["fit_incl_overflow_GBps"], s["fit_incl_overflow_r2"] = fa["GBps"], fa["r2"]
+        cf = _fits(res, key=lambda r: r["copy_only"]["time_ms"])
+        s["copy_only_fit_GBps"], s["copy_only_fit_r2"] = cf["GBps"], cf["r2"]
+        s["nomiss_ms_by_history"] = {r["history"]: r["time_ms"] for r in mine if r["case"] == "nomiss"}
+        by = {r["case"]: r["time_ms"] for r in mine}
         if "direct_all" in by and "hot_all" in by:
             s["direct_ms"], s["hot_scan_ms"] = by["direct_all"], by["hot_all"]
         if "dedup_K8_identical" in by and "dedup_K1" in by:

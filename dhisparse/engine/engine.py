@@ -322,6 +322,7 @@ class Engine:
             "resolver_calls": census.calls,
             "resolver_bytes_moved": census.bytes_moved,
             "resolver_overflow": census.overflow,
+            "host_selections_per_row": census.host_selected / census.host if census.host else 0.0,
         }
 
     def _residency_counters(self) -> dict:

@@ -69,10 +69,24 @@ class KVArena:
         return loc[:n]
 
 
-def gather_rows(rows: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    """rows [P, per_page, W] indexed by flat locations loc [...] (>= 0) -> [..., W]."""
-    per = rows.shape[1]
-    return rows[loc // per, loc % per]
+SPACE = 1 << 40  # location = space * SPACE + flat location inside that row space
+
+
+def gather_rows(rows: torch.Tensor | tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
+    """rows [P, per_page, W] indexed by flat locations loc [...] (>= 0) -> [..., W].
+
+    rows may also be a tuple of row spaces (e.g. a layer's pages and the verification staging
+    arena); then loc // SPACE picks the space and loc % SPACE the row inside it."""
+    if isinstance(rows, torch.Tensor):
+        per = rows.shape[1]
+        return rows[loc // per, loc % per]
+    space, local = loc // SPACE, loc % SPACE
+    out = rows[0].new_empty(*loc.shape, rows[0].shape[-1])
+    for i, r in enumerate(rows):
+        m = space == i
+        if bool(m.any()):
+            out[m] = gather_rows(r, local[m])
+    return out
 
 
 def scatter_rows(rows: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:

@@ -34,8 +34,9 @@ class DenseKV:
             key = (self.slots[r], layer)
             old = store.get(key, rows.new_empty(0, rows.shape[1]))
             start = int(b.positions[a]) if e > a else old.shape[0]
-            if start != old.shape[0]:
+            if start > old.shape[0]:
                 raise ValueError(f"request slot {self.slots[r]}: pass starts at {start}, cache holds {old.shape[0]}")
+            old = old[:start]  # rows past `start` were uncommitted (rejected drafts): overwritten
             store[key] = torch.cat([old, rows[a:e].to(self.dtype)])
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import gather_rows, scatter_rows
+from dhisparse.kv.arena import SPACE, gather_rows, scatter_rows
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolvePlan, run_copies
 
@@ -78,8 +78,9 @@ class HierContext:
                 per_req = self._per_request(sel)
                 plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
                 self.plans[g] = stage_overflow(plan, per_req, slots, kv)
-            plan = self.plans[g]
+            plan, staged = self.plans[g]
             nbytes = run_copies(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
+            nbytes += run_copies(staged, kv.host.layer_rows(layer), kv.stage) if staged is not None else 0
             if layer == kv.groups[g]:
                 kv.census.add(plan.counters, nbytes)
             else:
@@ -87,20 +88,23 @@ class HierContext:
             qs = self.batch.query_start
             for i, r in enumerate(self.decode_rows):
                 loc[qs[r] : qs[r + 1]] = plan.loc[i, : qs[r + 1] - qs[r]]
-        return self.arena.latent_rows(layer), loc
+        rows = self.arena.latent_rows(layer)
+        if self.decode_rows and self.plans[kv.group_of[layer]][1] is not None:
+            rows = (rows, kv.stage)  # staged rows live in row space 1
+        return rows, loc
 
 
-def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan:
+def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> tuple[ResolvePlan, ResolvePlan | None]:
     """Rows of a request's union that found no hot-cache victim (the union of K queries can exceed
     B) go to the slot's staging rows: each distinct row copied from host once, its location given
     to every query that selected it. Staged rows are not cached: the hot cache keeps LRU order."""
     missing = (sel >= 0) & (plan.loc < 0)
     if not bool(missing.any()):
-        return plan
+        return plan, None
     if kv.stage_loc is None:
         raise RuntimeError("a request's selections exceed its hot cache but the store has no staging arena; "
                            "build it with max_queries = the verification width")
-    src, dst, loc, staged, entries = [plan.copy_src], [plan.copy_dst], plan.loc.clone(), 0, 0
+    src, dst, loc, staged, entries = [], [], plan.loc.clone(), 0, 0
     host_ps = kv.host.page_size
     for i in missing.any(-1).any(-1).nonzero().squeeze(1).tolist():
         s, m = int(slots[i]), missing[i]
@@ -112,4 +116,6 @@ def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv
         loc[i][m] = rows[inv]
         staged, entries = staged + uniq.numel(), entries + int(m.sum())
     c = plan.counters._replace(host=plan.counters.host + staged, host_selected=plan.counters.host_selected + entries)
-    return ResolvePlan(loc, torch.cat([t.to(plan.copy_src.device) for t in src]), torch.cat([t.to(plan.copy_dst.device) for t in dst]), c)
+    dev = plan.copy_dst.device
+    stage_plan = ResolvePlan(loc, torch.cat([t.to(dev) for t in src]), torch.cat([t.to(dev) for t in dst]) - SPACE, c)
+    return ResolvePlan(loc, plan.copy_src, plan.copy_dst, c), stage_plan

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows
+from dhisparse.kv.arena import SPACE, KVArena, cdiv, gather_rows, scatter_rows
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.host import HostStore
 from dhisparse.kv.pool import PoolUsage
@@ -83,13 +83,23 @@ class HierarchicalKV:
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
-        self.stage_loc = None
-        if max_queries > 1:  # staging arena: required, allocated once for every slot
-            rows = max_queries * arena.cfg.index_topk
-            pages = self.pool.alloc("staging", S * cdiv(rows, self.page_size))
-            self.stage_loc = arena.locations(pages, S * cdiv(rows, self.page_size) * self.page_size, self.page_size).view(S, -1)
+        self.stage = self.stage_loc = None
+        if max_queries > 1:
+            self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.census, self.now = plan_fn, Census(), 0
+
+    def _build_staging(self, slots: int, max_queries: int) -> None:
+        """One staging arena (chi = 1: layers run one after another, so the next layer reuses it
+        after the previous layer's attention finished) of K_max * k rows per request slot
+        (eq. 11). It is a required allocation: its bytes are taken from the pool as pages."""
+        a = self.arena
+        per_slot = max_queries * a.cfg.index_topk
+        self.stage = torch.zeros(1, slots * per_slot, a.cfg.latent_dim, dtype=a.dtype, device=self.device)
+        nbytes = self.stage.numel() * self.stage.element_size()
+        self.pool.alloc("staging", cdiv(nbytes, a.page_nbytes))
+        base = torch.arange(slots * per_slot, dtype=torch.int64, device=self.device).view(slots, per_slot)
+        self.stage_loc = SPACE + base
 
     # -- admission / release -------------------------------------------------------------------
     def required_pages(self, max_total: int) -> int:
@@ -135,7 +145,8 @@ class HierarchicalKV:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.host.check_integrity()
-        assert self.stage_loc is None or len(self.pool.owned_by("staging")) * self.page_size >= self.stage_loc.numel()
+        if self.stage is not None:
+            assert len(self.pool.owned_by("staging")) * self.arena.page_nbytes >= self.stage.numel() * self.stage.element_size()
         for req, st in self.reqs.items():
             held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
             assert sorted(self.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"

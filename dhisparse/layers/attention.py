@@ -26,7 +26,8 @@ def sparse_mla_reference(
     """Sparse latent attention, plain PyTorch.
 
     q_abs [T, H, C], q_pe [T, H, R], rows [P, per_page, C + R] (a paged row space; flat
-    location l is rows[l // per_page, l % per_page]), loc [T, k] (-1 = skip) -> [T, H, C].
+    location l is rows[l // per_page, l % per_page]) or a tuple of such spaces (see
+    `gather_rows`), loc [T, k] (-1 = skip) -> [T, H, C].
     A token with no valid location gets zeros (only padding tokens can have none).
     """
     T, H, C = q_abs.shape
@@ -34,7 +35,8 @@ def sparse_mla_reference(
     if T == 0:
         return out
     k = loc.shape[1]
-    step = max(1, chunk_elems // max(1, k * rows.shape[-1]))
+    width = (rows if isinstance(rows, torch.Tensor) else rows[0]).shape[-1]
+    step = max(1, chunk_elems // max(1, k * width))
     for a in range(0, T, step):
         b = min(T, a + step)
         lc = loc[a:b]
