@@ -50,10 +50,10 @@ class Rig:
         self.quick = quick
         if quick:
             self.N, self.K, self.k, self.B, self.ps, self.L = 2, 2, 16, 32, 4, 128
-            self.histories, region = (64, 128, 256), 4 << 20
+            self.histories, region = (64, 128, 256, 1024), 4 << 20
         else:
             self.N, self.K, self.k, self.B, self.ps, self.L = 32, 8, 2048, 4096, 64, 65536
-            self.histories, region = (8192, 32768, 131072), 4 << 30
+            self.histories, region = (8192, 32768, 131072, 524288), 4 << 30
         self.TT = 2 * self.ps
         self.region = torch.empty(region, dtype=torch.uint8, pin_memory=self.cuda)
         self.g = torch.Generator(device=self.dev).manual_seed(0)

@@ -116,8 +116,8 @@ def test_bad_settings():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ConfigValueError, match="not available"):
-        EngineConfig(preset="adaptive+spec")
+    with pytest.raises(ConfigValueError, match="preset must be one of"):
+        EngineConfig(preset="hisparse+magic")
     with pytest.raises(ConfigValueError, match="unknown engine setting"):
         EngineConfig.from_kwargs(pagesize=4)
     with pytest.raises(ValueError, match="model"):

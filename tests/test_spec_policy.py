@@ -114,8 +114,7 @@ def test_spec_config_validation():
         SpecConfig(draft_window_size=8, block_size=16)
     with pytest.raises(SpecConfigError, match="larger than K_max"):
         SpecConfig(num_draft_tokens=4, fixed_width=6)
-    with pytest.raises(SpecConfigError, match="larger than K_max"):
-        SpecConfig(num_draft_tokens=6)  # the default static schedule uses width 8
+    assert SpecConfig(num_draft_tokens=6).num_draft_tokens == 6  # schedule widths are capped at K_max
     with pytest.raises(SpecConfigError, match="--speculative-num-draft-tokens must be >= 2"):
         SpecConfig(num_draft_tokens=1, static_schedule=(), static_default_width=1)
     with pytest.raises(SpecConfigError, match="--speculative-algorithm"):
