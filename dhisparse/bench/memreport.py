@@ -8,7 +8,7 @@ measured without optional residency, which only uses memory that is spare.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -33,6 +33,19 @@ def glm52_config(**over) -> ModelConfig:
 
 
 @dataclass(frozen=True)
+class DrafterShape:
+    """The drafter of the speculative rows: 6 layers, K and V of 4 heads x 128 (bf16: 12 allocations
+    of 1024 B = 12,288 B per ring row, as in the paper), window W, page p, K_max."""
+
+    layers: int = 6
+    kv_heads: int = 4
+    head_dim: int = 128
+    window: int = 2048
+    page: int = 64
+    k_max: int = 8
+
+
+@dataclass(frozen=True)
 class MemoryRow:
     """Device bytes one request holds (GiB) and its host backup, for one preset and context."""
 
@@ -44,10 +57,13 @@ class MemoryRow:
     index_state: float
     metadata: float
     host_backup: float
+    draft_ring: float = 0.0
+    staging: float = 0.0
 
     @property
     def device_total(self) -> float:
-        return self.latent_history + self.hot_cache + self.tail + self.index_state + self.metadata
+        return (self.latent_history + self.hot_cache + self.tail + self.index_state + self.metadata
+                + self.draft_ring + self.staging)
 
 
 def _arena(cfg: ModelConfig, page_size: int, pages: int, dtype: torch.dtype) -> KVArena:
@@ -63,6 +79,28 @@ def resident_row(cfg: ModelConfig, context: int, page_size: int, dtype: torch.dt
     meta = (len(kv.latent_tables["r"]) + len(kv.index_tables["r"])) * 4  # int32 block tables
     return MemoryRow("resident", context, len(kv.latent_tables["r"]) * pb / GIB, 0, 0,
                      len(kv.index_tables["r"]) * pb / GIB, meta / GIB, 0.0)
+
+
+def ring_gib(d: DrafterShape, dtype: torch.dtype) -> float:
+    """One request slot's draft KV ring, measured from a DraftKVRing built on the meta device."""
+    from dhisparse.spec.ring import DraftKVRing, ring_rows
+
+    ring = DraftKVRing(d.layers, 1, ring_rows(d.window, d.page, d.k_max), d.kv_heads, d.head_dim, dtype, "meta")
+    return ring.bytes_per_slot() / GIB
+
+
+def spec_row(row: MemoryRow, cfg: ModelConfig, page_size: int, hot_rows: int, dtype: torch.dtype, d: DrafterShape) -> MemoryRow:
+    """`row` plus the speculative required state: the drafter's ring and, on hierarchical presets,
+    the request slot's share of the verification staging arena (eq. 11, chi = 1)."""
+    staging = 0.0
+    if row.preset != "resident":
+        arena = _arena(cfg, page_size, 1 << 20, dtype)
+        host = HostStore(1, cfg.num_layers, page_size, cfg.latent_dim, dtype, pin=False, device="meta")
+        kv = HierarchicalKV(arena, host, hot_rows, max_slots=1, max_queries=d.k_max)
+        staging = kv.stage.numel() * kv.stage.element_size() / GIB
+        tail = kv.tail_pages * arena.page_nbytes / GIB
+        row = replace(row, tail=tail)
+    return replace(row, preset=row.preset + "+spec", draft_ring=ring_gib(d, dtype), staging=staging)
 
 
 def hisparse_row(cfg: ModelConfig, context: int, page_size: int, hot_rows: int, dtype: torch.dtype, preset: str = "hisparse") -> MemoryRow:
@@ -82,11 +120,12 @@ def hisparse_row(cfg: ModelConfig, context: int, page_size: int, hot_rows: int, 
 
 
 def report(contexts=(32 * 1024, 100 * 1024), page_size: int = 64, hot_rows: int = 4096, dtype=torch.bfloat16) -> list[dict]:
-    cfg = glm52_config()
+    cfg, d = glm52_config(), DrafterShape()
     rows = []
     for n in contexts:
-        for r in (resident_row(cfg, n, page_size, dtype), hisparse_row(cfg, n, page_size, hot_rows, dtype),
-                  hisparse_row(cfg, n, page_size, hot_rows, dtype, preset="adaptive")):
+        res, ada = resident_row(cfg, n, page_size, dtype), hisparse_row(cfg, n, page_size, hot_rows, dtype, preset="adaptive")
+        for r in (res, hisparse_row(cfg, n, page_size, hot_rows, dtype), ada,
+                  spec_row(res, cfg, page_size, hot_rows, dtype, d), spec_row(ada, cfg, page_size, hot_rows, dtype, d)):
             rows.append(asdict(r) | {"device_total": r.device_total})
     return rows
 
@@ -98,14 +137,17 @@ def main() -> None:  # pragma: no cover - CLI glue
     from datetime import datetime, timezone
 
     rows = report()
-    print(f"{'preset':10} {'context':>8} {'device GiB':>11} {'history':>8} {'hot':>7} {'tail':>7} {'index':>7} {'meta':>9} {'host GiB':>9}")
+    print(f"{'preset':14} {'context':>8} {'device GiB':>11} {'history':>8} {'hot':>7} {'tail':>7} {'index':>7} {'meta':>9} "
+          f"{'ring':>7} {'staging':>8} {'host GiB':>9}")
     for r in rows:
-        print(f"{r['preset']:10} {r['context']:>8} {r['device_total']:>11.3f} {r['latent_history']:>8.3f} {r['hot_cache']:>7.3f} {r['tail']:>7.3f} "
-              f"{r['index_state']:>7.3f} {r['metadata']:>9.5f} {r['host_backup']:>9.3f}")
+        print(f"{r['preset']:14} {r['context']:>8} {r['device_total']:>11.3f} {r['latent_history']:>8.3f} {r['hot_cache']:>7.3f} "
+              f"{r['tail']:>7.3f} {r['index_state']:>7.3f} {r['metadata']:>9.5f} {r['draft_ring']:>7.4f} {r['staging']:>8.4f} "
+              f"{r['host_backup']:>9.3f}")
     if len(sys.argv) > 1:
         meta = {"command": "python -m dhisparse.bench.memreport " + " ".join(sys.argv[1:]), "machine": platform.node(),
                 "date": datetime.now(timezone.utc).isoformat(), "dtype": "bfloat16 (1152-B latent rows, 256-B index rows)",
-                "config": "GLM-5.2 KV shape, page 64, B 4096", "rows": rows}
+                "config": "GLM-5.2 KV shape, page 64, B 4096; +spec: 6-layer drafter (12 x 1024-B K/V per ring row), W 2048, p 64, K_max 8",
+                "rows": rows}
         with open(sys.argv[1], "w") as f:
             json.dump(meta, f, indent=1)
 
