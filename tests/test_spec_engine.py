@@ -69,3 +69,12 @@ def test_sampling_with_speculation_runs_and_is_seeded(reference):
     b = spec_llm(reference, preset="adaptive", speculative_algorithm="dflash").generate(PROMPTS[:2], sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 16 for o in a)
+
+
+@pytest.mark.parametrize("policy", ["static", "online"])
+def test_width_policies_stay_exact(reference, policy):
+    llm = spec_llm(reference, preset="adaptive", speculative_algorithm="oracle", speculative_num_draft_tokens=6,
+                   speculative_oracle_tokens_per_round=2.5, speculative_policy=policy)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in PROMPTS]
+    assert llm.engine.spec.cost.measured  # step costs were measured online

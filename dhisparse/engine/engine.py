@@ -210,6 +210,7 @@ class Engine:
             return []
         if self.spec is not None:
             chunks = self.spec.expand(chunks, len(self.scheduler.running))
+        t_start = time.perf_counter()
         batch = ForwardBatch.build([(c.tokens, c.start) for c in chunks], self.device)
         ctx = self.store.context(batch, [c.req.request_id for c in chunks])
         out = self.model(batch, ctx, capture_layers=self.spec.capture if self.spec else ())
@@ -235,6 +236,8 @@ class Engine:
         self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
         outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], out.hidden)
         outputs += self._commit(verifying, accs, out.captured)
+        if self.spec is not None:
+            self.spec.observe_step(time.perf_counter() - t_start)
         self._decoding = sum(1 for c in chunks if c.start >= len(c.req.prompt_ids))
         self.series.observe(time.perf_counter() - self._t0, len(outputs), self._decoding, lambda: self.stats().as_dict())
         if self.config.debug_checks:

@@ -18,7 +18,9 @@ import torch
 from dhisparse.engine.scheduler import Chunk
 from dhisparse.spec.config import SpecConfig
 from dhisparse.spec.drafter import DraftProposal, DraftRequest
+from dhisparse.spec.dspark import VerifyCost
 from dhisparse.spec.factory import build_drafter, static_schedule
+from dhisparse.spec.policy import OnlineWidthPolicy
 from dhisparse.spec.verify import Acceptance, verify_batch
 
 
@@ -52,13 +54,20 @@ class SpecCounters:
 class SpecRuntime:
     def __init__(self, cfg: SpecConfig, target, max_requests: int, reference=None) -> None:
         self.cfg = cfg
-        self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests)
+        self.cost = VerifyCost()  # seconds per step by width, measured online (DSpark + online policy)
+        self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests, cost=self.cost)
+        self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost) if cfg.policy == "online" else None
+        self._step_width = 0
         self.capture = tuple(getattr(self.drafter, "capture_layers", ()))
         self.schedule = static_schedule(cfg)
         self.counters = SpecCounters()
         self.proposals: dict[str, DraftProposal] = {}
 
     def width(self, running: int) -> int:
+        """Verification width this round: fixed (K_max), static by load, or the online policy's
+        choice from measured acceptance and step cost (1 = speculation off)."""
+        if self.online is not None:
+            return self.online.decide(running).width
         if self.cfg.policy == "static":
             return self.schedule.width(running, self.cfg.num_draft_tokens)
         return self.cfg.fixed_width or self.cfg.num_draft_tokens
@@ -95,7 +104,16 @@ class SpecRuntime:
                             [c.req.params for c, _, _ in chunks], [c.req.generator for c, _, _ in chunks])
         for (c, _, _), acc in zip(chunks, accs):
             self.counters.add(len(c.tokens), acc)
+            if self.online is not None and len(c.tokens) > 1:
+                self.online.observe(len(c.tokens), acc.accepted)
+        self._step_width = max((len(c.tokens) for c, _, _ in chunks), default=0)
         return accs
+
+    def observe_step(self, seconds: float) -> None:
+        """Feed the measured time of a step that decoded (width = its widest verification)."""
+        if self._step_width:
+            self.cost.update(self._step_width, seconds)
+        self._step_width = 0
 
     def commit(self, chunk: Chunk, acc: Acceptance, captured: dict[int, torch.Tensor], a: int) -> None:
         feats = {l: captured[l][a : a + acc.committed] for l in self.capture} if self.capture else None
