@@ -108,7 +108,8 @@ def test_deferred_plan_and_launch():
     assert_rows_right(got, sel, torch.tensor([1]), d.cpu(), 0)
 
 
-@pytest.mark.parametrize("dtype,width", [(torch.float64, W), (torch.float16, 5), (torch.uint8, 7), (torch.bfloat16, 576)])
+@pytest.mark.parametrize("dtype,width", [(torch.float64, W), (torch.float16, 5), (torch.uint8, 7),
+                                         (torch.bfloat16, 576)])
 def test_run_copies_matches_reference(dtype, width):
     st = make_state(S=3, B=8, L=32, TT=4, seed=2)
     g = torch.Generator().manual_seed(0)

@@ -78,3 +78,14 @@ def test_width_policies_stay_exact(reference, policy):
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in PROMPTS]
     assert llm.engine.spec.cost.measured  # step costs were measured online
+
+
+@pytest.mark.parametrize("window", [16, 2048])
+def test_dflash_over_imported_prefix(window):
+    prefix = [3 + (7 * j) % 250 for j in range(60)]
+    prompts = [prefix + [10 + i] for i in range(3)]
+    ref = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
+    llm = LLM("tiny", preset="adaptive+spec", speculative_draft_window_size=window, debug_checks=True)
+    llm.prepare_prefix(prefix)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == 60 for o in outs)

@@ -198,6 +198,8 @@ class Engine:
         if item is not None and n > 0:
             self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
             req.num_computed = req.imported_len = n
+            if self.spec is not None:
+                self.spec.observe_import(req.request_id, item, n)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -227,6 +229,8 @@ class Engine:
             c.req.num_computed = c.start + len(c.tokens)
             if self.spec is not None and c.start < len(c.req.prompt_ids):
                 self.spec.observe_prefill(c, out.captured, a, b)
+                if c.req.export_prefix:
+                    self.spec.keep_features(c.req.request_id, out.captured, a, b)
             if c.sample:
                 sampled.append((c, b - 1))
         accs = self._verify(verifying, out.hidden)
@@ -291,7 +295,8 @@ class Engine:
     def _export(self, req: Request) -> None:
         n = len(req.prompt_ids)
         latent, index = self.store.read_rows(req.request_id, n)
-        self.prefixes.add(req.prompt_ids, latent, index)
+        feats = self.spec.take_features(req.request_id) if self.spec is not None else None
+        self.prefixes.add(req.prompt_ids, latent, index, feats)
         self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:

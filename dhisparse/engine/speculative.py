@@ -62,6 +62,7 @@ class SpecRuntime:
         self.schedule = static_schedule(cfg)
         self.counters = SpecCounters()
         self.proposals: dict[str, DraftProposal] = {}
+        self._kept: dict[str, dict[int, torch.Tensor]] = {}
 
     def width(self, running: int) -> int:
         """Verification width this round: fixed (K_max), static by load, or the online policy's
@@ -89,6 +90,29 @@ class SpecRuntime:
             self.proposals[req.request_id] = prop
             out[i] = replace(chunks[i], tokens=[req.anchor, *prop.tokens], verify=True)
         return out
+
+    def keep_features(self, request_id: str, captured: dict[int, torch.Tensor], a: int, b: int) -> None:
+        """Accumulate a prefix-export request's features (the last W positions are kept)."""
+        if not self.capture:
+            return
+        kept = self._kept.setdefault(request_id, {})
+        for l in self.capture:
+            kept[l] = torch.cat([kept[l], captured[l][a:b]]) if l in kept else captured[l][a:b]
+            kept[l] = kept[l][-self.cfg.draft_window_size :]
+
+    def take_features(self, request_id: str) -> dict:
+        return self._kept.pop(request_id, {})
+
+    def observe_import(self, request_id: str, item, n: int) -> None:
+        """A request imported n rows of a stored prefix: give the drafter the stored features of the
+        imported positions inside its window."""
+        if not self.capture or not item.features:
+            return
+        f = next(iter(item.features.values())).shape[0]
+        first = len(item.token_ids) - f  # position of the first stored feature row
+        if n <= first:
+            return
+        self.drafter.observe(request_id, {l: t[: n - first] for l, t in item.features.items()}, first)
 
     def observe_prefill(self, chunk: Chunk, captured: dict[int, torch.Tensor], a: int, b: int) -> None:
         if self.capture:

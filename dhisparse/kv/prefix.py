@@ -7,18 +7,21 @@ prefix rows. Stored rows live on the host (pinned when CUDA is available).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class StoredPrefix:
-    """token_ids (n,); latent [L, n, latent_dim]; index [F, n, index_head_dim] (host tensors)."""
+    """token_ids (n,); latent [L, n, latent_dim]; index [F, n, index_head_dim] (host tensors);
+    features {layer: [f, hidden]}: target hidden states of the last f positions (for a drafter's
+    window), empty without speculation."""
 
     token_ids: tuple[int, ...]
     latent: torch.Tensor
     index: torch.Tensor
+    features: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -33,11 +36,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, token_ids: list[int], latent: torch.Tensor, index: torch.Tensor) -> StoredPrefix:
+    def add(self, token_ids: list[int], latent: torch.Tensor, index: torch.Tensor, features: dict | None = None) -> StoredPrefix:
         lat, idx = latent.cpu(), index.cpu()
         if self.pin:
             lat, idx = lat.pin_memory(), idx.pin_memory()
-        item = StoredPrefix(tuple(token_ids), lat, idx)
+        item = StoredPrefix(tuple(token_ids), lat, idx, {l: f.cpu() for l, f in (features or {}).items()})
         self._items[item.token_ids] = item
         return item
 
