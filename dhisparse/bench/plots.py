@@ -185,30 +185,40 @@ def fit_bandwidth(xs: list[float], ys_ms: list[float]) -> tuple[float, float, fl
 
 
 def plot_resolver(records: list[dict], out: str | Path, title: str | None = None) -> Path:
-    """Fig. 8a from records {miss_bytes, time_ms, case}: mean with min-max bars per point."""
+    """Fig. 8a from records {miss_bytes, time_ms, case[, row_bytes, min_ms, max_ms]}: one panel per
+    row size; resolver calls as points with min-max bars and a least-squares fit over them;
+    gather ceilings (cases named ceiling_*) as dashed reference lines, not fitted."""
     if not records:
         raise ValueError("resolver plot: no records; expected a list of {miss_bytes, time_ms, case}")
-    groups: dict[tuple[str, float], list[float]] = defaultdict(list)
-    for r in records:
-        groups[(str(r.get("case", "all")), float(r["miss_bytes"]))].append(float(r["time_ms"]))
-    fig, ax = plt.subplots(figsize=(7, 4.8), constrained_layout=True)
-    for i, case in enumerate(sorted({c for c, _ in groups})):
-        pts = sorted((b, v) for (c, b), v in groups.items() if c == case)
-        x = [b / 1e6 for b, _ in pts]
-        y = [sum(v) / len(v) for _, v in pts]
-        err = [[m - min(v) for m, (_, v) in zip(y, pts)], [max(v) - m for m, (_, v) in zip(y, pts)]]
-        ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{i}", capsize=3, label=case)
-    a, gbps, r2 = fit_bandwidth([float(r["miss_bytes"]) for r in records], [float(r["time_ms"]) for r in records])
-    xs = sorted({b for _, b in groups})
-    ax.plot([b / 1e6 for b in xs], [a + b * 1e-6 / gbps for b in xs], "k--", lw=1,
-            label=f"least-squares fit: {gbps:.1f} GB/s (R² = {r2:.4f})")
+    sizes = sorted({r.get("row_bytes") for r in records}, key=lambda x: (x is None, x))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6.4 * len(sizes), 4.8), constrained_layout=True, squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        _resolver_panel(ax, [r for r in records if r.get("row_bytes") == size], size)
+    fig.suptitle(title or "resolver time vs unique host-miss bytes")
+    return _save(fig, out)
+
+
+def _resolver_panel(ax, records: list[dict], size) -> None:
+    calls = [r for r in records if not str(r.get("case", "")).startswith("ceiling")]
+    for i, case in enumerate(sorted({str(r.get("case", "all")) for r in calls})):
+        pts = sorted(((float(r["miss_bytes"]), r) for r in calls if str(r.get("case", "all")) == case), key=lambda p: p[0])
+        x, y = [b / 1e6 for b, _ in pts], [float(r["time_ms"]) for _, r in pts]
+        lo = [t - float(r.get("min_ms", t)) for t, (_, r) in zip(y, pts)]
+        hi = [float(r.get("max_ms", t)) - t for t, (_, r) in zip(y, pts)]
+        ax.errorbar(x, y, yerr=[lo, hi], fmt="o", ms=4, color=f"C{i % 10}", capsize=2, label=case)
+    if len(calls) >= 2:
+        a, gbps, r2 = fit_bandwidth([float(r["miss_bytes"]) for r in calls], [float(r["time_ms"]) for r in calls])
+        xs = [0.0, max(float(r["miss_bytes"]) for r in calls)]
+        ax.plot([b / 1e6 for b in xs], [a + b * 1e-6 / gbps for b in xs], "k-", lw=1, label=f"fit {gbps:.1f} GB/s (R² {r2:.3f})")
+    for j, case in enumerate(sorted({str(r["case"]) for r in records} - {str(r.get("case")) for r in calls})):
+        pts = sorted((float(r["miss_bytes"]), float(r["time_ms"])) for r in records if r["case"] == case)
+        ax.plot([b / 1e6 for b, _ in pts], [t for _, t in pts], ls="--", color="0.4" if j == 0 else "0.7", label=case)
     ax.set(xlabel="unique host-miss payload per call (MB)", ylabel="resolver time (ms)",
-           title=title or "resolver time vs host-miss bytes")
+           title=f"{size}-B rows" if size else None)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out)
+    ax.legend(fontsize=7, ncol=2)
 
 
 def _save(fig, out: str | Path) -> Path:

@@ -108,7 +108,9 @@ class Engine:
         host_pages = max(1, host_bytes // self.page_bytes)
         host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
         args = (self.arena, host, hot, cfg.max_running_requests)
-        kw = dict(plan_fn=self._plan_fn(), debug=cfg.debug_checks, max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1)
+        plan_fn = self._plan_fn()
+        kw = dict(plan_fn=plan_fn, debug=cfg.debug_checks, max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1,
+                  copy_fn=self._copy_fn(plan_fn))
         if cfg.base_preset == "hisparse":
             return HierarchicalKV(*args, **kw)
         return AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages,
@@ -130,6 +132,16 @@ class Engine:
 
             return plan_reference
         return plan_triton
+
+    @staticmethod
+    def _copy_fn(plan_fn):
+        from dhisparse.kv.resolver import plan_reference, run_copies
+
+        if plan_fn is plan_reference:
+            return run_copies
+        from dhisparse.kernels.resolver import run_copies_triton
+
+        return run_copies_triton
 
     # -- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 
 from dhisparse.kv.arena import SPACE, gather_rows, scatter_rows
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.resolver import ResolvePlan, run_copies
+from dhisparse.kv.resolver import ResolvePlan
 
 
 class HierContext:
@@ -79,8 +79,8 @@ class HierContext:
                 plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
                 self.plans[g] = stage_overflow(plan, per_req, slots, kv)
             plan, staged = self.plans[g]
-            nbytes = run_copies(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
-            nbytes += run_copies(staged, kv.host.layer_rows(layer), kv.stage) if staged is not None else 0
+            nbytes = kv.copy_fn(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
+            nbytes += kv.copy_fn(staged, kv.host.layer_rows(layer), kv.stage) if staged is not None else 0
             if layer == kv.groups[g]:
                 kv.census.add(plan.counters, nbytes)
             else:

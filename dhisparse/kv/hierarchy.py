@@ -64,7 +64,7 @@ class Census:
 
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
-                 debug: bool = False, max_queries: int = 1) -> None:
+                 debug: bool = False, max_queries: int = 1, copy_fn=run_copies) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -87,7 +87,7 @@ class HierarchicalKV:
         if max_queries > 1:
             self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
-        self.plan_fn, self.census, self.now = plan_fn, Census(), 0
+        self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
         """One staging arena (chi = 1: layers run one after another, so the next layer reuses it
