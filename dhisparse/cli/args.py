@@ -40,6 +40,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--speculative-policy": ("speculative_policy", str, "verification width policy: fixed, static (by load) or online"),
     "--speculative-oracle-tokens-per-round": ("speculative_oracle_tokens_per_round", float, "oracle drafter calibration, e.g. 2.88"),
     "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
+    "--cpu-threads": ("cpu_threads", int, "torch intra-op threads on CPU (default 1)"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }
 

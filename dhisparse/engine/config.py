@@ -47,6 +47,8 @@ class EngineConfig:
         beyond, capped by K_max) or online.
     speculative_oracle_tokens_per_round [--speculative-oracle-tokens-per-round]: oracle calibration.
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
+    cpu_threads [--cpu-threads]: torch intra-op threads when running on CPU (default 1: the
+        tensors of one step are small, and thread hand-offs cost more than they gain).
     seed [--seed]: seed of the built-in model's random weights.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
     """
@@ -73,6 +75,7 @@ class EngineConfig:
     speculative_policy: str = "fixed"
     speculative_oracle_tokens_per_round: float | None = None
     resolver: str = "auto"
+    cpu_threads: int | None = None
     seed: int = 0
     debug_checks: bool = False
 

@@ -73,6 +73,8 @@ class Engine:
         the oracle drafter (a benchmark measurement tool)."""
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or 1)
         dtype = DTYPES[config.dtype] if config.dtype else None
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
