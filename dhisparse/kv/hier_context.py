@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import SPACE, gather_rows, scatter_rows
+from dhisparse.kv.arena import SPACE
+from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolvePlan
 
 
-class HierContext:
+class HierContext(PagedContext):
     def __init__(self, kv, batch: ForwardBatch, reqs: list[object]) -> None:
-        self.kv, self.batch, self.arena = kv, batch, kv.arena
-        lens = batch.seq_lens.tolist()
-        width = max(max(lens, default=1), 1)
-        dev = kv.device
-        self.lat_of = torch.full((len(reqs), width), -1, dtype=torch.int64, device=dev)
-        self.idx_of = torch.full_like(self.lat_of, -1)
+        super().__init__(kv, batch, len(reqs))
         self.decode_rows: list[int] = []
         self.slots: list[int] = []
         for r, req in enumerate(reqs):
-            st, n = kv.reqs[req], lens[r]
+            st, n = kv.reqs[req], self.lens[r]
             self.idx_of[r, :n] = kv.resident.index_locs(req, n)
             if st.decoding:
                 self.decode_rows.append(r)
@@ -34,18 +30,8 @@ class HierContext:
                 self.lat_of[r, st.tail_start : n] = kv.tail_loc[st.slot, : n - st.tail_start]
             else:
                 self.lat_of[r, :n] = kv.resident.latent_locs(req, n)
-        self.lat_write = self.lat_of[batch.req_idx, batch.positions]
-        self.idx_write = self.idx_of[batch.req_idx, batch.positions]
-        self.plans: dict[int, ResolvePlan] = {}
-
-    def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        scatter_rows(self.arena.latent_rows(layer), self.lat_write, latent)
-        if index_key is not None:
-            scatter_rows(self.arena.index_rows(layer), self.idx_write, index_key)
-
-    def index_keys(self, layer: int, req: int) -> torch.Tensor:
-        n = int(self.batch.seq_lens[req])
-        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, :n])
+        self._finish_tables()
+        self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
 
     def _check(self, selection: torch.Tensor) -> None:
         lens = self.batch.seq_lens[self.batch.req_idx][:, None]

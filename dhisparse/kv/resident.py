@@ -95,20 +95,20 @@ class ResidentKV:
         return ResidentContext(self, batch, reqs)
 
 
-class ResidentContext:
-    """KVContext of one pass over a ResidentKV."""
+class PagedContext:
+    """Shared part of the paged KVContexts: per-request location tables lat_of / idx_of [N, Lmax]
+    (-1 where a position has no device row), writes at the batch's positions, index-key reads."""
 
-    def __init__(self, kv: ResidentKV, batch: ForwardBatch, reqs: list[object]) -> None:
+    def __init__(self, kv, batch: ForwardBatch, n_reqs: int) -> None:
         self.kv, self.batch, self.arena = kv, batch, kv.arena
-        lens = batch.seq_lens.tolist()
-        width = max(max(lens, default=1), 1)
-        self.lat_of = torch.full((len(reqs), width), -1, dtype=torch.int64, device=kv.device)
+        self.lens = batch.seq_lens.tolist()
+        width = max(max(self.lens, default=1), 1)
+        self.lat_of = torch.full((n_reqs, width), -1, dtype=torch.int64, device=kv.device)
         self.idx_of = torch.full_like(self.lat_of, -1)
-        for r, req in enumerate(reqs):
-            self.lat_of[r, : lens[r]] = kv.latent_locs(req, lens[r])
-            self.idx_of[r, : lens[r]] = kv.index_locs(req, lens[r])
-        self.lat_write = self.lat_of[batch.req_idx, batch.positions]
-        self.idx_write = self.idx_of[batch.req_idx, batch.positions]
+
+    def _finish_tables(self) -> None:
+        self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
+        self.idx_write = self.idx_of[self.batch.req_idx, self.batch.positions]
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
         scatter_rows(self.arena.latent_rows(layer), self.lat_write, latent)
@@ -116,8 +116,18 @@ class ResidentContext:
             scatter_rows(self.arena.index_rows(layer), self.idx_write, index_key)
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
-        n = int(self.batch.seq_lens[req])
-        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, :n])
+        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]])
+
+
+class ResidentContext(PagedContext):
+    """KVContext of one pass over a ResidentKV."""
+
+    def __init__(self, kv: ResidentKV, batch: ForwardBatch, reqs: list[object]) -> None:
+        super().__init__(kv, batch, len(reqs))
+        for r, req in enumerate(reqs):
+            self.lat_of[r, : self.lens[r]] = kv.latent_locs(req, self.lens[r])
+            self.idx_of[r, : self.lens[r]] = kv.index_locs(req, self.lens[r])
+        self._finish_tables()
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)]

@@ -18,6 +18,7 @@ from dhisparse.layers.attention import MLAttention
 from dhisparse.layers.moe import MLP, MoE
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RotaryEmbedding
+from dhisparse.models.base import CausalLMHead
 from dhisparse.models.config import ModelConfig
 
 
@@ -53,24 +54,14 @@ class DsaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
 
-class DsaForCausalLM(nn.Module):
+class DsaForCausalLM(CausalLMHead):
     """The target model. `forward(batch, kv)` -> ModelOutput; `logits(hidden)` -> fp32 logits."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = DsaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -84,8 +75,3 @@ class DsaForCausalLM(nn.Module):
             if i in capture_layers:
                 captured[i] = h
         return ModelOutput(m.norm(h), captured)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> [n, vocab] fp32."""
-        return self.lm_head(hidden).float()

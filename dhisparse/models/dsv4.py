@@ -25,6 +25,7 @@ from dhisparse.layers.v4_hyper import HyperConnection, HyperHead, hc_expand
 from dhisparse.layers.v4_moe import V4MoE
 from dhisparse.layers.v4_ops import V4RMSNorm
 from dhisparse.models.dsa import ModelOutput
+from dhisparse.models.base import CausalLMHead
 from dhisparse.models.v4_config import V4Config
 
 
@@ -64,24 +65,14 @@ class V4Model(nn.Module):
             self.rope_main, self.rope_compress = self.rope_main.to(device), self.rope_compress.to(device)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLMHead):
     """The V4 target model. `forward(batch, ctx)` -> ModelOutput; `logits(hidden)` -> fp32 logits."""
 
     def __init__(self, cfg: V4Config) -> None:
         super().__init__()
         self.config = cfg
         self.model = V4Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -101,8 +92,3 @@ class DeepseekV4ForCausalLM(nn.Module):
                 captured[i] = streams
         ctx.finish()
         return ModelOutput(m.norm(m.hc_head(streams)), captured)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> [n, vocab] fp32."""
-        return self.lm_head(hidden).float()
