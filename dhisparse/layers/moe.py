@@ -83,9 +83,13 @@ class Experts(nn.Module):
             t, w = tok[start : start + n], wts[start : start + n]
             start += n
             gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = F.linear(self.act(gate, up), self.down_proj[e])
             out.index_add_(0, t, (y * w[:, None]).to(out.dtype))
         return out
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Gated activation (SiLU-GLU); subclasses change it (V4 clamps)."""
+        return F.silu(gate) * up
 
 
 class MoE(nn.Module):

@@ -13,20 +13,12 @@ shared_experts.{gate,up,down}_proj.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dhisparse.layers.moe import Experts, Routing
 from dhisparse.models.v4_config import V4Config
-
-
-class Routing(NamedTuple):
-    """experts [T, top_k] int64 expert ids; weights [T, top_k] fp32 (normalized, scaled)."""
-
-    experts: torch.Tensor
-    weights: torch.Tensor
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -66,32 +58,15 @@ class V4Router(nn.Module):
         return Routing(idx, w * self.scaling)
 
 
-class V4Experts(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
-        super().__init__()
-        E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.limit = cfg.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
-        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+class V4Experts(Experts):
+    """Stacked experts with the clamped SwiGLU of V4 (same layout and loop as `Experts`)."""
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> [T, H]: sum over chosen experts of weight * expert(x)."""
-        out = torch.zeros_like(x)
-        k = routing.experts.shape[1]
-        flat = routing.experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        tok, wts = order // k, routing.weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t, w = tok[start : start + n], wts[start : start + n]
-            start += n
-            gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu_clamped(gate, up, self.limit), self.down_proj[e])
-            out.index_add_(0, t, (y * w[:, None]).to(out.dtype))
-        return out
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__(cfg)
+        self.limit = cfg.swiglu_limit
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_clamped(gate, up, self.limit)
 
 
 class SharedExpert(nn.Module):
