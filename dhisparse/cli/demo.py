@@ -95,6 +95,15 @@ def _report(console, result, texts: dict, base, ns: argparse.Namespace) -> None:
     title = (f"dhisparse demo: {base.model}, closed loop C{ns.concurrency}, input {ns.input_len} tokens "
              f"(prepared prefix), output {ns.output_len}")
     console.print(demo_table(data, title))
+    if any(p.endswith("+spec") for p in data_presets(data)):
+        console.print("[dim]+spec presets draft with a randomly initialised DFlash drafter here (the built-in model has no "
+                      "trained drafter), so they show the verification overhead, not a speed-up; see README for real drafters.[/dim]")
     unavailable = data["unavailable_presets"]
     if unavailable:
         console.print(f"presets not in this build yet: {', '.join(unavailable)}")
+
+
+def data_presets(data) -> list[str]:
+    """Preset names of the demo's runs (whatever container `data` is)."""
+    runs = data.get("runs", data) if isinstance(data, dict) else data
+    return [r.get("preset", "") if isinstance(r, dict) else getattr(r, "preset", "") for r in runs]

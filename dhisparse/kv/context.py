@@ -5,6 +5,8 @@ request's tokens contiguous and in position order. The model asks a `KVContext` 
 
 1. `store` the rows its layer produced for those tokens (latent MLA rows, index keys),
 2. hand back a request's `index_keys` for the whole history (the indexer scores all of it),
+   and, optionally, an `index_table(layer)` of every request at once (`IndexTable`) so the
+   indexer can score the whole batch in one pass; contexts without it use `index_keys`,
 3. `locate` the selected positions: turn a selection `[T, k]` of token positions (-1 = none)
    into locations `[T, k]` in a row space `[R, latent_dim]` that attention gathers from.
 
@@ -19,7 +21,7 @@ implementations of this one protocol; the model code does not change between pre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -71,6 +73,20 @@ class ForwardBatch:
         return torch.tensor(self.query_start[1:], dtype=torch.int64, device=self.input_ids.device) - 1
 
 
+class IndexTable(NamedTuple):
+    """Index keys of every request of a pass, as one paged row space plus location tables.
+
+    rows [P, ips, iD]  paged index-key space (may be a strided view); flat location l is
+                       rows[l // ips, l % ips]
+    locs [N, Lmax] int64  location of position s of request r (-1 padding past lens[r])
+    lens [N] int64     number of index keys of request r (this pass included)
+    """
+
+    rows: torch.Tensor
+    locs: torch.Tensor
+    lens: torch.Tensor
+
+
 class KVContext(Protocol):
     """Per-pass view of the KV store, built by the engine for one `ForwardBatch`."""
 
@@ -82,6 +98,10 @@ class KVContext(Protocol):
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
         """[seq_lens[req], index_head_dim] index keys of request `req`, this pass included."""
         ...
+
+    # Optional (looked up with getattr by `indexer_topk`):
+    #   def index_table(self, layer: int) -> IndexTable
+    # every request's index keys at once; row s of request r is index_keys(layer, r)[s].
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.context import ForwardBatch, IndexTable
 from dhisparse.models.config import ModelConfig
 
 
@@ -46,6 +46,18 @@ class DenseKV:
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
         return self.index[(self.slots[req], layer)]
+
+    def index_table(self, layer: int) -> IndexTable:
+        """The requests' index keys concatenated into one page [1, sum L_r, iD]."""
+        parts = [self.index.get((s, layer)) for s in self.slots]
+        width = next((p.shape[1] for p in parts if p is not None), self.cfg.index_head_dim)
+        parts = [p if p is not None else torch.empty(0, width, dtype=self.dtype, device=self.device) for p in parts]
+        lens = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=self.device)
+        starts = lens.cumsum(0) - lens
+        pos = torch.arange(max(int(lens.max()) if len(parts) else 0, 1), device=self.device)
+        locs = torch.where(pos[None, :] < lens[:, None], starts[:, None] + pos[None, :], torch.full_like(pos, -1)[None, :])
+        rows = torch.cat(parts) if parts else torch.empty(0, width, dtype=self.dtype, device=self.device)
+        return IndexTable(rows[None], locs, lens)
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.latent[(s, layer)] for s in self.slots]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.context import ForwardBatch, IndexTable
 from dhisparse.kv.pool import PoolUsage
 
 
@@ -117,6 +117,11 @@ class PagedContext:
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
         return gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]])
+
+    def index_table(self, layer: int) -> IndexTable:
+        """All requests' index keys: rows [P, ips, iD] (strided arena view), idx_of, seq_lens."""
+        lens = self.batch.seq_lens.to(self.idx_of.device)
+        return IndexTable(self.arena.index_rows(layer), self.idx_of, lens)
 
 
 class ResidentContext(PagedContext):

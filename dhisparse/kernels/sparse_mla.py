@@ -1,0 +1,203 @@
+"""Triton sparse latent attention (MLA, absorbed form) for decode and verification queries.
+
+Same semantics as `dhisparse.layers.attention.sparse_mla_reference`:
+
+    q_abs [T, H, C], q_pe [T, H, R], rows (paged row space [P, per_page, C + R], or a tuple of two:
+    location = space * SPACE + flat), loc [T, k] int64 (-1 = skip), scale  ->  out [T, H, C]
+    logit[t, h, i] = (q_abs[t, h] . c[loc[t, i]] + q_pe[t, h] . k_pe[loc[t, i]]) * scale
+    out[t, h]      = softmax_i(logit[t, h]) . c          (fp32 softmax; no valid loc -> zeros)
+
+Grid (T, cdiv(H, BLOCK_H)): one program per (token, head block). It walks the token's k locations
+in blocks of BLOCK_K, gathers each block's rows once for all BLOCK_H heads (every MLA head reads the
+same latent rows) and keeps an online softmax (running max / sum in fp32). Rows are read through
+base pointers and (page, row) strides, so strided views such as `KVArena.latent[:, layer]` and the
+staging arena are read in place. Plan / run:
+
+    plan = plan_sparse_mla(H, C, R)                         # block sizes, warps (host only)
+    out = run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale)
+    out = sparse_mla(q_abs, q_pe, rows, loc, scale)         # dispatcher used by MLAttention
+
+`sparse_mla` uses the kernel for CUDA tensors and the PyTorch reference otherwise, or always when
+DHISPARSE_TORCH_KERNELS=1. On CPU the kernel runs under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dhisparse.kv.arena import SPACE
+
+__all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "backend"]
+
+SPACE_BITS = SPACE.bit_length() - 1
+assert SPACE == 1 << SPACE_BITS
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
+                      sq_t, sq_h, sp_t, sp_h, so_t, so_h, sl_t,
+                      H, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                      C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = heads < H
+    cc = tl.arange(0, BC)
+    rr = tl.arange(0, BR)
+    cm = cc < C
+    rm = rr < R
+    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    qpe = tl.load(qpe_ptr + t * sp_t + heads[:, None] * sp_h + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    cdt = q.dtype
+    qpe = qpe.to(cdt)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BC], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        loc = tl.load(loc_ptr + t * sl_t + kk, mask=kk < K, other=-1)
+        valid = loc >= 0
+        if TWO:
+            space = loc >> SPACE_BITS
+            flat = loc & ((1 << SPACE_BITS) - 1)
+            off0 = (flat // per0) * ps0 + (flat % per0) * rs0
+            off1 = (flat // per1) * ps1 + (flat % per1) * rs1
+            base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
+        else:
+            base = r0_ptr + (loc // per0) * ps0 + (loc % per0) * rs0
+        c = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(cdt)
+        kpe = tl.load(base[:, None] + C + rr[None, :], mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
+        if IEEE:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+            s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(c))
+            s = tl.dot(qpe, tl.trans(kpe), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p, c.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(cdt), c, acc * alpha[:, None])
+        m_i = m_new
+    o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & cm[None, :])
+
+
+@dataclass(frozen=True)
+class SparseMLAPlan:
+    """Launch shape for (H, C, R): heads per program, locations per block, warps, stages."""
+
+    H: int
+    C: int
+    R: int
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _p2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k: int | None = None,
+                    num_warps: int | None = None, num_stages: int = 2) -> SparseMLAPlan:
+    """Pick block sizes (tl.dot needs every dim >= 16; smaller H, C, R are padded and masked).
+
+    Defaults keep the fp32 accumulator [block_h, C] plus one row tile [block_k, C] in registers:
+    16 heads x 32 rows at C = 512 with 8 warps; up to 64 heads for small C."""
+    big = C > 256
+    bh = block_h or min(_p2(H), 16 if big else 64)
+    bk = block_k or (32 if big else 16)
+    nw = num_warps or (8 if big else 4)
+    return SparseMLAPlan(H, C, R, _p2(bh), _p2(bk), nw, num_stages)
+
+
+def _space(r: torch.Tensor) -> tuple[int, int, int]:
+    """(per_page, page stride, row stride) of a [P, per_page, W] row space with unit last stride."""
+    if r.dim() != 3 or r.stride(-1) != 1:
+        raise ValueError(f"row space must be [P, per_page, W] with unit last stride, got {tuple(r.shape)} {r.stride()}")
+    return r.shape[1], r.stride(0), r.stride(1)
+
+
+def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
+                   rows: torch.Tensor | tuple[torch.Tensor, ...], loc: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q_abs [T, H, C], q_pe [T, H, R], rows (one or two row spaces), loc [T, k] int64 -> out [T, H, C]."""
+    T, H, C = q_abs.shape
+    R = q_pe.shape[-1]
+    assert (H, C, R) == (plan.H, plan.C, plan.R), f"plan is for {(plan.H, plan.C, plan.R)}, got {(H, C, R)}"
+    spaces = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
+    if not 1 <= len(spaces) <= 2:
+        raise ValueError(f"the kernel reads one or two row spaces, got {len(spaces)}")
+    for r in spaces:
+        if r.shape[-1] != C + R or r.dtype != spaces[0].dtype:
+            raise ValueError(f"row width {r.shape[-1]} != C + R = {C + R} or mixed row dtypes")
+    if out is None:
+        out = q_abs.new_empty(T, H, C)
+    k = loc.shape[1] if loc.dim() == 2 else 0
+    if T == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    q_abs = q_abs if q_abs.stride(-1) == 1 else q_abs.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    loc = loc.to(torch.int64)
+    loc = loc if loc.stride(-1) == 1 else loc.contiguous()
+    assert out.stride(-1) == 1
+    s0 = _space(spaces[0])
+    s1 = _space(spaces[1]) if len(spaces) == 2 else s0
+    r1 = spaces[1] if len(spaces) == 2 else spaces[0]
+    ieee = q_abs.dtype == torch.float32
+    grid = (T, triton.cdiv(H, plan.block_h))
+    sparse_mla_kernel[grid](
+        q_abs, q_pe, out, loc, spaces[0], r1,
+        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), loc.stride(0),
+        H, k, *s0, *s1, float(scale) * LOG2E,
+        C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
+        SPACE_BITS=SPACE_BITS, IEEE=ieee, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    return out
+
+
+_PLANS: dict[tuple[int, int, int], SparseMLAPlan] = {}
+
+
+def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """`run_sparse_mla` with a cached default plan for this (H, C, R)."""
+    key = (q_abs.shape[1], q_abs.shape[2], q_pe.shape[-1])
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = plan_sparse_mla(*key)
+    return run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale)
+
+
+def backend(q: torch.Tensor) -> str:
+    """'triton' for CUDA tensors unless DHISPARSE_TORCH_KERNELS=1, else 'torch'."""
+    if q.is_cuda and os.environ.get("DHISPARSE_TORCH_KERNELS", "0") != "1":
+        return "triton"
+    return "torch"
+
+
+def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dispatcher: same contract as `sparse_mla_reference`."""
+    if backend(q_abs) == "triton":
+        return sparse_mla_triton(q_abs, q_pe, rows, loc, scale)
+    from dhisparse.layers.attention import sparse_mla_reference  # attention imports this module
+
+    return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
