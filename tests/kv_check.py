@@ -24,6 +24,9 @@ class CheckedContext:
     def index_keys(self, layer, req):
         return self.inner.index_keys(layer, req)
 
+    def index_table(self, layer):
+        return self.inner.index_table(layer)
+
     def locate(self, layer, selection):
         rows, loc = self.inner.locate(layer, selection)
         want_rows, want_loc = self.dense.locate(layer, selection)

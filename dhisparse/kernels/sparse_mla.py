@@ -40,13 +40,54 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                  cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                  SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
+    """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
+    cdt = q.dtype
+    kk = k0 + tl.arange(0, BLOCK_K)
+    loc = tl.load(loc_ptr + kk, mask=kk < K, other=-1)
+    valid = loc >= 0
+    if TWO:
+        space = loc >> SPACE_BITS
+        flat = loc & ((1 << SPACE_BITS) - 1)
+        off0 = (flat // per0) * ps0 + (flat % per0) * rs0
+        off1 = (flat // per1) * ps1 + (flat % per1) * rs1
+        base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
+    else:
+        base = r0_ptr + (loc // per0) * ps0 + (loc % per0) * rs0
+    c = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(cdt)
+    kpe = tl.load(base[:, None] + C + rr[None, :], mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
+    if IEEE:
+        s = tl.dot(q, tl.trans(c), input_precision="ieee")
+        s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(c))
+        s = tl.dot(qpe, tl.trans(kpe), s)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p, c.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(cdt), c, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       sq_t, sq_h, sp_t, sp_h, so_t, so_h, sl_t,
                       H, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
                       C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
-    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
+                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e).
+
+    INTERP: the interpreter cannot run `range` over a runtime bound, so it walks k with `while`;
+    compiled code uses `range` (software-pipelined over num_stages)."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,42 +98,23 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
     rm = rr < R
     q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
     qpe = tl.load(qpe_ptr + t * sp_t + heads[:, None] * sp_h + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
-    cdt = q.dtype
-    qpe = qpe.to(cdt)
+    if IEEE:  # fp32 math (fp32 inputs, or the interpreter, whose bf16 tl.dot is wrong)
+        q = q.to(tl.float32)
+    qpe = qpe.to(q.dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BC], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        loc = tl.load(loc_ptr + t * sl_t + kk, mask=kk < K, other=-1)
-        valid = loc >= 0
-        if TWO:
-            space = loc >> SPACE_BITS
-            flat = loc & ((1 << SPACE_BITS) - 1)
-            off0 = (flat // per0) * ps0 + (flat % per0) * rs0
-            off1 = (flat // per1) * ps1 + (flat % per1) * rs1
-            base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
-        else:
-            base = r0_ptr + (loc // per0) * ps0 + (loc % per0) * rs0
-        c = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(cdt)
-        kpe = tl.load(base[:, None] + C + rr[None, :], mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
-        if IEEE:
-            s = tl.dot(q, tl.trans(c), input_precision="ieee")
-            s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(c))
-            s = tl.dot(qpe, tl.trans(kpe), s)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p, c.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(cdt), c, acc * alpha[:, None])
-        m_i = m_new
+    lp = loc_ptr + t * sl_t
+    if INTERP:
+        k0 = 0
+        while k0 < K:
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1,
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1,
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & cm[None, :])
@@ -163,16 +185,20 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     s0 = _space(spaces[0])
     s1 = _space(spaces[1]) if len(spaces) == 2 else s0
     r1 = spaces[1] if len(spaces) == 2 else spaces[0]
-    ieee = q_abs.dtype == torch.float32
+    ieee = q_abs.dtype == torch.float32 or _interpreting()
     grid = (T, triton.cdiv(H, plan.block_h))
     sparse_mla_kernel[grid](
         q_abs, q_pe, out, loc, spaces[0], r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), loc.stride(0),
         H, k, *s0, *s1, float(scale) * LOG2E,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
-        SPACE_BITS=SPACE_BITS, IEEE=ieee, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _PLANS: dict[tuple[int, int, int], SparseMLAPlan] = {}

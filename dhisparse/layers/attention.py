@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dhisparse.kernels.sparse_mla import sparse_mla
 from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import ForwardBatch, KVContext
-from dhisparse.layers.indexer import Indexer, indexer_topk_reference
+from dhisparse.layers.indexer import Indexer, indexer_topk
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import rope_interleaved, softmax_mscale
 from dhisparse.models.config import ModelConfig
@@ -93,9 +94,7 @@ class MLAttention(nn.Module):
         proj = self.indexer.project(x, q_lat, cos, sin) if self.indexer is not None else None
         kv.store(self.layer, latent, proj.k if proj is not None else None)
         if proj is not None:
-            selection = indexer_topk_reference(
-                proj, batch.positions, batch.query_start, lambda r: kv.index_keys(self.layer, r), c.index_topk
-            )
+            selection = indexer_topk(proj, batch, kv, self.layer, c.index_topk)
         elif prev_selection is None:
             raise ValueError(f"layer {self.layer} is 'shared' but received no selection from a full layer")
         else:
@@ -103,6 +102,6 @@ class MLAttention(nn.Module):
         rows, loc = kv.locate(self.layer, selection)
         w_uk, w_uv = self.absorbed_weights()
         q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        o_lat = sparse_mla_reference(q_abs, q_pe, rows, loc, self.scale)
+        o_lat = sparse_mla(q_abs, q_pe, rows, loc, self.scale)
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(T, -1)
         return self.o_proj(o), selection

@@ -4,16 +4,20 @@
 
 over the positions s <= pos(t) of token t's request; the selection is the ordered top-k of those
 scores (descending), with -1 where fewer than k positions are visible (eq. 1 of the paper).
-The plain-PyTorch scorer here is the reference for the GPU kernels.
+The plain-PyTorch per-request scorer here is the ground truth for the batched paths in
+`dhisparse.kernels.indexer`; `indexer_topk` picks one for a pass.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from dhisparse.kernels.indexer import indexer_topk_torch, indexer_topk_triton
+from dhisparse.kv.context import ForwardBatch
 from dhisparse.layers.rope import rope_half_split, rope_interleaved
 from dhisparse.models.config import ModelConfig
 
@@ -83,3 +87,18 @@ def indexer_topk_reference(
             val, idx = score.topk(kk, dim=-1)
             out[c0:c1, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
     return out
+
+
+def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, topk: int) -> torch.Tensor:
+    """Selection [T, topk] int64 of every token of `batch` (same as `indexer_topk_reference`).
+
+    Contexts with `index_table(layer)` are scored in one batched pass: the Triton kernel on CUDA
+    (unless DHISPARSE_TORCH_KERNELS=1), the batched PyTorch path otherwise. Other contexts fall
+    back to the per-request reference over `index_keys`.
+    """
+    table_of = getattr(kv, "index_table", None)
+    if table_of is None:
+        return indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: kv.index_keys(layer, r), topk)
+    use_triton = proj.q.is_cuda and os.environ.get("DHISPARSE_TORCH_KERNELS", "0") != "1"
+    fn = indexer_topk_triton if use_triton else indexer_topk_torch
+    return fn(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)

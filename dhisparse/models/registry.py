@@ -25,7 +25,21 @@ def _tiny(dtype: torch.dtype | str | None, device: str | torch.device, seed: int
     return dataclasses.replace(build_tiny(seed, target, device), tokenizer=ByteTokenizer())
 
 
-BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {"tiny": _tiny}
+def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]:
+    """Loader of a scaled benchmark model (dhisparse.models.scaled); default dtype bfloat16."""
+
+    def load(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+        from dhisparse.models.scaled import build_scaled, scaled_config
+
+        target = resolve_dtype(dtype, scaled_config(name, 1))  # None -> the config's bfloat16
+        return dataclasses.replace(build_scaled(name, seed, target, device), tokenizer=ByteTokenizer())
+
+    return load
+
+
+BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {
+    "tiny": _tiny, "glm52-scaled": _scaled("glm52-scaled"), "dsv32-scaled": _scaled("dsv32-scaled"),
+}
 
 
 def load_model(

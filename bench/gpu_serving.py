@@ -1,0 +1,267 @@
+"""Serving experiment on one GPU: hisparse / adaptive / adaptive+spec (oracle) / resident side by side.
+
+    python3 bench/gpu_serving.py --out bench/results/gpu_serving_h200.json           # H200
+    python3 bench/gpu_serving.py --quick --out /tmp/smoke.json                       # CPU smoke, < 60 s
+
+Sizing (printed, and written under config.sizing): the KV pool holds `--resident-fit` full
+histories under `resident` (pages from KVArena.page_bytes and the stores' per-request page counts);
+max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
+the host pool's histories). Every preset runs with the same pool and slot settings. Prompts are the
+prepared prefix + one of `--distinct-suffixes` short suffixes (cycled), so the oracle drafter's
+reference (a short non-speculative greedy run of those prompts) covers every request. The oracle is
+calibrated to --spec-tokens-per-round at width --spec-width (a MEASUREMENT TOOL: label it oracle).
+The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` is overridden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dhisparse.bench import results as R  # noqa: E402
+from dhisparse.bench.inproc import InProcessLoop  # noqa: E402
+from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  # noqa: E402
+from dhisparse.engine.config import EngineConfig  # noqa: E402
+from dhisparse.engine.params import SamplingParams  # noqa: E402
+from dhisparse.kv.arena import KVArena  # noqa: E402
+
+GIB = float(1 << 30)
+BUDGET_S = 9 * 60
+METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
+           "active", "slots", "requests_completed")
+QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2,4", duration=2.0,
+             resident_fit=2, page_size=16, distinct_suffixes=4, max_batched_tokens=512)
+
+
+class CyclingLoop(InProcessLoop):
+    """The harness's closed loop with prompts cycling over `distinct` suffixes."""
+
+    distinct = 8
+
+    def _prompt(self, index: int) -> list[int]:
+        return self.prefix + self.engine.tokenizer.encode(suffix_text(index % self.distinct))
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="glm52-scaled"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
+    a("--input-len", type=int, default=32768); a("--output-len", type=int, default=256)
+    a("--concurrency", default="16,64,128"); a("--duration", type=float, default=40.0, help="seconds per run")
+    a("--presets", default="hisparse,adaptive,adaptive+spec,resident")
+    a("--resident-fit", type=int, default=20, help="full histories the KV pool holds under resident")
+    a("--admit-factor", type=float, default=10.0, help="max_running_requests target = factor x resident-fit")
+    a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None, help="B (default 2k)")
+    a("--host-pool-gib", type=float, default=None, help="host pool (default: what the slots need, <= 80%% of MemAvailable)")
+    a("--max-batched-tokens", type=int, default=8192)
+    a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
+    a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
+    a("--out", default="bench/results/gpu_serving.json")
+    a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
+    a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        for k, v in QUICK.items():
+            setattr(ns, k, v)
+    ns.argv = ["bench/gpu_serving.py"] + list(sys.argv[1:] if argv is None else argv)
+    ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
+    ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
+    return ns
+
+
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def model_config(name: str):
+    if name == "tiny":
+        from dhisparse.models.tiny import tiny_config
+
+        return tiny_config()
+    from dhisparse.models.scaled import scaled_config
+
+    return scaled_config(name)
+
+
+def sizing(ns, cfg, elem_bytes: int) -> dict:
+    """KV pool, slots and host pool from the stores' own page formulas (see the module docstring)."""
+    ps = ns.page_size
+    arena = KVArena(cfg, 1, ps, "meta", torch.bfloat16 if elem_bytes == 2 else torch.float32)
+    page_bytes = KVArena.page_bytes(cfg, ps, elem_bytes)
+    total = ns.input_len + 8 + ns.output_len  # prefix + suffix (< 8 tokens) + output cap
+    resident = arena.latent_pages_for(total) + arena.index_pages_for(total)  # ResidentKV.pages_for
+    B = ns.hot_cache_rows or 2 * cfg.index_topk
+    tail = 1 + math.ceil(ns.spec_width / ps)  # HierarchicalKV.tail_pages at K_max
+    hier = B // ps + tail + arena.index_pages_for(total)  # HierarchicalKV.required_pages
+    pool_pages = ns.resident_fit * resident
+    host_per_req = math.ceil(total / ps) * page_bytes  # HostStore.admit reserves the whole history
+    target = int(ns.admit_factor * ns.resident_fit)
+    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40
+    host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(target * host_per_req, host_cap_bytes)
+    slots = max(1, min(target, pool_pages // hier, host_bytes // host_per_req))
+    host_bytes = max(host_bytes, host_per_req)
+    return dict(page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
+                hierarchy_required_pages_per_request=hier, hierarchy_admission_transient_pages=arena.latent_pages_for(ns.input_len + 8),
+                hot_cache_rows=B, kv_pool_pages=pool_pages, kv_pool_bytes=pool_pages * page_bytes,
+                resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
+                host_bytes_per_request=host_per_req, host_pool_bytes=host_bytes, host_slots=host_bytes // host_per_req,
+                host_mem_available=mem_available(), max_running_requests=slots)
+
+
+def estimate_s(ns, sz: dict) -> float:
+    """Rough wall time: model build, reference run, and per run: engine (host pool pinning), prefix
+    hand-off, warm-up imports (one per client at ~20 GB/s) and the timed window."""
+    if ns.quick:
+        return 10 + len(ns.preset_list) * sum(ns.duration + 3 for _ in ns.concurrencies)
+    import_s = sz["resident_pages_per_request"] * sz["page_bytes"] / 20e9
+    engine_s = sz["host_pool_bytes"] / 4e9 + 4 + ns.input_len / 20000
+    runs = sum(engine_s + ns.duration + c * import_s for c in ns.concurrencies for _ in ns.preset_list)
+    ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if "adaptive+spec" in ns.preset_list else 0
+    return 30 + ref_s + runs
+
+
+def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
+    spec = preset.endswith("+spec")
+    return EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
+                        kv_pool_bytes=sz["kv_pool_bytes"], max_running_requests=sz["max_running_requests"],
+                        max_num_batched_tokens=ns.max_batched_tokens, hot_cache_rows=ns.hot_cache_rows,
+                        host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
+                        speculative_algorithm="oracle" if spec else None, speculative_num_draft_tokens=ns.spec_width,
+                        speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec else None)
+
+
+def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
+    from dhisparse.engine.engine import Engine
+
+    engine = Engine(cfg, loaded=loaded, oracle_reference=reference)
+    if prefixes is not None:
+        engine.prefixes = prefixes  # the prefix is prefilled once, then imported by every engine
+    return engine
+
+
+def release(engine) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def oracle_reference(ns, sz, loaded, prefixes) -> dict:
+    """Greedy non-speculative outputs of every distinct prompt (adaptive preset, one batch)."""
+    engine = fresh_engine(engine_config(ns, sz, "adaptive"), loaded, prefixes)
+    prefix = prefix_ids(engine.tokenizer, ns.input_len)
+    engine.prepare_prefix(prefix)
+    prompts = {}
+    for i in range(ns.distinct_suffixes):
+        ids = prefix + engine.tokenizer.encode(suffix_text(i))
+        prompts[engine.add_request(ids, SamplingParams(max_tokens=ns.output_len, ignore_eos=True))] = tuple(ids)
+    ref = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                ref[prompts[o.request_id]] = list(o.token_ids)
+    release(engine)
+    return ref
+
+
+def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference):
+    engine = fresh_engine(engine_config(ns, sz, preset), loaded, prefixes, reference if preset.endswith("+spec") else None)
+    workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
+                        timeout_s=ns.duration + 600)
+    loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
+    loop.distinct = ns.distinct_suffixes
+    trace = loop.run()
+    release(engine)
+    return R.run_result(preset, c, "in-process", trace)
+
+
+def summarize(runs, concurrencies) -> tuple[list[dict], dict]:
+    rows, by = [], {}
+    for r in runs:
+        m = r.metrics
+        row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k) for k in METRICS}}
+        for k in ("host_fetched_share", "coverage"):
+            if k in m.counters:
+                row[k] = m.counters[k]
+        if "spec_tokens_per_round" in r.engine:
+            row["spec_tokens_per_round"] = r.engine["spec_tokens_per_round"]
+        rows.append(row)
+        by[(r.preset, r.concurrency)] = m.output_tok_s
+    ratios = {}
+    for c in concurrencies:
+        base = by.get(("hisparse", c))
+        for p in ("adaptive", "adaptive+spec", "resident"):
+            if base and (p, c) in by:
+                ratios[f"{p}/hisparse@C{c}"] = by[(p, c)] / base
+        if by.get(("resident", c)) and ("adaptive", c) in by:
+            ratios[f"adaptive/resident@C{c}"] = by[("adaptive", c)] / by[("resident", c)]
+    return rows, ratios
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    cfg = model_config(ns.model)
+    sz = sizing(ns, cfg, 2 if ns.dtype in ("bfloat16", "float16") else 4)
+    est = estimate_s(ns, sz)
+    print(f"[sizing] page {sz['page_bytes'] / 2**20:.2f} MiB; resident {sz['resident_pages_per_request']} pages/request, "
+          f"hierarchy {sz['hierarchy_required_pages_per_request']} (+{sz['hierarchy_admission_transient_pages']} at admission); "
+          f"pool {sz['kv_pool_pages']} pages = {sz['kv_pool_bytes'] / GIB:.1f} GiB; slots: target {sz['slot_target']}, "
+          f"device {sz['hierarchy_device_slots']}, host {sz['host_slots']} -> max_running_requests {sz['max_running_requests']}; "
+          f"host pool {sz['host_pool_bytes'] / GIB:.1f} GiB", flush=True)
+    if sz["max_running_requests"] < sz["slot_target"]:
+        print(f"[sizing] WARNING: the hierarchy admits only {sz['max_running_requests']} < {sz['slot_target']} requests "
+              "(device or host memory); more host memory or a shorter --input-len raises it", flush=True)
+    print(f"[budget] estimated wall time {est:.0f} s ({len(ns.preset_list)} presets x {len(ns.concurrencies)} concurrencies "
+          f"x {ns.duration:.0f} s + overheads)", flush=True)
+    if est > BUDGET_S and not ns.force:
+        print(f"[budget] REFUSING: {est:.0f} s > {BUDGET_S} s; lower --duration / --concurrency / --presets or pass --force")
+        return 2
+    t0 = time.perf_counter()
+    from dhisparse.bench.sweep import load_shared_model
+
+    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    print(f"[model] {ns.model} built in {time.perf_counter() - t0:.1f} s", flush=True)
+    from dhisparse.kv.prefix import PrefixStore
+
+    prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
+    reference = oracle_reference(ns, sz, loaded, prefixes) if any(p.endswith("+spec") for p in ns.preset_list) else None
+    runs = []
+    for preset in ns.preset_list:
+        for c in ns.concurrencies:
+            t = time.perf_counter()
+            runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference))
+            m = runs[-1].metrics
+            print(f"[run] {preset:14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
+                  f"active {m.active}  ({time.perf_counter() - t:.0f} s)", flush=True)
+    rows, ratios = summarize(runs, ns.concurrencies)
+    gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
+    config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
+              "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
+                           "distinct_suffixes": ns.distinct_suffixes},
+              "concurrency": ns.concurrencies, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
+              "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "ratios": ratios}
+    result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
+                          notes=["adaptive+spec uses the ORACLE drafter (measurement tool), calibrated to "
+                                 f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}"])
+    path = R.write_json(result, ns.out)
+    for k, v in ratios.items():
+        print(f"[ratio] {k} = {v:.3f}")
+    print(f"[done] {path} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Batched lightning-indexer scoring and top-k over every request of a pass (no per-request loop).
+
+For token t of request r = req_idx[t] at position pos[t], over the request's index keys
+K[s] = rows[locs[r, s]] (a paged row space, flat location l -> rows[l // ips, l % ips]):
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s] * iD^-0.5)   for s < min(lens[r], pos[t] + 1)
+                = -inf                                           otherwise, s < Lmax
+
+then the ordered top-k of each row (descending; -1 where the score is -inf, padded to k). This
+equals `indexer_topk_reference` token for token. Two implementations, same signature:
+
+  indexer_topk_triton  scores [T, Lmax] fp32 by a Triton kernel, grid (T, cdiv(Lmax, BS))
+  indexer_topk_torch   plain PyTorch, tokens in chunks (keys gathered per token), the CPU path
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dhisparse.kv.arena import gather_rows
+from dhisparse.kv.context import IndexTable
+
+SCORE_ELEMS = 1 << 27  # fp32 scores [chunk, Lmax] materialised per Triton launch (512 MiB)
+GATHER_ELEMS = 1 << 24  # elements of gathered keys / logits per chunk of the torch path
+
+
+@triton.jit
+def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
+                         Lmax, H, D, ips, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
+                         BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax])."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    s = j * BS + tl.arange(0, BS)
+    r = tl.load(req_ptr + t).to(tl.int64)
+    lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
+    res = tl.full([BS], float("-inf"), tl.float32)
+    if j * BS < lim:
+        sm = s < lim
+        loc = tl.load(loc_ptr + r * Lmax + s, mask=sm, other=0).to(tl.int64)
+        sm = sm & (loc >= 0)
+        base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        hm, dm = h < H, d < D
+        q = tl.load(q_ptr + t * qs0 + h[:, None] * qs1 + d[None, :] * qs2, mask=hm[:, None] & dm[None, :], other=0.0)
+        k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=dm[:, None] & sm[None, :], other=0.0)  # [BD, BS]
+        if IEEE:
+            logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [BH, BS]
+        else:
+            logit = tl.dot(q, k)  # same 16-bit dtype: exact products, fp32 accumulation
+        logit = tl.maximum(logit * scale, 0.0)
+        wv = tl.load(w_ptr + t * ws0 + h * ws1, mask=hm, other=0.0).to(tl.float32)
+        res = tl.where(sm, tl.sum(logit * wv[:, None], axis=0), float("-inf"))
+    tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(n, 1)))
+
+
+def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                          table: IndexTable, block_s: int = 64) -> torch.Tensor:
+    """q [T, iH, iD], w [T, iH], positions / req_idx [T] int64, table -> scores [T, Lmax] fp32."""
+    T, H, D = q.shape
+    rows, locs, lens = table
+    Lmax = locs.shape[1]
+    out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
+    if T == 0 or Lmax == 0 or rows.numel() == 0:
+        return out
+    assert rows.shape[-1] == D, (rows.shape, q.shape)
+    ieee = not (q.dtype == rows.dtype and q.dtype in (torch.bfloat16, torch.float16))
+    locs = locs.contiguous()
+    grid = (T, triton.cdiv(Lmax, block_s))
+    indexer_score_kernel[grid](
+        q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
+        Lmax, H, D, rows.shape[1], *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
+        BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
+    return out
+
+
+def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                         table: IndexTable, chunk_elems: int = GATHER_ELEMS) -> torch.Tensor:
+    """Plain-PyTorch twin of `indexer_scores_triton`: same inputs, scores [T, Lmax] fp32."""
+    T, H, D = q.shape
+    rows, locs, lens = table
+    Lmax = locs.shape[1]
+    out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
+    if T == 0 or Lmax == 0 or rows.numel() == 0:
+        return out
+    scale = D**-0.5
+    s_idx = torch.arange(Lmax, device=q.device)
+    step = max(1, chunk_elems // (Lmax * max(D, H)))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        r = req_idx[a:b]
+        lc = locs[r]  # [S, Lmax]
+        vis = (s_idx[None, :] < torch.minimum(lens[r], positions[a:b] + 1)[:, None]) & (lc >= 0)
+        keys = gather_rows(rows, lc.clamp(min=0)).float()  # [S, Lmax, iD]
+        logit = torch.relu(torch.matmul(q[a:b].float(), keys.transpose(1, 2)) * scale)  # [S, iH, Lmax]
+        score = torch.matmul(w[a:b].float().unsqueeze(-2), logit).squeeze(-2)  # [S, Lmax]
+        out[a:b] = score.masked_fill(~vis, float("-inf"))
+    return out
+
+
+def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [T, L] (-inf = not visible) -> ordered selection [T, topk] int64, -1 padding."""
+    T, L = scores.shape
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=scores.device)
+    kk = min(topk, L)
+    if T == 0 or kk == 0:
+        return out
+    val, idx = scores.topk(kk, dim=-1)
+    out[:, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
+    return out
+
+
+def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                        table: IndexTable, topk: int) -> torch.Tensor:
+    """Selection [T, topk] int64 of every token of the pass; scores by the Triton kernel, tokens
+    in chunks so that at most SCORE_ELEMS fp32 scores are live."""
+    T, Lmax = q.shape[0], table.locs.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
+    step = max(1, SCORE_ELEMS // max(Lmax, 1))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        sc = indexer_scores_triton(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table)
+        out[a:b] = topk_of_scores(sc, topk)
+    return out
+
+
+def indexer_topk_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                       table: IndexTable, topk: int) -> torch.Tensor:
+    """Same result as `indexer_topk_triton`, plain PyTorch (the CPU path and the kernel's reference)."""
+    T, Lmax = q.shape[0], table.locs.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
+    step = max(1, SCORE_ELEMS // max(Lmax, 1))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        out[a:b] = topk_of_scores(indexer_scores_torch(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table), topk)
+    return out

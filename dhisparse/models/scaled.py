@@ -1,0 +1,152 @@
+"""Scaled benchmark models: the KV structure of the paper's models, with weights that fit one GPU.
+
+`glm52-scaled` keeps GLM-5.2's KV shape exactly (78 layers; 21 `full` indexers feeding 57 `shared`
+layers via index_topk_freq 4 / offset 3; MLA latent rows of kv_lora 512 + rope 64 = 576 values,
+1152 B in bf16; index keys of 128; k = 2048) and `dsv32-scaled` DeepSeek-V3.2's (61 layers, every
+layer `full`, same latent and index shapes). What does not touch the KV cache is shrunk: hidden
+size 1024, 16 heads with 64-wide nope / value heads, q_lora 384, 16 routed experts (top 2) of
+width 256 plus one shared expert, and a 32K vocabulary: about 1.4 B (GLM) / 1.1 B (DSV) parameters,
+~2.8 / ~2.2 GB in bf16.
+
+Weights are seeded random (no files). Initialization keeps 78 layers finite in bf16: every
+matrix is N(0, 1/fan_in) (unit-variance outputs for unit-variance inputs), residual projections
+(o_proj, down projections) are further scaled by 1/sqrt(2 * layers), norms are 1. Indexer
+projections are ordinary random matrices, so top-k scores are spread out (no ties). lm_head rows
+past the ByteTokenizer's 259 ids are zero, so greedy output stays decodable.
+
+`build_scaled(name, seed, dtype, device, num_layers=None)` builds straight on `device` (CUDA
+models never pass through the CPU); `num_layers` truncates the layer plan for fast CPU tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dhisparse.models.config import ModelConfig
+from dhisparse.models.dsa import DsaForCausalLM
+from dhisparse.models.loader import LoadedModel
+
+BYTE_VOCAB = 259  # ByteTokenizer ids; lm_head rows past it are zero
+
+_SHARED: dict = {
+    "vocab_size": 32768,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_n_heads": 8,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "first_k_dense_replace": 3,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "dtype": "bfloat16",
+}
+
+SCALED_CONFIGS: dict[str, dict] = {
+    "glm52-scaled": {
+        **_SHARED,
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "num_hidden_layers": 78,
+        "index_topk_freq": 4,
+        "index_skip_topk_offset": 3,
+        "rms_norm_eps": 1e-5,
+    },
+    "dsv32-scaled": {
+        **_SHARED,
+        "model_type": "deepseek_v32",
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "num_hidden_layers": 61,
+        "rms_norm_eps": 1e-6,
+    },
+}
+
+RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+FP32_SUFFIXES = (".mlp.gate.weight", "e_score_correction_bias")
+
+
+def scaled_hf_config(name: str, num_layers: int | None = None) -> dict:
+    """The config.json-style dict of a scaled model; `num_layers` truncates it (tests)."""
+    if name not in SCALED_CONFIGS:
+        raise KeyError(f"unknown scaled model {name!r}; known: {', '.join(SCALED_CONFIGS)}")
+    d = dict(SCALED_CONFIGS[name])
+    if num_layers is not None:
+        d["num_hidden_layers"] = num_layers
+    return d
+
+
+def scaled_config(name: str, num_layers: int | None = None) -> ModelConfig:
+    """ModelConfig of a scaled model (no weights are built)."""
+    return ModelConfig.from_hf(scaled_hf_config(name, num_layers))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of a scaled model, counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _std(name: str, shape: torch.Size, layers: int) -> float:
+    if name.endswith("embed_tokens.weight"):
+        return 1.0
+    if name.endswith("e_score_correction_bias"):
+        return 0.05
+    std = 1.0 / math.sqrt(shape[-1])
+    if name.endswith(RESIDUAL_SUFFIXES):
+        std /= math.sqrt(2 * layers)
+    return std
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: torch.dtype) -> None:
+    """Seeded in-place init on the model's own device (see the module docstring); casts to dtype
+    except the router weight and its correction bias, which stay fp32 like a checkpoint's."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for name in sorted(model.state_dict()):
+        t = tensors[name]
+        target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        if name.endswith("norm.weight"):
+            value = torch.ones(t.shape, device=device, dtype=target)
+        elif name.endswith("norm.bias"):
+            value = torch.zeros(t.shape, device=device, dtype=target)
+        else:
+            value = torch.empty(t.shape, device=device, dtype=target)
+            value.normal_(0.0, _std(name, t.shape, cfg.num_layers), generator=gen)
+        if name == "lm_head.weight":
+            value[BYTE_VOCAB:] = 0.0
+        t.data = value
+
+
+def build_scaled(name: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", num_layers: int | None = None) -> LoadedModel:
+    """Deterministic random scaled model built directly on `device` (same seed + device ->
+    identical weights)."""
+    cfg = scaled_config(name, num_layers)
+    with torch.device(device):
+        model = DsaForCausalLM(cfg)
+    init_weights(model, cfg, seed, dtype)
+    return LoadedModel(model.eval(), cfg, {})
