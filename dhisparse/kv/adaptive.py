@@ -140,6 +140,7 @@ class AdaptiveKV(HierarchicalKV):
         self.pool.free(req, pages[full:])
         self.resident.latent_tables[req] = []
         self.host.ensure(req, n)
+        self.sync_host_table(req)
         st.decoding = True
         self.res.register(req, full, keep, set(), self.max_total.get(req, n) - n)
 

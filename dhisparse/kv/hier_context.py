@@ -96,7 +96,7 @@ def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv
         s, m = int(slots[i]), missing[i]
         uniq, inv = torch.unique(sel[i][m], return_inverse=True)
         rows = kv.stage_loc[s, : uniq.numel()]
-        table = torch.tensor(kv.host.tables[kv.slot_req(s)], dtype=torch.int64, device=uniq.device)
+        table = kv.host_table[s].to(uniq.device)
         src.append(table[uniq // host_ps] * host_ps + uniq % host_ps)
         dst.append(rows)
         loc[i][m] = rows[inv]

@@ -83,6 +83,7 @@ class HierarchicalKV:
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
+        self.host_table = torch.full((S, 1), -1, dtype=torch.int64, device=dev)
         self.stage = self.stage_loc = None
         if max_queries > 1:
             self._build_staging(S, max_queries)
@@ -134,10 +135,8 @@ class HierarchicalKV:
         self.resident.index_tables.pop(req, None)
         if st is not None:
             self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
+            self.host_table[st.slot] = -1
             self.free_slots.append(st.slot)
-
-    def slot_req(self, slot: int) -> object:
-        return next(r for r, st in self.reqs.items() if st.slot == slot)
 
     def usage(self) -> PoolUsage:
         return self.pool.usage()
@@ -150,8 +149,10 @@ class HierarchicalKV:
         for req, st in self.reqs.items():
             held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
             assert sorted(self.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"
-            if st.decoding:  # I1: every row before the tail has a host page
-                assert len(self.host.tables[req]) * self.host.page_size >= st.tail_start
+            if st.decoding:  # I1: every row before the tail has a host page, mirrored for the resolver
+                pages = self.host.tables[req]
+                assert len(pages) * self.host.page_size >= st.tail_start
+                assert self.host_table[st.slot, : len(pages)].tolist() == pages
 
     # -- prefix import / export (prefill workspace) --------------------------------------------
     def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
@@ -188,6 +189,7 @@ class HierarchicalKV:
 
     def _copy_to_host(self, req: object, src_loc: torch.Tensor, start: int, end: int) -> None:
         self.host.ensure(req, end)
+        self.sync_host_table(req)
         dst = self.host.locations(req, start, end)
         for layer in range(self.arena.cfg.num_layers):
             scatter_rows(self.host.layer_rows(layer), dst, gather_rows(self.arena.latent_rows(layer), src_loc).cpu())
@@ -219,11 +221,17 @@ class HierarchicalKV:
             st.tail_start += ps
             self._set_tail(st)
 
+    def sync_host_table(self, req: object) -> None:
+        """Mirror req's host page list into the device table the resolver reads ([S, width],
+        -1 = no page); updated only when host pages are added, not on every resolver call."""
+        st, pages = self.reqs[req], self.host.tables[req]
+        if len(pages) > self.host_table.shape[1]:
+            grown = torch.full((self.host_table.shape[0], 2 * len(pages)), -1, dtype=torch.int64, device=self.device)
+            grown[:, : self.host_table.shape[1]] = self.host_table
+            self.host_table = grown
+        self.host_table[st.slot] = -1
+        self.host_table[st.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64, device=self.device)
+
     def resolver_state(self, group: int) -> ResolverState:
-        S = self.hot_pos.shape[0]
-        width = max((len(t) for t in self.host.tables.values()), default=1)
-        table = torch.full((S, max(width, 1)), -1, dtype=torch.int64)
-        for req, st in self.reqs.items():
-            table[st.slot] = self.host.table_tensor(req, table.shape[1])
         return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,
-                             self.tail_loc, table.to(self.device), self.host.page_size)
+                             self.tail_loc, self.host_table, self.host.page_size)

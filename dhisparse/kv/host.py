@@ -53,13 +53,6 @@ class HostStore:
         table = torch.tensor(self.tables[req], dtype=torch.int64)
         return table[pos // ps] * ps + pos % ps
 
-    def table_tensor(self, req: object, width: int) -> torch.Tensor:
-        """[width] host page ids of req, -1 padded."""
-        t = torch.full((width,), -1, dtype=torch.int64)
-        pages = self.tables[req][:width]
-        t[: len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        return t
-
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         for req, table in self.tables.items():
