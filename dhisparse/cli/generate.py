@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: --seed)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON: an object per prompt (a list for several)")
     p.set_defaults(func=run)
@@ -39,7 +39,7 @@ def run(ns: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
-                            seed=ns.sampling_seed, stop=tuple(ns.stop))
+                            seed=ns.sampling_seed if ns.sampling_seed is not None else ns.seed, stop=tuple(ns.stop))
     llm = LLM.from_config(engine_config(ns))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
