@@ -83,6 +83,8 @@ class AdaptiveKV(HierarchicalKV):
 
     # -- admission --------------------------------------------------------------------------------
     def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
+        if not self.free_slots:
+            return False  # no request slot: reclaiming memory would not help
         need = self.pages_for(max_total, prompt_len)
         self.progress()
         if self.res.deficit(need) > 0:
