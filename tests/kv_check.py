@@ -4,10 +4,15 @@ row of the right request)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.dense import DenseKV
+
+if TYPE_CHECKING:
+    from dhisparse.engine.llm import LLM
 
 
 class CheckedContext:

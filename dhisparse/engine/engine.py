@@ -9,62 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.memory import DTYPES, format_bytes, host_pool_bytes, kv_pool_bytes, resolve_device
+from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, resolve_device
 from dhisparse.engine.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
 from dhisparse.engine.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.speculative import SpecRuntime
+from dhisparse.engine.stats import EngineStats, store_counters
+from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
 from dhisparse.kv.arena import KVArena
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.adaptive import AdaptiveKV
-from dhisparse.kv.hierarchy import HierarchicalKV
-from dhisparse.kv.resident import ResidentKV
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("dhisparse.engine")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Snapshot of engine state: requests, KV pool pages and bytes, totals since start."""
-
-    running: int
-    waiting: int
-    kv_pages_total: int
-    kv_pages_used: int
-    kv_pages_peak: int
-    kv_page_bytes: int
-    steps: int
-    generated_tokens: int
-    prefill_tokens: int
-    decoding: int = 0
-    admitted: int = 0
-    alloc_wait_s: float = 0.0
-    counters: dict = field(default_factory=dict)
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        return self.kv_pages_total * self.kv_page_bytes
-
-    @property
-    def kv_peak_bytes(self) -> int:
-        return self.kv_pages_peak * self.kv_page_bytes
-
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "counters"}
-        d.update(kv_pool_bytes=self.kv_pool_bytes, kv_peak_bytes=self.kv_peak_bytes, **self.counters)
-        return d
 
 
 class Engine:
@@ -85,7 +50,7 @@ class Engine:
         if pages < 1:
             raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
         self.arena = KVArena(self.model_config, pages, config.page_size, self.device, kv_dtype)
-        self.store = self._build_store(pages * self.page_bytes)
+        self.store = build_store(config, self.arena, pages * self.page_bytes, self.max_model_len)
         spec_cfg = config.spec_config()
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
@@ -98,52 +63,6 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
-
-    def _build_store(self, pool_bytes: int):
-        cfg, mc = self.config, self.model_config
-        if cfg.base_preset == "resident":
-            return ResidentKV(self.arena)
-        hot = cfg.hot_cache_rows or 2 * mc.index_topk
-        if hot < mc.index_topk:
-            raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({mc.index_topk})")
-        host_bytes = host_pool_bytes(cfg.host_pool_bytes, pool_bytes)
-        host_pages = max(1, host_bytes // self.page_bytes)
-        host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, self.arena.dtype, pin=self.device.type == "cuda")
-        args = (self.arena, host, hot, cfg.max_running_requests)
-        plan_fn = self._plan_fn()
-        kw = dict(plan_fn=plan_fn, debug=cfg.debug_checks, max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1,
-                  copy_fn=self._copy_fn(plan_fn))
-        if cfg.base_preset == "hisparse":
-            return HierarchicalKV(*args, **kw)
-        return AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages,
-                          reclaim_order=cfg.reclaim_order, repopulate_pages=cfg.repopulate_pages, max_len=self.max_model_len)
-
-    def _plan_fn(self):
-        use_triton = self.config.resolver == "triton" or (self.config.resolver == "auto" and self.device.type == "cuda")
-        if not use_triton:
-            from dhisparse.kv.resolver import plan_reference
-
-            return plan_reference
-        try:
-            from dhisparse.kernels.resolver import plan_triton
-        except ImportError as e:
-            if self.config.resolver == "triton":
-                raise ValueError(f"resolver 'triton' is unavailable here ({e}); use --resolver torch") from None
-            log.warning("Triton resolver unavailable (%s); using the PyTorch resolver", e)
-            from dhisparse.kv.resolver import plan_reference
-
-            return plan_reference
-        return plan_triton
-
-    @staticmethod
-    def _copy_fn(plan_fn):
-        from dhisparse.kv.resolver import plan_reference, run_copies
-
-        if plan_fn is plan_reference:
-            return run_copies
-        from dhisparse.kernels.resolver import run_copies_triton
-
-        return run_copies_triton
 
     # -- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -324,37 +243,8 @@ class Engine:
         u = self.store.usage()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
-                           self._decoding, self._admitted, self._alloc_wait, self._counters())
-
-    def _counters(self) -> dict:
-        census = getattr(self.store, "census", None)
-        spec = self.spec.counters.as_dict() if self.spec else {}
-        if census is None:
-            return spec
-        sel = max(census.selected, 1)
-        rows = max(census.direct + census.hot + census.host, 1)
-        out = self._residency_counters() | spec
-        return out | {
-            "selected_rows": census.selected,
-            "host_selected_rows": census.host_selected,
-            "host_fetched_share": census.host_selected / sel,
-            "resolver_direct_share": census.direct / rows,
-            "resolver_hot_share": census.hot / rows,
-            "resolver_host_share": census.host / rows,
-            "resolver_calls": census.calls,
-            "resolver_bytes_moved": census.bytes_moved,
-            "resolver_overflow": census.overflow,
-            "host_selections_per_row": census.host_selected / census.host if census.host else 0.0,
-        }
-
-    def _residency_counters(self) -> dict:
-        res = getattr(self.store, "res", None)
-        if res is None:
-            return {}
-        ready, eligible = res.coverage()
-        return {"coverage": ready / eligible if eligible else 0.0, "optional_pages": res.optional_pages(),
-                "reclaimed_pages": res.reclaimed, "repopulated_pages": res.repopulated}
-
+                           self._decoding, self._admitted, self._alloc_wait,
+                           store_counters(self.store, self.spec.counters.as_dict() if self.spec else {}))
 
 class _Detok:
     """Adapts the tokenizer's incremental detokenizer to the StopChecker's `add` protocol."""

@@ -19,7 +19,7 @@ Life of a request's latent rows:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
