@@ -25,6 +25,8 @@ from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
+from dhisparse.kv.v4_store import V4ResidentStore, v4_bytes
+from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
@@ -44,13 +46,7 @@ class Engine:
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        kv_dtype = self.model.dtype
-        self.page_bytes = KVArena.page_bytes(self.model_config, config.page_size, kv_dtype.itemsize)
-        pages = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device) // self.page_bytes
-        if pages < 1:
-            raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
-        self.arena = KVArena(self.model_config, pages, config.page_size, self.device, kv_dtype)
-        self.store = build_store(config, self.arena, pages * self.page_bytes, self.max_model_len)
+        self.store, pages = self._build_kv(config)
         spec_cfg = config.spec_config()
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
@@ -63,6 +59,25 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+
+    def _build_kv(self, config: EngineConfig):
+        """The KV store of the preset and its pool size in pages."""
+        kv_dtype, mc = self.model.dtype, self.model_config
+        is_v4 = isinstance(mc, V4Config)
+        self.page_bytes = (v4_bytes(mc, config.page_size, kv_dtype.itemsize) if is_v4
+                           else KVArena.page_bytes(mc, config.page_size, kv_dtype.itemsize))
+        pool = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device)
+        pages = pool // self.page_bytes
+        if pages < 1:
+            raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
+        if is_v4:
+            if config.preset != "resident" or config.speculative:
+                raise ValueError(f"preset {config.preset!r} / speculation is not available for deepseek_v4 models yet; "
+                                 "use --preset resident without --speculative-algorithm")
+            self.arena = None
+            return V4ResidentStore(mc, pages * self.page_bytes, self.page_bytes, self.device, kv_dtype), pages
+        self.arena = KVArena(mc, pages, config.page_size, self.device, kv_dtype)
+        return build_store(config, self.arena, pages * self.page_bytes, self.max_model_len), pages
 
     # -- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -234,6 +249,8 @@ class Engine:
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
         """Prefill `prompt` once and keep its KV for later requests to import; returns its length."""
+        if not getattr(self.store, "supports_prefix", True):
+            raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
         rid = self.add_request(prompt, SamplingParams(max_tokens=1), export_prefix=True)
         while rid in self.requests:
             self._held_outputs.extend(self.step())  # other requests' outputs wait for the next step()

@@ -59,7 +59,9 @@ def load_model(
             f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}) nor an existing folder; "
             "pass a built-in name or a folder holding config.json and *.safetensors"
         )
-    loaded = load_checkpoint(folder, dtype=dtype, device=device)
+    from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
+
+    loaded = (load_v4_checkpoint if is_v4_folder(folder) else load_checkpoint)(folder, dtype=dtype, device=device)
     tok = load_tokenizer(folder)
     if tok.vocab_size > loaded.config.vocab_size:
         log.warning(

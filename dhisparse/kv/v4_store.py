@@ -1,0 +1,89 @@
+"""`V4ResidentStore`: the `resident` preset for DeepSeek-V4 models.
+
+Each admitted request owns a `V4RequestState` (sliding window, compressor streaming tails and its
+compressed rows, all on device). Capacity is accounted in pages of the KV pool: a request reserves
+pages for its sliding windows and raw tails plus the compressed rows its prompt + output can
+produce, so admission waits instead of overcommitting. States are committed after each pass up to
+the positions the engine keeps, and rolled back exactly when a pass restarts below their length.
+
+Prefix import / export and the hierarchical presets for V4 are not built yet (issue 8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.arena import cdiv
+from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.pool import PagePool, PoolUsage
+from dhisparse.kv.v4_pass import V4Cache, V4Pass
+from dhisparse.models.v4_config import V4Config
+
+
+def v4_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
+    """Device bytes of one request's V4 state after n_tokens: per layer a window of head_dim rows,
+    compressed kv rows (head_dim / m per token) and, on CSA layers, index keys; plus raw tails
+    (< 2m tokens of [kv | gate], twice as wide on CSA)."""
+    total = 0
+    for i, t in enumerate(cfg.layer_types):
+        total += cfg.sliding_window * cfg.head_dim
+        m = cfg.compress_rate(i)
+        if m:
+            csa = cfg.has_indexer(i)
+            total += (n_tokens // m) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))
+            total += 2 * m * 2 * (2 if csa else 1) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))
+    return total * elem
+
+
+class V4ResidentStore:
+    supports_prefix = False
+
+    def __init__(self, cfg: V4Config, pool_bytes: int, page_bytes: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg, self.page_bytes, self.device, self.dtype = cfg, page_bytes, device, dtype
+        self.cache = V4Cache(cfg, device, dtype)
+        self.pool = PagePool(max(1, pool_bytes // page_bytes), "kv pages")
+        self.states: dict[object, object] = {}
+
+    def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
+        return cdiv(v4_bytes(self.cfg, max_total, self.dtype.itemsize), self.page_bytes)
+
+    def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
+        need = self.pages_for(max_total)
+        if need > self.pool.available:
+            return False
+        self.pool.alloc(req, need)
+        self.states[req] = self.cache.new_request(req, auto_commit=False)
+        return True
+
+    def free(self, req: object) -> None:
+        st = self.states.pop(req, None)
+        if st is not None:
+            st.release()
+        self.pool.release(req)
+
+    def context(self, batch: ForwardBatch, reqs: list[object]) -> V4Pass:
+        states = [self.states[r] for r in reqs]
+        for i, st in enumerate(states):
+            start = int(batch.positions[batch.query_start[i]])
+            if st.length > start:  # uncommitted positions (rejected drafts): forget them exactly
+                st.rollback(start)
+        return self.cache.begin(batch, states)
+
+    def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
+        for req, (n, _) in computed.items():
+            st = self.states.get(req)
+            if st is not None:
+                st.commit(min(n, st.length))
+
+    def usage(self) -> PoolUsage:
+        return self.pool.usage()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        assert set(self.states) == {o for o in self.states if self.pool.owned_by(o)}, "a V4 state without pages"
+
+    def write_rows(self, req: object, latent, index, start: int = 0) -> None:
+        raise ValueError("prefix KV import is not available for deepseek_v4 models yet; send the whole prompt")
+
+    def read_rows(self, req: object, n: int):
+        raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
