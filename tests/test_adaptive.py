@@ -71,3 +71,18 @@ def test_required_state_equals_hisparse():
     for n in (32768, 102400):
         a, h = rows[("adaptive", n)], rows[("hisparse", n)]
         assert a["device_total"] == h["device_total"]
+
+
+def test_all_direct_calls_skip_the_resolver():
+    """Prompt history resident and every decoded row still in the tail: no resolver call at all."""
+    llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=16, debug_checks=True)
+    store = llm.engine.store
+    calls = []
+    plan = store.plan_fn
+    store.plan_fn = lambda *a: calls.append(1) or plan(*a)
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(64)] for i in range(2)]  # 4 full pages each
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)  # decoded rows stay in the tail page
+    ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    st = llm.engine.stats().as_dict()
+    assert not calls and st["resolver_direct_calls"] > 0 and st["resolver_direct_share"] == 1.0

@@ -54,6 +54,7 @@ def store_counters(store, spec_counters: dict) -> dict:
         "resolver_hot_share": census.hot / rows,
         "resolver_host_share": census.host / rows,
         "resolver_calls": census.calls,
+        "resolver_direct_calls": census.direct_calls,
         "resolver_bytes_moved": census.bytes_moved,
         "resolver_overflow": census.overflow,
         "host_selections_per_row": census.host_selected / census.host if census.host else 0.0,

@@ -13,7 +13,7 @@ import torch
 from dhisparse.kv.arena import SPACE
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.resolver import ResolvePlan
+from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 
 
 class HierContext(PagedContext):
@@ -62,7 +62,11 @@ class HierContext(PagedContext):
             if layer == kv.groups[g]:
                 slots = torch.tensor(self.slots, dtype=torch.int64, device=sel.device)
                 per_req = self._per_request(sel)
-                plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
+                plan = direct_plan(per_req, slots, kv)
+                if plan is None:
+                    plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
+                else:
+                    kv.census.direct_calls += 1
                 self.plans[g] = stage_overflow(plan, per_req, slots, kv)
             plan, staged = self.plans[g]
             nbytes = kv.copy_fn(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
@@ -78,6 +82,27 @@ class HierContext(PagedContext):
         if self.decode_rows and self.plans[kv.group_of[layer]][1] is not None:
             rows = (rows, kv.stage)  # staged rows live in row space 1
         return rows, loc
+
+
+def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:
+    """The call-level direct path: when every selected row of every request is in its tail or in
+    its ready optional map, return the locations without a resolver call (no hot-cache scan, no
+    copy, hot-cache state untouched, as the full resolver would leave it). None otherwise.
+    sel [N, K, k] positions (-1 padding); slots [N]."""
+    valid = sel >= 0
+    s = slots.to(sel.device)[:, None, None].expand_as(sel)
+    pos = sel.clamp(min=0)
+    start = kv.tail_start[s]
+    tail = kv.tail_loc[s, (pos - start).clamp(0, kv.tail_loc.shape[1] - 1)]
+    opt_map = getattr(kv, "opt_loc", None)
+    opt = opt_map[s, pos.clamp(max=opt_map.shape[1] - 1)] if opt_map is not None else torch.full_like(pos, -1)
+    loc = torch.where(pos >= start, tail, opt)
+    if not bool(((loc >= 0) | ~valid).all()):
+        return None
+    distinct = torch.unique(s[valid] * SPACE + pos[valid]).numel()
+    empty = torch.zeros(0, dtype=torch.int64, device=sel.device)
+    counters = ResolveCounters(int(valid.sum()), distinct, 0, 0, 0, 0)
+    return ResolvePlan(torch.where(valid, loc, torch.full_like(loc, -1)), empty, empty, counters)
 
 
 def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> tuple[ResolvePlan, ResolvePlan | None]:

@@ -54,6 +54,7 @@ class Census:
     overflow: int = 0
     bytes_moved: int = 0
     calls: int = 0
+    direct_calls: int = 0  # calls resolved wholly by the direct path (no resolver scan)
 
     def add(self, c: ResolveCounters, nbytes: int) -> None:
         for k in ResolveCounters._fields:
