@@ -121,6 +121,7 @@ def test_paged_context_table_matches_index_keys():
     table, arena = make_table([12, 30])
     batch = ForwardBatch.build([([0], 11), ([0, 0], 28)], DEV)
     ctx = PagedContext(type("KV", (), {"arena": arena, "device": torch.device(DEV)})(), batch, 2)
+    ctx.idx_of = torch.full((2, 30), -1, dtype=torch.int64, device=DEV)
     ctx.idx_of[:, : table.locs.shape[1]] = table.locs
     t = ctx.index_table(LAYER)
     for r in range(2):

@@ -72,6 +72,19 @@ class KVArena:
 SPACE = 1 << 40  # location = space * SPACE + flat location inside that row space
 
 
+def table_locations(tables: list[list[int]], lens: list[int], per_page: int, device) -> torch.Tensor:
+    """[N, max(lens)] locations of positions 0..lens[r]-1 laid out over each request's page table
+    (per_page rows a page), -1 past each length: one tensor build for the whole batch."""
+    width = max(max(lens, default=1), 1)
+    n_pages = max(max((len(t) for t in tables), default=1), 1)
+    pages = torch.tensor([t + [0] * (n_pages - len(t)) for t in tables] or [[0]], dtype=torch.int64, device=device)
+    pos = torch.arange(width, device=device)
+    idx = (pos // per_page).clamp(max=n_pages - 1)
+    loc = pages[:, idx] * per_page + pos % per_page
+    lens_t = torch.tensor(lens or [0], dtype=torch.int64, device=device)[:, None]
+    return torch.where(pos[None, :] < lens_t, loc, torch.full_like(loc, -1))[: len(tables)]
+
+
 def gather_rows(rows: torch.Tensor | tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
     """rows [P, per_page, W] indexed by flat locations loc [...] (>= 0) -> [..., W].
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import SPACE
+from dhisparse.kv.arena import SPACE, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
@@ -21,15 +21,18 @@ class HierContext(PagedContext):
         super().__init__(kv, batch, len(reqs))
         self.decode_rows: list[int] = []
         self.slots: list[int] = []
-        for r, req in enumerate(reqs):
-            st, n = kv.reqs[req], self.lens[r]
-            self.idx_of[r, :n] = kv.resident.index_locs(req, n)
+        states = [kv.reqs[req] for req in reqs]
+        res = kv.resident
+        self.idx_of = table_locations([res.index_tables[q] for q in reqs], self.lens, kv.arena.index_page_size, kv.device)
+        self.lat_of = table_locations([[] if st.decoding else res.latent_tables[q] for q, st in zip(reqs, states)],
+                                      [0 if st.decoding else n for st, n in zip(states, self.lens)], kv.page_size, kv.device)
+        if self.lat_of.shape[1] < self.idx_of.shape[1]:
+            self.lat_of = torch.nn.functional.pad(self.lat_of, (0, self.idx_of.shape[1] - self.lat_of.shape[1]), value=-1)
+        for r, st in enumerate(states):
             if st.decoding:
                 self.decode_rows.append(r)
                 self.slots.append(st.slot)
-                self.lat_of[r, st.tail_start : n] = kv.tail_loc[st.slot, : n - st.tail_start]
-            else:
-                self.lat_of[r, :n] = kv.resident.latent_locs(req, n)
+                self.lat_of[r, st.tail_start : self.lens[r]] = kv.tail_loc[st.slot, : self.lens[r] - st.tail_start]
         self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
 

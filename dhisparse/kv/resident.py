@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows
+from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows, table_locations
 from dhisparse.kv.context import ForwardBatch, IndexTable
 from dhisparse.kv.pool import PoolUsage
 
@@ -102,9 +102,7 @@ class PagedContext:
     def __init__(self, kv, batch: ForwardBatch, n_reqs: int) -> None:
         self.kv, self.batch, self.arena = kv, batch, kv.arena
         self.lens = batch.seq_lens.tolist()
-        width = max(max(self.lens, default=1), 1)
-        self.lat_of = torch.full((n_reqs, width), -1, dtype=torch.int64, device=kv.device)
-        self.idx_of = torch.full_like(self.lat_of, -1)
+        self.lat_of = self.idx_of = None  # [N, Lmax] each, built by the subclass (table_locations)
 
     def _finish_tables(self) -> None:
         self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
@@ -129,9 +127,8 @@ class ResidentContext(PagedContext):
 
     def __init__(self, kv: ResidentKV, batch: ForwardBatch, reqs: list[object]) -> None:
         super().__init__(kv, batch, len(reqs))
-        for r, req in enumerate(reqs):
-            self.lat_of[r, : self.lens[r]] = kv.latent_locs(req, self.lens[r])
-            self.idx_of[r, : self.lens[r]] = kv.index_locs(req, self.lens[r])
+        self.lat_of = table_locations([kv.latent_tables[r] for r in reqs], self.lens, kv.page_size, kv.device)
+        self.idx_of = table_locations([kv.index_tables[r] for r in reqs], self.lens, kv.arena.index_page_size, kv.device)
         self._finish_tables()
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
