@@ -19,11 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import IndexTable
+from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the kernel's reference)
+    GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_of_scores)
 
-SCORE_ELEMS = 1 << 27  # fp32 scores [chunk, Lmax] materialised per Triton launch (512 MiB)
-GATHER_ELEMS = 1 << 24  # elements of gathered keys / logits per chunk of the torch path
 
 
 @triton.jit
@@ -81,42 +80,6 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     return out
 
 
-def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
-                         table: IndexTable, chunk_elems: int = GATHER_ELEMS) -> torch.Tensor:
-    """Plain-PyTorch twin of `indexer_scores_triton`: same inputs, scores [T, Lmax] fp32."""
-    T, H, D = q.shape
-    rows, locs, lens = table
-    Lmax = locs.shape[1]
-    out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
-    if T == 0 or Lmax == 0 or rows.numel() == 0:
-        return out
-    scale = D**-0.5
-    s_idx = torch.arange(Lmax, device=q.device)
-    step = max(1, chunk_elems // (Lmax * max(D, H)))
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        r = req_idx[a:b]
-        lc = locs[r]  # [S, Lmax]
-        vis = (s_idx[None, :] < torch.minimum(lens[r], positions[a:b] + 1)[:, None]) & (lc >= 0)
-        keys = gather_rows(rows, lc.clamp(min=0)).float()  # [S, Lmax, iD]
-        logit = torch.relu(torch.matmul(q[a:b].float(), keys.transpose(1, 2)) * scale)  # [S, iH, Lmax]
-        score = torch.matmul(w[a:b].float().unsqueeze(-2), logit).squeeze(-2)  # [S, Lmax]
-        out[a:b] = score.masked_fill(~vis, float("-inf"))
-    return out
-
-
-def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [T, L] (-inf = not visible) -> ordered selection [T, topk] int64, -1 padding."""
-    T, L = scores.shape
-    out = torch.full((T, topk), -1, dtype=torch.int64, device=scores.device)
-    kk = min(topk, L)
-    if T == 0 or kk == 0:
-        return out
-    val, idx = scores.topk(kk, dim=-1)
-    out[:, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
-    return out
-
-
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                         table: IndexTable, topk: int) -> torch.Tensor:
     """Selection [T, topk] int64 of every token of the pass; scores by the Triton kernel, tokens
@@ -128,16 +91,4 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tenso
         b = min(T, a + step)
         sc = indexer_scores_triton(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table)
         out[a:b] = topk_of_scores(sc, topk)
-    return out
-
-
-def indexer_topk_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
-                       table: IndexTable, topk: int) -> torch.Tensor:
-    """Same result as `indexer_topk_triton`, plain PyTorch (the CPU path and the kernel's reference)."""
-    T, Lmax = q.shape[0], table.locs.shape[1]
-    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
-    step = max(1, SCORE_ELEMS // max(Lmax, 1))
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        out[a:b] = topk_of_scores(indexer_scores_torch(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table), topk)
     return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhisparse.kernels.sparse_mla import sparse_mla
 from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, indexer_topk
@@ -50,6 +49,16 @@ def sparse_mla_reference(
         p = torch.softmax(logit, dim=-1).nan_to_num(0.0)
         out[a:b] = torch.einsum("shk,skc->shc", p, c.float()).to(out.dtype)
     return out
+
+
+def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dispatch to the kernels' dispatcher (Triton on CUDA), or to the reference when Triton is not
+    installed (it is optional on CPU)."""
+    try:
+        from dhisparse.kernels import sparse_mla as kernels
+    except ImportError:
+        return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
+    return kernels.sparse_mla(q_abs, q_pe, rows, loc, scale)
 
 
 class MLAttention(nn.Module):

@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from dhisparse.kernels.indexer import indexer_topk_torch, indexer_topk_triton
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.layers.rope import rope_half_split, rope_interleaved
 from dhisparse.models.config import ModelConfig
@@ -94,11 +93,14 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
 
     Contexts with `index_table(layer)` are scored in one batched pass: the Triton kernel on CUDA
     (unless DHISPARSE_TORCH_KERNELS=1), the batched PyTorch path otherwise. Other contexts fall
-    back to the per-request reference over `index_keys`.
+    back to the per-request reference over `index_keys`. Triton is imported only on CUDA.
     """
     table_of = getattr(kv, "index_table", None)
     if table_of is None:
         return indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: kv.index_keys(layer, r), topk)
     use_triton = proj.q.is_cuda and os.environ.get("DHISPARSE_TORCH_KERNELS", "0") != "1"
-    fn = indexer_topk_triton if use_triton else indexer_topk_torch
+    if use_triton:
+        from dhisparse.kernels.indexer import indexer_topk_triton as fn
+    else:
+        from dhisparse.kernels.indexer_torch import indexer_topk_torch as fn
     return fn(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
