@@ -233,7 +233,9 @@ class DFlashDrafter:
             conf = torch.softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
             return DraftProposal(tokens.tolist(), None, conf.tolist())
         if state.generator is None:
-            seed = (self.seed * 1_000_003) ^ zlib.crc32(req.request_id.encode()) ^ (req.params.seed or 0)
+            # a seeded request drafts reproducibly whatever its id; unseeded ones get a per-id stream
+            salt = req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
+            seed = (self.seed * 1_000_003) ^ salt
             state.generator = make_generator(seed, rows.device)
         q = processed_probs(rows, [req.params] * k)
         tokens = torch.stack([torch.multinomial(q[i], 1, generator=state.generator)[0] for i in range(k)])
