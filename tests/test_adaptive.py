@@ -86,3 +86,15 @@ def test_all_direct_calls_skip_the_resolver():
     assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
     st = llm.engine.stats().as_dict()
     assert not calls and st["resolver_direct_calls"] > 0 and st["resolver_direct_share"] == 1.0
+
+
+def test_engine_series_carries_residency_counters():
+    from dhisparse.engine.series import SeriesRecorder
+
+    llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=16)
+    llm.engine.series = SeriesRecorder(0.01)
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(70)] for i in range(3)]
+    llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    rows = llm.engine.series.rows
+    assert rows and all(k in rows[-1] for k in ("coverage", "host_fetched_share", "running", "alloc_wait_s", "output_tok_s"))
+    assert 0.0 <= rows[-1]["coverage"] <= 1.0
