@@ -21,7 +21,7 @@ import triton.language as tl
 
 from dhisparse.kv.context import IndexTable
 from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the kernel's reference)
-    GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_of_scores)
+    GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_in_chunks, topk_of_scores)
 
 
 
@@ -82,13 +82,5 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
 
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                         table: IndexTable, topk: int) -> torch.Tensor:
-    """Selection [T, topk] int64 of every token of the pass; scores by the Triton kernel, tokens
-    in chunks so that at most SCORE_ELEMS fp32 scores are live."""
-    T, Lmax = q.shape[0], table.locs.shape[1]
-    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
-    step = max(1, SCORE_ELEMS // max(Lmax, 1))
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        sc = indexer_scores_triton(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table)
-        out[a:b] = topk_of_scores(sc, topk)
-    return out
+    """Selection [T, topk] int64 of every token of the pass, scored by the Triton kernel."""
+    return topk_in_chunks(indexer_scores_triton, q, w, positions, req_idx, table, topk)

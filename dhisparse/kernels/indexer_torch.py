@@ -49,13 +49,20 @@ def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return out
 
 
-def indexer_topk_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
-                       table: IndexTable, topk: int) -> torch.Tensor:
-    """Same result as `indexer_topk_triton`, plain PyTorch (the CPU path and the kernel's reference)."""
+def topk_in_chunks(score_fn, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                   table: IndexTable, topk: int) -> torch.Tensor:
+    """Selection [T, topk] int64 of every token, scoring tokens in chunks with `score_fn` (a
+    scores function of this module's signature) so that at most SCORE_ELEMS fp32 scores are live."""
     T, Lmax = q.shape[0], table.locs.shape[1]
     out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     step = max(1, SCORE_ELEMS // max(Lmax, 1))
     for a in range(0, T, step):
         b = min(T, a + step)
-        out[a:b] = topk_of_scores(indexer_scores_torch(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table), topk)
+        out[a:b] = topk_of_scores(score_fn(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table), topk)
     return out
+
+
+def indexer_topk_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                       table: IndexTable, topk: int) -> torch.Tensor:
+    """Same result as `indexer_topk_triton`, plain PyTorch (the CPU path and the kernel's reference)."""
+    return topk_in_chunks(indexer_scores_torch, q, w, positions, req_idx, table, topk)
