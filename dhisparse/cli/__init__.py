@@ -10,6 +10,11 @@ import sys
 from dhisparse.cli import bench, demo, generate, loadstep, plot, serve
 
 
+# optional dependency -> the pyproject extra that installs it
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "pydantic": "serve", "prometheus_client": "serve", "anyio": "serve",
+          "starlette": "serve", "httpx": "test", "matplotlib": "plot", "triton": "triton"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dhisparse", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (INFO shows KV pool sizing and waits)")
@@ -31,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional extra is not installed
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"error: `dhisparse {ns.command}` needs {e.name}; install it with: pip install -e '.[{extra}]'", file=sys.stderr)
         return 2
 
 
