@@ -65,6 +65,14 @@ class ResultFile:
     schema_version: int = SCHEMA_VERSION
 
 
+def new_result(kind: str, argv: list[str] | None, config: dict, runs: list, notes: list[str] | None = None) -> "ResultFile":
+    """A result file stamped with the date, the command line, the machine and the preset lists."""
+    from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
+
+    return ResultFile(kind, now_iso(), command_line(argv), machine_info(), config, list(AVAILABLE_PRESETS),
+                      [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs, list(notes or []))
+
+
 def request_dict(r: RequestRecord) -> dict:
     d = r._asdict()
     d.update(ttft=r.ttft, tpot=r.tpot)

@@ -87,7 +87,6 @@ def run(ns: argparse.Namespace) -> int:
     from dhisparse.bench import results as R
     from dhisparse.bench.report import console as report_console, bench_table
     from dhisparse.bench.sweep import ProgressBar, sweep_http, sweep_inprocess
-    from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
 
     console = report_console()
     concurrencies, workload = int_list(ns.concurrency, "--concurrency"), workload_from(ns)
@@ -100,13 +99,18 @@ def run(ns: argparse.Namespace) -> int:
             base = engine_config(ns, preset=presets_from(ns)[0])
             runs = sweep_inprocess(base, presets_from(ns), concurrencies, workload, bar, ns.sample_interval)
             engine_cfg = R.to_jsonable(base)
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(),
-                          {"engine": engine_cfg, "workload": R.to_jsonable(workload), "concurrency": concurrencies,
-                           "wall_s": time.perf_counter() - t0},
-                          list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs)
-    path = R.write_json(result, ns.out or default_out("bench"))
+    config = {"engine": engine_cfg, "workload": R.to_jsonable(workload), "concurrency": concurrencies,
+              "wall_s": time.perf_counter() - t0}
+    return publish(R.new_result("bench", getattr(ns, "argv", None), config, runs), ns, console, bench_table)
+
+
+def publish(result, ns: argparse.Namespace, console, table) -> int:
+    """Write the result JSON (--out, or the default path), print its table and, with --plot, figures."""
+    from dhisparse.bench import results as R
+
+    path = R.write_json(result, ns.out or default_out(result.kind))
     data = R.to_jsonable(result)
-    console.print(bench_table(data))
+    console.print(table(data))
     console.print(f"results: {path}")
     if ns.plot:
         from dhisparse.bench.plots import plot_results

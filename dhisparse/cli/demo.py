@@ -52,7 +52,7 @@ def run(ns: argparse.Namespace) -> int:
     from dhisparse.bench.report import console as report_console
     from dhisparse.bench.sweep import ProgressBar, load_shared_model, on_fresh_engine
     from dhisparse.bench.workload import Phases, Workload
-    from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
+    from dhisparse.engine.config import AVAILABLE_PRESETS
 
     console = report_console()
     presets = [ns.preset] if ns.preset else list(AVAILABLE_PRESETS)
@@ -73,9 +73,8 @@ def run(ns: argparse.Namespace) -> int:
 
             trace = on_fresh_engine(dataclasses.replace(base, preset=preset), loaded, job)
             runs.append(R.run_result(preset, ns.concurrency, "in-process", trace))
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(),
-                          {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "demo": True},
-                          list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs)
+    result = R.new_result("bench", getattr(ns, "argv", None),
+                          {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "demo": True}, runs)
     _report(console, result, texts, base, ns)
     if ns.out:
         console.print(f"results: {R.write_json(result, ns.out)}")

@@ -7,7 +7,7 @@ import time
 
 from dhisparse.cli.args import add_engine_args, engine_config
 from dhisparse.cli.args import HelpFormatter
-from dhisparse.cli.bench import add_output_args, add_workload_args, default_out, workload_from
+from dhisparse.cli.bench import add_output_args, add_workload_args, publish, workload_from
 
 
 def add_parser(sub) -> None:
@@ -34,7 +34,6 @@ def run(ns: argparse.Namespace) -> int:
     from dhisparse.bench.loadstep import default_arms, run_loadstep, step_phases, unavailable_arms
     from dhisparse.bench.report import console as report_console, phase_table
     from dhisparse.bench.sweep import ProgressBar, check_presets
-    from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
 
     if ns.c_high < ns.c_low:
         raise ValueError(f"--c-high ({ns.c_high}) must be >= --c-low ({ns.c_low})")
@@ -52,15 +51,4 @@ def run(ns: argparse.Namespace) -> int:
     config = {"engine": R.to_jsonable(base), "workload": R.to_jsonable(workload), "arms": arms,
               "unavailable_arms": unavailable_arms(), "phases": [p._asdict() for p in phases.phases],
               "wall_s": time.perf_counter() - t0}
-    result = R.ResultFile("loadstep", R.now_iso(), R.command_line(getattr(ns, "argv", None)), R.machine_info(), config,
-                          list(AVAILABLE_PRESETS), [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs, notes)
-    path = R.write_json(result, ns.out or default_out("loadstep"))
-    data = R.to_jsonable(result)
-    console.print(phase_table(data))
-    console.print(f"results: {path}")
-    if ns.plot:
-        from dhisparse.bench.plots import plot_results
-
-        for png in plot_results([data], ns.plot):
-            console.print(f"figure: {png}")
-    return 0
+    return publish(R.new_result("loadstep", getattr(ns, "argv", None), config, runs, notes), ns, console, phase_table)
