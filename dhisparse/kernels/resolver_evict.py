@@ -14,16 +14,24 @@ BIG = tl.constexpr(9223372036854775807)  # int64 max: sorts after every real key
 
 
 @triton.jit
+def _rep_chunk(sel_ptr, rep, n, KK, c0, CH: tl.constexpr):
+    """One chunk of request n's flattened selection: (uids u, positions p, is_rep) where is_rep
+    marks the valid entries that represent their distinct row (rep[u] == u)."""
+    u = c0 + tl.arange(0, CH)
+    um = u < KK
+    p = tl.load(sel_ptr + n * KK + u, mask=um, other=-1).to(tl.int64)
+    is_rep = um & (p >= 0) & (tl.load(rep + u, mask=um, other=-1) == u)
+    return u, p, is_rep
+
+
+@triton.jit
 def _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps,
                     KKP: tl.constexpr, CH: tl.constexpr):
     """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order. Returns M."""
     m = tl.sum(tl.zeros([CH], tl.int32), axis=0)
     for c0 in range(0, KKP, CH):
         if c0 < KK:
-            u = c0 + tl.arange(0, CH)
-            um = u < KK
-            p = tl.load(sel_ptr + n * KK + u, mask=um, other=-1).to(tl.int64)
-            is_rep = um & (p >= 0) & (tl.load(rep + u, mask=um, other=-1) == u)
+            u, p, is_rep = _rep_chunk(sel_ptr, rep, n, KK, c0, CH)
             miss = is_rep & (tl.load(out + u, mask=is_rep, other=0) < 0)
             page = p // ps
             hpg = tl.load(table_ptr + s * s_table + page, mask=miss & (page < HPW), other=-1).to(tl.int64)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _sort_two, _victims
+from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _rep_chunk, _sort_two, _victims
 
 
 @triton.jit
@@ -97,10 +97,7 @@ def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_
     nrest = ndir
     for c0 in range(0, KKP, CH):
         if c0 < KK:
-            u = c0 + tl.arange(0, CH)
-            um = u < KK
-            p = tl.load(sel_ptr + n * KK + u, mask=um, other=-1).to(tl.int64)
-            is_rep = um & (p >= 0) & (tl.load(rep + u, mask=um, other=-1) == u)
+            u, p, is_rep = _rep_chunk(sel_ptr, rep, n, KK, c0, CH)
             in_tail = p >= ts
             t = p - ts
             tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=is_rep & in_tail & (t < TT), other=-1).to(tl.int64)
