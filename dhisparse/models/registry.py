@@ -38,7 +38,8 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
 
 
 BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {
-    "tiny": _tiny, "glm52-scaled": _scaled("glm52-scaled"), "dsv32-scaled": _scaled("dsv32-scaled"),
+    "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"),
+    **{name: _scaled(name) for name in ("glm52-scaled", "glm52-scaled-k512")},
 }
 
 

@@ -72,6 +72,16 @@ SCALED_CONFIGS: dict[str, dict] = {
         "index_skip_topk_offset": 3,
         "rms_norm_eps": 1e-5,
     },
+    "glm52-scaled-k512": {
+        **_SHARED,
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "num_hidden_layers": 78,
+        "index_topk_freq": 4,
+        "index_skip_topk_offset": 3,
+        "rms_norm_eps": 1e-5,
+        "index_topk": 512,
+    },
     "dsv32-scaled": {
         **_SHARED,
         "model_type": "deepseek_v32",

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Device-call preamble/epilogue: carried wheels onto PYTHONPATH and a persistent Triton cache.
+#   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.tgz)
+# Triton compiles each kernel shape once (~30-50 s for the resolver); the cache tarball carried
+# between calls keeps later calls from paying that again.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+mkdir -p /tmp/tc
+[ -f .tcache/tc.tgz ] && tar xzf .tcache/tc.tgz -C /tmp/tc
+"$@"
+rc=$?
+tar czf "$OUT/tc.tgz" -C /tmp/tc .
+exit $rc

@@ -1,0 +1,198 @@
+"""Decode-step profile (Fig. 10): where one engine step's time goes, per preset, at a fixed load.
+
+    python3 bench/step_profile.py --out $OUT/step_profile.json                    # H200
+    python3 bench/step_profile.py --quick --out /tmp/step_profile.json            # CPU smoke
+
+For each preset: a fresh engine over the shared model, C requests importing the prepared prefix
+(+ a short suffix) are driven until every one is decoding; after `--warmup` steps, `--steps` steps
+are timed (wall, synchronised), then the same number run under cProfile (host functions, top by
+own time) and under torch.profiler (CUDA kernels). From the kernel trace:
+  busy_ms   union of kernel intervals in the step window (the GPU doing anything),
+  idle      1 - busy / wall: time with no kernel running -- the host-bound share of the step,
+  family    kernel time by family (resolver, copy, attention, indexer, gemm, moe, norm/rope/elementwise,
+            other), each counted as its summed durations, and `alone` where no other family runs.
+The host-side time per step is reported as `host_ms` = wall - busy (time the GPU waits for Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.kernel_families import family_times  # noqa: E402
+from dhisparse.bench import results as R  # noqa: E402
+from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
+from dhisparse.engine.config import EngineConfig  # noqa: E402
+from dhisparse.engine.params import SamplingParams  # noqa: E402
+
+QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=160, concurrency=4, steps=4, warmup=2,
+             kv_pool_gib=0.05, host_pool_gib=0.05, page_size=16, hot_cache_rows=None, max_batched_tokens=1024)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
+    a("--presets", default="resident,hisparse,adaptive,adaptive+spec")
+    a("--input-len", type=int, default=8192); a("--concurrency", type=int, default=32)
+    a("--steps", type=int, default=10); a("--warmup", type=int, default=4)
+    a("--kv-pool-gib", type=float, default=40.0); a("--host-pool-gib", type=float, default=40.0)
+    a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
+    a("--max-batched-tokens", type=int, default=16384)
+    a("--top", type=int, default=25, help="host functions listed per preset")
+    a("--out", default="bench/results/step_profile.json")
+    a("--quick", action="store_true")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        for k, v in QUICK.items():
+            setattr(ns, k, v)
+    ns.argv = ["bench/step_profile.py"] + list(sys.argv[1:] if argv is None else argv)
+    return ns
+
+
+def engine_config(ns, preset: str) -> EngineConfig:
+    spec = preset.endswith("+spec")
+    return EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
+                        kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.host_pool_gib * 2**30),
+                        max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
+                        hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
+                        speculative_algorithm="ngram" if spec else None, speculative_num_draft_tokens=4)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def drive_to_decode(engine, ns) -> None:
+    """C requests admitted and past prefill (every running request is decoding)."""
+    prefix = prefix_ids(engine.tokenizer, ns.input_len)
+    engine.prepare_prefix(prefix)
+    params = SamplingParams(max_tokens=4000, ignore_eos=True)
+    for i in range(ns.concurrency):
+        engine.add_request(prefix + engine.tokenizer.encode(suffix_text(i)), params)
+    for _ in range(10_000):
+        run = engine.scheduler.running
+        if len(run) == ns.concurrency and not any(r.in_prefill for r in run):
+            return
+        engine.step()
+    raise RuntimeError("requests never reached decode")
+
+
+def timed_steps(engine, ns) -> list[float]:
+    out = []
+    for _ in range(ns.steps):
+        sync(ns.device)
+        t = time.perf_counter()
+        engine.step()
+        sync(ns.device)
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def host_profile(engine, ns) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(ns.steps):
+        engine.step()
+    sync(ns.device)
+    prof.disable()
+    st = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append({"fn": f"{os.path.relpath(file) if file.startswith('/') else file}:{line}:{fn}",
+                     "calls_per_step": nc / ns.steps, "own_ms_per_step": tt * 1e3 / ns.steps,
+                     "cum_ms_per_step": ct * 1e3 / ns.steps})
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return rows[: ns.top]
+
+
+def kernel_profile(engine, ns) -> dict:
+    if not ns.device.startswith("cuda"):
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(ns.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(ns.steps):
+            engine.step()
+        sync(ns.device)
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    fam = family_times(kernels)
+    per = lambda v: {k: x / ns.steps for k, x in v.items()} if isinstance(v, dict) else v / ns.steps  # noqa: E731
+    return {"profiled_wall_ms_per_step": wall / ns.steps, **{k: per(v) for k, v in fam.items()}}
+
+
+def one_preset(ns, loaded, prefixes, preset: str) -> dict:
+    from dhisparse.engine.engine import Engine
+
+    engine = Engine(engine_config(ns, preset), loaded=loaded)
+    engine.prefixes = prefixes
+    drive_to_decode(engine, ns)
+    for _ in range(ns.warmup):
+        engine.step()
+    walls = timed_steps(engine, ns)
+    host = host_profile(engine, ns)
+    kern = kernel_profile(engine, ns)
+    st = engine.stats().as_dict()
+    del engine
+    gc.collect()
+    if ns.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    walls.sort()
+    res = {"preset": preset, "C": ns.concurrency, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
+           "kernels": kern, "host_top": host, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+    if kern:
+        res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
+        res["host_share"] = res["host_ms"] / kern["profiled_wall_ms_per_step"]
+    return res
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    from dhisparse.bench.sweep import load_shared_model
+    from dhisparse.kv.prefix import PrefixStore
+
+    t0 = time.perf_counter()
+    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
+    runs = []
+    for preset in [p.strip() for p in ns.presets.split(",") if p.strip()]:
+        t = time.perf_counter()
+        runs.append(one_preset(ns, loaded, prefixes, preset))
+        r = runs[-1]
+        print(f"[profile] {preset:14} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host "
+              f"{r.get('host_ms', float('nan')):.2f} ms ({100 * r.get('host_share', float('nan')):.1f}%) "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
+        for h in r["host_top"][:8]:
+            print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:8.3f} cum {h['calls_per_step']:7.1f}x  {h['fn']}")
+        for k, v in sorted(r["kernels"].get("family_ms", {}).items(), key=lambda kv: -kv[1]):
+            print(f"    {k:22} {v:8.3f} ms  alone {r['kernels']['alone_ms'].get(k, 0.0):8.3f} ms")
+    doc = {"kind": "step_profile", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
+           "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
+           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs,
+           "wall_s": time.perf_counter() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
+    with open(ns.out, "w") as f:
+        import json
+
+        json.dump(doc, f, indent=1, default=str)
+    print(f"[done] {ns.out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
