@@ -106,6 +106,9 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     return plan if defer else plan.materialize()
 
 
+plan_triton.deferrable = True  # HierContext calls it with defer=True and reads counters lazily
+
+
 def _sort_classes(smax: int) -> tuple[int, int, int, int]:
     """Four distinct power-of-two sort sizes ending at smax (512, 2048, 8192 when smaller)."""
     cs = sorted({c for c in (512, 2048, 8192) if c < smax} | {smax})

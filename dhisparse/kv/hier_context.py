@@ -16,6 +16,17 @@ from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 
 
+def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
+    """The Triton copy launch of a deferred plan (imported lazily: Triton is optional)."""
+    from dhisparse.kernels.resolver import launch_copies as launch
+
+    launch(plan, host_rows, dev_rows)
+
+
+def row_bytes(rows: torch.Tensor) -> int:
+    return rows.shape[-1] * rows.element_size()
+
+
 class HierContext(PagedContext):
     def __init__(self, kv, batch: ForwardBatch, reqs: list[object]) -> None:
         super().__init__(kv, batch, len(reqs))
@@ -34,7 +45,27 @@ class HierContext(PagedContext):
                 self.slots.append(st.slot)
                 self.lat_of[r, st.tail_start : self.lens[r]] = kv.tail_loc[st.slot, : self.lens[r] - st.tail_start]
         self._finish_tables()
+        self._decode_map(batch.query_start, kv.device)
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
+
+    def _decode_map(self, qs: list[int], device) -> None:
+        """Where decoding requests' tokens sit: token dec_tok[m] of the flattened batch is query
+        dec_j[m] of decoding request dec_i[m] (index into decode_rows). One host->device copy per
+        pass; every layer then moves selections and locations with one indexed op each.
+
+            batch tokens   | prefill r0 ......... | dec r1: q0 q1 q2 | dec r2: q0 | ...
+            per request    [Nd, K, k]: row i = decode_rows[i], column j = its j-th query
+        """
+        tok, ii, jj = [], [], []
+        for i, r in enumerate(self.decode_rows):
+            n = qs[r + 1] - qs[r]
+            tok.extend(range(qs[r], qs[r + 1]))
+            ii.extend([i] * n)
+            jj.extend(range(n))
+        self.K = max((qs[r + 1] - qs[r] for r in self.decode_rows), default=1)
+        m = torch.tensor([tok, ii, jj], dtype=torch.int64).to(device, non_blocking=True)
+        self.dec_tok, self.dec_i, self.dec_j = m[0], m[1], m[2]
+        self.slots_t = torch.tensor(self.slots, dtype=torch.int64).to(device, non_blocking=True)
 
     def _check(self, selection: torch.Tensor) -> None:
         lens = self.batch.seq_lens[self.batch.req_idx][:, None]
@@ -45,46 +76,59 @@ class HierContext(PagedContext):
                              f"[0, {int(lens[t])}): {selection[t][bad[t]].tolist()[:4]}")
 
     def _per_request(self, selection: torch.Tensor) -> torch.Tensor:
-        """[Nd, Kmax, k] selections of decoding requests (their tokens padded with -1)."""
-        qs = self.batch.query_start
-        K = max((qs[r + 1] - qs[r] for r in self.decode_rows), default=1)
-        out = torch.full((len(self.decode_rows), K, selection.shape[1]), -1, dtype=torch.int64, device=selection.device)
-        for i, r in enumerate(self.decode_rows):
-            out[i, : qs[r + 1] - qs[r]] = selection[qs[r] : qs[r + 1]]
+        """[Nd, K, k] selections of decoding requests (their tokens padded with -1)."""
+        out = selection.new_full((len(self.decode_rows), self.K, selection.shape[1]), -1)
+        out[self.dec_i, self.dec_j] = selection[self.dec_tok]
         return out
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows and locations of `selection` [T, k] (positions, -1 padding) for `layer`."""
         kv = self.kv
         if kv.debug:
             self._check(selection)
         sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, torch.full_like(selection, -1))
         loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)]
         loc = torch.where(sel >= 0, loc, torch.full_like(loc, -1))
-        if self.decode_rows:
-            g = kv.group_of[layer]
-            if layer == kv.groups[g]:
-                slots = torch.tensor(self.slots, dtype=torch.int64, device=sel.device)
-                per_req = self._per_request(sel)
-                plan = direct_plan(per_req, slots, kv)
-                if plan is None:
-                    plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
-                else:
-                    kv.census.direct_calls += 1
-                self.plans[g] = stage_overflow(plan, per_req, slots, kv)
-            plan, staged = self.plans[g]
-            nbytes = kv.copy_fn(plan, kv.host.layer_rows(layer), self.arena.latent_rows(layer))
-            nbytes += kv.copy_fn(staged, kv.host.layer_rows(layer), kv.stage) if staged is not None else 0
-            if layer == kv.groups[g]:
-                kv.census.add(plan.counters, nbytes)
-            else:
-                kv.census.bytes_moved += nbytes
-            qs = self.batch.query_start
-            for i, r in enumerate(self.decode_rows):
-                loc[qs[r] : qs[r + 1]] = plan.loc[i, : qs[r + 1] - qs[r]]
+        if not self.decode_rows:
+            return self.arena.latent_rows(layer), loc
+        g = kv.group_of[layer]
+        if layer == kv.groups[g]:
+            self.plans[g] = self._plan(g, self._per_request(sel))
+        plan, staged = self.plans[g]
         rows = self.arena.latent_rows(layer)
-        if self.decode_rows and self.plans[kv.group_of[layer]][1] is not None:
-            rows = (rows, kv.stage)  # staged rows live in row space 1
-        return rows, loc
+        self._copy(layer, plan, staged, rows, producer=layer == kv.groups[g])
+        loc[self.dec_tok] = plan.loc[self.dec_i, self.dec_j]
+        return ((rows, kv.stage) if staged is not None else rows), loc
+
+    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | None]:
+        """The producer layer's resolver call. With a deferrable (Triton) resolver and a union that
+        always fits the hot cache (K * k <= B) nothing here waits for the device: the kernel takes
+        the direct path per request and the counters stay on the device. Otherwise the call-level
+        direct path and verification staging need the plan's results on the host."""
+        kv = self.kv
+        if kv.deferred and per_req.shape[1] * per_req.shape[2] <= kv.B:
+            return kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True), None
+        plan = direct_plan(per_req, self.slots_t, kv)
+        if plan is None:
+            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now)
+        else:
+            kv.census.direct_calls += 1
+        return stage_overflow(plan, per_req, self.slots_t, kv)
+
+    def _copy(self, layer: int, plan: ResolvePlan, staged: ResolvePlan | None, rows: torch.Tensor, producer: bool) -> None:
+        """This layer's host -> device copies of the plan (and of staged rows); census update."""
+        kv, host = self.kv, self.kv.host.layer_rows(layer)
+        if getattr(plan, "deferred", False):
+            launch_copies(plan, host, rows)
+            nbytes = plan.copy_n.sum() * row_bytes(rows)
+            kv.census.add_device(plan.counts, nbytes) if producer else kv.census.add_bytes(nbytes)
+            return
+        nbytes = kv.copy_fn(plan, host, rows)
+        nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
+        if producer:
+            kv.census.add(plan.counters, nbytes)
+        else:
+            kv.census.bytes_moved += nbytes
 
 
 def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:

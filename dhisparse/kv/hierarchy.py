@@ -42,25 +42,61 @@ class ReqKV:
     tail_start: int = 0
 
 
-@dataclass
 class Census:
-    """Resolver counters accumulated over calls (see ResolveCounters)."""
+    """Resolver counters accumulated over calls (ResolveCounters' fields plus bytes_moved, calls,
+    direct_calls: calls resolved wholly by the direct path, with no hot-cache scan).
 
-    selected: int = 0
-    direct: int = 0
-    hot: int = 0
-    host: int = 0
-    host_selected: int = 0
-    overflow: int = 0
-    bytes_moved: int = 0
-    calls: int = 0
-    direct_calls: int = 0  # calls resolved wholly by the direct path (no resolver scan)
+    `add` takes host counters (reference resolver); `add_device` takes the Triton plan's device
+    counters without synchronising: they accumulate on the device and are folded into the
+    host totals the first time a field is read (one sync per read, not per call)."""
+
+    FIELDS = ResolveCounters._fields + ("bytes_moved", "direct_calls")
+
+    def __init__(self) -> None:
+        self._tot = dict.fromkeys(self.FIELDS, 0)
+        self._dev: torch.Tensor | None = None  # [len(FIELDS)] int64 on the device, not yet folded
+        self.calls = 0
 
     def add(self, c: ResolveCounters, nbytes: int) -> None:
         for k in ResolveCounters._fields:
-            setattr(self, k, getattr(self, k) + getattr(c, k))
-        self.bytes_moved += nbytes
+            self._tot[k] += getattr(c, k)
+        self._tot["bytes_moved"] += nbytes
         self.calls += 1
+
+    def add_device(self, counts: torch.Tensor, nbytes: torch.Tensor) -> None:
+        """counts [6] int64 device tensor in ResolveCounters order; nbytes: 0-d device tensor."""
+        direct_call = (counts[0] == counts[1]).to(torch.int64)  # every selected row resolved directly
+        vec = torch.cat([counts, nbytes.reshape(1).to(torch.int64), direct_call.reshape(1)])
+        self._dev = vec if self._dev is None else self._dev + vec
+        self.calls += 1
+
+    def add_bytes(self, nbytes: torch.Tensor) -> None:
+        """Bytes a follower layer moved (0-d device tensor), without synchronising."""
+        vec = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=nbytes.device)
+        vec[self.FIELDS.index("bytes_moved")] = nbytes
+        self._dev = vec if self._dev is None else self._dev + vec
+
+    def _fold(self) -> None:
+        if self._dev is not None:
+            for k, v in zip(self.FIELDS, self._dev.tolist()):
+                self._tot[k] += int(v)
+            self._dev = None
+
+
+def _census_field(name: str) -> property:
+    def get(self: Census) -> int:
+        self._fold()
+        return self._tot[name]
+
+    def put(self: Census, value: int) -> None:
+        self._fold()
+        self._tot[name] = value
+
+    return property(get, put)
+
+
+for _name in Census.FIELDS:
+    setattr(Census, _name, _census_field(_name))
 
 
 class HierarchicalKV:
@@ -90,6 +126,7 @@ class HierarchicalKV:
             self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
+        self.deferred = getattr(plan_fn, "deferrable", False)  # plan(defer=True) never waits for the device
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
         """One staging arena (chi = 1: layers run one after another, so the next layer reuses it

@@ -61,6 +61,9 @@ class Router(nn.Module):
         return Routing(idx, w * self.scaling)
 
 
+DENSE_ROWS = 1 << 16  # T * E at or below which every expert runs on every token (see Experts.forward)
+
+
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -69,7 +72,25 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> [T, H]: sum over chosen experts of weight * expert(x)."""
+        """x [T, H] -> [T, H]: sum over chosen experts of weight * expert(x).
+
+        Small batches (T * E <= DENSE_ROWS, i.e. decode steps) run every expert on every token as
+        two batched matmuls and weight them with a dense [T, E] routing matrix (zero for experts
+        not chosen): a fixed number of kernels and no host sync. Larger batches (prefill) loop over
+        the experts that received tokens (one sync for their counts)."""
+        if x.shape[0] * self.gate_up_proj.shape[0] <= DENSE_ROWS:
+            return self._dense(x, routing)
+        return self._grouped(x, routing)
+
+    def _dense(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        E = self.gate_up_proj.shape[0]
+        w = torch.zeros(x.shape[0], E, dtype=routing.weights.dtype, device=x.device)
+        w.scatter_add_(1, routing.experts, routing.weights)  # [T, E]
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
+        y = torch.matmul(self.act(gate, up), self.down_proj.transpose(1, 2))  # [E, T, H]
+        return torch.einsum("eth,te->th", y.float(), w.float()).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
