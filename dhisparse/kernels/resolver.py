@@ -144,7 +144,9 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     if num_warps is None:
         big = max(KKP, BP)
         num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
-    SA, SB, SC, SD = _sort_classes(BP)
+    # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
+    # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
+    SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     resolve_plan_kernel[(N,)](
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
