@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -272,22 +273,27 @@ def precompile(args) -> list[subprocess.Popen]:
     if args.quick or not torch.cuda.is_available():
         return []
     me = os.path.abspath(__file__)
-    return [subprocess.Popen([sys.executable, me, "--out", os.devnull, "--precompile-shape", f"{kk}x{b}",
-                              "--fig8-row-bytes", str(args.fig8_row_bytes)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-            for kk, b in fig8_specs(False)]
+    procs = []
+    for kk, b in fig8_specs(False):
+        err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty worker never blocks
+        procs.append((subprocess.Popen([sys.executable, me, "--out", os.devnull, "--precompile-shape", f"{kk}x{b}",
+                                        "--fig8-row-bytes", str(args.fig8_row_bytes)],
+                                       stdout=subprocess.DEVNULL, stderr=err), err))
+    return procs
 
 
-def await_precompile(procs: list[subprocess.Popen], t0: float) -> list[dict]:
+def await_precompile(procs: list, t0: float) -> list[dict]:
     out = []
-    for p in procs:
+    for p, err in procs:
         try:
-            _, err = p.communicate(timeout=max(1.0, 420 - (time.time() - t0)))
+            p.wait(timeout=max(1.0, 420 - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate()
+            p.wait()
+        err.seek(0)
         out.append({"shape": p.args[-3], "rc": p.returncode, "done_s": time.time() - t0,
-                    "stderr_tail": (err or "")[-300:] if p.returncode else ""})
+                    "stderr_tail": err.read()[-300:] if p.returncode else ""})
+        err.close()
         print(f"[{time.time() - t0:6.1f}s] precompile {out[-1]}", flush=True)
     return out
 
