@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 from test_resolver_reference import (  # noqa: E402
@@ -22,6 +24,12 @@ from dhisparse.kernels.resolver import launch_copies, plan_triton, run_copies_tr
 from dhisparse.kv.resolver import plan_reference, run_copies  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _boom(*args):
+    """Stands in for a full-path phase in test_all_direct_skips_dedup_and_scan."""
+    tl.static_assert(False, "full resolver path taken")
 
 
 class Pair:
@@ -167,3 +175,143 @@ def test_random_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
         sel = (torch.rand(N, K, k, generator=g) * hi).long()
         sel = torch.where(torch.rand(N, K, k, generator=g) < 0.15, -1, sel)
         p.step(sel, slots, now=6 + step)
+
+
+# -- direct fast path (P0): requests whose valid rows all resolve through the tail / optional map ----
+
+def _direct_state(S=4, B=6, L=40, TT=6, seed=3):
+    """Optional map ready for even positions < 24 (locations 200 + p), tail from position L - TT;
+    slot 1's map is not injective (two positions share a location)."""
+    st = make_state(S=S, B=B, L=L, TT=TT, direct=True, seed=seed)
+    st.direct_loc[:, 0:24:2] = 200 + torch.arange(0, 24, 2)
+    st.direct_loc[1, 4] = st.direct_loc[1, 6]
+    for s in range(S):  # the hot cache also holds some direct positions, with old stamps
+        fill_hot(st, s, [2, 4, 5, 7, 31][: B], [3, 1, 0, 2, 4][: B])
+    return st
+
+
+def test_all_direct_batch_keeps_state():
+    st = _direct_state()
+    tail = st.tail_start  # 34: positions 34..39 in the tail
+    sel = torch.tensor([[[2, 4, 6, 34, -1], [4, 4, 39, 2, -1]],  # duplicates within and across queries
+                        [[4, 6, 8, -1, -1], [-1, -1, -1, -1, 35]],  # slot 1: 4 and 6 share a location
+                        [[-1, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]])  # nothing selected
+    assert int(tail[0]) == 34
+    p = Pair(st)
+    before = (p.dev.hot_pos.clone(), p.dev.hot_stamp.clone())
+    want, got = p.step(sel, [0, 1, 3], now=9)
+    assert want.counters == (12, 9, 0, 0, 0, 0)
+    assert got.copy_n.tolist() == [0, 0, 0] and got.copy_src.numel() == 0
+    assert torch.equal(p.dev.hot_pos.cpu(), before[0].cpu()) and torch.equal(p.dev.hot_stamp.cpu(), before[1].cpu())
+
+
+def test_mixed_batch_direct_and_full_requests():
+    st = _direct_state()
+    sel = torch.tensor([[[2, 4, 6, 36], [8, 2, -1, 37]],  # all direct
+                        [[2, 5, 7, 9], [4, 11, 31, -1]],  # hot hits (5, 7, 31), misses (9, 11), direct (2, 4)
+                        [[0, 34, -1, -1], [-1, -1, -1, -1]],  # all direct (tail + map)
+                        [[1, 3, 34, 35], [36, 37, 38, 39]]])  # misses then tail
+    p = Pair(st)
+    p.step(sel, [2, 0, 1, 3], now=7)
+    p.step(sel.flip(0), [3, 1, 0, 2], now=8)  # same rows, other slots: direct rows now of other requests
+
+
+def test_direct_tail_row_without_location_is_not_direct():
+    """A tail position whose tail_loc is -1 is not direct: the request takes the full path."""
+    st = _direct_state()
+    st.tail_loc[0, 2] = -1
+    Pair(st).step(sel_of([2, 4, 36, 35], [34, -1, -1, -1]), [0], now=5)
+
+
+def test_direct_without_map_all_tail():
+    st = make_state(S=2, B=4, L=32, TT=8)  # no optional map: only the tail is direct
+    fill_hot(st, 0, [25, 3], [1, 2])
+    p = Pair(st)
+    want, _ = p.step(torch.tensor([[[24, 25, 31, -1]], [[30, 30, 29, -1]]]), [0, 1], now=4)
+    assert want.counters == (6, 5, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 4])
+def test_direct_distinct_count_exact_with_collisions(monkeypatch, rounds):
+    """Many duplicates and few hash rounds: the distinct count falls back to one position at a time."""
+    import dhisparse.kernels.resolver as kr
+
+    monkeypatch.setattr(kr, "MAX_ROUNDS", rounds)
+    st = make_state(S=2, B=4, L=96, TT=8, direct=True)
+    st.direct_loc[:, :88] = 1000 + torch.arange(88) % 7  # not injective either
+    g = torch.Generator().manual_seed(4)
+    p = Pair(st)
+    for now in range(3):
+        sel = torch.randint(-1, 96, (2, 3, 17), generator=g)
+        p.step(sel, [1, 0], now=now)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="interpreter-only probe")
+def test_all_direct_skips_dedup_and_scan(monkeypatch):
+    """Under the interpreter the helpers are looked up at call time: an all-direct batch must not
+    reach the dedup or the hot scan; a batch with a hot row must."""
+    import dhisparse.kernels.resolver_kernel as rk
+
+    st = _direct_state()
+    sel = torch.tensor([[[2, 4, 36, -1]], [[-1, -1, -1, -1]]])
+    monkeypatch.setattr(rk, "_dedup", _boom)
+    monkeypatch.setattr(rk, "_hot_scan", _boom)
+    Pair(st).step(sel, [0, 1], now=3)
+    with pytest.raises(Exception, match="full resolver path taken"):
+        Pair(st).step(sel_of([2, 5]), [0], now=3)
+
+
+def test_deferred_direct_plan_does_not_sync(monkeypatch):
+    """plan_triton(defer=True) reads nothing back from the device: .item, .tolist, bool() and int()
+    of a tensor are forbidden during the call (on CUDA the sync debug mode also errors)."""
+    st = _direct_state()
+    dev = clone_state(st, DEV)
+    sel = torch.tensor([[[2, 4, 36, -1]], [[8, 8, 39, 0]]], device=DEV)
+    slots = torch.tensor([0, 2], device=DEV)
+
+    def forbid(name):
+        def f(self, *a, **k):
+            if self.device.type == DEV and self.numel() > 0 and (DEV == "cuda" or self.data_ptr() in watched):
+                raise AssertionError(f"{name} on a device tensor during a deferred plan")
+            return orig[name](self, *a, **k)
+        return f
+
+    watched = {t.data_ptr() for t in (dev.hot_pos, dev.hot_stamp, dev.hot_loc, dev.tail_start, dev.tail_loc,
+                                      dev.host_table, dev.direct_loc, sel, slots)}
+    orig = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "__int__")}
+    if DEV == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with monkeypatch.context() as m:
+            for n in orig:
+                m.setattr(torch.Tensor, n, forbid(n))
+            plan = plan_triton(sel, slots, dev, 5, defer=True)
+    finally:
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert plan.deferred
+    ref = plan_reference(sel.cpu(), slots.cpu(), clone_state(st), 5)
+    assert torch.equal(plan.loc.cpu(), ref.loc) and plan.materialize().counters == ref.counters
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mostly_direct_batches(seed):
+    """Random ragged batches where most requests are all-direct and a few hit the hot cache / host."""
+    g = torch.Generator().manual_seed(seed)
+    S, L, TT = 5, 48, 6
+    B = int(torch.randint(1, 12, (1,), generator=g))
+    st = make_state(S=S, B=B, L=L, TT=TT, direct=True, seed=seed)
+    dense = torch.rand(S, generator=g) < 0.6  # these slots have every history row ready
+    for s in range(S):
+        m = torch.ones(L, dtype=torch.bool) if dense[s] else torch.rand(L, generator=g) < 0.5
+        st.direct_loc[s] = torch.where(m, 300 + torch.arange(L), -1)
+        nf = min(B, 10)
+        st.hot_pos[s, :nf] = torch.randperm(L - TT, generator=g)[:nf]
+        st.hot_stamp[s, :nf] = torch.randint(0, 5, (nf,), generator=g)
+    p = Pair(st)
+    for step in range(3):
+        N = int(torch.randint(1, S + 1, (1,), generator=g))
+        K, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        sel = torch.randint(0, L, (N, K, k), generator=g)
+        sel = torch.where(torch.rand(N, K, k, generator=g) < 0.2, -1, sel)
+        p.step(sel, torch.randperm(S, generator=g)[:N], now=10 + step)

@@ -6,6 +6,8 @@
   time, one line per arm, phases shaded.
 * `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case (linear
   axes), min-max error bars, and the least-squares line with its bandwidth.
+* `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
+  direct path dotted; Fig. 8c - bars at B_ref with and without host misses; p10-p90 error bars.
 """
 
 from __future__ import annotations
@@ -221,6 +223,57 @@ def _resolver_panel(ax, records: list[dict], size) -> None:
     ax.legend(fontsize=7, ncol=2)
 
 
+def _us(entry: dict) -> tuple[float, float, float]:
+    """(median, median - p10, p90 - median) in microseconds of one summary entry."""
+    t, lo, hi = (1e3 * entry[k] for k in ("time_ms", "p10_ms", "p90_ms"))
+    return t, t - lo, hi - t
+
+
+def plot_fig8bc(fig8: dict, out: str | Path, title: str | None = None) -> Path:
+    """Fig. 8 (b) and (c) from the resolver bench's summary["fig8"] (see bench/resolver_bench.py)."""
+    sh = fig8["shapes"]
+    fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(12.5, 4.6), constrained_layout=True)
+    for i, (name, b) in enumerate(fig8["b"].items()):
+        for path, ls, mk in (("scan", "-", "o"), ("direct", ":", "s")):
+            pts = [_us(e) for e in b[path]]
+            ax_b.errorbar(b["B"], [p[0] for p in pts], yerr=[[p[1] for p in pts], [p[2] for p in pts]], ls=ls,
+                          marker=mk, ms=4, capsize=2, color=f"C{i}",
+                          label=f"{name.replace('batch', 'batch ')}" + (", direct path" if path == "direct" else ""))
+    ax_b.set_xscale("log", base=2)
+    ax_b.xaxis.set_major_locator(FixedLocator(list(sh["Bs"])))
+    ax_b.xaxis.set_minor_locator(NullLocator())
+    ax_b.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v):,}"))
+    ax_b.set(xlabel="hot-cache size B (rows)", ylabel="resolver time (µs per call)",
+             title=f"(b) no host miss, K=1, k={sh['k']}")
+    ax_b.set_ylim(bottom=0)
+    _fig8c(ax_c, fig8["c"], sh)
+    for ax in (ax_b, ax_c):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    glm = " ".join(f"GLM {k}: direct {v['direct']['time_ms'] * 1e3:.1f} µs vs scan {v['scan']['time_ms'] * 1e3:.1f} µs;"
+                   for k, v in fig8.get("glm", {}).items())
+    fig.suptitle(title or f"resolver cost (median, p10-p90).  {glm}".rstrip(";"), fontsize=10)
+    return _save(fig, out)
+
+
+def _fig8c(ax, c: dict, sh: dict) -> None:
+    """Grouped bars: per batch, no miss and `miss` misses per request, labelled with the median (µs)."""
+    miss = f"miss{sh['miss']}"
+    width = 0.38
+    for j, (key, label) in enumerate((("no_miss", "no host miss"), (miss, f"{sh['miss']} host misses"))):
+        xs, ts, lo, hi = [], [], [], []
+        for i, entry in enumerate(c.values()):
+            t, a, b = _us(entry[key])
+            xs.append(i + (j - 0.5) * width)
+            ts.append(t), lo.append(a), hi.append(b)
+        bars = ax.bar(xs, ts, width, yerr=[lo, hi], capsize=3, color=f"C{j + 2}", label=label)
+        extra = [f"\n+{e['added_us_per_request']:.2f}/req" if j else "" for e in c.values()]
+        ax.bar_label(bars, labels=[f"{t:.1f}{x}" for t, x in zip(ts, extra)], padding=2, fontsize=8)
+    ax.set_xticks(range(len(c)), [k.replace("batch", "batch ") for k in c])
+    ax.set(ylabel="resolver time (µs per call)", title=f"(c) B = {sh['B_ref']:,}")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
+
+
 def _save(fig, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,5 +293,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     for k, r in enumerate(x for x in results if x.get("kind") == "loadstep"):
         written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
     for k, r in enumerate(x for x in results if "records" in x):
-        written.append(plot_resolver(r["records"], out_dir / f"resolver{'' if k == 0 else k}.png"))
+        if r["records"]:
+            written.append(plot_resolver(r["records"], out_dir / f"resolver{'' if k == 0 else k}.png"))
+        if "fig8" in (r.get("summary") or {}):
+            written.append(plot_fig8bc(r["summary"]["fig8"], out_dir / f"resolver_fig8bc{'' if k == 0 else k}.png"))
     return written

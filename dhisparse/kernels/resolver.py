@@ -8,10 +8,14 @@ Plan / run like FlashInfer:
     plan = plan_triton(sel, slots, st, now)               # one launch, grid = N requests
     nbytes = run_copies_triton(plan, host_rows, dev_rows)  # one launch per layer of the group
 
-`plan_triton(..., defer=True)` does not synchronise: `plan.loc` and the padded copy plan
-(`src_pad`, `dst_pad`, `copy_n`) and the device counters `counts` are ready on the stream;
-`copy_src`, `copy_dst` and `counters` are None until `plan.materialize()` (one sync).
-`launch_copies` runs the copies of a deferred plan without synchronising.
+`plan_triton(..., defer=True)` does not synchronise (no .item / .tolist / bool of a device tensor,
+also when every row resolves directly): `plan.loc` and the padded copy plan (`src_pad`, `dst_pad`,
+`copy_n`) and the per-request device counters `cnt` are ready on the stream (`counts`, their sum, is
+computed on first use); `copy_src`, `copy_dst` and `counters` are None until `plan.materialize()`
+(one sync). `launch_copies` runs the copies of a deferred plan without synchronising. A call is one
+kernel launch (no fills, no reductions); a request whose valid rows all resolve directly (tail or
+optional map) exits after writing its locations and counters, with copy_n = 0 and its hot-cache
+state untouched.
 """
 
 from __future__ import annotations
@@ -36,14 +40,23 @@ class TritonResolvePlan(ResolvePlan):
 
     src_pad, dst_pad [N, C] int64: row r < copy_n[n] of request n is (host location, device location),
     sorted by host location within the request (C = min(K*k, B)); copy_n [N] int32;
-    counts [6] int64 device tensor in `ResolveCounters` order.
+    cnt [N, 6] int64 per-request device counters in `ResolveCounters` order; `counts` [6] their sum
+    (a device tensor, computed once on first use).
     copy_src [M], copy_dst [M], counters: None while deferred, filled by `materialize()`.
     """
 
     src_pad: torch.Tensor | None = None
     dst_pad: torch.Tensor | None = None
     copy_n: torch.Tensor | None = None
-    counts: torch.Tensor | None = None
+    cnt: torch.Tensor | None = None
+    _counts: torch.Tensor | None = None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[6] int64 device tensor: counters summed over requests (no sync)."""
+        if self._counts is None:
+            self._counts = self.cnt.sum(0)
+        return self._counts
 
     @property
     def deferred(self) -> bool:
@@ -94,15 +107,16 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     loc = torch.empty(sel.shape, dtype=sel.dtype, device=dev)
     src = torch.empty((N, C), **i64)
     dst = torch.empty((N, C), **i64)
-    copy_n = torch.zeros(N, dtype=torch.int32, device=dev)
-    cnt = torch.zeros((N, 6), **i64)
-    plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, None)
-    if N and KK:
+    if N and KK:  # the kernel writes every element of loc, copy_n and cnt
+        copy_n = torch.empty(N, dtype=torch.int32, device=dev)
+        cnt = torch.empty((N, 6), **i64)
+        plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
         _launch(sel.to(dev).reshape(N, KK).contiguous(), slots.to(device=dev, dtype=torch.int64).contiguous(),
                 st, now, plan, cnt, KK, B, KKP, BP, C, num_warps)
-    elif N:
+    else:
         loc.fill_(-1)
-    plan.counts = cnt.sum(0)
+        plan = TritonResolvePlan(loc, None, None, None, src, dst, torch.zeros(N, dtype=torch.int32, device=dev),
+                                 torch.zeros((N, 6), **i64))
     return plan if defer else plan.materialize()
 
 
@@ -133,7 +147,9 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     if num_warps is None:
         big = max(KKP, BP)
         num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
-    SA, SB, SC, SD = _sort_classes(BP)
+    # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
+    # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
+    SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     resolve_plan_kernel[(N,)](
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,

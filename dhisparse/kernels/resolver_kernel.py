@@ -20,6 +20,13 @@ ever cleared.
              (stamp, slot id); the r-th miss takes the r-th victim (copy plan row r)  [resolver_evict]
   P5 output  loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
 
+Direct fast path (P0, paper §3.2: "a lookup skips the hot-cache scan only when every selected row
+resolves through a ready mapping or the tail"): every program first maps each selection entry
+through its tail / optional map and writes loc in selection order. If every valid entry resolved,
+it only counts its distinct rows (one packed-key hash table, no representatives) and exits: no
+dedup, hot scan, eviction or copy plan (copy_n = 0, hot-cache state untouched, as the reference
+leaves it). Otherwise P1-P5 run unchanged and P5 overwrites the speculative loc row.
+
 Cost depends on K*k, B and the misses, never on the history length. Hot positions must be unique
 per slot row, slots unique within a call, host locations distinct (as the reference assumes),
 positions < 2^31.
@@ -112,6 +119,64 @@ def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_
 
 
 @triton.jit
+def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
+                    has_map, KKP: tl.constexpr, CH: tl.constexpr):
+    """P0a. Per selection entry (not per distinct row): loc[n, i] = tail / optional-map location,
+    -1 for padding (written speculatively). Stops after the first chunk holding a valid entry that
+    does not resolve directly. Returns (valid entries, entries not direct)."""
+    ts = tl.load(tail_start_ptr + s).to(tl.int64)
+    nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+    nnd = nval
+    for c0 in range(0, KKP, CH):
+        if (c0 < KK) & (nnd == 0):
+            i = c0 + tl.arange(0, CH)
+            im = i < KK
+            p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
+            valid = p >= 0
+            in_tail = p >= ts
+            t = p - ts
+            tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=valid & in_tail & (t < TT), other=-1).to(tl.int64)
+            dv = tl.load(dmap_ptr + s * s_dmap + p, mask=valid & (~in_tail) & (p < LMAX) & (has_map != 0),
+                         other=-1).to(tl.int64)
+            o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+            nval += tl.sum(valid.to(tl.int32), axis=0)
+            nnd += tl.sum((valid & (o < 0)).to(tl.int32), axis=0)
+            tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    return nval, nnd
+
+
+@triton.jit
+def _count_distinct(sel_ptr, KK, n, T, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
+                    RMAX: tl.constexpr):
+    """P0b. Distinct valid positions of request n's KK entries. T: HT int64 scratch (contents
+    irrelevant). Each round every unresolved entry i writes key p*2^32 + i to one bucket of T (round-r
+    hash) and reads the winner back: entries whose winner holds their position are resolved, and the
+    winner itself counts its position once. Leftovers after RMAX rounds: one position at a time."""
+    i = tl.arange(0, KKP)
+    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+    active = p >= 0
+    nact = tl.sum(active.to(tl.int32), axis=0)
+    ndist = nact * 0
+    for r in tl.static_range(RMAX):
+        if nact > 0:
+            h = _hash(p, r, LOGH)
+            tl.store(T + h, p * 4294967296 + i, mask=active)
+            tl.debug_barrier()
+            w = tl.load(T + h, mask=active, other=-1)
+            got = active & ((w >> 32) == p)
+            ndist += tl.sum((got & ((w & 0xFFFFFFFF) == i)).to(tl.int32), axis=0)
+            active = active & (~got)
+            nact = tl.sum(active.to(tl.int32), axis=0)
+            tl.debug_barrier()
+    while nact > 0:  # leftovers: one position at a time
+        q = tl.min(tl.where(active, p, 9223372036854775807), axis=0)
+        active = active & (p != q)
+        ndist += 1
+        nact = tl.sum(active.to(tl.int32), axis=0)
+    return ndist
+
+
+@triton.jit
 def _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
               s_pos, s_stamp, s_loc, B, now, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
               RMAX: tl.constexpr):
@@ -161,6 +226,17 @@ def _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP: tl.constexpr, CH: tl.co
     return hsel
 
 
+@triton.jit
+def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
+    """Counters of one request at c[0:6] (ResolveCounters order)."""
+    tl.store(c + 0, nsel.to(tl.int64))
+    tl.store(c + 1, ndir.to(tl.int64))
+    tl.store(c + 2, nhot.to(tl.int64))
+    tl.store(c + 3, nhost.to(tl.int64))
+    tl.store(c + 4, hsel.to(tl.int64))
+    tl.store(c + 5, nover.to(tl.int64))
+
+
 @triton.jit(do_not_specialize=["now", "KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
@@ -191,37 +267,40 @@ def resolve_plan_kernel(
     lf = hflag + KKP
     prot = lf + KKP
 
-    nsel, nr, nlf = _dedup(sel_ptr, KK, n, R, rep, lf, KKP, HT, LOGH, RMAX)
-    tl.debug_barrier()
-    ndir, nrest = _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
-                          s_dmap, LMAX, has_map, KKP, CH)
-    tl.debug_barrier()
-    nhot = ndir * 0
-    if nrest > 0:
-        nhot = _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                         s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX)
-        tl.debug_barrier()
-    nmiss = nrest - nhot
-    nhost = nmiss * 0
-    if nmiss > 0:
-        nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
-        _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
-        nsv = _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP)
-        tl.debug_barrier()
-        nsort = nmiss
-        if nmiss > SD:
-            _keep_smallest(mk, nmiss, nhost, KKP, CH)
-            nsort = nhost
-        _sort_two(out, KKP, nsort, 2 * KKP, nsv, SA, SB, SC, SD)
-        _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
-        tl.debug_barrier()
-    tl.store(copy_n_ptr + n, nhost)
-    hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
     c = cnt_ptr + n * 6
-    tl.store(c + 0, nsel.to(tl.int64))
-    tl.store(c + 1, ndir.to(tl.int64))
-    tl.store(c + 2, nhot.to(tl.int64))
-    tl.store(c + 3, nhost.to(tl.int64))
-    tl.store(c + 4, hsel.to(tl.int64))
-    tl.store(c + 5, (nmiss - nhost).to(tl.int64))
+    nval, nnd = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
+                                LMAX, has_map, KKP, CH)
+    if nnd == 0:  # P0: every valid entry resolved directly; loc is final
+        ndist = _count_distinct(sel_ptr, KK, n, out, KKP, HT, LOGH, RMAX)
+        tl.store(copy_n_ptr + n, ndist * 0)
+        _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
+    else:
+        tl.debug_barrier()
+        nsel, nr, nlf = _dedup(sel_ptr, KK, n, R, rep, lf, KKP, HT, LOGH, RMAX)
+        tl.debug_barrier()
+        ndir, nrest = _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
+                              s_dmap, LMAX, has_map, KKP, CH)
+        tl.debug_barrier()
+        nhot = ndir * 0
+        if nrest > 0:
+            nhot = _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                             s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX)
+            tl.debug_barrier()
+        nmiss = nrest - nhot
+        nhost = nmiss * 0
+        if nmiss > 0:
+            nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
+            _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
+            nsv = _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP)
+            tl.debug_barrier()
+            nsort = nmiss
+            if nmiss > SD:
+                _keep_smallest(mk, nmiss, nhost, KKP, CH)
+                nsort = nhost
+            _sort_two(out, KKP, nsort, 2 * KKP, nsv, SA, SB, SC, SD)
+            _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
+            tl.debug_barrier()
+        tl.store(copy_n_ptr + n, nhost)
+        hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
+        _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
