@@ -17,7 +17,6 @@ import logging
 
 import torch
 
-from dhisparse.kv.arena import gather_rows, scatter_rows
 from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
 from dhisparse.kv.residency import ResidencyManager, opt_owner
 from dhisparse.kv.resolver import ResolverState
@@ -65,16 +64,13 @@ class AdaptiveKV(HierarchicalKV):
             self.opt_loc[st.slot, j * ps : (j + 1) * ps] = -1
 
     def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
-        """Copy page index j of req between its device page and its host page (all layers)."""
-        ps = self.page_size
-        dev = self.arena.locations([page], ps, ps)
-        host = self.host.locations(req, j * ps, (j + 1) * ps)
-        for layer in range(self.arena.cfg.num_layers):
-            d_rows, h_rows = self.arena.latent_rows(layer), self.host.layer_rows(layer)
-            if kind == "backup":
-                scatter_rows(h_rows, host, gather_rows(d_rows, dev).to(h_rows.device))
-            else:
-                scatter_rows(d_rows, dev, gather_rows(h_rows, host).to(d_rows.device))
+        """Copy page index j of req between its device page and its host page (all layers: both
+        are [L, ps, d]); asynchronous on CUDA, ordered before later kernels by the stream."""
+        hp = self.host.tables[req][j]
+        if kind == "backup":
+            self.host.rows[hp].copy_(self.arena.latent[page], non_blocking=True)
+        else:
+            self.arena.latent[page].copy_(self.host.rows[hp], non_blocking=True)
 
     def progress(self) -> None:
         for kind, req, j in self.copies.poll():
@@ -133,12 +129,8 @@ class AdaptiveKV(HierarchicalKV):
         keep = {j: pages[j] for j in range(full)}
         st.tail_start = full * ps
         self._set_tail(st)
-        if n > full * ps:
-            ws = self.resident.latent_locs(req, n)[full * ps :]
-            tail = self.tail_loc[st.slot, : n - full * ps]
-            for layer in range(self.arena.cfg.num_layers):
-                rows = self.arena.latent_rows(layer)
-                scatter_rows(rows, tail, gather_rows(rows, ws))
+        if n > full * ps:  # the partial page becomes the first tail page (same in-page offsets)
+            self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full]])
         self.pool.free(req, pages[full:])
         self.resident.latent_tables[req] = []
         self.host.ensure(req, n)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kv.arena import SPACE, KVArena, cdiv, gather_rows, scatter_rows
+from dhisparse.kv.arena import SPACE, KVArena, cdiv
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.host import HostStore
 from dhisparse.kv.pool import PoolUsage
@@ -225,27 +225,33 @@ class HierarchicalKV:
         self.tail_start[st.slot] = st.tail_start
         self.tail_loc[st.slot] = self.arena.locations(st.tail_pages, self.tail_pages * self.page_size, self.page_size)
 
-    def _copy_to_host(self, req: object, src_loc: torch.Tensor, start: int, end: int) -> None:
+    def _pages_to_host(self, req: object, dev_pages: list[int], start: int) -> None:
+        """Back up whole device pages (every layer's rows) into req's host pages for positions
+        start .. start + len(dev_pages) * ps (start page aligned). Device and host pages share the
+        layout [L, ps, d], so each page is one copy, asynchronous on CUDA (pinned host memory) and
+        ordered before any later kernel that reuses the device page (I3 by stream order).
+
+            positions  | start ............ | +ps .............. | ...
+            device     dev_pages[0]          dev_pages[1]
+            host       host.tables[req][start / ps], ...
+        """
+        ps = self.page_size
+        end = start + len(dev_pages) * ps
         self.host.ensure(req, end)
         self.sync_host_table(req)
-        dst = self.host.locations(req, start, end)
-        for layer in range(self.arena.cfg.num_layers):
-            scatter_rows(self.host.layer_rows(layer), dst, gather_rows(self.arena.latent_rows(layer), src_loc).cpu())
+        for p, hp in zip(dev_pages, self.host.tables[req][start // ps : end // ps]):
+            self.host.rows[hp].copy_(self.arena.latent[p], non_blocking=True)
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
         ps = self.page_size
         full = (n // ps) * ps
-        ws = self.resident.latent_locs(req, n)
+        pages = self.resident.latent_tables[req]
         if full:
-            self._copy_to_host(req, ws[:full], 0, full)
+            self._pages_to_host(req, pages[: full // ps], 0)
         st.tail_start = full
         self._set_tail(st)
-        if n > full:
-            tail = self.tail_loc[st.slot, : n - full]
-            for layer in range(self.arena.cfg.num_layers):
-                rows = self.arena.latent_rows(layer)
-                scatter_rows(rows, tail, gather_rows(rows, ws[full:]))
-        pages = self.resident.latent_tables[req]
+        if n > full:  # the partial page becomes the first tail page (same in-page offsets)
+            self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full // ps]])
         self.pool.free(req, pages)
         self.resident.latent_tables[req] = []
         st.decoding = True
@@ -253,8 +259,7 @@ class HierarchicalKV:
     def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
         ps = self.page_size
         while n - st.tail_start >= ps:
-            first = self.arena.locations(st.tail_pages[:1], ps, ps)
-            self._copy_to_host(req, first, st.tail_start, st.tail_start + ps)
+            self._pages_to_host(req, st.tail_pages[:1], st.tail_start)
             st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]
             st.tail_start += ps
             self._set_tail(st)
