@@ -35,6 +35,7 @@ class ForwardBatch:
     req_idx    [T] int64   batch row 0..N-1 of each token
     seq_lens   [N] int64   KV length of each request after this pass (= last position + 1)
     query_start list[int]  N+1 offsets; request r owns tokens query_start[r]:query_start[r+1]
+    lens       list[int]   seq_lens on the host (stores read it without a device sync)
     """
 
     input_ids: torch.Tensor
@@ -42,6 +43,11 @@ class ForwardBatch:
     req_idx: torch.Tensor
     seq_lens: torch.Tensor
     query_start: list[int]
+    lens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lens is None:
+            self.lens = self.seq_lens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +71,9 @@ class ForwardBatch:
             req.extend([r] * len(toks))
             starts.append(len(ids))
             lens.append(start + len(toks))
-        mk = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(mk(ids), mk(pos), mk(req), mk(lens), starts)
+        packed = torch.tensor(ids + pos + req + lens, dtype=torch.int64).to(device, non_blocking=True)
+        T = len(ids)
+        return cls(packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T], packed[3 * T :], starts, lens)
 
     def last_token_index(self) -> torch.Tensor:
         """[N] flattened index of each request's last token in this pass."""

@@ -205,7 +205,7 @@ class HierarchicalKV:
 
         self.now += 1
         for r, req in enumerate(reqs):
-            n = int(batch.seq_lens[r])
+            n = batch.lens[r]
             self.resident.ensure_index(req, n) if self.reqs[req].decoding else self.resident.ensure(req, n)
         return HierContext(self, batch, reqs)
 

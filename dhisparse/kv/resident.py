@@ -91,7 +91,7 @@ class ResidentKV:
 
     def context(self, batch: ForwardBatch, reqs: list[object]) -> "ResidentContext":
         for r, req in enumerate(reqs):
-            self.ensure(req, int(batch.seq_lens[r]))
+            self.ensure(req, batch.lens[r])
         return ResidentContext(self, batch, reqs)
 
 
@@ -101,7 +101,7 @@ class PagedContext:
 
     def __init__(self, kv, batch: ForwardBatch, n_reqs: int) -> None:
         self.kv, self.batch, self.arena = kv, batch, kv.arena
-        self.lens = batch.seq_lens.tolist()
+        self.lens = list(batch.lens)
         self.lat_of = self.idx_of = None  # [N, Lmax] each, built by the subclass (table_locations)
 
     def _finish_tables(self) -> None:
