@@ -52,6 +52,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--top", type=int, default=25, help="host functions listed per preset")
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
+    a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
     ns = p.parse_args(argv)
     if ns.quick:
         for k, v in QUICK.items():
@@ -76,16 +77,28 @@ def sync(device: str) -> None:
 
 def drive_to_decode(engine, ns) -> None:
     """C requests admitted and past prefill (every running request is decoding)."""
+    t0 = time.perf_counter()
     prefix = prefix_ids(engine.tokenizer, ns.input_len)
-    engine.prepare_prefix(prefix)
+    if engine.prefixes.match(prefix)[0] is None:
+        engine.prepare_prefix(prefix)
+    print(f"  prefix ready {time.perf_counter() - t0:.1f} s", flush=True)
     params = SamplingParams(max_tokens=4000, ignore_eos=True)
     for i in range(ns.concurrency):
         engine.add_request(prefix + engine.tokenizer.encode(suffix_text(i)), params)
-    for _ in range(10_000):
+    stable = 0
+    for step in range(10_000):
         run = engine.scheduler.running
-        if len(run) == ns.concurrency and not any(r.in_prefill for r in run):
+        decoding = bool(run) and not any(r.in_prefill for r in run)
+        stable = stable + 1 if decoding else 0
+        if decoding and (len(run) == ns.concurrency or stable >= 3):  # admissions stopped (memory-bound)
+            print(f"  {len(run)} of {ns.concurrency} decoding after {step} steps, {time.perf_counter() - t0:.1f} s", flush=True)
             return
+        t = time.perf_counter()
         engine.step()
+        sync(ns.device)
+        if ns.verbose:
+            print(f"  step {step}: {1e3 * (time.perf_counter() - t):.0f} ms, running {len(run)}, "
+                  f"prefilling {sum(r.in_prefill for r in run)}", flush=True)
     raise RuntimeError("requests never reached decode")
 
 
@@ -139,9 +152,17 @@ def kernel_profile(engine, ns) -> dict:
 def one_preset(ns, loaded, prefixes, preset: str) -> dict:
     from dhisparse.engine.engine import Engine
 
+    t0 = time.perf_counter()
     engine = Engine(engine_config(ns, preset), loaded=loaded)
     engine.prefixes = prefixes
-    drive_to_decode(engine, ns)
+    print(f"  engine built {time.perf_counter() - t0:.1f} s", flush=True)
+    if ns.verbose:
+        prof = cProfile.Profile()
+        prof.runcall(drive_to_decode, engine, ns)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    else:
+        drive_to_decode(engine, ns)
+    admitted = len(engine.scheduler.running)
     for _ in range(ns.warmup):
         engine.step()
     walls = timed_steps(engine, ns)
@@ -153,7 +174,7 @@ def one_preset(ns, loaded, prefixes, preset: str) -> dict:
     if ns.device.startswith("cuda"):
         torch.cuda.empty_cache()
     walls.sort()
-    res = {"preset": preset, "C": ns.concurrency, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
+    res = {"preset": preset, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "kernels": kern, "host_top": host, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
@@ -163,6 +184,10 @@ def one_preset(ns, loaded, prefixes, preset: str) -> dict:
 
 def main(argv=None) -> int:
     ns = parse(argv)
+    import faulthandler
+
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(90, repeat=True)  # a stall shows where it is
     from dhisparse.bench.sweep import load_shared_model
     from dhisparse.kv.prefix import PrefixStore
 
