@@ -47,6 +47,7 @@ class HierContext(PagedContext):
         self._finish_tables()
         self._decode_map(batch.query_start, kv.device)
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
+        self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
 
     def _decode_map(self, qs: list[int], device) -> None:
         """Where decoding requests' tokens sit: token dec_tok[m] of the flattened batch is query
@@ -84,21 +85,36 @@ class HierContext(PagedContext):
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and locations of `selection` [T, k] (positions, -1 padding) for `layer`."""
         kv = self.kv
-        if kv.debug:
-            self._check(selection)
+        g = kv.group_of[layer]
+        memo = self.memo.get(g)
+        if memo is not None and memo[0] is selection:  # a follower layer: same selection, same locations
+            loc = memo[1]
+        else:
+            if kv.debug:
+                self._check(selection)
+            loc = self._locate_new(g, layer, selection)
+            self.memo[g] = (selection, loc)
+        rows = self.arena.latent_rows(layer)
+        if not self.decode_rows:
+            return rows, loc
+        plan, staged = self.plans[g]
+        self._copy(layer, plan, staged, rows, producer=layer == kv.groups[g])
+        return ((rows, kv.stage) if staged is not None else rows), loc
+
+    def _locate_new(self, g: int, layer: int, selection: torch.Tensor) -> torch.Tensor:
+        """Locations [T, k] of a new selection: workspace rows for prefilling requests, the resolver's
+        plan (run by the group's producer layer) for decoding ones. Locations are layer-independent
+        (every layer's row space has the same page layout), so the group's followers reuse them."""
+        kv = self.kv
         sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, torch.full_like(selection, -1))
         loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)]
         loc = torch.where(sel >= 0, loc, torch.full_like(loc, -1))
-        if not self.decode_rows:
-            return self.arena.latent_rows(layer), loc
-        g = kv.group_of[layer]
-        if layer == kv.groups[g]:
+        if self.decode_rows:
+            if layer != kv.groups[g]:
+                raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
             self.plans[g] = self._plan(g, self._per_request(sel))
-        plan, staged = self.plans[g]
-        rows = self.arena.latent_rows(layer)
-        self._copy(layer, plan, staged, rows, producer=layer == kv.groups[g])
-        loc[self.dec_tok] = plan.loc[self.dec_i, self.dec_j]
-        return ((rows, kv.stage) if staged is not None else rows), loc
+            loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
+        return loc
 
     def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | None]:
         """The producer layer's resolver call. With a deferrable (Triton) resolver and a union that

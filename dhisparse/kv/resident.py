@@ -130,7 +130,11 @@ class ResidentContext(PagedContext):
         self.lat_of = table_locations([kv.latent_tables[r] for r in reqs], self.lens, kv.page_size, kv.device)
         self.idx_of = table_locations([kv.index_tables[r] for r in reqs], self.lens, kv.arena.index_page_size, kv.device)
         self._finish_tables()
+        self._memo: tuple[torch.Tensor, torch.Tensor] | None = None  # (selection, locations) of the last layer
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)]
-        return self.arena.latent_rows(layer), torch.where(selection >= 0, loc, torch.full_like(loc, -1))
+        """Locations are layer-independent: layers sharing a selection (GLM `shared`) reuse them."""
+        if self._memo is None or self._memo[0] is not selection:
+            loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)]
+            self._memo = (selection, torch.where(selection >= 0, loc, torch.full_like(loc, -1)))
+        return self.arena.latent_rows(layer), self._memo[1]
