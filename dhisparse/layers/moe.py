@@ -62,6 +62,7 @@ class Router(nn.Module):
 
 
 DENSE_ROWS = 1 << 16  # T * E at or below which every expert runs on every token (see Experts.forward)
+DENSE_MAX_EXPERTS = 64  # beyond this, running every expert wastes more than the loop's launches cost
 
 
 class Experts(nn.Module):
@@ -74,11 +75,13 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H]: sum over chosen experts of weight * expert(x).
 
-        Small batches (T * E <= DENSE_ROWS, i.e. decode steps) run every expert on every token as
+        Small batches (T * E <= DENSE_ROWS, i.e. decode steps) of models with at most
+        DENSE_MAX_EXPERTS experts (the scaled benchmark models) run every expert on every token as
         two batched matmuls and weight them with a dense [T, E] routing matrix (zero for experts
         not chosen): a fixed number of kernels and no host sync. Larger batches (prefill) loop over
         the experts that received tokens (one sync for their counts)."""
-        if x.shape[0] * self.gate_up_proj.shape[0] <= DENSE_ROWS:
+        E = self.gate_up_proj.shape[0]
+        if E <= DENSE_MAX_EXPERTS and x.shape[0] * E <= DENSE_ROWS:
             return self._dense(x, routing)
         return self._grouped(x, routing)
 
