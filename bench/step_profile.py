@@ -186,8 +186,7 @@ def main(argv=None) -> int:
     ns = parse(argv)
     import faulthandler
 
-    faulthandler.enable()
-    faulthandler.dump_traceback_later(90, repeat=True)  # a stall shows where it is
+    faulthandler.enable()  # (no periodic dump_traceback_later: dumping a running thread crashed once)
     from dhisparse.bench.sweep import load_shared_model
     from dhisparse.kv.prefix import PrefixStore
 
