@@ -36,6 +36,8 @@ class EngineConfig:
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
+    copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
+        "side" (a side stream, completion by events) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per
@@ -68,6 +70,7 @@ class EngineConfig:
     admission_reserve_pages: int = 0
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
+    copy_stream: str = "side"
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_window_size: int = 2048
@@ -99,6 +102,8 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
         if self.reclaim_order not in ("remaining", "largest", "newest"):
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
+        if self.copy_stream not in ("side", "compute"):
+            raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:
             raise ConfigValueError("admission_reserve_pages and repopulate_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)

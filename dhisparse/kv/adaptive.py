@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from dhisparse.kv.copies import copy_engine_for
 from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
 from dhisparse.kv.residency import ResidencyManager, opt_owner
 from dhisparse.kv.resolver import ResolverState
@@ -24,29 +25,14 @@ from dhisparse.kv.resolver import ResolverState
 log = logging.getLogger("dhisparse.kv")
 
 
-class SyncCopyEngine:
-    """Performs page copies at issue and reports them complete at the next `poll` (CPU, or a
-    CUDA stream synchronised at poll). Completion order = issue order."""
-
-    def __init__(self, kv: "AdaptiveKV") -> None:
-        self.kv = kv
-        self.pending: list[tuple[str, object, int]] = []
-
-    def issue(self, kind: str, req: object, index: int, page: int) -> None:
-        self.kv.copy_page(kind, req, index, page)
-        self.pending.append((kind, req, index))
-
-    def poll(self) -> list[tuple[str, object, int]]:
-        done, self.pending = self.pending, []
-        return done
-
-
 class AdaptiveKV(HierarchicalKV):
-    def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4, max_len: int = 4096, **kw) -> None:
+    def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4,
+                 max_len: int = 4096, side_stream: bool = True, **kw) -> None:
+        """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/copies.py)."""
         super().__init__(*args, **kw)
         S = self.hot_pos.shape[0]
         self.opt_loc = torch.full((S, max_len), -1, dtype=torch.int64, device=self.device)
-        self.copies = SyncCopyEngine(self)
+        self.copies = copy_engine_for(self.device, self.copy_page, side_stream)
         self.res = ResidencyManager(self.pool, reserve_pages, self.copies, reclaim_order, repopulate_pages,
                                     self._publish, self._unpublish)
         self.max_total: dict[object, int] = {}
