@@ -54,11 +54,11 @@ class CyclingLoop(InProcessLoop):
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="glm52-scaled"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
-    a("--input-len", type=int, default=32768); a("--output-len", type=int, default=256)
-    a("--concurrency", default="16,64,128"); a("--duration", type=float, default=40.0, help="seconds per run")
+    a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
+    a("--input-len", type=int, default=8192); a("--output-len", type=int, default=256)
+    a("--concurrency", default="4,12,36"); a("--duration", type=float, default=15.0, help="seconds per run")
     a("--presets", default="hisparse,adaptive,adaptive+spec,resident")
-    a("--resident-fit", type=int, default=20, help="full histories the KV pool holds under resident")
+    a("--resident-fit", type=int, default=12, help="full histories the KV pool holds under resident")
     a("--admit-factor", type=float, default=10.0, help="max_running_requests target = factor x resident-fit")
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None, help="B (default 2k)")
     a("--host-pool-gib", type=float, default=None, help="host pool (default: what the slots need, <= 80%% of MemAvailable)")
