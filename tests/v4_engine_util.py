@@ -71,6 +71,7 @@ class SourceCheck:
     host_rows: dict = field(default_factory=dict)  # source layer -> rows copied from host
     reindex_hits: int = 0  # rows a reindex call found already present (fetched by earlier layers)
     window_cuts: int = 0  # rollbacks inside a compression window that dropped an emitted row
+    decode_passes: int = 0  # passes that resolved for decoding requests
 
     def install(self, mp) -> "SourceCheck":
         ck = self
@@ -96,6 +97,7 @@ class SourceCheck:
                 ck.calls[layer] = ck.calls.get(layer, 0) + 1
                 ck.host_rows[layer] = ck.host_rows.get(layer, 0) + absent
                 seen = p.__dict__.setdefault("_ck_seen", set())
+                ck.decode_passes += not seen
                 if layer in seen:  # a later call on the source in this pass: a reindex layer
                     ck.reindex_hits += p.kv.census.hot - hot0
                 seen.add(layer)

@@ -13,8 +13,8 @@ CSA layer, the compressed KV source it reads and how it selects rows of it:
                                            (no compressor, no indexer, no resolver call)
 
 Sliding-only and HCA layers always read their own state: their entries must be i and "full".
-A shared source must be an earlier "full" CSA layer; a "reuse" layer needs a "full" / "reindex"
-layer on the same source before it. Both keys absent = every CSA layer is its own Full source,
+A shared source must be an earlier "full" CSA layer (which selects on it first, so a "reuse"
+layer always has a selection to consume: the latest of its source's full / reindex layers). Both keys absent = every CSA layer is its own Full source,
 which is transformers' DeepSeek-V4 exactly.
 
     layer:        0 SWA   1 CSA full   2 CSA reuse(1)   3 HCA   4 CSA reindex(1)   5 CSA reuse(1)
@@ -71,7 +71,6 @@ def _str_list(v: Any, n: int) -> tuple[str, ...]:
 
 def check_sources(s: LayerSources, types: tuple[str, ...], csa: str) -> None:
     """Validate a source assignment; the error names the key, the layer and the fix."""
-    last_selector: dict[int, int] = {}
     for i, (src, kind) in enumerate(zip(s.kv_source, s.selection)):
         if types[i] != csa:
             if src != i or kind != FULL:
@@ -82,13 +81,7 @@ def check_sources(s: LayerSources, types: tuple[str, ...], csa: str) -> None:
             if src != i:
                 raise ConfigError(f"config.json: 'selection_types'[{i}] is 'full' (produces a source), so "
                                   f"'kv_source_layer_ids'[{i}] must be {i}, got {src}; use 'reindex' or 'reuse' to share")
-            last_selector[i] = i
             continue
         if not 0 <= src < i or types[src] != csa or s.selection[src] != FULL:
             raise ConfigError(f"config.json: 'kv_source_layer_ids'[{i}] = {src}: a {kind!r} layer must read an "
                               "earlier CSA layer whose 'selection_types' entry is 'full'")
-        if kind == REUSE and src not in last_selector:
-            raise ConfigError(f"config.json: 'selection_types'[{i}] is 'reuse' but no earlier layer selected on "
-                              f"source {src}; make layer {i} 'reindex'")
-        if kind == REINDEX:
-            last_selector[src] = i
