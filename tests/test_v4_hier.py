@@ -64,9 +64,31 @@ def test_v4_speculation_with_rejections_inside_windows(loaded, reference, preset
     ck = SourceCheck().install(monkeypatch)
     eng = engine(loaded, reference, preset=preset, hot_cache_rows=4, speculative_algorithm="oracle",
                  speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=2.5)
+    backed = _watch_backups(eng, ck) if preset != "resident" else []
     assert generate(eng, PROMPTS, GREEDY) == expected(reference)
     st = eng.stats().as_dict()
     assert 1.5 < st["spec_tokens_per_round"] < 3.5 and ck.window_cuts > 0
+    assert preset == "resident" or len(backed) > 0
+
+
+def _watch_backups(eng, ck) -> list:
+    """I5 / eq. 8: only committed rows (w < committed // m) reach host, with the committed bytes."""
+    kv, m, backed = eng.store.kv, eng.model_config.csa_rate, []
+    orig = kv._copy_to_host
+
+    def copy(req, src_loc, start, end):
+        st = eng.store.states[req]
+        assert end <= st.committed // m, f"rows [{start}, {end}) backed up past the committed frontier {st.committed}"
+        orig(req, src_loc, start, end)
+        host = kv.host.locations(req, start, end)
+        for g, layer in enumerate(eng.model_config.csa_sources):
+            rows = kv.host.layer_rows(g)[host // kv.host.page_size, host % kv.host.page_size]
+            want = torch.stack([ck.rows[(req, layer, w)] for w in range(start, end)])
+            torch.testing.assert_close(rows, want, rtol=0, atol=0)
+        backed.append((req, start, end))
+
+    kv._copy_to_host = copy
+    return backed
 
 
 @pytest.mark.parametrize("preset", ["resident", "hisparse"])

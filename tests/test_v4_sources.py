@@ -112,3 +112,14 @@ def test_v41_dspark_is_exact(loaded, reference, monkeypatch):
     eng.spec.drafter.cost = VerifyCost.linear(1.0, 0.0)
     assert generate(eng, PROMPTS, GREEDY) == _expected(reference)
     assert "spec_accept_pos1" in eng.stats().as_dict() and ck.window_cuts > 0
+
+
+def test_v41_scaled_benchmark_config():
+    """Item 5's shape: k 512, four shared CSA sources read by eight selecting layers (+ 8 reuse)."""
+    from dhisparse.models.v4_scaled import v41_scaled_config
+
+    c = v41_scaled_config()
+    assert (c.num_layers, c.index_topk, c.head_dim, c.csa_rate, c.hca_rate) == (34, 512, 512, 4, 128)
+    assert len(c.csa_sources) == 4 and len(c.selecting_layers) == 8
+    assert c.selection_types.count("reuse") == 8 and c.selection_types.count("reindex") == 4
+    assert v41_scaled_config(1).selecting_layers == (2, 6) and v41_scaled_config(1).csa_sources == (2,)

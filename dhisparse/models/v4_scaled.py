@@ -105,3 +105,12 @@ def build_v4_random(cfg: V4Config, seed: int = 0, dtype: torch.dtype = torch.flo
             p.data = p.data.to(dtype)
     model.model.build_ropes(cfg, device)
     return model.eval()
+
+
+def build_v41_scaled(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                     groups: int = 4):
+    """LoadedModel of `v41-scaled` (random weights); `groups` < 4 keeps fewer shared sources."""
+    from dhisparse.models.loader import LoadedModel
+
+    cfg = v41_scaled_config(groups)
+    return LoadedModel(build_v4_random(cfg, seed, dtype, device), cfg, {})
