@@ -20,7 +20,8 @@ miss rates are comparable); the first `--warmup` decode steps (cold hot caches a
 handoff) are excluded. Each row also reports the full plans' per-token values, scaled by the
 ratio of selecting layers (selections, host rows) and of payload layers per selection (bytes).
 
-    python -m dhisparse.bench.table3 --out bench/results/table3_cpu.json
+    python -m dhisparse.bench.table3 --out bench/results/table3_cpu.json                  # CPU, ~6 min
+    python -m dhisparse.bench.table3 --paper --device cuda --pool-gib 40 --out $OUT/table3.json  # GPU
 """
 
 from __future__ import annotations
@@ -77,20 +78,20 @@ class Volume:
     full_plan: dict
 
 
-def _glm(setup: Setup, seed: int):
+def _glm(setup: Setup, seed: int, device: str):
     from dhisparse.models.scaled import build_scaled, scaled_config
 
     cfg = scaled_config("glm52-scaled", setup.size)
     full = scaled_config("glm52-scaled")
     shape = dict(selecting=len(cfg.full_layers), payload=cfg.num_layers, sources=cfg.num_layers, k=cfg.index_topk,
                  width=cfg.latent_dim, full_selecting=len(full.full_layers), full_payload=full.num_layers)
-    return build_scaled("glm52-scaled", seed, torch.bfloat16, "cpu", setup.size), shape
+    return build_scaled("glm52-scaled", seed, torch.bfloat16, device, setup.size), shape
 
 
-def _v41(setup: Setup, seed: int):
+def _v41(setup: Setup, seed: int, device: str):
     from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
 
-    loaded = build_v41_scaled(seed, torch.bfloat16, "cpu", setup.size)
+    loaded = build_v41_scaled(seed, torch.bfloat16, device, setup.size)
     cfg, full = loaded.config, v41_scaled_config()
     shape = dict(selecting=len(cfg.selecting_layers), payload=len(cfg.csa_sources), sources=len(cfg.csa_sources),
                  k=cfg.index_topk, width=cfg.head_dim, full_selecting=len(full.selecting_layers),
@@ -98,23 +99,23 @@ def _v41(setup: Setup, seed: int):
     return loaded, shape
 
 
-def measure(setup: Setup, seed: int = 0, threads: int = 2, pool_bytes: int = 1 << 30) -> Volume:
-    """Run one model under hisparse at the setup's load; census counters -> Volume."""
+def measure(setup: Setup, seed: int = 0, threads: int = 2, pool_bytes: int = 1 << 30, device: str = "cpu") -> Volume:
+    """Run one model under hisparse at the setup's load on `device`; census counters -> Volume."""
     from dhisparse import SamplingParams
     from dhisparse.engine.config import EngineConfig
     from dhisparse.engine.engine import Engine
     from dhisparse.models.tokenizer import ByteTokenizer
 
-    loaded, shape = (_glm if setup.model == "glm52-scaled" else _v41)(setup, seed)
+    loaded, shape = (_glm if setup.model == "glm52-scaled" else _v41)(setup, seed, device)
     loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
-    eng = Engine(EngineConfig(model=setup.model, preset="hisparse", page_size=setup.page_size, cpu_threads=threads,
+    eng = Engine(EngineConfig(model=setup.model, preset="hisparse", page_size=setup.page_size, cpu_threads=threads, device=device,
                               hot_cache_rows=setup.hot_cache_rows, max_running_requests=setup.concurrency,
                               max_num_batched_tokens=2048, kv_pool_bytes=pool_bytes, host_pool_bytes=pool_bytes,
                               max_model_len=setup.prompt_len + setup.output_len + 1), loaded=loaded)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=setup.output_len, ignore_eos=True)
     for _ in range(setup.concurrency):
-        eng.add_request(torch.randint(3, 259, (setup.prompt_len,), generator=gen).tolist(), params)
+        eng.add_request(torch.randint(3, min(259, loaded.config.vocab_size), (setup.prompt_len,), generator=gen).tolist(), params)
     t0, warm, steps, base = time.perf_counter(), 0, 0, None
     while eng.has_unfinished():
         eng.step()
@@ -136,9 +137,9 @@ def _volume(setup: Setup, eng, shape: dict, steps: int, wall: float, base) -> Vo
     now, (c0, gen0) = eng.store.census, base
     c = dataclasses.replace(now, **{f: getattr(now, f) - getattr(c0, f) for f in ("selected", "host", "host_selected",
                                                                                     "bytes_moved", "calls")})
-    B = getattr(eng.store, "kv", eng.store).B  # V4HierStore wraps its row hierarchy
+    hier = getattr(eng.store, "kv", eng.store)  # V4HierStore wraps its row hierarchy
+    B, elem = hier.B, hier.arena.dtype.itemsize
     tokens = max(eng.stats().generated_tokens - gen0, 1)
-    elem = 2  # bf16
     row_bytes = shape["width"] * elem
     per_tok = lambda x: x / tokens  # noqa: E731
     payload_per_sel = shape["payload"] / shape["selecting"]
@@ -176,22 +177,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPU run: full layer plans, the paper's hot caches (V4.1 8192, GLM 4096 rows), long prompts")
     ap.add_argument("--pool-gib", type=float, default=1.0, help="device KV pool and host pool, GiB each")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=64, help="positions (GLM) / rows (V4.1) per page; B rounds up to it")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the models are built there)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.paper:
         args.glm_layers, args.v41_groups, args.glm_hot, args.v41_hot = 78, 4, 4096, 8192
         args.glm_prompt, args.v41_prompt = max(args.glm_prompt, 16384), max(args.v41_prompt, 65536)
-    common = dict(concurrency=args.concurrency, output_len=args.output_len, warmup=args.warmup)
+    common = dict(concurrency=args.concurrency, output_len=args.output_len, warmup=args.warmup, page_size=args.page_size)
     setups = [Setup("glm52-scaled", args.glm_layers, args.glm_hot, prompt_len=args.glm_prompt, **common),
               Setup("v41-scaled", args.v41_groups, args.v41_hot, prompt_len=args.v41_prompt, **common)]
-    rows = [measure(s, threads=args.threads, pool_bytes=int(args.pool_gib * (1 << 30))) for s in setups]
+    pool = int(args.pool_gib * (1 << 30))
+    rows = [measure(s, threads=args.threads, pool_bytes=pool, device=args.device) for s in setups]
     for r in rows:
         print(f"{r.model}: {r.selections_per_token:.0f} selections, {r.host_rows_per_token:.1f} host rows, "
               f"{r.host_bytes_per_token / 1e6:.3f} MB host, {r.resolver_calls_per_step:.1f} calls/step per token")
-    notes = ["per generated decode token per request; hisparse; bf16 rows on CPU (AMX)",
+    notes = [f"per generated decode token per request; hisparse; bf16 rows on {args.device}",
              "full_plan scales the truncated run to the full layer plans by selecting / payload layer ratios",
              "V4.1 rows are head_dim 512 x bf16 = 1 KiB (the paper's 288 B rows are quantized)"]
-    config = {"setups": [asdict(s) for s in setups], "threads": args.threads}
+    config = {"setups": [asdict(s) for s in setups], "threads": args.threads, "device": args.device}
     res = new_result("table3", argv, config, rows, notes)
     res = dataclasses.replace(res, command=shlex.join(["python", "-m", "dhisparse.bench.table3", *argv]))
     print(write_json(res, args.out))
