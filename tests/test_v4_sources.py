@@ -123,3 +123,15 @@ def test_v41_scaled_benchmark_config():
     assert len(c.csa_sources) == 4 and len(c.selecting_layers) == 8
     assert c.selection_types.count("reuse") == 8 and c.selection_types.count("reindex") == 4
     assert v41_scaled_config(1).selecting_layers == (2, 6) and v41_scaled_config(1).csa_sources == (2,)
+
+
+def test_hierarchy_needs_a_csa_source():
+    from dhisparse.models.loader import LoadedModel
+    from dhisparse.models.tokenizer import ByteTokenizer
+    from dhisparse.models.v4_scaled import build_v4_random
+
+    cfg = V4Config.from_hf(v4_config(layer_types=["sliding_attention", "heavily_compressed_attention"] * 2))
+    loaded = LoadedModel(build_v4_random(cfg, 0), cfg, {}, ByteTokenizer())
+    with pytest.raises(ValueError, match="compressed_sparse_attention.*--preset resident"):
+        engine(loaded, preset="hisparse")
+    assert generate(engine(loaded), PROMPTS[:1], SamplingParams(max_tokens=3))[0]
