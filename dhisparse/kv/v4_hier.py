@@ -9,10 +9,11 @@ What is tiered and what stays on device, per request:
     on device (required state, reserved for the request's whole life)
         CSA index keys of every source (the indexer scores all of them, like GLM's index keys),
         kept in the arena's index pages;
-        sliding windows (W rows per layer), compressor streaming tails (< 2m raw tokens per
-        compressor) and HCA rows (head_dim per 128 tokens, read densely by every query): together
-        a small fraction of the CSA rows, so tiering them would only add copies
-        (`v4_dense_bytes`).
+        sliding windows (W rows per layer) and compressor streaming tails (< 2m raw tokens per
+        compressor): constant size; HCA rows (head_dim per 128 tokens): every query attends to
+        all of them (dense), so a tier would move every row every step, and they are 32x fewer
+        per layer than CSA rows (v41-scaled at 500K tokens: 16 HCA layers = 64 MB against 512 MB
+        of CSA rows in its 4 sources). Sizes: `v4_dense_bytes`.
 
 The GLM hierarchy is reused unchanged over a *row space*: `rows_model_config` describes the CSA
 sources as the "layers" of a `KVArena` (row width head_dim, index keys index_head_dim, every
