@@ -135,3 +135,14 @@ def test_hierarchy_needs_a_csa_source():
     with pytest.raises(ValueError, match="compressed_sparse_attention.*--preset resident"):
         engine(loaded, preset="hisparse")
     assert generate(engine(loaded), PROMPTS[:1], SamplingParams(max_tokens=3))[0]
+
+
+def test_v41_triton_resolver_is_exact(loaded, reference, monkeypatch):
+    """The fused Triton resolver plan + copies (interpreted on CPU) serve V4.1's compressed rows."""
+    pytest.importorskip("triton")
+    ck = SourceCheck().install(monkeypatch)
+    eng = engine(loaded, reference, preset="hisparse", hot_cache_rows=4, resolver="triton", speculative_algorithm="oracle",
+                 speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=2.5)
+    assert eng.store.kv.plan_fn.__name__ == "plan_triton"
+    assert generate(eng, PROMPTS, GREEDY) == _expected(reference)
+    assert sum(ck.host_rows.values()) > 0 and ck.window_cuts > 0
