@@ -15,7 +15,8 @@ CSA layer, the compressed KV source it reads and how it selects rows of it:
 Sliding-only and HCA layers always read their own state: their entries must be i and "full".
 A shared source must be an earlier "full" CSA layer (which selects on it first, so a "reuse"
 layer always has a selection to consume: the latest of its source's full / reindex layers). Both keys absent = every CSA layer is its own Full source,
-which is transformers' DeepSeek-V4 exactly.
+which is transformers' DeepSeek-V4 exactly; `selection_types` absent alone = "full" where
+kv_source_layer_ids[i] == i and "reindex" elsewhere.
 
     layer:        0 SWA   1 CSA full   2 CSA reuse(1)   3 HCA   4 CSA reindex(1)   5 CSA reuse(1)
     source rows:          produced     read 1's rows            read 1's rows      read 1's rows
