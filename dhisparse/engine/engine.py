@@ -25,7 +25,7 @@ from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
-from dhisparse.kv.v4_store import V4ResidentStore, v4_bytes
+from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
 from dhisparse.models.registry import LoadedModel, load_model
@@ -63,19 +63,15 @@ class Engine:
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""
         kv_dtype, mc = self.model.dtype, self.model_config
-        is_v4 = isinstance(mc, V4Config)
-        self.page_bytes = (v4_bytes(mc, config.page_size, kv_dtype.itemsize) if is_v4
-                           else KVArena.page_bytes(mc, config.page_size, kv_dtype.itemsize))
         pool = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device)
+        if isinstance(mc, V4Config):
+            self.arena = None
+            store, self.page_bytes, pages = build_v4_store(config, mc, pool, self.device, kv_dtype, self.max_model_len)
+            return store, pages
+        self.page_bytes = KVArena.page_bytes(mc, config.page_size, kv_dtype.itemsize)
         pages = pool // self.page_bytes
         if pages < 1:
             raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
-        if is_v4:
-            if config.preset != "resident" or config.speculative:
-                raise ValueError(f"preset {config.preset!r} / speculation is not available for deepseek_v4 models yet; "
-                                 "use --preset resident without --speculative-algorithm")
-            self.arena = None
-            return V4ResidentStore(mc, pages * self.page_bytes, self.page_bytes, self.device, kv_dtype), pages
         self.arena = KVArena(mc, pages, config.page_size, self.device, kv_dtype)
         return build_store(config, self.arena, pages * self.page_bytes, self.max_model_len), pages
 

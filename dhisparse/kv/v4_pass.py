@@ -8,7 +8,10 @@ positions states[r].length ..). Each layer calls, in order:
 2. `feed(layer, kind, raw)`: appends raw compressor inputs [kv | gate] and returns, per request,
    the raw slices of the windows this pass completes (`PendingWindows`);
    `append_rows(layer, kind, req, rows)` stores the rows the module pooled from them;
-3. `index_keys(layer, req)` (CSA) and `locate(layer, "kv", selection)`: the compressed rows.
+3. `index_keys(layer, req)` (CSA) and `locate(layer, "kv", selection)`: the compressed rows;
+   `layer` is the *source* layer (`V4Config.source_of`); a "reuse" layer calls `reuse(source)`
+   and gets the latest row space `locate` returned for that source in this pass (same rows, same
+   locations, no second lookup).
 
 `finish()` advances every request by its token count (and auto-commits). `V4Cache` owns the
 RowStore, hands out request states and begins passes.
@@ -59,6 +62,7 @@ class V4Pass:
         if any(s.store is not store for s in states):
             raise StateError("every request state of a pass must keep its rows in the pass's RowStore")
         self.batch, self.states, self.store = batch, states, store
+        self.last: dict[int, RowSpace] = {}  # source layer -> latest located selection (reuse)
         self.rids = [s.rid for s in states]
         self.spans = [(batch.query_start[r], batch.query_start[r + 1]) for r in range(batch.num_reqs)]
         for r, (a, b) in enumerate(self.spans):
@@ -120,7 +124,14 @@ class V4Pass:
     def locate(self, layer: int, kind: str, selection: torch.Tensor) -> RowSpace:
         """selection [T, k] compressed row ids (-1 = none) -> RowSpace."""
         rows, loc = self.store.locate(layer, kind, self.rids, self.batch.req_idx, selection)
-        return RowSpace(rows, loc)
+        self.last[layer] = RowSpace(rows, loc)
+        return self.last[layer]
+
+    def reuse(self, source: int) -> RowSpace:
+        """The latest RowSpace located on `source` in this pass (a "reuse" layer's input)."""
+        if source not in self.last:
+            raise StateError(f"no selection was located on source layer {source} before its reuse consumer")
+        return self.last[source]
 
     def finish(self) -> None:
         for r, (a, b) in enumerate(self.spans):

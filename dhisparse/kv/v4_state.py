@@ -121,7 +121,7 @@ class V4RequestState:
         self.layers: list[LayerState] = []
         for i, t in enumerate(cfg.layer_types):
             st = LayerState(empty(cfg.head_dim), cfg.compress_rate(i), t == CSA)
-            if t != SLIDING:
+            if t != SLIDING and cfg.produces_rows(i):  # reindex / reuse layers read another layer's rows
                 mult = 2 if t == CSA else 1
                 st.kv_raw = empty(2 * mult * cfg.head_dim)
                 st.idx_raw = empty(4 * cfg.index_head_dim) if t == CSA else None

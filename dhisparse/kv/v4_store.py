@@ -6,7 +6,7 @@ pages for its sliding windows and raw tails plus the compressed rows its prompt 
 produce, so admission waits instead of overcommitting. States are committed after each pass up to
 the positions the engine keeps, and rolled back exactly when a pass restarts below their length.
 
-Prefix import / export and the hierarchical presets for V4 are not built yet (issue 8).
+Prefix import / export are not built for V4 yet; the hierarchical presets live in `kv/v4_hier.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def v4_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
     for i, t in enumerate(cfg.layer_types):
         total += cfg.sliding_window * cfg.head_dim
         m = cfg.compress_rate(i)
-        if m:
+        if m and cfg.produces_rows(i):  # reindex / reuse layers hold no rows of their own
             csa = cfg.has_indexer(i)
             total += (n_tokens // m) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))
             total += 2 * m * 2 * (2 if csa else 1) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))

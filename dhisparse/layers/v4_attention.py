@@ -10,6 +10,11 @@
 
 Attention gathers rows through (rows, loc) row spaces (`RowSpace`) and never builds a dense mask;
 loc -1 entries are dropped. Sliding layers use the "main" rope, CSA / HCA layers the "compress" one.
+
+Cross-layer sources (`models/v4_sources.py`): a "full" CSA layer emits its source's rows and index
+keys and selects with its own indexer; a "reindex" layer has only an indexer query
+(`self_attn.reindexer.{q_b_proj, scorer.weights_proj}`) and selects over its source's index keys;
+a "reuse" layer takes the pass's latest located selection on its source (`ctx.reuse`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from torch import nn
 from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.v4_pass import RowSpace
 from dhisparse.layers.rope import RotaryEmbedding
-from dhisparse.layers.v4_compressor import Compressor, Indexer
+from dhisparse.layers.v4_compressor import Compressor, Indexer, Reindexer
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing, unweighted_rms_norm
 from dhisparse.models.v4_config import CSA, SLIDING, V4Config
+from dhisparse.models.v4_sources import FULL, REINDEX
 
 
 class RopeTables(NamedTuple):
@@ -39,11 +45,12 @@ class RopeTables(NamedTuple):
 def v4_sparse_attention(
     q: torch.Tensor, spaces: list[RowSpace], sinks: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
 ) -> torch.Tensor:
-    """q [T, H, D]; spaces: row spaces whose loc [T, k_i] are concatenated per token (-1 = drop);
+    """q [T, H, D]; spaces: row spaces whose loc [T, k_i] are concatenated per token (-1 = drop;
+    rows may be a tuple of paged spaces addressed with `arena.SPACE` tags, e.g. + staging);
     sinks [H] per-head sink logits -> o [T, H, D] (fp32 math, q's dtype)."""
     T, H, D = q.shape
     out = q.new_zeros(T, H, D)
-    spaces = [sp for sp in spaces if sp.rows.shape[0] * sp.rows.shape[1] > 0 and sp.loc.shape[1] > 0]
+    spaces = [sp for sp in spaces if sp.loc.shape[1] > 0 and (isinstance(sp.rows, tuple) or sp.rows[..., 0].numel() > 0)]
     K = sum(sp.loc.shape[1] for sp in spaces)
     step = max(1, chunk_elems // max(1, K * D))
     sink = sinks.float().view(1, H, 1)
@@ -94,12 +101,15 @@ class V4Attention(nn.Module):
         self.o_a_proj = GroupedLinear(H * D // cfg.o_groups, cfg.o_lora_rank, cfg.o_groups)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hid, bias=False)
         self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
-        self.compressor = None
-        if self.kind != SLIDING:
+        self.source, self.selection = cfg.source_of(layer), cfg.selection_type(layer)
+        self.compressor = self.reindexer = None
+        idx_args = (hid, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, self.m, cfg.index_topk)
+        if self.kind != SLIDING and self.selection == FULL:
             self.compressor = Compressor(hid, D, self.m, self.kind == CSA, cfg.rms_norm_eps)
             if self.kind == CSA:
-                self.compressor.indexer = Indexer(hid, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
-                                                  self.m, cfg.index_topk, cfg.rms_norm_eps)
+                self.compressor.indexer = Indexer(*idx_args, cfg.rms_norm_eps)
+        elif self.selection == REINDEX:
+            self.reindexer = Reindexer(*idx_args)
 
     def forward(self, x: torch.Tensor, ropes: RopeTables, batch, ctx) -> torch.Tensor:
         """x [T, hidden] (normed block input) of a ForwardBatch, ctx a V4Pass -> [T, hidden]."""
@@ -110,7 +120,7 @@ class V4Attention(nn.Module):
         q = rope_trailing(q, cos, sin)
         kv = rope_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
         spaces = [ctx.window(self.layer, kv)]
-        if self.compressor is not None:
+        if self.kind != SLIDING:
             spaces.append(self._compressed(x, q_lat, ropes, batch, ctx))
         o = v4_sparse_attention(q, spaces, self.sinks, self.scale)
         o = rope_trailing(o, cos, sin, inverse=True)
@@ -118,18 +128,22 @@ class V4Attention(nn.Module):
         return self.o_b_proj(o)
 
     def _compressed(self, x, q_lat, ropes: RopeTables, batch, ctx) -> RowSpace:
-        """Emit this pass's compressed rows, select per token, locate the selection."""
-        comp = self.compressor
-        comp.emit(ctx, self.layer, "kv", x, ropes.compress_rope)
-        if self.kind != CSA:
-            return ctx.locate(self.layer, "kv", all_complete_rows(batch.positions, self.m))
-        idx: Indexer = comp.indexer
-        idx.emit(ctx, self.layer, "index", x, ropes.compress_rope)
+        """Emit this pass's compressed rows (producers), select per token, locate the selection
+        on the source (a "reuse" layer takes the source's latest located selection instead)."""
+        if self.selection not in (FULL, REINDEX):
+            return ctx.reuse(self.source)
+        comp, idx = self.compressor, self.reindexer
+        if comp is not None:
+            comp.emit(ctx, self.layer, "kv", x, ropes.compress_rope)
+            if self.kind != CSA:
+                return ctx.locate(self.layer, "kv", all_complete_rows(batch.positions, self.m))
+            idx = comp.indexer
+            idx.emit(ctx, self.layer, "index", x, ropes.compress_rope)
         cos, sin = ropes.compress
         parts = []
         for r in range(batch.num_reqs):
             a, b = batch.query_start[r], batch.query_start[r + 1]
-            keys = ctx.index_keys(self.layer, r)
+            keys = ctx.index_keys(self.source, r)
             parts.append(idx.select(x[a:b], q_lat[a:b], batch.positions[a:b], keys, cos[a:b], sin[a:b]))
         selection = torch.cat(parts) if parts else torch.empty(0, idx.topk, dtype=torch.int64, device=x.device)
-        return ctx.locate(self.layer, "kv", selection)
+        return ctx.locate(self.source, "kv", selection)

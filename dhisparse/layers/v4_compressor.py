@@ -79,6 +79,29 @@ class IndexerScorer(nn.Module):
         self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
 
 
+def _select(self, x, q_lat, positions, keys, cos, sin, chunk: int = 256) -> torch.Tensor:
+    """Shared by `Indexer` and `Reindexer` (see `Indexer.select`)."""
+    S, N = x.shape[0], keys.shape[0]
+    out = torch.full((S, self.topk), -1, dtype=torch.int64, device=x.device)
+    kk = min(self.topk, N)
+    if kk == 0 or S == 0:
+        return out
+    q = self.q_b_proj(q_lat).view(S, self.n_heads, self.d)
+    q = rope_trailing(q, cos, sin)
+    w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5  # [S, iH]
+    kt = keys.float().T
+    rows = torch.arange(N, device=x.device)
+    for a in range(0, S, chunk):
+        b = min(S, a + chunk)
+        s = torch.relu(torch.matmul(q[a:b].float(), kt)) * self.d**-0.5  # [s, iH, N]
+        score = (s * w[a:b, :, None]).sum(dim=1)  # [s, N]
+        limit = (positions[a:b] + 1) // self.m  # rows w < limit are complete for the token
+        score = score.masked_fill(rows[None, :] >= limit[:, None], float("-inf"))
+        idx = score.topk(kk, dim=-1).indices
+        out[a:b, :kk] = torch.where(idx >= limit[:, None], torch.full_like(idx, -1), idx)
+    return out
+
+
 class Indexer(Compressor):
     """CSA lightning indexer: an overlapping compressor at index_head_dim, q_b_proj, scorer."""
 
@@ -94,22 +117,17 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """Tokens of ONE request: x [S, hidden], q_lat [S, q_lora], positions [S], keys [N, iD]
         (all its index rows), cos/sin [S, r/2] compress rope -> selection [S, index_topk] (-1 pad)."""
-        S, N = x.shape[0], keys.shape[0]
-        out = torch.full((S, self.topk), -1, dtype=torch.int64, device=x.device)
-        kk = min(self.topk, N)
-        if kk == 0 or S == 0:
-            return out
-        q = self.q_b_proj(q_lat).view(S, self.n_heads, self.d)
-        q = rope_trailing(q, cos, sin)
-        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5  # [S, iH]
-        kt = keys.float().T
-        rows = torch.arange(N, device=x.device)
-        for a in range(0, S, chunk):
-            b = min(S, a + chunk)
-            s = torch.relu(torch.matmul(q[a:b].float(), kt)) * self.d**-0.5  # [s, iH, N]
-            score = (s * w[a:b, :, None]).sum(dim=1)  # [s, N]
-            limit = (positions[a:b] + 1) // self.m  # rows w < limit are complete for the token
-            score = score.masked_fill(rows[None, :] >= limit[:, None], float("-inf"))
-            idx = score.topk(kk, dim=-1).indices
-            out[a:b, :kk] = torch.where(idx >= limit[:, None], torch.full_like(idx, -1), idx)
-        return out
+        return _select(self, x, q_lat, positions, keys, cos, sin, chunk)
+
+
+class Reindexer(nn.Module):
+    """The indexer query of a "reindex" layer (no compressor: it scores a shared source's keys):
+    q_b_proj [iH * iD, q_lora] and scorer.weights_proj [iH, hidden]; `select` as `Indexer.select`."""
+
+    def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, m: int, topk: int) -> None:
+        super().__init__()
+        self.n_heads, self.d, self.m, self.topk = n_heads, head_dim, m, topk
+        self.q_b_proj = nn.Linear(q_lora, n_heads * head_dim, bias=False)
+        self.scorer = IndexerScorer(hidden, n_heads)
+
+    select = Indexer.select

@@ -78,7 +78,9 @@ class DeepseekV4ForCausalLM(CausalLMHead):
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         """batch: T new tokens of N requests; ctx: V4Pass over their states (advanced on return).
 
-        Returns ModelOutput(hidden [T, hidden] after hc_head + norm, captured {layer: streams [T, N, D]}).
+        Returns ModelOutput(hidden [T, hidden] after hc_head + norm, captured {layer: [T, hidden]},
+        the mean over the hc_mult residual streams after layer `layer`: the target features that
+        DFlash / DSpark drafters condition on).
         """
         m = self.model
         h = m.embed_tokens(batch.input_ids)
@@ -88,7 +90,7 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             streams = layer(streams, ropes, batch, ctx)
-            if i in capture_layers:
-                captured[i] = streams
+            if i in capture_layers:  # drafter features: the mean of the hc_mult streams [T, D]
+                captured[i] = streams.mean(dim=1)
         ctx.finish()
         return ModelOutput(m.norm(m.hc_head(streams)), captured)

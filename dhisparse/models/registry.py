@@ -37,8 +37,16 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
     return load
 
 
+def _v41(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+    """`v41-scaled`: DeepSeek-V4.1-shaped random model (models/v4_scaled.py); default bfloat16."""
+    from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
+
+    target = resolve_dtype(dtype, v41_scaled_config())  # None -> the config's bfloat16
+    return dataclasses.replace(build_v41_scaled(seed, target, device), tokenizer=ByteTokenizer())
+
+
 BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {
-    "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"),
+    "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"), "v41-scaled": _v41,
     **{name: _scaled(name) for name in ("glm52-scaled", "glm52-scaled-k512")},
 }
 

@@ -11,6 +11,10 @@
     RoPE                  rope_parameters {"main": {...}, "compress": {...}} (nested, HF-saved), or
                           a flat rope_parameters / rope_scaling (YaRN) + rope_theta + compress_rope_theta
 
+    cross-layer sources   kv_source_layer_ids [int], selection_types ["full" | "reindex" | "reuse"]
+                          (our DeepSeek-V4.1-style extension, `models/v4_sources.py`; absent =
+                          every CSA layer is its own Full source = transformers' V4)
+
 Semantics follow transformers' `DeepseekV4Config.__post_init__`: the sliding-only layers use the
 "main" rope (rope_theta, never scaled); CSA / HCA layers, their compressors and the CSA indexer use
 the "compress" rope (compress_rope_theta, plus YaRN when given, with attention_factor forced to 1.0).
@@ -22,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dhisparse.models.config import ConfigError, RopeConfig
+from dhisparse.models.v4_sources import FULL, REUSE, LayerSources, check_sources, parse_sources
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -73,6 +78,8 @@ class V4Config:
     num_nextn_predict_layers: int = 0
     torch_dtype: str = "float32"
     architecture: str = "deepseek_v4"
+    kv_source_layer_ids: tuple[int, ...] = ()  # () = every layer its own source (see v4_sources)
+    selection_types: tuple[str, ...] = ()
 
     # ---- per-layer helpers ---------------------------------------------------------------------
     def compress_rate(self, layer: int) -> int:
@@ -82,6 +89,28 @@ class V4Config:
 
     def has_indexer(self, layer: int) -> bool:
         return self.layer_types[layer] == CSA
+
+    def source_of(self, layer: int) -> int:
+        """The layer whose compressed rows / index keys `layer` reads (itself when it produces them)."""
+        return self.kv_source_layer_ids[layer] if self.kv_source_layer_ids else layer
+
+    def selection_type(self, layer: int) -> str:
+        """"full" (own source + selection), "reindex" (new selection on a shared source), "reuse"."""
+        return self.selection_types[layer] if self.selection_types else FULL
+
+    def produces_rows(self, layer: int) -> bool:
+        """True for layers with a compressor of their own (HCA, and CSA layers of type "full")."""
+        return self.compress_rate(layer) > 0 and self.selection_type(layer) == FULL
+
+    @property
+    def csa_sources(self) -> tuple[int, ...]:
+        """Physical CSA sources (their producing layers), in layer order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == CSA and self.selection_type(i) == FULL)
+
+    @property
+    def selecting_layers(self) -> tuple[int, ...]:
+        """CSA layers that compute a selection (full + reindex): one resolver call each per pass."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == CSA and self.selection_type(i) != REUSE)
 
     def rope_of(self, layer: int) -> str:
         """"main" for sliding-only layers, "compress" for CSA / HCA layers."""
@@ -141,6 +170,9 @@ class V4Config:
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 1) or 0),
             torch_dtype=str(d.get("dtype", d.get("torch_dtype", "float32")) or "float32"),
         )
+        if d.get("kv_source_layer_ids") is not None or d.get("selection_types") is not None:
+            src = parse_sources(d, types, CSA)
+            cfg = replace(cfg, kv_source_layer_ids=src.kv_source, selection_types=src.selection)
         cfg.validate(d)
         return cfg
 
@@ -166,6 +198,12 @@ class V4Config:
             raise ConfigError("config.json: 'num_experts_per_tok' exceeds 'n_routed_experts'")
         if self.csa_rate < 1 or self.hca_rate < 1:
             raise ConfigError("config.json: 'compress_rates' must be >= 1")
+        if self.kv_source_layer_ids or self.selection_types:
+            src = LayerSources(self.kv_source_layer_ids or tuple(range(self.num_layers)),
+                               self.selection_types or (FULL,) * self.num_layers)
+            if len(src.kv_source) != self.num_layers or len(src.selection) != self.num_layers:
+                raise ConfigError("config.json: 'kv_source_layer_ids' and 'selection_types' need one entry per layer")
+            check_sources(src, self.layer_types, CSA)
 
 
 def _get(d: dict[str, Any], key: str, default: Any) -> Any:

@@ -1,0 +1,206 @@
+"""The paper's Table 3 (retrieval volume of GLM-5.x vs DeepSeek-V4.1), measured through the engine.
+
+Both scaled benchmark models (`glm52-scaled`, `v41-scaled`; random weights, the KV structure of
+the paper's models) run under `hisparse` at one fixed load: C requests with a prompt of P random
+byte tokens each, G generated tokens, all admitted together. The resolver census gives, per
+generated (decode) token per request:
+
+    selections          valid selection entries resolved (selecting layers x k)
+    host rows           distinct rows copied from host by the selecting layers
+    host selections     selection entries served from host (the host-fetched share's numerator)
+    host bytes          every byte copied from host: the selecting layer's rows plus, on GLM, the
+                        follower (`shared`) layers' own payload rows for the same positions
+and per decode step: resolver calls (one per selecting layer: GLM full layers; V4.1 full +
+reindex layers, reuse layers make none) and follower copies (GLM shared layers; none on V4.1).
+
+CPU runs truncate the layer plans (`--glm-layers`, `--v41-groups`) and use hot caches of B = k
+rows (GLM 2048 latent rows per layer, V4.1 512 compressed rows per source) with the same prompt
+for both (3072 tokens: 3072 GLM positions, 768 V4.1 rows, so B / history = 2/3 on both and the
+miss rates are comparable); the first `--warmup` decode steps (cold hot caches after the
+handoff) are excluded. Each row also reports the full plans' per-token values, scaled by the
+ratio of selecting layers (selections, host rows) and of payload layers per selection (bytes).
+
+    python -m dhisparse.bench.table3 --out bench/results/table3_cpu.json                  # CPU, ~6 min
+    python -m dhisparse.bench.table3 --paper --device cuda --pool-gib 40 --out $OUT/table3.json  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dhisparse.bench.results import new_result, write_json
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One measured model: name, truncation, hot cache rows B, load (C requests, P prompt, G out)."""
+
+    model: str
+    size: int  # glm: layers kept; v41: shared sources kept
+    hot_cache_rows: int
+    concurrency: int
+    prompt_len: int
+    output_len: int
+    page_size: int = 64
+    warmup: int = 4  # decode steps (all requests decoding) excluded: the hot caches start cold
+
+
+@dataclass(frozen=True)
+class Volume:
+    """Per generated token per request (and per decode step) retrieval volume of one run."""
+
+    model: str
+    selecting_layers: int
+    payload_layers: int
+    kv_sources: int
+    k: int
+    row_bytes: int
+    hot_cache_rows: int
+    hot_cache_bytes_per_session: int
+    selections_per_token: float
+    host_rows_per_token: float
+    host_selections_per_token: float
+    host_fetched_share: float
+    host_bytes_per_token: float
+    bytes_per_missed_selection: float
+    resolver_calls_per_step: float
+    follower_copies_per_step: float
+    decode_steps: int
+    decode_tokens: int
+    wall_s: float
+    full_plan: dict
+
+
+def _glm(setup: Setup, seed: int, device: str):
+    from dhisparse.models.scaled import build_scaled, scaled_config
+
+    cfg = scaled_config("glm52-scaled", setup.size)
+    full = scaled_config("glm52-scaled")
+    shape = dict(selecting=len(cfg.full_layers), payload=cfg.num_layers, sources=cfg.num_layers, k=cfg.index_topk,
+                 width=cfg.latent_dim, full_selecting=len(full.full_layers), full_payload=full.num_layers)
+    return build_scaled("glm52-scaled", seed, torch.bfloat16, device, setup.size), shape
+
+
+def _v41(setup: Setup, seed: int, device: str):
+    from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
+
+    loaded = build_v41_scaled(seed, torch.bfloat16, device, setup.size)
+    cfg, full = loaded.config, v41_scaled_config()
+    shape = dict(selecting=len(cfg.selecting_layers), payload=len(cfg.csa_sources), sources=len(cfg.csa_sources),
+                 k=cfg.index_topk, width=cfg.head_dim, full_selecting=len(full.selecting_layers),
+                 full_payload=len(full.csa_sources))
+    return loaded, shape
+
+
+def measure(setup: Setup, seed: int = 0, threads: int = 2, pool_bytes: int = 1 << 30, device: str = "cpu") -> Volume:
+    """Run one model under hisparse at the setup's load on `device`; census counters -> Volume."""
+    from dhisparse import SamplingParams
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    loaded, shape = (_glm if setup.model == "glm52-scaled" else _v41)(setup, seed, device)
+    loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+    eng = Engine(EngineConfig(model=setup.model, preset="hisparse", page_size=setup.page_size, cpu_threads=threads, device=device,
+                              hot_cache_rows=setup.hot_cache_rows, max_running_requests=setup.concurrency,
+                              max_num_batched_tokens=2048, kv_pool_bytes=pool_bytes, host_pool_bytes=pool_bytes,
+                              max_model_len=setup.prompt_len + setup.output_len + 1), loaded=loaded)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=setup.output_len, ignore_eos=True)
+    for _ in range(setup.concurrency):
+        eng.add_request(torch.randint(3, min(259, loaded.config.vocab_size), (setup.prompt_len,), generator=gen).tolist(), params)
+    t0, warm, steps, base = time.perf_counter(), 0, 0, None
+    while eng.has_unfinished():
+        eng.step()
+        decoding = eng.stats().decoding
+        if base is not None:
+            steps += decoding > 0
+        elif decoding == setup.concurrency:  # every request decodes: its hot caches start cold
+            warm += 1
+            if warm >= setup.warmup:  # measure after the warm-up steps
+                base = (dataclasses.replace(eng.store.census), eng.stats().generated_tokens)
+    if base is None:
+        raise ValueError(f"{setup.model}: output_len {setup.output_len} leaves no decode step after "
+                         f"{setup.warmup} warm-up steps; raise --output-len")
+    return _volume(setup, eng, shape, steps, time.perf_counter() - t0, base)
+
+
+def _volume(setup: Setup, eng, shape: dict, steps: int, wall: float, base) -> Volume:
+    """Census deltas since `base` (census copy, generated tokens) -> Volume."""
+    now, (c0, gen0) = eng.store.census, base
+    c = dataclasses.replace(now, **{f: getattr(now, f) - getattr(c0, f) for f in ("selected", "host", "host_selected",
+                                                                                    "bytes_moved", "calls")})
+    hier = getattr(eng.store, "kv", eng.store)  # V4HierStore wraps its row hierarchy
+    B, elem = hier.B, hier.arena.dtype.itemsize
+    tokens = max(eng.stats().generated_tokens - gen0, 1)
+    row_bytes = shape["width"] * elem
+    per_tok = lambda x: x / tokens  # noqa: E731
+    payload_per_sel = shape["payload"] / shape["selecting"]
+    full_payload_per_sel = shape["full_payload"] / shape["full_selecting"]
+    host_bytes = per_tok(c.bytes_moved)
+    sel_scale = shape["full_selecting"] / shape["selecting"]
+    full = {"selecting_layers": shape["full_selecting"], "payload_layers": shape["full_payload"],
+            "selections_per_token": per_tok(c.selected) * sel_scale,
+            "host_rows_per_token": per_tok(c.host) * sel_scale,
+            "host_bytes_per_token": host_bytes * sel_scale * full_payload_per_sel / payload_per_sel,
+            "resolver_calls_per_step": shape["full_selecting"],
+            "hot_cache_bytes_per_session": B * row_bytes * shape["full_payload"]}
+    return Volume(
+        setup.model, shape["selecting"], shape["payload"], shape["sources"], shape["k"], row_bytes,
+        B, B * row_bytes * shape["payload"], per_tok(c.selected), per_tok(c.host),
+        per_tok(c.host_selected), c.host_selected / max(c.selected, 1), host_bytes,
+        c.bytes_moved / max(c.host_selected, 1), c.calls / max(steps, 1),
+        (shape["payload"] - shape["selecting"]) * (setup.model == "glm52-scaled") * c.calls / max(steps, 1) / shape["selecting"],
+        steps, tokens, round(wall, 1), full)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dhisparse.bench.table3", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--glm-layers", type=int, default=8, help="GLM-5.2 scaled layers kept (full: 78)")
+    ap.add_argument("--v41-groups", type=int, default=1, help="V4.1 scaled shared sources kept (full: 4)")
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--glm-prompt", type=int, default=3072)
+    ap.add_argument("--v41-prompt", type=int, default=3072)
+    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4, help="decode steps excluded (cold hot caches)")
+    ap.add_argument("--glm-hot", type=int, default=2048, help="GLM hot cache rows (paper sweep: k..8k)")
+    ap.add_argument("--v41-hot", type=int, default=512, help="V4.1 hot cache rows per source (paper sweep: 2k..16k)")
+    ap.add_argument("--paper", action="store_true",
+                    help="GPU run: full layer plans, the paper's hot caches (V4.1 8192, GLM 4096 rows), long prompts")
+    ap.add_argument("--pool-gib", type=float, default=1.0, help="device KV pool and host pool, GiB each")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=64, help="positions (GLM) / rows (V4.1) per page; B rounds up to it")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the models are built there)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    if args.paper:
+        args.glm_layers, args.v41_groups, args.glm_hot, args.v41_hot = 78, 4, 4096, 8192
+        args.glm_prompt, args.v41_prompt = max(args.glm_prompt, 16384), max(args.v41_prompt, 65536)
+    common = dict(concurrency=args.concurrency, output_len=args.output_len, warmup=args.warmup, page_size=args.page_size)
+    setups = [Setup("glm52-scaled", args.glm_layers, args.glm_hot, prompt_len=args.glm_prompt, **common),
+              Setup("v41-scaled", args.v41_groups, args.v41_hot, prompt_len=args.v41_prompt, **common)]
+    pool = int(args.pool_gib * (1 << 30))
+    rows = [measure(s, threads=args.threads, pool_bytes=pool, device=args.device) for s in setups]
+    for r in rows:
+        print(f"{r.model}: {r.selections_per_token:.0f} selections, {r.host_rows_per_token:.1f} host rows, "
+              f"{r.host_bytes_per_token / 1e6:.3f} MB host, {r.resolver_calls_per_step:.1f} calls/step per token")
+    notes = [f"per generated decode token per request; hisparse; bf16 rows on {args.device}",
+             "full_plan scales the truncated run to the full layer plans by selecting / payload layer ratios",
+             "V4.1 rows are head_dim 512 x bf16 = 1 KiB (the paper's 288 B rows are quantized)"]
+    config = {"setups": [asdict(s) for s in setups], "threads": args.threads, "device": args.device}
+    res = new_result("table3", argv, config, rows, notes)
+    res = dataclasses.replace(res, command=shlex.join(["python", "-m", "dhisparse.bench.table3", *argv]))
+    print(write_json(res, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
