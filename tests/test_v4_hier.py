@@ -74,12 +74,13 @@ def test_v4_speculation_with_rejections_inside_windows(loaded, reference, preset
 def _watch_backups(eng, ck) -> list:
     """I5 / eq. 8: only committed rows (w < committed // m) reach host, with the committed bytes."""
     kv, m, backed = eng.store.kv, eng.model_config.csa_rate, []
-    orig = kv._copy_to_host
+    orig = kv._pages_to_host
 
-    def copy(req, src_loc, start, end):
+    def copy(req, dev_pages, start):
+        end = start + len(dev_pages) * kv.page_size
         st = eng.store.states[req]
         assert end <= st.committed // m, f"rows [{start}, {end}) backed up past the committed frontier {st.committed}"
-        orig(req, src_loc, start, end)
+        orig(req, dev_pages, start)
         host = kv.host.locations(req, start, end)
         for g, layer in enumerate(eng.model_config.csa_sources):
             rows = kv.host.layer_rows(g)[host // kv.host.page_size, host % kv.host.page_size]
@@ -87,7 +88,7 @@ def _watch_backups(eng, ck) -> list:
             torch.testing.assert_close(rows, want, rtol=0, atol=0)
         backed.append((req, start, end))
 
-    kv._copy_to_host = copy
+    kv._pages_to_host = copy
     return backed
 
 

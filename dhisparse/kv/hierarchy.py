@@ -76,6 +76,21 @@ class Census:
         vec[self.FIELDS.index("bytes_moved")] = nbytes
         self._dev = vec if self._dev is None else self._dev + vec
 
+    def copy(self) -> "Census":
+        """A snapshot of the totals (folds pending device counters: one sync)."""
+        out = Census()
+        self._fold()
+        out._tot, out.calls = dict(self._tot), self.calls
+        return out
+
+    def minus(self, base: "Census") -> "Census":
+        """Counters accumulated since the snapshot `base`."""
+        out = self.copy()
+        for k in self.FIELDS:
+            out._tot[k] -= base._tot[k]
+        out.calls -= base.calls
+        return out
+
     def _fold(self) -> None:
         if self._dev is not None:
             for k, v in zip(self.FIELDS, self._dev.tolist()):
