@@ -1,0 +1,86 @@
+"""Resolver benchmark timing: device times with the GPU spinning while the CPU enqueues, and one
+case's plan + copy / plan only / copy only timings (used by resolver_bench.py and resolver_fig8.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.resolver_cases import Case, Rig  # noqa: E402
+from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
+
+SPIN_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than the CPU-side enqueue of one call
+
+
+def timeit(rig: Rig, fn, restore, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+    """(device ms, host enqueue ms) of fn per call; restore() runs before each call, untimed. On CUDA
+    the GPU first spins while the CPU enqueues, so device times exclude Python/launch overhead."""
+    for _ in range(warmup):
+        restore()
+        fn()
+    ts, host = [], []
+    for _ in range(iters):
+        restore()
+        if rig.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SPIN_CYCLES)
+            a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if rig.cuda:
+            b.record()
+            ts.append((a, b))
+    if rig.cuda:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in ts], host
+    return host, host
+
+
+def stats(ts: tuple[list[float], list[float]]) -> dict:
+    """Median, min, max, 10th / 90th percentile (nearest rank) of device times; median enqueue time."""
+    s, h = sorted(ts[0]), sorted(ts[1])
+    q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
+    return {"time_ms": s[len(s) // 2], "min_ms": s[0], "max_ms": s[-1], "p10_ms": q(0.1), "p90_ms": q(0.9),
+            "n_timings": len(s), "host_enqueue_ms": h[len(h) // 2]}
+
+
+def run_case(rig: Rig, case: Case, args, iters: int | None = None) -> dict:
+    """Time plan+copy, plan alone and copy alone for one prepared case."""
+    iters = iters or args.iters
+    st, sel, slots = case.state, case.sel, case.slots
+    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    now = int(st.hot_stamp.max()) + 1
+
+    def restore():
+        st.hot_pos.copy_(snap[0])
+        st.hot_stamp.copy_(snap[1])
+
+    def plan():
+        return plan_triton(sel, slots, st, now, defer=True)
+
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
+
+    def both():
+        launch_copies(plan(), host, dev)
+
+    restore()
+    p = plan().materialize()
+    restore()
+    c = p.counters
+    rec = {"case": case.name, "row_bytes": case.rb, "K": sel.shape[1], "k": sel.shape[2], "N": sel.shape[0],
+           "B": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host,
+           "miss_bytes": c.host * case.rb, "overflow": c.overflow, "counters": c._asdict(), **case.meta}
+    rec.update(stats(timeit(rig, both, restore, iters, args.warmup)))
+    rec["plan_only"] = stats(timeit(rig, plan, restore, iters, args.warmup))
+    rec["copy_only"] = stats(timeit(rig, lambda: launch_copies(p, host, dev), lambda: None, iters, args.warmup))
+    return rec
+
+
