@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from dhisparse.kernels.dispatch import use_triton
 import triton
 import triton.language as tl
 
@@ -214,10 +216,8 @@ def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.
 
 
 def backend(q: torch.Tensor) -> str:
-    """'triton' for CUDA tensors unless DHISPARSE_TORCH_KERNELS=1, else 'torch'."""
-    if q.is_cuda and os.environ.get("DHISPARSE_TORCH_KERNELS", "0") != "1":
-        return "triton"
-    return "torch"
+    """'triton' for CUDA tensors (see kernels/dispatch.py for the overrides), else 'torch'."""
+    return "triton" if use_triton(q) else "torch"
 
 
 def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:

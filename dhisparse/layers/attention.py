@@ -16,7 +16,7 @@ from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, indexer_topk
 from dhisparse.layers.norm import RMSNorm
-from dhisparse.layers.rope import rope_interleaved, softmax_mscale
+from dhisparse.layers.rope import RopeTables, rope_fused, softmax_mscale
 from dhisparse.models.config import ModelConfig
 
 
@@ -87,8 +87,7 @@ class MLAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         batch: ForwardBatch,
         kv: KVContext,
         prev_selection: torch.Tensor | None,
@@ -97,10 +96,10 @@ class MLAttention(nn.Module):
         c, T = self.cfg, x.shape[0]
         q_lat = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_lat).view(T, c.num_heads, c.qk_head_dim)
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rope_fused(q[..., c.qk_nope_head_dim :], rope, interleaved=True)
         ckv = self.kv_a_proj_with_mqa(x)
-        latent = torch.cat([self.kv_a_layernorm(ckv[:, : c.kv_lora_rank]), rope_interleaved(ckv[:, c.kv_lora_rank :], cos, sin)], -1)
-        proj = self.indexer.project(x, q_lat, cos, sin) if self.indexer is not None else None
+        latent = torch.cat([self.kv_a_layernorm(ckv[:, : c.kv_lora_rank]), rope_fused(ckv[:, c.kv_lora_rank :], rope, interleaved=True)], -1)
+        proj = self.indexer.project(x, q_lat, rope) if self.indexer is not None else None
         kv.store(self.layer, latent, proj.k if proj is not None else None)
         if proj is not None:
             selection = indexer_topk(proj, batch, kv, self.layer, c.index_topk)

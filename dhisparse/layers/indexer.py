@@ -10,14 +10,15 @@ The plain-PyTorch per-request scorer here is the ground truth for the batched pa
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple
 
 import torch
+
+from dhisparse.kernels.dispatch import use_triton
 from torch import nn
 
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.layers.rope import rope_half_split, rope_interleaved
+from dhisparse.layers.rope import RopeTables, rope_fused
 from dhisparse.models.config import ModelConfig
 
 
@@ -41,14 +42,13 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
-    def project(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerProjection:
-        """x [T, H], q_lat [T, q_lora], cos/sin [T, rope/2] -> IndexerProjection."""
-        rope = rope_interleaved if self.interleave else rope_half_split
+    def project(self, x: torch.Tensor, q_lat: torch.Tensor, rope: RopeTables) -> IndexerProjection:
+        """x [T, H], q_lat [T, q_lora], rope: the pass's tables (cos/sin [T, rope/2]) -> IndexerProjection."""
         q = self.wq_b(q_lat).view(-1, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
         r = self.rope_dim
-        q = torch.cat([rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([rope(k[:, :r], cos, sin), k[:, r:]], dim=-1)
+        q = torch.cat([rope_fused(q[..., :r], rope, self.interleave), q[..., r:]], dim=-1)
+        k = torch.cat([rope_fused(k[:, :r], rope, self.interleave), k[:, r:]], dim=-1)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         return IndexerProjection(q, k, w)
 
@@ -98,8 +98,7 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
     table_of = getattr(kv, "index_table", None)
     if table_of is None:
         return indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: kv.index_keys(layer, r), topk)
-    use_triton = proj.q.is_cuda and os.environ.get("DHISPARSE_TORCH_KERNELS", "0") != "1"
-    if use_triton:
+    if use_triton(proj.q):
         from dhisparse.kernels.indexer import indexer_topk_triton as fn
     else:
         from dhisparse.kernels.indexer_torch import indexer_topk_torch as fn

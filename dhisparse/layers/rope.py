@@ -9,6 +9,7 @@ GLM's indexer uses the interleaved form.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -69,6 +70,46 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+
+class RopeTables(NamedTuple):
+    """One pass's rotation tables. cos, sin [T, r/2]; C = [cos | cos], S = [-sin | sin] [T, r].
+
+    With a = the input in [first | second] half order and b = its halves swapped, a rotation is
+    a * C + b * S (see `rope_fused`): two gathers and two arithmetic ops per call."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    C: torch.Tensor
+    S: torch.Tensor
+
+    @classmethod
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor) -> "RopeTables":
+        return cls(cos, sin, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+
+
+_PERMS: dict[tuple, torch.Tensor] = {}
+
+
+def _perm(r: int, interleaved: bool, swapped: bool, device: torch.device) -> torch.Tensor:
+    """Channel order [first | second] of a rotary slice of width r (interleaved: evens | odds),
+    halves swapped when `swapped`."""
+    key = (r, interleaved, swapped, str(device))
+    if key not in _PERMS:
+        idx = torch.arange(r)
+        first, second = (idx[0::2], idx[1::2]) if interleaved else (idx[: r // 2], idx[r // 2 :])
+        _PERMS[key] = (torch.cat([second, first]) if swapped else torch.cat([first, second])).to(device)
+    return _PERMS[key]
+
+
+def rope_fused(x: torch.Tensor, t: RopeTables, interleaved: bool) -> torch.Tensor:
+    """Same result as `rope_interleaved` / `rope_half_split` (x [T, ..., r] -> [T, ..., r]) in four
+    or five ops; the output is in [first' | second'] half order, as theirs."""
+    r = x.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+    a = x.index_select(-1, _perm(r, True, False, x.device)) if interleaved else x
+    b = x.index_select(-1, _perm(r, interleaved, True, x.device))
+    return torch.addcmul(a * t.C.view(shape), b, t.S.view(shape))
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dhisparse.kv.context import ForwardBatch, KVContext
 from dhisparse.layers.attention import MLAttention
 from dhisparse.layers.moe import MLP, MoE
 from dhisparse.layers.norm import RMSNorm
-from dhisparse.layers.rope import RotaryEmbedding
+from dhisparse.layers.rope import RopeTables, RotaryEmbedding
 from dhisparse.models.base import CausalLMHead
 from dhisparse.models.config import ModelConfig
 
@@ -39,8 +39,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, batch, kv, prev_selection):
-        a, selection = self.self_attn(self.input_layernorm(h), cos, sin, batch, kv, prev_selection)
+    def forward(self, h, rope, batch, kv, prev_selection):
+        a, selection = self.self_attn(self.input_layernorm(h), rope, batch, kv, prev_selection)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), selection
 
@@ -67,11 +67,11 @@ class DsaForCausalLM(CausalLMHead):
     def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         m = self.model
         h = m.embed_tokens(batch.input_ids)
-        cos, sin = m.rotary_emb(batch.positions, h.dtype)
+        rope = RopeTables.build(*m.rotary_emb(batch.positions, h.dtype))  # once per pass
         selection = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
-            h, selection = layer(h, cos, sin, batch, kv, selection)
+            h, selection = layer(h, rope, batch, kv, selection)
             if i in capture_layers:
                 captured[i] = h
         return ModelOutput(m.norm(h), captured)
