@@ -39,13 +39,16 @@ class HierContext(PagedContext):
                                       [0 if st.decoding else n for st, n in zip(states, self.lens)], kv.page_size, kv.device)
         if self.lat_of.shape[1] < self.idx_of.shape[1]:
             self.lat_of = torch.nn.functional.pad(self.lat_of, (0, self.idx_of.shape[1] - self.lat_of.shape[1]), value=-1)
+        starts = []
         for r, st in enumerate(states):
             if st.decoding:
                 self.decode_rows.append(r)
                 self.slots.append(st.slot)
-                self.lat_of[r, st.tail_start : self.lens[r]] = kv.tail_loc[st.slot, : self.lens[r] - st.tail_start]
-        self._finish_tables()
+                starts.append(st.tail_start)
         self._decode_map(batch.query_start, kv.device)
+        if self.decode_rows:
+            self._tail_into_table(starts)
+        self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
 
@@ -67,6 +70,22 @@ class HierContext(PagedContext):
         m = torch.tensor([tok, ii, jj], dtype=torch.int64).to(device, non_blocking=True)
         self.dec_tok, self.dec_i, self.dec_j = m[0], m[1], m[2]
         self.slots_t = torch.tensor(self.slots, dtype=torch.int64).to(device, non_blocking=True)
+
+    def _tail_into_table(self, starts: list[int]) -> None:
+        """lat_of[r, tail_start .. len) = the slot's tail locations, for every decoding request in
+        a few batched ops. Tail offsets past a request's length write a scratch column.
+
+            positions   0 ........ tail_start ...... len-1 | scratch
+            lat_of[r]   -1 (history: resolver)  tail_loc[slot, 0 ..]   | W
+        """
+        kv, W = self.kv, self.lat_of.shape[1]
+        info = torch.tensor([self.decode_rows, starts, [self.lens[r] for r in self.decode_rows]],
+                            dtype=torch.int64).to(kv.device, non_blocking=True)
+        pos = info[1][:, None] + torch.arange(kv.tail_loc.shape[1], device=kv.device)  # [Nd, TT]
+        pos = torch.where(pos < info[2][:, None], pos, W)
+        wide = torch.nn.functional.pad(self.lat_of, (0, 1), value=-1)
+        wide[info[0][:, None].expand_as(pos), pos] = kv.tail_loc[self.slots_t]
+        self.lat_of = wide[:, :W]
 
     def _check(self, selection: torch.Tensor) -> None:
         lens = self.batch.seq_lens[self.batch.req_idx][:, None]
