@@ -59,7 +59,11 @@ def _check_rows(rows: torch.Tensor, drafts: Sequence[int], what: str) -> None:
 def verify_greedy(target_logits: torch.Tensor, drafts: Sequence[int]) -> Acceptance:
     """target_logits [K_r, V]; drafts x_1..x_{K_r-1} -> Acceptance (longest matching prefix)."""
     _check_rows(target_logits, drafts, "target_logits")
-    best = target_logits.argmax(dim=-1).tolist()
+    return _greedy(target_logits.argmax(dim=-1).tolist(), drafts)
+
+
+def _greedy(best: list[int], drafts: Sequence[int]) -> Acceptance:
+    """best: the target's argmax per row (anchor first) -> the longest matching prefix + bonus."""
     accepted = 0
     while accepted < len(drafts) and int(drafts[accepted]) == best[accepted]:
         accepted += 1
@@ -145,11 +149,13 @@ def verify_batch(
     row_params = [params[r] for r in range(n) for _ in range(query_start[r], query_start[r + 1])]
     sampled = any(not p.greedy for p in params)
     probs = processed_probs(logits, row_params) if sampled else None
+    best = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None  # one sync for all
     out = []
     for r in range(n):
         a, b = query_start[r], query_start[r + 1]
         if params[r].greedy:
-            out.append(verify_greedy(logits[a:b], drafts[r]))
+            _check_rows(logits[a:b], drafts[r], "target_logits")
+            out.append(_greedy(best[a:b], drafts[r]))
         else:
             out.append(verify_sampled(probs[a:b], drafts[r], draft_probs[r], generators[r]))
     return out
