@@ -41,11 +41,6 @@ def gather_rows_kernel(src_ptr, dst_ptr, sidx_ptr, didx_ptr, cnt_ptr, C,
             tl.store(dst_ptr + db[:, None] + cols[None, :], v, mask=m)
 
 
-def row_bytes(rows: torch.Tensor) -> int:
-    """Bytes of one row of a [pages, rows_per_page, W] row space."""
-    return rows.shape[-1] * rows.element_size()
-
-
 def _unit(t: torch.Tensor) -> int:
     """Widest unit (bytes) dividing the row size, the page/row strides and the base address."""
     es = t.element_size()

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kernels.gather import gather_rows_padded, row_bytes
+from dhisparse.kernels.gather import gather_rows_padded
+from dhisparse.kv.arena import row_bytes
 from dhisparse.kernels.resolver_kernel import resolve_plan_kernel
 from dhisparse.kv.resolver import ResolveCounters, ResolvePlan, ResolverState
 

@@ -69,6 +69,11 @@ class KVArena:
         return loc[:n]
 
 
+def row_bytes(rows: torch.Tensor) -> int:
+    """Bytes of one row of a [pages, rows_per_page, W] row space."""
+    return rows.shape[-1] * rows.element_size()
+
+
 SPACE = 1 << 40  # location = space * SPACE + flat location inside that row space
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import SPACE, table_locations
+from dhisparse.kv.arena import SPACE, row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
@@ -21,10 +21,6 @@ def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None
     from dhisparse.kernels.resolver import launch_copies as launch
 
     launch(plan, host_rows, dev_rows)
-
-
-def row_bytes(rows: torch.Tensor) -> int:
-    return rows.shape[-1] * rows.element_size()
 
 
 class HierContext(PagedContext):
