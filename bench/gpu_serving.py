@@ -16,7 +16,6 @@ The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
 import os

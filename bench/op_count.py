@@ -22,7 +22,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DHISPARSE_TRITON_KERNELS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import bench.step_profile as sp  # noqa: E402
