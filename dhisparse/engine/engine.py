@@ -28,6 +28,7 @@ from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
+from dhisparse.models.graphs import ffn_graphs_for
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
@@ -46,6 +47,7 @@ class Engine:
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self._set_graphs(config.cuda_graphs)
         self.store, pages = self._build_kv(config)
         spec_cfg = config.spec_config()
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
@@ -59,6 +61,14 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+
+    def _set_graphs(self, mode: str) -> None:
+        if not hasattr(self.model, "ffn_graphs"):
+            if mode != "none":
+                raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
+            return
+        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
+        self.model.ffn_graphs = ffn_graphs_for(self.device, mode, experts)
 
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""

@@ -39,10 +39,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, batch, kv, prev_selection):
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        """The FFN block with its residual: a pure function of h [T, H] (graph-capturable)."""
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, h, rope, batch, kv, prev_selection, graphs=None):
         a, selection = self.self_attn(self.input_layernorm(h), rope, batch, kv, prev_selection)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), selection
+        out = graphs(self.self_attn.layer, self.ffn, h) if graphs is not None else self.ffn(h)
+        return out, selection
 
 
 class DsaModel(nn.Module):
@@ -61,6 +66,7 @@ class DsaForCausalLM(CausalLMHead):
         super().__init__()
         self.config = cfg
         self.model = DsaModel(cfg)
+        self.ffn_graphs = None  # models.graphs.FFNGraphs: piecewise CUDA graphs of the FFN blocks
         self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
@@ -71,7 +77,7 @@ class DsaForCausalLM(CausalLMHead):
         selection = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
-            h, selection = layer(h, rope, batch, kv, selection)
+            h, selection = layer(h, rope, batch, kv, selection, self.ffn_graphs)
             if i in capture_layers:
                 captured[i] = h
         return ModelOutput(m.norm(h), captured)

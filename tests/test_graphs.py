@@ -1,0 +1,57 @@
+"""Piecewise FFN graphs: bucketing, padding and output ownership (eager runner on CPU; the CUDA
+runner records the same function)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dhisparse import SamplingParams
+from dhisparse.engine.llm import LLM
+from dhisparse.models.graphs import EagerRunner, FFNGraphs, ffn_graphs_for, graph_buckets
+
+
+def tiny_llm() -> LLM:
+    return LLM("tiny", page_size=8)
+
+
+def test_replays_equal_eager_ffn_and_own_their_outputs():
+    llm = tiny_llm()
+    layer = llm.engine.model.model.layers[0]
+    g = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8))
+    torch.manual_seed(0)
+    for T in (1, 3, 5, 8, 13):
+        h = torch.randn(T, layer.post_attention_layernorm.weight.shape[0])
+        torch.testing.assert_close(g(0, layer.ffn, h), layer.ffn(h), rtol=1e-5, atol=1e-5)
+    assert g.eager == 1 and g.replayed == 4  # T = 13 exceeds the largest bucket
+    assert set(g.replays) == {(0, 1), (0, 4), (0, 8)}
+    a = g(0, layer.ffn, torch.ones(3, layer.post_attention_layernorm.weight.shape[0]))
+    keep = a.clone()
+    g(0, layer.ffn, torch.zeros(3, layer.post_attention_layernorm.weight.shape[0]))  # same graph replays
+    assert torch.equal(a, keep)  # an earlier result is not overwritten by the next replay
+
+
+def test_engine_with_ffn_replays_generates_the_same_tokens():
+    prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
+    llm = tiny_llm()
+    graphs = llm.engine.model.ffn_graphs = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8))
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    finally:
+        llm.engine.model.ffn_graphs = None
+    assert graphs.replayed > 0 and graphs.eager > 0  # decode steps replay, long prefill chunks run eagerly
+
+
+def test_bad_settings_name_the_fix():
+    with pytest.raises(ValueError, match="increasing"):
+        FFNGraphs(EagerRunner(), buckets=(4, 2))
+    with pytest.raises(ValueError, match="routed experts"):
+        graph_buckets(256)
+    assert max(graph_buckets(16)) * 16 <= 1 << 16
+    with pytest.raises(ValueError, match="--cuda-graphs none"):
+        ffn_graphs_for(torch.device("cpu"), "ffn", 16)
+    assert ffn_graphs_for(torch.device("cpu"), "none", 16) is None
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM("tiny", cuda_graphs="all")
