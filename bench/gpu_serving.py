@@ -65,6 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
+    a("--cuda-graphs", default="none", help="none or ffn (piecewise FFN graphs)")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)
@@ -139,7 +140,8 @@ def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
                         max_num_batched_tokens=ns.max_batched_tokens, hot_cache_rows=ns.hot_cache_rows,
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
                         speculative_algorithm="oracle" if spec else None, speculative_num_draft_tokens=ns.spec_width,
-                        speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec else None)
+                        speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec else None,
+                        cuda_graphs=ns.cuda_graphs)
 
 
 def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):

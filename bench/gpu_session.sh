@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of kernels,exact,profile,resolver,serving (default: kernels,profile,serving). Budget
+# steps: any of kernels,exact,profile,graphs,resolver,serving (default: kernels,profile,serving). Budget
 # the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~4 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first).
 set -u
@@ -18,6 +18,9 @@ case ",$STEPS," in *,exact,*)
 case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
       --kv-pool-gib 40 --host-pool-gib 40 --out "$OUT/step_profile_h200.json" ;; esac
+case ",$STEPS," in *,graphs,*)
+  run "decode-step profile, piecewise FFN graphs" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 \
+      --warmup 3 --kv-pool-gib 40 --host-pool-gib 40 --cuda-graphs ffn --out "$OUT/step_profile_graphs_h200.json" ;; esac
 case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)

@@ -50,6 +50,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions listed per preset")
+    a("--cuda-graphs", default="none", help="none or ffn (piecewise FFN graphs, see dhisparse/models/graphs.py)")
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
     a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
@@ -67,7 +68,8 @@ def engine_config(ns, preset: str) -> EngineConfig:
                         kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.host_pool_gib * 2**30),
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
-                        speculative_algorithm="ngram" if spec else None, speculative_num_draft_tokens=4)
+                        speculative_algorithm="ngram" if spec else None, speculative_num_draft_tokens=4,
+                        cuda_graphs=ns.cuda_graphs)
 
 
 def sync(device: str) -> None:
