@@ -72,16 +72,6 @@ SCALED_CONFIGS: dict[str, dict] = {
         "index_skip_topk_offset": 3,
         "rms_norm_eps": 1e-5,
     },
-    "glm52-scaled-k512": {
-        **_SHARED,
-        "model_type": "glm_moe_dsa",
-        "architectures": ["GlmMoeDsaForCausalLM"],
-        "num_hidden_layers": 78,
-        "index_topk_freq": 4,
-        "index_skip_topk_offset": 3,
-        "rms_norm_eps": 1e-5,
-        "index_topk": 512,
-    },
     "dsv32-scaled": {
         **_SHARED,
         "model_type": "deepseek_v32",
@@ -90,6 +80,8 @@ SCALED_CONFIGS: dict[str, dict] = {
         "rms_norm_eps": 1e-6,
     },
 }
+
+SCALED_CONFIGS["glm52-scaled-k512"] = {**SCALED_CONFIGS["glm52-scaled"], "index_topk": 512}
 
 RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 FP32_SUFFIXES = (".mlp.gate.weight", "e_score_correction_bias")
