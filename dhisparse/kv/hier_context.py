@@ -151,8 +151,9 @@ class HierContext(PagedContext):
         kv, host = self.kv, self.kv.host.layer_rows(layer)
         if getattr(plan, "deferred", False):
             launch_copies(plan, host, rows)
-            nbytes = plan.copy_n.sum() * row_bytes(rows)
-            kv.census.add_device(plan.counts, nbytes) if producer else kv.census.add_bytes(nbytes)
+            if producer:  # every layer of the group copies the same rows: count them all here, once
+                nbytes = plan.copy_n.sum() * (row_bytes(rows) * kv.group_size[kv.group_of[layer]])
+                kv.census.add_device(plan.counts, nbytes)
             return
         nbytes = kv.copy_fn(plan, host, rows)
         nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0

@@ -70,12 +70,6 @@ class Census:
         self._dev = vec if self._dev is None else self._dev + vec
         self.calls += 1
 
-    def add_bytes(self, nbytes: torch.Tensor) -> None:
-        """Bytes a follower layer moved (0-d device tensor), without synchronising."""
-        vec = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=nbytes.device)
-        vec[self.FIELDS.index("bytes_moved")] = nbytes
-        self._dev = vec if self._dev is None else self._dev + vec
-
     def copy(self) -> "Census":
         """A snapshot of the totals (folds pending device counters: one sync)."""
         out = Census()
@@ -128,6 +122,7 @@ class HierarchicalKV:
         self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
+        self.group_size = [sum(1 for g in self.group_of.values() if g == i) for i in range(len(self.groups))]
         G, S, dev = len(self.groups), max_slots, self.device
         self.hot_pos = torch.full((S, G, self.B), -1, dtype=torch.int64, device=dev)
         self.hot_stamp = torch.full_like(self.hot_pos, -1)
