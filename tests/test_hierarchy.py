@@ -90,15 +90,16 @@ def test_host_pool_exhaustion_makes_admission_wait(caplog):
     assert any("host pool" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("preset", ["hisparse", "adaptive"])
-def test_deferred_triton_resolver_matches_reference_resolver(preset):
+@pytest.mark.parametrize("preset,hot,spec", [("hisparse", 16, {}), ("adaptive", 16, {}),
+                                             ("hisparse", 64, {"speculative_algorithm": "ngram"})])
+def test_deferred_triton_resolver_matches_reference_resolver(preset, hot, spec):
     """The Triton resolver runs sync-free (defer=True, counters folded on read): same tokens as
     resident and the same census as the reference resolver, with hot-cache misses and direct calls."""
     ps, short = prompts(3), SamplingParams(max_tokens=10, ignore_eos=True)
     ref = [o.token_ids for o in LLM("tiny", page_size=4).generate(ps, short)]
     census = {}
     for resolver in ("torch", "triton"):
-        llm = LLM("tiny", preset=preset, resolver=resolver, hot_cache_rows=16, page_size=4, kv_pool_bytes=1 << 20)
+        llm = LLM("tiny", preset=preset, resolver=resolver, hot_cache_rows=hot, page_size=4, kv_pool_bytes=1 << 20, **spec)
         assert llm.engine.store.deferred == (resolver == "triton")
         assert [o.token_ids for o in llm.generate(ps, short)] == ref
         c = llm.engine.store.census

@@ -51,10 +51,12 @@ class Census:
     host totals the first time a field is read (one sync per read, not per call)."""
 
     FIELDS = ResolveCounters._fields + ("bytes_moved", "direct_calls")
+    REDUCE_EVERY = 256
 
     def __init__(self) -> None:
         self._tot = dict.fromkeys(self.FIELDS, 0)
         self._dev: torch.Tensor | None = None  # [len(FIELDS)] int64 on the device, not yet folded
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (counts [6], bytes) per call
         self.calls = 0
 
     def add(self, c: ResolveCounters, nbytes: int) -> None:
@@ -64,11 +66,21 @@ class Census:
         self.calls += 1
 
     def add_device(self, counts: torch.Tensor, nbytes: torch.Tensor) -> None:
-        """counts [6] int64 device tensor in ResolveCounters order; nbytes: 0-d device tensor."""
-        direct_call = (counts[0] == counts[1]).to(torch.int64)  # every selected row resolved directly
-        vec = torch.cat([counts, nbytes.reshape(1).to(torch.int64), direct_call.reshape(1)])
-        self._dev = vec if self._dev is None else self._dev + vec
+        """counts [6] int64 device tensor in ResolveCounters order; nbytes: 0-d device tensor.
+        Kept as is (no op dispatched); reduced on the device every REDUCE_EVERY calls."""
+        self._pending.append((counts, nbytes))
         self.calls += 1
+        if len(self._pending) >= self.REDUCE_EVERY:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """Pending device counters -> one device vector (no sync)."""
+        c = torch.stack([p[0] for p in self._pending])  # [M, 6]
+        b = torch.stack([p[1].reshape(()).to(torch.int64) for p in self._pending])
+        direct_calls = (c[:, 2] + c[:, 3] == 0).sum()  # no row from the hot cache or host: wholly direct
+        vec = torch.cat([c.sum(0), b.sum().reshape(1), direct_calls.reshape(1)])
+        self._dev = vec if self._dev is None else self._dev + vec
+        self._pending = []
 
     def copy(self) -> "Census":
         """A snapshot of the totals (folds pending device counters: one sync)."""
@@ -86,6 +98,8 @@ class Census:
         return out
 
     def _fold(self) -> None:
+        if self._pending:
+            self._reduce()
         if self._dev is not None:
             for k, v in zip(self.FIELDS, self._dev.tolist()):
                 self._tot[k] += int(v)
