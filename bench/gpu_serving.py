@@ -65,7 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
-    a("--cuda-graphs", default="none", help="none or ffn (piecewise FFN graphs)")
+    a("--cuda-graphs", default="none", help="none, ffn or layer (piecewise CUDA graphs)")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)

@@ -15,6 +15,19 @@ def tiny_llm() -> LLM:
     return LLM("tiny", page_size=8)
 
 
+def test_rope_tables_are_copied_once_per_pass():
+    g = FFNGraphs(EagerRunner(), buckets=(4,), pieces=("pre", "ffn"))
+    seen = []
+    fn = lambda h, C, S: seen.append((h.clone(), C.clone())) or h  # noqa: E731
+    h1, C = torch.randn(3, 5), torch.randn(3, 2)
+    g.pre(0, fn, h1, C, C)
+    g.pre(1, fn, torch.randn(3, 5), C, C)  # same tables object: not copied again
+    assert torch.equal(seen[1][1][:3], C)
+    C2 = torch.randn(3, 2)
+    g.pre(1, fn, h1, C2, C2)  # a new pass's tables are copied
+    assert torch.equal(seen[2][1][:3], C2) and torch.equal(seen[2][0][:3], h1)
+
+
 def test_replays_equal_eager_ffn_and_own_their_outputs():
     llm = tiny_llm()
     layer = llm.engine.model.model.layers[0]
@@ -24,29 +37,33 @@ def test_replays_equal_eager_ffn_and_own_their_outputs():
         h = torch.randn(T, layer.post_attention_layernorm.weight.shape[0])
         torch.testing.assert_close(g(0, layer.ffn, h), layer.ffn(h), rtol=1e-5, atol=1e-5)
     assert g.eager == 1 and g.replayed == 4  # T = 13 exceeds the largest bucket
-    assert set(g.replays) == {(0, 1), (0, 4), (0, 8)}
+    assert set(g.replays) == {("ffn", 0, 1), ("ffn", 0, 4), ("ffn", 0, 8)}
     a = g(0, layer.ffn, torch.ones(3, layer.post_attention_layernorm.weight.shape[0]))
     keep = a.clone()
     g(0, layer.ffn, torch.zeros(3, layer.post_attention_layernorm.weight.shape[0]))  # same graph replays
     assert torch.equal(a, keep)  # an earlier result is not overwritten by the next replay
 
 
-def test_engine_with_ffn_replays_generates_the_same_tokens():
+@pytest.mark.parametrize("pieces", [("ffn",), ("pre", "ffn")])
+def test_engine_with_piece_replays_generates_the_same_tokens(pieces):
     prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
     llm = tiny_llm()
-    graphs = llm.engine.model.ffn_graphs = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8))
+    graphs = llm.engine.model.ffn_graphs = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8), pieces=pieces)
     try:
         assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     finally:
         llm.engine.model.ffn_graphs = None
     assert graphs.replayed > 0 and graphs.eager > 0  # decode steps replay, long prefill chunks run eagerly
+    assert {p for p, _, _ in graphs.replays} == set(pieces)
 
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="increasing"):
         FFNGraphs(EagerRunner(), buckets=(4, 2))
+    with pytest.raises(ValueError, match="pieces"):
+        FFNGraphs(EagerRunner(), pieces=("attention",))
     with pytest.raises(ValueError, match="routed experts"):
         graph_buckets(256)
     assert max(graph_buckets(16)) * 16 <= 1 << 16
@@ -55,3 +72,5 @@ def test_bad_settings_name_the_fix():
     assert ffn_graphs_for(torch.device("cpu"), "none", 16) is None
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM("tiny", cuda_graphs="all")
+    with pytest.raises(ValueError, match="--cuda-graphs none"):
+        ffn_graphs_for(torch.device("cpu"), "layer", 16)

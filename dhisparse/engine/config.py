@@ -36,9 +36,10 @@ class EngineConfig:
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
-    cuda_graphs [--cuda-graphs]: "none" or "ffn": replay each decoder layer's FFN block (norm, experts,
-        residual) from a CUDA graph per token bucket (piecewise graphs; attention stays eager).
-        DSA models with <= 64 routed experts on CUDA.
+    cuda_graphs [--cuda-graphs]: "none", "ffn" or "layer": replay each decoder layer's FFN block
+        (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
+        projections, RoPE, indexer projections) -- from CUDA graphs per token bucket (piecewise
+        graphs; the KV part of attention stays eager). DSA models with <= 64 routed experts, CUDA.
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
@@ -106,8 +107,8 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
         if self.reclaim_order not in ("remaining", "largest", "newest"):
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
-        if self.cuda_graphs not in ("none", "ffn"):
-            raise ConfigValueError(f"cuda_graphs must be 'none' or 'ffn', got {self.cuda_graphs!r}")
+        if self.cuda_graphs not in ("none", "ffn", "layer"):
+            raise ConfigValueError(f"cuda_graphs must be 'none', 'ffn' or 'layer', got {self.cuda_graphs!r}")
         if self.copy_stream not in ("side", "compute"):
             raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:

@@ -9,12 +9,14 @@ which equals transformers' expanded MLA with the top-k mask, but reads only the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from dhisparse.kv.arena import gather_rows
 from dhisparse.kv.context import ForwardBatch, KVContext
-from dhisparse.layers.indexer import Indexer, indexer_topk
+from dhisparse.layers.indexer import Indexer, IndexerProjection, indexer_topk
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, rope_fused, softmax_mscale
 from dhisparse.models.config import ModelConfig
@@ -61,6 +63,17 @@ def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor,
     return kernels.sparse_mla(q_abs, q_pe, rows, loc, scale)
 
 
+class PreAttention(NamedTuple):
+    """The KV-free part of a layer's attention. q_abs [T, H, C] queries absorbed into latent
+    space; q_pe [T, H, rope] roped; latent [T, C + rope] the row to store; index: the indexer's
+    projections (None on GLM `shared` layers)."""
+
+    q_abs: torch.Tensor
+    q_pe: torch.Tensor
+    latent: torch.Tensor
+    index: IndexerProjection | None
+
+
 class MLAttention(nn.Module):
     """MLA + lightning indexer (HF module names). Shared (GLM) layers have no indexer."""
 
@@ -93,14 +106,26 @@ class MLAttention(nn.Module):
         prev_selection: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (out [T, hidden], selection [T, index_topk])."""
-        c, T = self.cfg, x.shape[0]
+        return self.core(self.pre(x, rope.C, rope.S), batch, kv, prev_selection)
+
+    def pre(self, x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> PreAttention:
+        """Everything before the KV cache, a pure per-token function (graph-capturable):
+        x [T, hidden], C / S [T, rope] (RopeTables) -> PreAttention."""
+        c, T, rope = self.cfg, x.shape[0], RopeTables(None, None, C, S)
         q_lat = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_lat).view(T, c.num_heads, c.qk_head_dim)
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rope_fused(q[..., c.qk_nope_head_dim :], rope, interleaved=True)
+        q_pe = rope_fused(q[..., c.qk_nope_head_dim :], rope, interleaved=True)
+        q_abs = torch.einsum("thn,hnc->thc", q[..., : c.qk_nope_head_dim], self.absorbed_weights()[0])
         ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(ckv[:, : c.kv_lora_rank]), rope_fused(ckv[:, c.kv_lora_rank :], rope, interleaved=True)], -1)
         proj = self.indexer.project(x, q_lat, rope) if self.indexer is not None else None
-        kv.store(self.layer, latent, proj.k if proj is not None else None)
+        return PreAttention(q_abs, q_pe, latent, proj)
+
+    def core(self, pre: PreAttention, batch: ForwardBatch, kv: KVContext,
+             prev_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the rows, select, locate, attend, project out: (out [T, hidden], selection)."""
+        c, T, proj = self.cfg, pre.q_abs.shape[0], pre.index
+        kv.store(self.layer, pre.latent, proj.k if proj is not None else None)
         if proj is not None:
             selection = indexer_topk(proj, batch, kv, self.layer, c.index_topk)
         elif prev_selection is None:
@@ -108,8 +133,6 @@ class MLAttention(nn.Module):
         else:
             selection = prev_selection
         rows, loc = kv.locate(self.layer, selection)
-        w_uk, w_uv = self.absorbed_weights()
-        q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        o_lat = sparse_mla(q_abs, q_pe, rows, loc, self.scale)
-        o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(T, -1)
+        o_lat = sparse_mla(pre.q_abs, pre.q_pe, rows, loc, self.scale)
+        o = torch.einsum("thc,hvc->thv", o_lat, self.absorbed_weights()[1]).reshape(T, -1)
         return self.o_proj(o), selection

@@ -43,10 +43,20 @@ class DecoderLayer(nn.Module):
         """The FFN block with its residual: a pure function of h [T, H] (graph-capturable)."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def pre(self, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
+        """Input norm + the KV-free part of attention: a pure function of h, C, S (graph-capturable)."""
+        return self.self_attn.pre(self.input_layernorm(h), C, S)
+
     def forward(self, h, rope, batch, kv, prev_selection, graphs=None):
-        a, selection = self.self_attn(self.input_layernorm(h), rope, batch, kv, prev_selection)
+        """graphs: models.graphs.PiecewiseGraphs replaying the pure pieces, or None (eager)."""
+        layer = self.self_attn.layer
+        if graphs is not None and "pre" in graphs.pieces:
+            pre = graphs.pre(layer, self.pre, h, rope.C, rope.S)
+        else:
+            pre = self.pre(h, rope.C, rope.S)
+        a, selection = self.self_attn.core(pre, batch, kv, prev_selection)
         h = h + a
-        out = graphs(self.self_attn.layer, self.ffn, h) if graphs is not None else self.ffn(h)
+        out = graphs.ffn(layer, self.ffn, h) if graphs is not None and "ffn" in graphs.pieces else self.ffn(h)
         return out, selection
 
 

@@ -1,11 +1,14 @@
-"""Piecewise CUDA graphs: each decoder layer's FFN block replayed from a graph per token bucket.
+"""Piecewise CUDA graphs: pure per-token pieces of each decoder layer replayed from graphs per bucket.
 
 A decode step dispatches ~100+ small ops per layer; on a GPU each costs the host 5-20 us whether
 or not the GPU is busy. The FFN block of a layer -- post-attention norm, router, experts (the
 small-batch dense path, no host sync) or MLP, residual add -- is a pure function of the layer's
-hidden state [T, H]: no KV state, no host-side decisions. `FFNGraphs` captures it once per
-(layer, bucket) and replays it, so the block costs one copy in, one replay and one copy out.
-Attention stays eager (its KV context changes shape every step), as in vLLM's piecewise graphs.
+hidden state [T, H]: no KV state, no host-side decisions. `PiecewiseGraphs` captures it once per
+(layer, bucket) and replays it, so the block costs one copy in, one replay and one copy out. The
+pre-attention piece (input norm, q / kv projections, RoPE, the absorbed query, the indexer's
+projections; `MLAttention.pre`) is pure per token too ('layer' mode replays both). The KV part --
+store, index top-k, locate, sparse attention -- stays eager (its context changes shape every
+step), as in vLLM's piecewise graphs.
 
     tokens T -> bucket Tb = smallest bucket >= T (T > the largest bucket: eager)
     static_in[Tb][:T] = h          (rows T..Tb-1 keep finite earlier values; the FFN is per-token,
@@ -29,8 +32,8 @@ FFN = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Runner(Protocol):
-    def capture(self, fn: FFN, static_in: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Record fn(static_in); return a replay function giving the static output."""
+    def capture(self, thunk: Callable[[], object]) -> Callable[[], object]:
+        """Record thunk() (a piece over static inputs); return a replay giving its static output."""
 
 
 class CudaGraphRunner:
@@ -40,18 +43,18 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
 
-    def capture(self, fn: FFN, static_in: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def capture(self, thunk: Callable[[], object]) -> Callable[[], object]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                fn(static_in)
+                thunk()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(static_in)
+            out = thunk()
 
-        def replay() -> torch.Tensor:
+        def replay() -> object:
             graph.replay()
             return out
 
@@ -61,40 +64,80 @@ class CudaGraphRunner:
 class EagerRunner:
     """Same bucketing and padding, no graph: replay runs fn on the static input (CPU tests)."""
 
-    def capture(self, fn: FFN, static_in: torch.Tensor) -> Callable[[], torch.Tensor]:
-        return lambda: fn(static_in)
+    def capture(self, thunk: Callable[[], object]) -> Callable[[], object]:
+        return thunk
 
 
-class FFNGraphs:
-    """Per-(layer, bucket) replays of FFN blocks. `__call__(layer, fn, h)` -> fn(h) [T, H]."""
+def _head(out, T: int):
+    """out (a tensor, or a NamedTuple / tuple of tensors and None) with every tensor cut to [:T]."""
+    if isinstance(out, torch.Tensor):
+        return out[:T]
+    if out is None:
+        return None
+    parts = [_head(o, T) for o in out]
+    return type(out)(*parts) if hasattr(out, "_fields") else type(out)(parts)
 
-    def __init__(self, runner: Runner, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+
+class PiecewiseGraphs:
+    """Per-(piece, layer, bucket) replays of pure per-token pieces of a decoder layer.
+
+    `ffn(layer, fn, h)` -> fn(h) [T, H], cloned (it lives on into the next layer);
+    `pre(layer, fn, h, C, S)` -> fn(h, C, S) (PreAttention), not cloned: valid until the same
+    graph replays again, i.e. within this layer of this pass.
+    Static inputs are shared per (bucket, slot) across layers and pieces (layers run one after
+    another); an input that is the very tensor copied last time (the pass's RoPE tables) is not
+    copied again."""
+
+    def __init__(self, runner: Runner, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 pieces: tuple[str, ...] = ("ffn",)) -> None:
+        """pieces: which pieces replay ('pre', 'ffn'); the others run eagerly."""
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be distinct positive sizes in increasing order, got {buckets}")
-        self.runner, self.buckets = runner, buckets
-        self.inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # bucket -> static input [Tb, H]
-        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        if not set(pieces) <= {"pre", "ffn"}:
+            raise ValueError(f"pieces must be among 'pre', 'ffn', got {pieces}")
+        self.runner, self.buckets, self.pieces = runner, buckets, pieces
+        self.inputs: dict[tuple, torch.Tensor] = {}  # (bucket, slot, dtype, row shape) -> [Tb, ...]
+        self.last: dict[tuple, torch.Tensor] = {}  # the same key -> the source copied last
+        self.replays: dict[tuple[str, int, int], Callable[[], object]] = {}
         self.replayed = self.eager = 0  # counters: calls served by a graph / run eagerly
 
     def bucket(self, T: int) -> int | None:
-        return next((b for b in self.buckets if b >= T), None)
+        return next((b for b in self.buckets if b >= T), None) if T > 0 else None
 
-    def __call__(self, layer: int, fn: FFN, h: torch.Tensor) -> torch.Tensor:
-        T = h.shape[0]
-        Tb = self.bucket(T) if T > 0 else None
+    def _static(self, Tb: int, slot: int, x: torch.Tensor) -> torch.Tensor:
+        key = (Tb, slot, x.dtype, tuple(x.shape[1:]))
+        buf = self.inputs.get(key)
+        if buf is None:
+            buf = self.inputs[key] = torch.zeros((Tb,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        if self.last.get(key) is not x:
+            buf[: x.shape[0]].copy_(x)
+            self.last[key] = x
+        return buf
+
+    def run(self, piece: str, layer: int, fn: Callable, inputs: tuple[torch.Tensor, ...], clone: bool):
+        T = inputs[0].shape[0]
+        Tb = self.bucket(T)
         if Tb is None:
             self.eager += 1
-            return fn(h)
-        key = (Tb, h.dtype)
-        static_in = self.inputs.get(key)
-        if static_in is None:
-            static_in = self.inputs[key] = torch.zeros(Tb, h.shape[1], dtype=h.dtype, device=h.device)
-        static_in[:T].copy_(h)
-        replay = self.replays.get((layer, Tb))
+            return fn(*inputs)
+        static = tuple(self._static(Tb, i, x) for i, x in enumerate(inputs))
+        replay = self.replays.get((piece, layer, Tb))
         if replay is None:
-            replay = self.replays[(layer, Tb)] = self.runner.capture(fn, static_in)
+            replay = self.replays[(piece, layer, Tb)] = self.runner.capture(lambda: fn(*static))
         self.replayed += 1
-        return replay()[:T].clone()
+        out = _head(replay(), T)
+        return out.clone() if clone else out
+
+    def ffn(self, layer: int, fn: FFN, h: torch.Tensor) -> torch.Tensor:
+        return self.run("ffn", layer, fn, (h,), clone=True)
+
+    def pre(self, layer: int, fn: Callable, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
+        return self.run("pre", layer, fn, (h, C, S), clone=False)
+
+    __call__ = ffn
+
+
+FFNGraphs = PiecewiseGraphs  # the first piece it served; kept as a name for it
 
 
 def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -107,12 +150,15 @@ def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
     return tuple(b for b in buckets if b * max(n_experts, 1) <= DENSE_ROWS)
 
 
-def ffn_graphs_for(device: torch.device, mode: str, n_experts: int) -> FFNGraphs | None:
-    """mode 'none' -> None; 'ffn' -> FFNGraphs replaying CUDA graphs (CUDA only)."""
+GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the FFN piece
+
+
+def ffn_graphs_for(device: torch.device, mode: str, n_experts: int) -> PiecewiseGraphs | None:
+    """mode 'none' -> None; 'ffn' / 'layer' -> PiecewiseGraphs replaying CUDA graphs (CUDA only)."""
     if mode == "none":
         return None
-    if mode != "ffn":
-        raise ValueError(f"cuda_graphs must be 'none' or 'ffn', got {mode!r}")
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if device.type != "cuda":
-        raise ValueError("cuda_graphs 'ffn' needs a CUDA device; use --cuda-graphs none on CPU")
-    return FFNGraphs(CudaGraphRunner(), graph_buckets(n_experts))
+        raise ValueError(f"cuda_graphs {mode!r} needs a CUDA device; use --cuda-graphs none on CPU")
+    return PiecewiseGraphs(CudaGraphRunner(), graph_buckets(n_experts), ("pre", "ffn") if mode == "layer" else ("ffn",))
