@@ -8,7 +8,7 @@ import torch
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.models.graphs import EagerRunner, FFNGraphs, ffn_graphs_for, graph_buckets
+from dhisparse.models.graphs import EagerRunner, PiecewiseGraphs, graphs_for, graph_buckets
 
 
 def tiny_llm() -> LLM:
@@ -16,7 +16,7 @@ def tiny_llm() -> LLM:
 
 
 def test_rope_tables_are_copied_once_per_pass():
-    g = FFNGraphs(EagerRunner(), buckets=(4,), pieces=("pre", "ffn"))
+    g = PiecewiseGraphs(EagerRunner(), buckets=(4,), pieces=("pre", "ffn"))
     seen = []
     fn = lambda h, C, S: seen.append((h.clone(), C.clone())) or h  # noqa: E731
     h1, C = torch.randn(3, 5), torch.randn(3, 2)
@@ -31,7 +31,7 @@ def test_rope_tables_are_copied_once_per_pass():
 def test_replays_equal_eager_ffn_and_own_their_outputs():
     llm = tiny_llm()
     layer = llm.engine.model.model.layers[0]
-    g = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8))
+    g = PiecewiseGraphs(EagerRunner(), buckets=(1, 2, 4, 8))
     torch.manual_seed(0)
     for T in (1, 3, 5, 8, 13):
         h = torch.randn(T, layer.post_attention_layernorm.weight.shape[0])
@@ -50,27 +50,27 @@ def test_engine_with_piece_replays_generates_the_same_tokens(pieces):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
     llm = tiny_llm()
-    graphs = llm.engine.model.ffn_graphs = FFNGraphs(EagerRunner(), buckets=(1, 2, 4, 8), pieces=pieces)
+    graphs = llm.engine.model.graphs = PiecewiseGraphs(EagerRunner(), buckets=(1, 2, 4, 8), pieces=pieces)
     try:
         assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     finally:
-        llm.engine.model.ffn_graphs = None
+        llm.engine.model.graphs = None
     assert graphs.replayed > 0 and graphs.eager > 0  # decode steps replay, long prefill chunks run eagerly
     assert {p for p, _, _ in graphs.replays} == set(pieces)
 
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="increasing"):
-        FFNGraphs(EagerRunner(), buckets=(4, 2))
+        PiecewiseGraphs(EagerRunner(), buckets=(4, 2))
     with pytest.raises(ValueError, match="pieces"):
-        FFNGraphs(EagerRunner(), pieces=("attention",))
+        PiecewiseGraphs(EagerRunner(), pieces=("attention",))
     with pytest.raises(ValueError, match="routed experts"):
         graph_buckets(256)
     assert max(graph_buckets(16)) * 16 <= 1 << 16
     with pytest.raises(ValueError, match="--cuda-graphs none"):
-        ffn_graphs_for(torch.device("cpu"), "ffn", 16)
-    assert ffn_graphs_for(torch.device("cpu"), "none", 16) is None
+        graphs_for(torch.device("cpu"), "ffn", 16)
+    assert graphs_for(torch.device("cpu"), "none", 16) is None
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM("tiny", cuda_graphs="all")
     with pytest.raises(ValueError, match="--cuda-graphs none"):
-        ffn_graphs_for(torch.device("cpu"), "layer", 16)
+        graphs_for(torch.device("cpu"), "layer", 16)

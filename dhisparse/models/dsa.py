@@ -76,7 +76,7 @@ class DsaForCausalLM(CausalLMHead):
         super().__init__()
         self.config = cfg
         self.model = DsaModel(cfg)
-        self.ffn_graphs = None  # models.graphs.FFNGraphs: piecewise CUDA graphs of the FFN blocks
+        self.graphs = None  # models.graphs.PiecewiseGraphs: CUDA-graph replays of each layer's pure pieces
         self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
@@ -87,7 +87,7 @@ class DsaForCausalLM(CausalLMHead):
         selection = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
-            h, selection = layer(h, rope, batch, kv, selection, self.ffn_graphs)
+            h, selection = layer(h, rope, batch, kv, selection, self.graphs)
             if i in capture_layers:
                 captured[i] = h
         return ModelOutput(m.norm(h), captured)

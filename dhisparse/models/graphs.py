@@ -137,9 +137,6 @@ class PiecewiseGraphs:
     __call__ = ffn
 
 
-FFNGraphs = PiecewiseGraphs  # the first piece it served; kept as a name for it
-
-
 def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """Buckets whose FFN runs without a host sync (MoE: the dense expert path, T * E <= DENSE_ROWS)."""
     from dhisparse.layers.moe import DENSE_MAX_EXPERTS, DENSE_ROWS
@@ -153,7 +150,7 @@ def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
 GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the FFN piece
 
 
-def ffn_graphs_for(device: torch.device, mode: str, n_experts: int) -> PiecewiseGraphs | None:
+def graphs_for(device: torch.device, mode: str, n_experts: int) -> PiecewiseGraphs | None:
     """mode 'none' -> None; 'ffn' / 'layer' -> PiecewiseGraphs replaying CUDA graphs (CUDA only)."""
     if mode == "none":
         return None
