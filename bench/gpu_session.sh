@@ -19,8 +19,9 @@ case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
       --kv-pool-gib 40 --host-pool-gib 40 --out "$OUT/step_profile_h200.json" ;; esac
 case ",$STEPS," in *,graphs,*)
-  run "decode-step profile, piecewise graphs" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 \
-      --warmup 3 --kv-pool-gib 40 --host-pool-gib 40 --cuda-graphs layer --out "$OUT/step_profile_graphs_h200.json" ;; esac
+  run "decode-step profile, piecewise graphs vs eager" timeout 300 python3 bench/step_profile.py --concurrency 24 \
+      --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 40 --cuda-graphs none,layer \
+      --out "$OUT/step_profile_graphs_h200.json" ;; esac
 case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)

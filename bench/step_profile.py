@@ -50,7 +50,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions listed per preset")
-    a("--cuda-graphs", default="none", help="none, ffn or layer (piecewise CUDA graphs, see dhisparse/models/graphs.py)")
+    a("--cuda-graphs", default="none", help="none, ffn or layer (piecewise CUDA graphs, see dhisparse/models/graphs.py); "
+      "a comma list profiles every preset under each mode, side by side")
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
     a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
@@ -62,14 +63,14 @@ def parse(argv=None) -> argparse.Namespace:
     return ns
 
 
-def engine_config(ns, preset: str) -> EngineConfig:
+def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
     spec = preset.endswith("+spec")
     return EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
                         kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.host_pool_gib * 2**30),
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm="ngram" if spec else None, speculative_num_draft_tokens=4,
-                        cuda_graphs=ns.cuda_graphs)
+                        cuda_graphs=graphs)
 
 
 def sync(device: str) -> None:
@@ -151,11 +152,11 @@ def kernel_profile(engine, ns) -> dict:
     return {"profiled_wall_ms_per_step": wall / ns.steps, **{k: per(v) for k, v in fam.items()}}
 
 
-def one_preset(ns, loaded, prefixes, preset: str) -> dict:
+def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(engine_config(ns, preset), loaded=loaded)
+    engine = Engine(engine_config(ns, preset, graphs), loaded=loaded)
     engine.prefixes = prefixes
     print(f"  engine built {time.perf_counter() - t0:.1f} s", flush=True)
     if ns.verbose:
@@ -176,7 +177,7 @@ def one_preset(ns, loaded, prefixes, preset: str) -> dict:
     if ns.device.startswith("cuda"):
         torch.cuda.empty_cache()
     walls.sort()
-    res = {"preset": preset, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
+    res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "kernels": kern, "host_top": host, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
@@ -196,11 +197,12 @@ def main(argv=None) -> int:
     loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
     runs = []
-    for preset in [p.strip() for p in ns.presets.split(",") if p.strip()]:
+    modes = [m.strip() for m in ns.cuda_graphs.split(",") if m.strip()]
+    for preset, graphs in [(p.strip(), m) for p in ns.presets.split(",") if p.strip() for m in modes]:
         t = time.perf_counter()
-        runs.append(one_preset(ns, loaded, prefixes, preset))
+        runs.append(one_preset(ns, loaded, prefixes, preset, graphs))
         r = runs[-1]
-        print(f"[profile] {preset:14} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host "
+        print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host "
               f"{r.get('host_ms', float('nan')):.2f} ms ({100 * r.get('host_share', float('nan')):.1f}%) "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
         for h in r["host_top"][:8]:
