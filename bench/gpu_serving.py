@@ -16,7 +16,6 @@ The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` i
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
@@ -30,6 +29,7 @@ from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.inproc import InProcessLoop  # noqa: E402
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
+from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.engine.params import SamplingParams  # noqa: E402
 from dhisparse.kv.arena import KVArena  # noqa: E402
 
@@ -154,10 +154,9 @@ def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
 
 
 def release(engine) -> None:
+    """Drop the engine's stores now (the caller must hold no other reference to it)."""
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_memory()
 
 
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
@@ -185,6 +184,7 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference):
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
     loop.distinct = ns.distinct_suffixes
     trace = loop.run()
+    loop.engine = None
     release(engine)
     return R.run_result(preset, c, "in-process", trace)
 

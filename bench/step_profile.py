@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import os
 import pstats
@@ -33,6 +32,7 @@ from bench.kernel_families import family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
+from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.engine.params import SamplingParams  # noqa: E402
 
 QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=160, concurrency=4, steps=4, warmup=2,
@@ -173,9 +173,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     kern = kernel_profile(engine, ns)
     st = engine.stats().as_dict()
     del engine
-    gc.collect()
-    if ns.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_memory()
     walls.sort()
     res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "kernels": kern, "host_top": host, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}

@@ -34,3 +34,13 @@ def hf_checkpoints(tmp_path_factory) -> HFCheckpoints:
         glm=save_hf_checkpoint(glm_config(), root / "glm", seed=1),
         v32=save_hf_checkpoint(v32_config(), root / "v32", seed=2),
     )
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """On CUDA, engines of a finished test are collected before the next test sizes its pools."""
+    yield
+    if torch.cuda.is_available():
+        from dhisparse.engine.memory import release_memory
+
+        release_memory()

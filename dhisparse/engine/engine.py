@@ -13,7 +13,7 @@ import time
 import torch
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, resolve_device
+from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, release_memory, resolve_device
 from dhisparse.engine.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
 from dhisparse.engine.sampling import Sampler, make_generator
@@ -73,6 +73,8 @@ class Engine:
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""
         kv_dtype, mc = self.model.dtype, self.model_config
+        if self.device.type == "cuda":
+            release_memory()  # an earlier engine not yet collected must not hold its pools (or shrink ours)
         pool = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device)
         if isinstance(mc, V4Config):
             self.arena = None

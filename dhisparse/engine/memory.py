@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 CPU_DEFAULT_POOL_BYTES = 256 << 20
@@ -16,6 +18,18 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
     return dev
+
+
+def release_memory() -> None:
+    """Collect unreachable engines (their stores hold reference cycles) and return cached CUDA
+    blocks and cached pinned host blocks to the system, so the next engine sees what is free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+            torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
 
 
 def kv_pool_bytes(setting: int | None, fraction: float, device: torch.device) -> int:

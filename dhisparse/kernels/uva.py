@@ -5,11 +5,15 @@ Triton refuses CPU tensors. `host_view(t)` returns a CUDA tensor aliasing the sa
 shape, strides, dtype); kernels reading it fetch over PCIe with SM-issued loads (DESIGN.md §5).
 
 Two routes, first that works: CuPy `UnownedMemory` + `MemoryPointer` + `torch.from_dlpack`, then
-torch's `_construct_storage_from_data_pointer`. One view of each pinned storage is cached; the
-view keeps the host storage alive.
+torch's `_construct_storage_from_data_pointer`. One view of each pinned storage is cached while
+that storage lives: the view does NOT own the host memory (a cached owning view kept every engine's
+host pool pinned after the engine was gone), and a finalizer on the storage drops the entry. A
+caller keeps the pinned tensor alive while kernels it launched read the view.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -17,19 +21,23 @@ _CACHE: dict[tuple[int, int, int], torch.Tensor] = {}
 _MAX_CACHED = 512
 
 
-def _wrap_cupy(ptr: int, nbytes: int, owner: object, device: int) -> torch.Tensor:
+def _wrap_cupy(ptr: int, nbytes: int, device: int) -> torch.Tensor:
     import cupy
 
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=device)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, device_id=device)
     arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
     return torch.from_dlpack(arr)
 
 
-def _wrap_torch(ptr: int, nbytes: int, owner: object, device: int) -> torch.Tensor:
+def _wrap_torch(ptr: int, nbytes: int, device: int) -> torch.Tensor:
     storage = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cuda", device), nbytes)
-    base = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (nbytes,), (1,))
-    base._uva_owner = owner  # the non-owning storage must not outlive the pinned one
-    return base
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (nbytes,), (1,))
+
+
+def _forget(key: tuple[int, int, int], base: torch.Tensor) -> None:
+    """Finalizer of a pinned storage: drop its view (unless the key was re-used meanwhile)."""
+    if _CACHE.get(key) is base:
+        del _CACHE[key]
 
 
 def _storage_view(storage: torch.UntypedStorage, device: int) -> torch.Tensor:
@@ -40,7 +48,7 @@ def _storage_view(storage: torch.UntypedStorage, device: int) -> torch.Tensor:
         err = None
         for wrap in (_wrap_cupy, _wrap_torch):
             try:
-                base = wrap(storage.data_ptr(), storage.nbytes(), storage, device)
+                base = wrap(storage.data_ptr(), storage.nbytes(), device)
                 break
             except Exception as e:  # noqa: BLE001 - try the next route
                 err = e
@@ -49,6 +57,7 @@ def _storage_view(storage: torch.UntypedStorage, device: int) -> torch.Tensor:
         if len(_CACHE) >= _MAX_CACHED:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = base
+        weakref.finalize(storage, _forget, key, base)
     return base
 
 
