@@ -65,7 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
-    a("--cuda-graphs", default="none", help="none, ffn or layer (piecewise CUDA graphs)")
+    a("--cuda-graphs", default="auto", help="auto, none, ffn or layer (piecewise CUDA graphs)")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)
@@ -109,8 +109,9 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     pool_pages = ns.resident_fit * resident
     host_per_req = math.ceil(total / ps) * page_bytes  # HostStore.admit reserves the whole history
     target = int(ns.admit_factor * ns.resident_fit)
-    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40
-    host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(target * host_per_req, host_cap_bytes)
+    host_cap_bytes = pinned_cap(int(0.8 * mem_available()) or 1 << 40)
+    want = min(target, pool_pages // hier) * host_per_req
+    host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(want, host_cap_bytes)
     slots = max(1, min(target, pool_pages // hier, host_bytes // host_per_req))
     host_bytes = max(host_bytes, host_per_req)
     return dict(page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
@@ -119,6 +120,12 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
                 resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
                 host_bytes_per_request=host_per_req, host_pool_bytes=host_bytes, host_slots=host_bytes // host_per_req,
                 host_mem_available=mem_available(), max_running_requests=slots)
+
+
+def pinned_cap(limit: int) -> int:
+    """The largest pinned pool whose block fits `limit`: torch's host allocator rounds a pinned
+    allocation up to a power of two, so a pool just over 2^n bytes pins 2^(n+1)."""
+    return 1 << (limit.bit_length() - 1) if limit > 0 else 0
 
 
 def estimate_s(ns, sz: dict) -> float:

@@ -14,13 +14,13 @@ case ",$STEPS," in *,kernels,*)
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
 case ",$STEPS," in *,exact,*)
   run "exactness on CUDA" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
-      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py ;; esac
+      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py ;; esac
 case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
-      --kv-pool-gib 40 --host-pool-gib 40 --out "$OUT/step_profile_h200.json" ;; esac
+      --kv-pool-gib 40 --host-pool-gib 24 --out "$OUT/step_profile_h200.json" ;; esac
 case ",$STEPS," in *,graphs,*)
   run "decode-step profile, piecewise graphs vs eager" timeout 300 python3 bench/step_profile.py --concurrency 24 \
-      --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 40 --cuda-graphs none,layer \
+      --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs none,layer \
       --out "$OUT/step_profile_graphs_h200.json" ;; esac
 case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac

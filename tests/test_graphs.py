@@ -74,3 +74,28 @@ def test_bad_settings_name_the_fix():
         LLM("tiny", cuda_graphs="all")
     with pytest.raises(ValueError, match="--cuda-graphs none"):
         graphs_for(torch.device("cpu"), "layer", 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive"])
+@pytest.mark.parametrize("mode", ["ffn", "layer"])
+def test_cuda_graph_replays_generate_the_same_tokens(preset, mode):
+    """Captured pieces (padded to their bucket) give every preset the tokens of eager execution."""
+    prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("tiny", page_size=8, device="cuda").generate(prompts, params)]
+    llm = LLM("tiny", preset=preset, page_size=8, device="cuda", cuda_graphs=mode, kv_pool_bytes=1 << 24,
+              host_pool_bytes=1 << 24)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.engine.model.graphs.replayed > 0
+
+
+def test_auto_mode_picks_layer_only_where_capture_works():
+    from dhisparse.models.graphs import auto_graph_mode
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert auto_graph_mode(cuda, True, 16) == "layer"
+    assert auto_graph_mode(cpu, True, 16) == "none"
+    assert auto_graph_mode(cuda, False, 0) == "none"  # DeepSeek-V4 model: no pieces
+    assert auto_graph_mode(cuda, True, 256) == "none"  # real GLM-5 experts: the MoE path syncs
+    assert LLM("tiny", device="cpu").engine.graph_mode == "none"

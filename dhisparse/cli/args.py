@@ -33,7 +33,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--admission-reserve-pages": ("admission_reserve_pages", int, "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
     "--reclaim-order": ("reclaim_order", str, "adaptive: who loses optional history first: remaining (fewest tokens left), largest, newest"),
     "--repopulate-pages": ("repopulate_pages", int, "adaptive: optional pages refilled from host per step at most"),
-    "--cuda-graphs": ("cuda_graphs", str, "none, ffn or layer: piecewise CUDA graphs per token bucket of each layer's FFN block (ffn) and also its pre-attention piece (layer); CUDA"),
+    "--cuda-graphs": ("cuda_graphs", str, "auto (default), none, ffn or layer: piecewise CUDA graphs per token bucket of each layer's FFN block (ffn) and also its pre-attention piece (layer); auto = layer on CUDA where the model supports it"),
     "--copy-stream": ("copy_stream", str, "adaptive on CUDA: page copies on a 'side' stream (events) or the 'compute' stream"),
     "--speculative-algorithm": ("speculative_algorithm", str, "speculative decoding: dflash, dspark, ngram or oracle (benchmark tool); works with any preset"),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "K_max: target queries per request and round, anchor included"),

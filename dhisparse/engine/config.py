@@ -36,10 +36,11 @@ class EngineConfig:
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
-    cuda_graphs [--cuda-graphs]: "none", "ffn" or "layer": replay each decoder layer's FFN block
-        (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
+    cuda_graphs [--cuda-graphs]: "auto", "none", "ffn" or "layer": replay each decoder layer's FFN
+        block (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
         projections, RoPE, indexer projections) -- from CUDA graphs per token bucket (piecewise
         graphs; the KV part of attention stays eager). DSA models with <= 64 routed experts, CUDA.
+        "auto" (default) = "layer" where available, else "none".
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
@@ -75,7 +76,7 @@ class EngineConfig:
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
     copy_stream: str = "side"
-    cuda_graphs: str = "none"
+    cuda_graphs: str = "auto"
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_window_size: int = 2048
@@ -107,8 +108,8 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
         if self.reclaim_order not in ("remaining", "largest", "newest"):
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
-        if self.cuda_graphs not in ("none", "ffn", "layer"):
-            raise ConfigValueError(f"cuda_graphs must be 'none', 'ffn' or 'layer', got {self.cuda_graphs!r}")
+        if self.cuda_graphs not in ("auto", "none", "ffn", "layer"):
+            raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn' or 'layer', got {self.cuda_graphs!r}")
         if self.copy_stream not in ("side", "compute"):
             raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:

@@ -28,7 +28,7 @@ from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
-from dhisparse.models.graphs import graphs_for
+from dhisparse.models.graphs import auto_graph_mode, graphs_for
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
@@ -63,11 +63,14 @@ class Engine:
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _set_graphs(self, mode: str) -> None:
+        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
+        if mode == "auto":
+            mode = auto_graph_mode(self.device, hasattr(self.model, "graphs"), experts)
+        self.graph_mode = mode
         if not hasattr(self.model, "graphs"):
             if mode != "none":
                 raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
             return
-        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
         self.model.graphs = graphs_for(self.device, mode, experts)
 
     def _build_kv(self, config: EngineConfig):

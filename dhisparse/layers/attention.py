@@ -124,7 +124,14 @@ class MLAttention(nn.Module):
     def core(self, pre: PreAttention, batch: ForwardBatch, kv: KVContext,
              prev_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the rows, select, locate, attend, project out: (out [T, hidden], selection)."""
-        c, T, proj = self.cfg, pre.q_abs.shape[0], pre.index
+        o_lat, selection = self.attend(pre, batch, kv, prev_selection)
+        return self.post(o_lat), selection
+
+    def attend(self, pre: PreAttention, batch: ForwardBatch, kv: KVContext,
+               prev_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV part: store the rows, select, locate, sparse attention ->
+        (o_lat [T, heads, kv_lora_rank], selection [T, index_topk])."""
+        c, proj = self.cfg, pre.index
         kv.store(self.layer, pre.latent, proj.k if proj is not None else None)
         if proj is not None:
             selection = indexer_topk(proj, batch, kv, self.layer, c.index_topk)
@@ -133,6 +140,10 @@ class MLAttention(nn.Module):
         else:
             selection = prev_selection
         rows, loc = kv.locate(self.layer, selection)
-        o_lat = sparse_mla(pre.q_abs, pre.q_pe, rows, loc, self.scale)
-        o = torch.einsum("thc,hvc->thv", o_lat, self.absorbed_weights()[1]).reshape(T, -1)
-        return self.o_proj(o), selection
+        return sparse_mla(pre.q_abs, pre.q_pe, rows, loc, self.scale), selection
+
+    def post(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Value up-projection and out-projection, a pure per-token function (graph-capturable):
+        o_lat [T, heads, kv_lora_rank] -> [T, hidden]."""
+        o = torch.einsum("thc,hvc->thv", o_lat, self.absorbed_weights()[1]).reshape(o_lat.shape[0], -1)
+        return self.o_proj(o)

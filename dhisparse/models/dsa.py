@@ -43,6 +43,11 @@ class DecoderLayer(nn.Module):
         """The FFN block with its residual: a pure function of h [T, H] (graph-capturable)."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def post_ffn(self, h: torch.Tensor, o_lat: torch.Tensor) -> torch.Tensor:
+        """Attention out-projection + residual, then the FFN block: a pure function of the layer
+        input h [T, H] and the attention output o_lat [T, heads, kv_lora_rank] (graph-capturable)."""
+        return self.ffn(h + self.self_attn.post(o_lat))
+
     def pre(self, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
         """Input norm + the KV-free part of attention: a pure function of h, C, S (graph-capturable)."""
         return self.self_attn.pre(self.input_layernorm(h), C, S)
@@ -54,10 +59,10 @@ class DecoderLayer(nn.Module):
             pre = graphs.pre(layer, self.pre, h, rope.C, rope.S)
         else:
             pre = self.pre(h, rope.C, rope.S)
-        a, selection = self.self_attn.core(pre, batch, kv, prev_selection)
-        h = h + a
-        out = graphs.ffn(layer, self.ffn, h) if graphs is not None and "ffn" in graphs.pieces else self.ffn(h)
-        return out, selection
+        o_lat, selection = self.self_attn.attend(pre, batch, kv, prev_selection)
+        if graphs is not None and "ffn" in graphs.pieces:
+            return graphs.ffn(layer, self.post_ffn, h, o_lat), selection
+        return self.post_ffn(h, o_lat), selection
 
 
 class DsaModel(nn.Module):

@@ -1,9 +1,10 @@
 """Piecewise CUDA graphs: pure per-token pieces of each decoder layer replayed from graphs per bucket.
 
 A decode step dispatches ~100+ small ops per layer; on a GPU each costs the host 5-20 us whether
-or not the GPU is busy. The FFN block of a layer -- post-attention norm, router, experts (the
-small-batch dense path, no host sync) or MLP, residual add -- is a pure function of the layer's
-hidden state [T, H]: no KV state, no host-side decisions. `PiecewiseGraphs` captures it once per
+or not the GPU is busy. The post-attention piece of a layer -- value up-projection, out-projection,
+residual add, post-attention norm, router, experts (the small-batch dense path, no host sync) or
+MLP, residual add -- is a pure function of the layer input h [T, H] and the attention output
+o_lat [T, heads, C]: no KV state, no host-side decisions. `PiecewiseGraphs` captures it once per
 (layer, bucket) and replays it, so the block costs one copy in, one replay and one copy out. The
 pre-attention piece (input norm, q / kv projections, RoPE, the absorbed query, the indexer's
 projections; `MLAttention.pre`) is pure per token too ('layer' mode replays both). The KV part --
@@ -28,7 +29,7 @@ import torch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
-FFN = Callable[[torch.Tensor], torch.Tensor]
+FFN = Callable[..., torch.Tensor]
 
 
 class Runner(Protocol):
@@ -81,7 +82,7 @@ def _head(out, T: int):
 class PiecewiseGraphs:
     """Per-(piece, layer, bucket) replays of pure per-token pieces of a decoder layer.
 
-    `ffn(layer, fn, h)` -> fn(h) [T, H], cloned (it lives on into the next layer);
+    `ffn(layer, fn, *inputs)` -> fn(*inputs) [T, H], cloned (it lives on into the next layer);
     `pre(layer, fn, h, C, S)` -> fn(h, C, S) (PreAttention), not cloned: valid until the same
     graph replays again, i.e. within this layer of this pass.
     Static inputs are shared per (bucket, slot) across layers and pieces (layers run one after
@@ -128,8 +129,9 @@ class PiecewiseGraphs:
         out = _head(replay(), T)
         return out.clone() if clone else out
 
-    def ffn(self, layer: int, fn: FFN, h: torch.Tensor) -> torch.Tensor:
-        return self.run("ffn", layer, fn, (h,), clone=True)
+    def ffn(self, layer: int, fn: FFN, *inputs: torch.Tensor) -> torch.Tensor:
+        """fn(*inputs) [T, H]: the layer's post-attention piece (out-projection, residual, FFN)."""
+        return self.run("ffn", layer, fn, inputs, clone=True)
 
     def pre(self, layer: int, fn: Callable, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
         return self.run("pre", layer, fn, (h, C, S), clone=False)
@@ -148,6 +150,15 @@ def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
 
 
 GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the FFN piece
+
+
+def auto_graph_mode(device: torch.device, model_has_pieces: bool, n_experts: int) -> str:
+    """What --cuda-graphs auto means: 'layer' on CUDA for a model with graph pieces whose FFN runs
+    sync-free (<= DENSE_MAX_EXPERTS routed experts), else 'none'."""
+    from dhisparse.layers.moe import DENSE_MAX_EXPERTS
+
+    ok = device.type == "cuda" and model_has_pieces and n_experts <= DENSE_MAX_EXPERTS
+    return "layer" if ok else "none"
 
 
 def graphs_for(device: torch.device, mode: str, n_experts: int) -> PiecewiseGraphs | None:

@@ -83,6 +83,8 @@ SCALED_CONFIGS: dict[str, dict] = {
 
 SCALED_CONFIGS["glm52-scaled-k512"] = {**SCALED_CONFIGS["glm52-scaled"], "index_topk": 512}
 
+EMBED_OFFSET = 0.0  # shared embedding direction, in units of an embedding row's scale (see init_weights)
+
 RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 FP32_SUFFIXES = (".mlp.gate.weight", "e_score_correction_bias")
 
@@ -121,11 +123,15 @@ def _std(name: str, shape: torch.Size, layers: int) -> float:
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: torch.dtype) -> None:
+def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: torch.dtype,
+                 embed_offset: float = EMBED_OFFSET) -> None:
     """Seeded in-place init on the model's own device (see the module docstring); casts to dtype
-    except the router weight and its correction bias, which stay fp32 like a checkpoint's."""
+    except the router weight and its correction bias, which stay fp32 like a checkpoint's.
+    embed_offset: every embedding row gets `embed_offset * u` added, u ~ N(0, I) one fixed vector
+    (a shared residual direction, which gives index scores a query-independent part: locality)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     for name in sorted(model.state_dict()):
@@ -140,15 +146,18 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
             value.normal_(0.0, _std(name, t.shape, cfg.num_layers), generator=gen)
         if name == "lm_head.weight":
             value[BYTE_VOCAB:] = 0.0
+        if name.endswith("embed_tokens.weight") and embed_offset:
+            value += (embed_offset * shared).to(target)
         t.data = value
 
 
 def build_scaled(name: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", num_layers: int | None = None) -> LoadedModel:
+                 device: str | torch.device = "cpu", num_layers: int | None = None,
+                 embed_offset: float = EMBED_OFFSET) -> LoadedModel:
     """Deterministic random scaled model built directly on `device` (same seed + device ->
-    identical weights)."""
+    identical weights). embed_offset: see `init_weights` (bench/locality.py calibrates it)."""
     cfg = scaled_config(name, num_layers)
     with torch.device(device):
         model = DsaForCausalLM(cfg)
-    init_weights(model, cfg, seed, dtype)
+    init_weights(model, cfg, seed, dtype, embed_offset)
     return LoadedModel(model.eval(), cfg, {})
