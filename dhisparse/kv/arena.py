@@ -62,11 +62,51 @@ class KVArena:
         """[P, index_page_size, index_dim] index-key space of full layer `layer`."""
         return self.index[:, self.index_slot[layer]]
 
+    def write_rows(self, lat_loc: torch.Tensor, idx_loc: torch.Tensor) -> "WriteRows":
+        """Flat storage rows of latent locations lat_loc [n] in every layer and of index locations
+        idx_loc [n] in every index layer, computed once per pass (see `WriteRows`)."""
+        L, ps, d = self.latent.shape[1:]
+        lat = (lat_loc // ps) * (L * ps) + lat_loc % ps
+        lat = lat[None] + (torch.arange(L, device=lat.device) * ps)[:, None]
+        idx = None
+        F, ips, di = self.index.shape[1:]
+        if F and self.page_elems % di == 0:
+            base = (idx_loc // ips) * (self.page_elems // di) + idx_loc % ips
+            idx = base[None] + (torch.arange(F, device=base.device) * ips)[:, None]
+        return WriteRows(self, lat, idx)
+
     def locations(self, pages: list[int] | torch.Tensor, n: int, per_page: int) -> torch.Tensor:
         """[n] locations of positions 0..n-1 laid out over `pages` with `per_page` rows a page."""
         t = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
         loc = (t[:, None] * per_page + torch.arange(per_page, device=self.device)).reshape(-1)
         return loc[:n]
+
+
+class WriteRows:
+    """One pass's writes as flat rows of the arena storage: one `index_copy_` per layer.
+
+      storage [P, page_elems] viewed as rows of latent_dim:   row = page * (L * ps) + layer * ps + off
+      viewed as rows of index_dim (when page_elems % index_dim == 0):
+                                                           row = page * (page_elems / iD) + slot * ips + off
+    lat [L, n] and idx [F, n] hold those rows for each layer / index slot (idx None: the index
+    rows do not tile the page; `scatter_rows` is used instead)."""
+
+    def __init__(self, arena: KVArena, lat: torch.Tensor, idx: torch.Tensor | None) -> None:
+        self.arena, self.lat, self.idx = arena, lat, idx
+        self.lat_flat = arena.storage.view(-1, arena.latent.shape[-1])
+        self.idx_flat = arena.storage.view(-1, arena.index.shape[-1]) if idx is not None else None
+
+    def latent(self, layer: int, values: torch.Tensor) -> None:
+        """values [n, latent_dim] -> layer `layer`'s rows at the pass's latent locations."""
+        self.lat_flat.index_copy_(0, self.lat[layer], values.to(self.lat_flat.dtype))
+
+    def index(self, layer: int, values: torch.Tensor, loc: torch.Tensor) -> None:
+        """values [n, index_dim] -> full layer `layer`'s index rows (loc: the same locations, flat
+        in the layer's index space, for the fallback)."""
+        if self.idx is None:
+            scatter_rows(self.arena.index_rows(layer), loc, values)
+        else:
+            self.idx_flat.index_copy_(0, self.idx[self.arena.index_slot[layer]], values.to(self.idx_flat.dtype))
 
 
 def row_bytes(rows: torch.Tensor) -> int:

@@ -107,11 +107,12 @@ class PagedContext:
     def _finish_tables(self) -> None:
         self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
         self.idx_write = self.idx_of[self.batch.req_idx, self.batch.positions]
+        self.writes = self.arena.write_rows(self.lat_write, self.idx_write)
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        scatter_rows(self.arena.latent_rows(layer), self.lat_write, latent)
+        self.writes.latent(layer, latent)
         if index_key is not None:
-            scatter_rows(self.arena.index_rows(layer), self.idx_write, index_key)
+            self.writes.index(layer, index_key, self.idx_write)
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
         return gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]])
