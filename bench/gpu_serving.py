@@ -169,7 +169,7 @@ def release(engine) -> None:
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     """Greedy non-speculative outputs of every distinct prompt (adaptive preset, one batch)."""
     engine = fresh_engine(engine_config(ns, sz, "adaptive"), loaded, prefixes)
-    prefix = prefix_ids(engine.tokenizer, ns.input_len)
+    prefix = prefix_ids(engine.tokenizer, ns.input_len, engine.model_config.vocab_size)
     engine.prepare_prefix(prefix)
     prompts = {}
     for i in range(ns.distinct_suffixes):

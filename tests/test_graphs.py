@@ -99,3 +99,16 @@ def test_auto_mode_picks_layer_only_where_capture_works():
     assert auto_graph_mode(cuda, False, 0) == "none"  # DeepSeek-V4 model: no pieces
     assert auto_graph_mode(cuda, True, 256) == "none"  # real GLM-5 experts: the MoE path syncs
     assert LLM("tiny", device="cpu").engine.graph_mode == "none"
+
+
+def test_graphs_outlive_an_engine_and_report_counters():
+    from dhisparse.models.graphs import CudaGraphRunner, graph_counters
+
+    g = PiecewiseGraphs(EagerRunner(), buckets=(1, 2), pieces=("pre", "ffn"))
+    assert graph_counters(None) == {}
+    c = graph_counters(g)
+    assert c["graphs_captured"] == 0 and c["graph_replays"] == 0
+    if torch.cuda.is_available():
+        cuda = PiecewiseGraphs(CudaGraphRunner(), (1, 2), ("pre", "ffn"))
+        assert graphs_for(torch.device("cuda"), "layer", 16, cuda) is cuda  # kept for the next engine
+        assert graphs_for(torch.device("cuda"), "ffn", 16, cuda) is not cuda  # other pieces: new graphs

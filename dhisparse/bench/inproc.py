@@ -38,7 +38,7 @@ class InProcessLoop:
         self.engine, self.workload, self.phases, self.progress = engine, workload, phases, progress
         self.params = SamplingParams(max_tokens=workload.output_len, temperature=workload.temperature,
                                      ignore_eos=workload.ignore_eos, seed=0 if workload.temperature > 0 else None)
-        self.prefix = prefix_ids(engine.tokenizer, workload.input_len)
+        self.prefix = prefix_ids(engine.tokenizer, workload.input_len, engine.model_config.vocab_size)
         self.live: dict[str, _Live] = {}
         self.idle_clients = set(range(phases.max_concurrency))
         self.records: list[RequestRecord] = []

@@ -1,6 +1,6 @@
 """What a closed-loop run offers: the fixed-input workload and the concurrency over time.
 
-Every request's prompt is one prepared prefix (input_len tokens, prefilled once; each request
+Every request's prompt is one prepared prefix (input_len pseudo-random tokens, prefilled once; each request
 imports a private copy of its KV) followed by a short per-request suffix, and asks for at most
 output_len tokens (with `ignore_eos`, exactly output_len). A run's concurrency follows `Phases`:
 one phase for `bench`, C_low -> C_high -> C_low for `loadstep`.
@@ -9,6 +9,7 @@ one phase for `bench`, C_low -> C_high -> C_low for `loadstep`.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,15 +100,23 @@ class Phases:
         return self.phases[self.index_at(t)].concurrency
 
 
-def prefix_ids(tokenizer, input_len: int) -> list[int]:
-    """`input_len` deterministic token ids of English filler text."""
-    text, ids = FILLER, tokenizer.encode(FILLER)
-    if not ids:
-        raise ValueError("the tokenizer encodes the filler text to no tokens; cannot build a prefix")
+def prefix_ids(tokenizer, input_len: int, vocab_size: int | None = None, seed: int = 0) -> list[int]:
+    """`input_len` deterministic pseudo-random token ids, as SGLang's and vLLM's `random` datasets:
+    uniform over the tokenizer's regular ids below `vocab_size` (the model's), special ids left
+    out. Not repeated filler text: a periodic prompt gives many identical keys, and an indexer then
+    breaks near-ties differently at every step (no selection locality at all)."""
+    lo = getattr(tokenizer, "OFFSET", 0)
+    hi = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
+    special = {*getattr(tokenizer, "eos_token_ids", ()), getattr(tokenizer, "bos_token_id", None),
+               getattr(tokenizer, "pad_token_id", None)}
+    if hi - lo <= len(special):
+        raise ValueError(f"the tokenizer has no regular ids below {hi}; cannot build a prefix")
+    rng, ids = random.Random(seed), []
     while len(ids) < input_len:
-        text = text * 2
-        ids = tokenizer.encode(text)
-    return ids[:input_len]
+        t = rng.randrange(lo, hi)
+        if t not in special:
+            ids.append(t)
+    return ids
 
 
 def suffix_text(index: int) -> str:

@@ -28,7 +28,7 @@ from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
-from dhisparse.models.graphs import auto_graph_mode, graphs_for
+from dhisparse.models.graphs import auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
@@ -71,7 +71,7 @@ class Engine:
             if mode != "none":
                 raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
             return
-        self.model.graphs = graphs_for(self.device, mode, experts)
+        self.model.graphs = graphs_for(self.device, mode, experts, self.model.graphs)
 
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""
@@ -272,7 +272,8 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
-                           store_counters(self.store, self.spec.counters.as_dict() if self.spec else {}))
+                           store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})
+                           | graph_counters(getattr(self.model, "graphs", None)))
 
 class _Detok:
     """Adapts the tokenizer's incremental detokenizer to the StopChecker's `add` protocol."""

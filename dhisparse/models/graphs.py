@@ -23,6 +23,7 @@ bucket across layers (layers run one after another).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol
 
 import torch
@@ -40,7 +41,7 @@ class Runner(Protocol):
 class CudaGraphRunner:
     """torch.cuda.CUDAGraph capture (after warm-up on a side stream), one shared memory pool."""
 
-    def __init__(self, warmup: int = 2) -> None:
+    def __init__(self, warmup: int = 1) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
 
@@ -101,6 +102,7 @@ class PiecewiseGraphs:
         self.last: dict[tuple, torch.Tensor] = {}  # the same key -> the source copied last
         self.replays: dict[tuple[str, int, int], Callable[[], object]] = {}
         self.replayed = self.eager = 0  # counters: calls served by a graph / run eagerly
+        self.capture_s = 0.0  # wall time spent capturing (first use of a (piece, layer, bucket))
 
     def bucket(self, T: int) -> int | None:
         return next((b for b in self.buckets if b >= T), None) if T > 0 else None
@@ -124,7 +126,9 @@ class PiecewiseGraphs:
         static = tuple(self._static(Tb, i, x) for i, x in enumerate(inputs))
         replay = self.replays.get((piece, layer, Tb))
         if replay is None:
+            t0 = time.perf_counter()
             replay = self.replays[(piece, layer, Tb)] = self.runner.capture(lambda: fn(*static))
+            self.capture_s += time.perf_counter() - t0
         self.replayed += 1
         out = _head(replay(), T)
         return out.clone() if clone else out
@@ -161,12 +165,28 @@ def auto_graph_mode(device: torch.device, model_has_pieces: bool, n_experts: int
     return "layer" if ok else "none"
 
 
-def graphs_for(device: torch.device, mode: str, n_experts: int) -> PiecewiseGraphs | None:
-    """mode 'none' -> None; 'ffn' / 'layer' -> PiecewiseGraphs replaying CUDA graphs (CUDA only)."""
+def graph_counters(graphs: PiecewiseGraphs | None) -> dict:
+    """Replay counters for engine stats (cumulative over the model's lifetime: graphs outlive
+    engines); empty without graphs."""
+    if graphs is None:
+        return {}
+    return {"graph_replays": graphs.replayed, "graph_eager_calls": graphs.eager,
+            "graphs_captured": len(graphs.replays), "graph_capture_s": graphs.capture_s}
+
+
+def graphs_for(device: torch.device, mode: str, n_experts: int,
+               existing: PiecewiseGraphs | None = None) -> PiecewiseGraphs | None:
+    """mode 'none' -> None; 'ffn' / 'layer' -> PiecewiseGraphs replaying CUDA graphs (CUDA only).
+    `existing` (the model's graphs from an earlier engine) is kept when it replays the same pieces:
+    the pieces are pure functions of the model's weights, so their graphs outlive an engine and a
+    benchmark's fresh engines do not capture again."""
     if mode == "none":
         return None
     if mode not in GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if device.type != "cuda":
         raise ValueError(f"cuda_graphs {mode!r} needs a CUDA device; use --cuda-graphs none on CPU")
-    return PiecewiseGraphs(CudaGraphRunner(), graph_buckets(n_experts), ("pre", "ffn") if mode == "layer" else ("ffn",))
+    pieces = ("pre", "ffn") if mode == "layer" else ("ffn",)
+    if existing is not None and existing.pieces == pieces and isinstance(existing.runner, CudaGraphRunner):
+        return existing
+    return PiecewiseGraphs(CudaGraphRunner(), graph_buckets(n_experts), pieces)
