@@ -219,6 +219,21 @@ def summarize(runs, concurrencies) -> tuple[list[dict], dict]:
     return rows, ratios
 
 
+def write(ns, sz, est, t0, runs):
+    """The result file of the runs so far; returns (path, ratios)."""
+    rows, ratios = summarize(runs, ns.concurrencies)
+    gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
+    config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
+              "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
+                           "distinct_suffixes": ns.distinct_suffixes},
+              "concurrency": ns.concurrencies, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
+              "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "ratios": ratios}
+    result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
+                          notes=["adaptive+spec uses the ORACLE drafter (measurement tool), calibrated to "
+                                 f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}"])
+    return R.write_json(result, ns.out), ratios
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     cfg = model_config(ns.model)
@@ -254,17 +269,7 @@ def main(argv=None) -> int:
             m = runs[-1].metrics
             print(f"[run] {preset:14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
                   f"active {m.active}  ({time.perf_counter() - t:.0f} s)", flush=True)
-    rows, ratios = summarize(runs, ns.concurrencies)
-    gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
-    config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
-              "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
-                           "distinct_suffixes": ns.distinct_suffixes},
-              "concurrency": ns.concurrencies, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
-              "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "ratios": ratios}
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
-                          notes=["adaptive+spec uses the ORACLE drafter (measurement tool), calibrated to "
-                                 f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}"])
-    path = R.write_json(result, ns.out)
+            path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")
     print(f"[done] {path} in {time.perf_counter() - t0:.0f} s")
