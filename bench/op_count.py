@@ -28,17 +28,42 @@ import bench.step_profile as sp  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 
 
+# ops that make the host wait for the device on CUDA (a value or a size read back), and tensors
+# built from host data (torch.tensor(list, device=cuda) copies from pageable memory and syncs)
+SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select",
+            "aten.unique_consecutive", "aten.item"}
+HOST_DATA_OPS = {"aten.lift_fresh"}
+
+
+def _site() -> str:
+    """The innermost dhisparse frame of the current stack (file:line function)."""
+    import traceback
+
+    for f in reversed(traceback.extract_stack()):
+        if "/dhisparse/" in f.filename and "/bench/" not in f.filename:
+            return f"{f.filename.split('/dhisparse/')[-1]}:{f.lineno} {f.name}"
+    return "?"
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch."""
+    """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch.
+    Syncing ops and host-data tensors are also counted by their dhisparse call site."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+        self.host_data: collections.Counter = collections.Counter()
         self.inside = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
-            self.ops[str(func.overloadpacket)] += 1
+            name = str(func.overloadpacket)
+            self.ops[name] += 1
+            if name in SYNC_OPS:
+                self.syncs[f"{name} @ {_site()}"] += 1
+            elif name in HOST_DATA_OPS:
+                self.host_data[_site()] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -78,7 +103,11 @@ def count(preset: str, ns, loaded) -> dict:
     layers = engine.model_config.num_layers
     per_step = sum(c.ops.values()) / ns.steps
     return {"preset": preset, "C": ns.concurrency, "layers": layers, "ops_per_step": per_step,
-            "ops_per_layer": per_step / layers, "top": {k: v / ns.steps for k, v in c.ops.most_common(20)}}
+            "ops_per_layer": per_step / layers, "top": {k: v / ns.steps for k, v in c.ops.most_common(20)},
+            "syncs_per_step": sum(c.syncs.values()) / ns.steps,
+            "sync_sites": {k: v / ns.steps for k, v in c.syncs.most_common()},
+            "host_data_tensors_per_step": sum(c.host_data.values()) / ns.steps,
+            "host_data_sites": {k: v / ns.steps for k, v in c.host_data.most_common()}}
 
 
 def main(argv=None) -> int:
@@ -96,7 +125,12 @@ def main(argv=None) -> int:
     loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
     runs = [count(s.strip(), ns, loaded) for s in a.presets.split(",") if s.strip()]
     for r in runs:
-        print(f"{r['preset']:14} C{r['C']}: {r['ops_per_step']:7.0f} ops per decode step, {r['ops_per_layer']:5.0f} per layer")
+        print(f"{r['preset']:14} C{r['C']}: {r['ops_per_step']:7.0f} ops per decode step, {r['ops_per_layer']:5.0f} per layer, "
+              f"{r['syncs_per_step']:.0f} syncing ops, {r['host_data_tensors_per_step']:.0f} tensors from host data")
+        for k, v in list(r["sync_sites"].items())[:12]:
+            print(f"    sync {v:6.1f}  {k}")
+        for k, v in list(r["host_data_sites"].items())[:8]:
+            print(f"    data {v:6.1f}  {k}")
     doc = {"kind": "op_count", "date": R.now_iso(), "command": R.command_line(["bench/op_count.py"] + (argv or sys.argv[1:])),
            "machine": R.machine_info(), "model": ns.model, "runs": runs}
     with open(a.out, "w") as f:

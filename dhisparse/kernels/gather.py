@@ -77,6 +77,8 @@ def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: 
         raise ValueError("source and destination rows must share dtype and width")
     if src_rows.stride(-1) != 1 or dst_rows.stride(-1) != 1:
         raise ValueError("row spaces need a contiguous last dimension")
+    if not (src_idx.is_contiguous() and dst_idx.is_contiguous()):
+        raise ValueError("src_idx and dst_idx must be contiguous [N, C] (the kernel steps rows by C)")
     if src_rows.dim() == 2:
         src_rows = src_rows.unsqueeze(1)
     if dst_rows.dim() == 2:

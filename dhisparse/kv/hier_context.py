@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import SPACE, row_bytes, table_locations
+from dhisparse.kv.arena import row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
+from dhisparse.kv.resolver import ResolvePlan
+from dhisparse.kv.staging import StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
 
 def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
@@ -131,14 +132,18 @@ class HierContext(PagedContext):
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
 
-    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | None]:
-        """The producer layer's resolver call. With a deferrable (Triton) resolver and a union that
-        always fits the hot cache (K * k <= B) nothing here waits for the device: the kernel takes
-        the direct path per request and the counters stay on the device. Otherwise the call-level
-        direct path and verification staging need the plan's results on the host."""
+    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None]:
+        """The producer layer's resolver call. With a deferrable (Triton) resolver nothing here
+        waits for the device: the kernel takes the direct path per request, the counters stay on
+        the device, and rows of a verification union that found no hot-cache victim are staged by
+        device ops (`stage_overflow_deferred`). With the reference resolver the call-level direct
+        path and staging read the plan on the host."""
         kv = self.kv
-        if kv.deferred and per_req.shape[1] * per_req.shape[2] <= kv.B:
-            return kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True), None
+        if kv.deferred:
+            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True)
+            if per_req.shape[1] * per_req.shape[2] <= kv.B:
+                return plan, None
+            return plan, stage_overflow_deferred(plan, per_req, self.slots_t, kv)
         plan = direct_plan(per_req, self.slots_t, kv)
         if plan is None:
             plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now)
@@ -151,9 +156,12 @@ class HierContext(PagedContext):
         kv, host = self.kv, self.kv.host.layer_rows(layer)
         if getattr(plan, "deferred", False):
             launch_copies(plan, host, rows)
+            copied, counts = plan.copy_n.sum(), plan.counts
+            if staged is not None:
+                launch_copies(staged, host, kv.stage)
+                copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
             if producer:  # every layer of the group copies the same rows: count them all here, once
-                nbytes = plan.copy_n.sum() * (row_bytes(rows) * kv.group_size[kv.group_of[layer]])
-                kv.census.add_device(plan.counts, nbytes)
+                kv.census.add_device(counts, copied * (row_bytes(rows) * kv.group_size[kv.group_of[layer]]))
             return
         nbytes = kv.copy_fn(plan, host, rows)
         nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
@@ -161,51 +169,3 @@ class HierContext(PagedContext):
             kv.census.add(plan.counters, nbytes)
         else:
             kv.census.bytes_moved += nbytes
-
-
-def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:
-    """The call-level direct path: when every selected row of every request is in its tail or in
-    its ready optional map, return the locations without a resolver call (no hot-cache scan, no
-    copy, hot-cache state untouched, as the full resolver would leave it). None otherwise.
-    sel [N, K, k] positions (-1 padding); slots [N]."""
-    valid = sel >= 0
-    s = slots.to(sel.device)[:, None, None].expand_as(sel)
-    pos = sel.clamp(min=0)
-    start = kv.tail_start[s]
-    tail = kv.tail_loc[s, (pos - start).clamp(0, kv.tail_loc.shape[1] - 1)]
-    opt_map = getattr(kv, "opt_loc", None)
-    opt = opt_map[s, pos.clamp(max=opt_map.shape[1] - 1)] if opt_map is not None else torch.full_like(pos, -1)
-    loc = torch.where(pos >= start, tail, opt)
-    if not bool(((loc >= 0) | ~valid).all()):
-        return None
-    distinct = torch.unique(s[valid] * SPACE + pos[valid]).numel()
-    empty = torch.zeros(0, dtype=torch.int64, device=sel.device)
-    counters = ResolveCounters(int(valid.sum()), distinct, 0, 0, 0, 0)
-    return ResolvePlan(torch.where(valid, loc, torch.full_like(loc, -1)), empty, empty, counters)
-
-
-def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> tuple[ResolvePlan, ResolvePlan | None]:
-    """Rows of a request's union that found no hot-cache victim (the union of K queries can exceed
-    B) go to the slot's staging rows: each distinct row copied from host once, its location given
-    to every query that selected it. Staged rows are not cached: the hot cache keeps LRU order."""
-    missing = (sel >= 0) & (plan.loc < 0)
-    if not bool(missing.any()):
-        return plan, None
-    if kv.stage_loc is None:
-        raise RuntimeError("a request's selections exceed its hot cache but the store has no staging arena; "
-                           "build it with max_queries = the verification width")
-    src, dst, loc, staged, entries = [], [], plan.loc.clone(), 0, 0
-    host_ps = kv.host.page_size
-    for i in missing.any(-1).any(-1).nonzero().squeeze(1).tolist():
-        s, m = int(slots[i]), missing[i]
-        uniq, inv = torch.unique(sel[i][m], return_inverse=True)
-        rows = kv.stage_loc[s, : uniq.numel()]
-        table = kv.host_table[s].to(uniq.device)
-        src.append(table[uniq // host_ps] * host_ps + uniq % host_ps)
-        dst.append(rows)
-        loc[i][m] = rows[inv]
-        staged, entries = staged + uniq.numel(), entries + int(m.sum())
-    c = plan.counters._replace(host=plan.counters.host + staged, host_selected=plan.counters.host_selected + entries)
-    dev = plan.copy_dst.device
-    stage_plan = ResolvePlan(loc, torch.cat([t.to(dev) for t in src]), torch.cat([t.to(dev) for t in dst]) - SPACE, c)
-    return ResolvePlan(loc, plan.copy_src, plan.copy_dst, c), stage_plan

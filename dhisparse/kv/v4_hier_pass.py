@@ -26,7 +26,7 @@ import torch
 
 from dhisparse.kv.arena import scatter_rows
 from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.hier_context import direct_plan, stage_overflow
+from dhisparse.kv.staging import direct_plan, stage_overflow
 from dhisparse.kv.resolver import ResolvePlan
 from dhisparse.kv.v4_pass import RowSpace, V4Pass
 from dhisparse.kv.v4_state import StateError

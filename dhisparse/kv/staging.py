@@ -1,0 +1,116 @@
+"""Rows a resolver call does not place in the hot cache: the call-level direct path and
+verification staging (eq. 11).
+
+A verification union of K queries can exceed the B-row hot cache even when each selection fits;
+its misses with no LRU victim go to the request slot's staging rows (K_max * k per slot): each
+distinct row copied from host once, its location given to every query that selected it. Staged
+rows are not cached, so the hot cache keeps its LRU order.
+
+  stage_overflow           host-side (reference resolver): per request, torch.unique of the misses
+  stage_overflow_deferred  device-side (Triton resolver, no sync): sort the misses per request,
+                           rank the distinct rows, scatter locations back; same rows, same order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.kv.arena import SPACE
+from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
+
+
+def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:
+    """The call-level direct path: when every selected row of every request is in its tail or in
+    its ready optional map, return the locations without a resolver call (no hot-cache scan, no
+    copy, hot-cache state untouched, as the full resolver would leave it). None otherwise.
+    sel [N, K, k] positions (-1 padding); slots [N]."""
+    valid = sel >= 0
+    s = slots.to(sel.device)[:, None, None].expand_as(sel)
+    pos = sel.clamp(min=0)
+    start = kv.tail_start[s]
+    tail = kv.tail_loc[s, (pos - start).clamp(0, kv.tail_loc.shape[1] - 1)]
+    opt_map = getattr(kv, "opt_loc", None)
+    opt = opt_map[s, pos.clamp(max=opt_map.shape[1] - 1)] if opt_map is not None else torch.full_like(pos, -1)
+    loc = torch.where(pos >= start, tail, opt)
+    if not bool(((loc >= 0) | ~valid).all()):
+        return None
+    distinct = torch.unique(s[valid] * SPACE + pos[valid]).numel()
+    empty = torch.zeros(0, dtype=torch.int64, device=sel.device)
+    counters = ResolveCounters(int(valid.sum()), distinct, 0, 0, 0, 0)
+    return ResolvePlan(torch.where(valid, loc, torch.full_like(loc, -1)), empty, empty, counters)
+
+
+def stage_overflow(plan: ResolvePlan, sel: torch.Tensor, slots: torch.Tensor, kv) -> tuple[ResolvePlan, ResolvePlan | None]:
+    """Rows of a request's union that found no hot-cache victim (the union of K queries can exceed
+    B) go to the slot's staging rows: each distinct row copied from host once, its location given
+    to every query that selected it. Staged rows are not cached: the hot cache keeps LRU order."""
+    missing = (sel >= 0) & (plan.loc < 0)
+    if not bool(missing.any()):
+        return plan, None
+    if kv.stage_loc is None:
+        raise RuntimeError("a request's selections exceed its hot cache but the store has no staging arena; "
+                           "build it with max_queries = the verification width")
+    src, dst, loc, staged, entries = [], [], plan.loc.clone(), 0, 0
+    host_ps = kv.host.page_size
+    for i in missing.any(-1).any(-1).nonzero().squeeze(1).tolist():
+        s, m = int(slots[i]), missing[i]
+        uniq, inv = torch.unique(sel[i][m], return_inverse=True)
+        rows = kv.stage_loc[s, : uniq.numel()]
+        table = kv.host_table[s].to(uniq.device)
+        src.append(table[uniq // host_ps] * host_ps + uniq % host_ps)
+        dst.append(rows)
+        loc[i][m] = rows[inv]
+        staged, entries = staged + uniq.numel(), entries + int(m.sum())
+    c = plan.counters._replace(host=plan.counters.host + staged, host_selected=plan.counters.host_selected + entries)
+    dev = plan.copy_dst.device
+    stage_plan = ResolvePlan(loc, torch.cat([t.to(dev) for t in src]), torch.cat([t.to(dev) for t in dst]) - SPACE, c)
+    return ResolvePlan(loc, plan.copy_src, plan.copy_dst, c), stage_plan
+
+
+@dataclass
+class StagePlan:
+    """A deferred staging plan, the padded copy form `launch_copies` takes:
+    src_pad / dst_pad [N, KK] int64 host rows / staging-arena rows of each request's distinct
+    staged rows (first copy_n[n] valid, ascending position); copy_n [N] int32; counts [6] int64
+    device counters to add to the call's (host += distinct staged, host_selected += entries)."""
+
+    src_pad: torch.Tensor
+    dst_pad: torch.Tensor
+    copy_n: torch.Tensor
+    counts: torch.Tensor
+
+
+def stage_overflow_deferred(plan, sel: torch.Tensor, slots: torch.Tensor, kv) -> StagePlan:
+    """Device-side `stage_overflow` for a deferred Triton plan: rewrites plan.loc for the misses
+    that found no victim (staging locations, SPACE-encoded) and returns their copy plan. No op
+    waits for the device. sel [N, K, k] positions (-1 padding); slots [N] int64 (device).
+
+        per request (sorted):  pos  3  3  7  9  9  9 | BIG ...      BIG = no staged entry
+                               first 1  0  1  1  0  0
+                               rank  0  0  1  2  2  2  -> staging row stage_loc[slot, rank]
+    """
+    N, K, k = sel.shape
+    KK = K * k
+    big = torch.iinfo(torch.int64).max
+    missing = (sel >= 0) & (plan.loc < 0)
+    skey, order = torch.where(missing, sel, big).reshape(N, KK).sort(dim=1)
+    valid = skey != big
+    first = valid.clone()
+    first[:, 1:] &= skey[:, 1:] != skey[:, :-1]
+    rank = (first.cumsum(1) - 1).clamp(min=0)
+    s = slots.to(sel.device)[:, None]
+    stage_row = kv.stage_loc[s, rank]  # [N, KK] SPACE + staging-arena row
+    loc = plan.loc.reshape(N, KK)
+    loc.scatter_(1, order, torch.where(valid, stage_row, loc.gather(1, order)))
+    hps = kv.host.page_size
+    pos = torch.where(valid, skey, 0)
+    src = kv.host_table[s, pos // hps] * hps + pos % hps
+    slot_of = torch.where(first, rank, KK)  # non-first entries land in a trash column
+    src_pad = torch.zeros((N, KK + 1), dtype=torch.int64, device=sel.device).scatter_(1, slot_of, src)[:, :KK].contiguous()
+    dst_pad = torch.zeros((N, KK + 1), dtype=torch.int64, device=sel.device).scatter_(1, slot_of, stage_row - SPACE)[:, :KK].contiguous()
+    copy_n = first.sum(1)
+    zero = torch.zeros((), dtype=torch.int64, device=sel.device)
+    counts = torch.stack([zero, zero, zero, copy_n.sum(), valid.sum(), zero])
+    return StagePlan(src_pad, dst_pad, copy_n.to(torch.int32), counts)
