@@ -55,6 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
     a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
+    a("--sync-report", action="store_true", help="CUDA: list the call sites that synchronise during two steps")
     ns = p.parse_args(argv)
     if ns.quick:
         for k, v in QUICK.items():
@@ -118,7 +119,9 @@ def timed_steps(engine, ns) -> list[float]:
     return out
 
 
-def host_profile(engine, ns) -> list[dict]:
+def host_profile(engine, ns) -> tuple[list[dict], list[dict]]:
+    """cProfile over `steps` steps: (top functions by own time, top dhisparse functions by
+    cumulative time), per step."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(ns.steps):
@@ -131,8 +134,41 @@ def host_profile(engine, ns) -> list[dict]:
         rows.append({"fn": f"{os.path.relpath(file) if file.startswith('/') else file}:{line}:{fn}",
                      "calls_per_step": nc / ns.steps, "own_ms_per_step": tt * 1e3 / ns.steps,
                      "cum_ms_per_step": ct * 1e3 / ns.steps})
+    cum = sorted((r for r in rows if "dhisparse/" in r["fn"]), key=lambda r: -r["cum_ms_per_step"])
     rows.sort(key=lambda r: -r["own_ms_per_step"])
-    return rows[: ns.top]
+    return rows[: ns.top], cum[: ns.top]
+
+
+def sync_report(engine, ns) -> dict:
+    """Call sites (innermost dhisparse frame) of operations that synchronise host and device during
+    two steps, from torch's sync debug mode; {site: count per step}."""
+    if not ns.device.startswith("cuda"):
+        return {}
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/dhisparse/" in f.filename]
+        sites[f"{frames[-1].filename.split('/dhisparse/')[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(2):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    return {k: v / 2 for k, v in sites.most_common()}
 
 
 def kernel_profile(engine, ns) -> dict:
@@ -171,14 +207,15 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     for _ in range(ns.warmup):
         engine.step()
     walls = timed_steps(engine, ns)
-    host = host_profile(engine, ns)
+    host, host_cum = host_profile(engine, ns)
     kern = kernel_profile(engine, ns)
+    syncs = sync_report(engine, ns) if ns.sync_report else {}
     st = engine.stats().as_dict()
     del engine
     release_memory()
     walls.sort()
     res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
-           "kernels": kern, "host_top": host, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+           "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
         res["host_share"] = res["host_ms"] / kern["profiled_wall_ms_per_step"]
@@ -207,6 +244,8 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - t:.0f} s)", flush=True)
         for h in r["host_top"][:8]:
             print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:8.3f} cum {h['calls_per_step']:7.1f}x  {h['fn']}")
+        for k, v in list(r["sync_sites"].items())[:10]:
+            print(f"    sync {v:5.1f}/step  {k}")
         for k, v in sorted(r["kernels"].get("family_ms", {}).items(), key=lambda kv: -kv[1]):
             print(f"    {k:22} {v:8.3f} ms  alone {r['kernels']['alone_ms'].get(k, 0.0):8.3f} ms")
     doc = {"kind": "step_profile", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),

@@ -112,3 +112,23 @@ def test_graphs_outlive_an_engine_and_report_counters():
         cuda = PiecewiseGraphs(CudaGraphRunner(), (1, 2), ("pre", "ffn"))
         assert graphs_for(torch.device("cuda"), "layer", 16, cuda) is cuda  # kept for the next engine
         assert graphs_for(torch.device("cuda"), "ffn", 16, cuda) is not cuda  # other pieces: new graphs
+
+
+def test_graphs_captured_up_front_for_decode_batches_only():
+    """capture_graphs records every piece for the buckets up to the decode batch; generation then
+    captures nothing more, longer passes (prefill chunks) run eagerly, tokens unchanged."""
+    prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
+    llm = tiny_llm()
+    model = llm.engine.model
+    g = model.graphs = PiecewiseGraphs(EagerRunner(), buckets=(1, 2, 4, 8, 16), pieces=("pre", "ffn"))
+    try:
+        n = model.capture_graphs(5)
+        layers = len(model.model.layers)
+        assert n == 4 * layers * 2 and g.limit == 8 and g.bucket(9) is None and g.bucket(5) == 8
+        assert model.capture_graphs(3) == 0 and g.limit == 8  # shared by engines: the limit never drops
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+        assert len(g.replays) == n and g.replayed > 0 and g.eager > 0
+    finally:
+        model.graphs = None

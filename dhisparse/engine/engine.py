@@ -60,6 +60,7 @@ class Engine:
         self._t0 = time.perf_counter()
         self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
+        self._capture_graphs(config)
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _set_graphs(self, mode: str) -> None:
@@ -72,6 +73,17 @@ class Engine:
                 raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
             return
         self.model.graphs = graphs_for(self.device, mode, experts, self.model.graphs)
+
+    def _capture_graphs(self, config: EngineConfig) -> None:
+        """Graph pieces for every decode / verification batch size, captured before serving."""
+        if getattr(self.model, "graphs", None) is None:
+            return
+        t0 = time.perf_counter()
+        per_request = config.speculative_num_draft_tokens if config.speculative else 1
+        n = self.model.capture_graphs(config.max_running_requests * per_request)
+        if n:
+            log.info("captured %d CUDA graphs (pieces x layers x buckets <= %d tokens) in %.1f s", n,
+                     self.model.graphs.limit, time.perf_counter() - t0)
 
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""

@@ -85,6 +85,28 @@ class DsaForCausalLM(CausalLMHead):
         self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
+    def capture_graphs(self, max_tokens: int) -> int:
+        """Capture every layer's graph pieces for each bucket up to `max_tokens` tokens a pass (the
+        decode / verification batches) now, so no step pays a capture; larger passes (prefill
+        chunks) run eagerly. Pieces are pure, so zero inputs record the same graphs. Returns the
+        number of graphs captured (0 without graphs or when all exist)."""
+        g = self.graphs
+        if g is None:
+            return 0
+        before, m, c = len(g.replays), self.model, self.config
+        dev, dtype = m.embed_tokens.weight.device, m.embed_tokens.weight.dtype
+        for T in g.allow(max_tokens):
+            h = torch.zeros(T, c.hidden_size, device=dev, dtype=dtype)
+            rope = RopeTables.build(*m.rotary_emb(torch.zeros(T, dtype=torch.int64, device=dev), dtype))
+            o_lat = torch.zeros(T, c.num_heads, c.kv_lora_rank, device=dev, dtype=dtype)
+            for i, layer in enumerate(m.layers):
+                if "pre" in g.pieces:
+                    g.pre(i, layer.pre, h, rope.C, rope.S)
+                if "ffn" in g.pieces:
+                    g.ffn(i, layer.post_ffn, h, o_lat)
+        return len(g.replays) - before
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         m = self.model
         h = m.embed_tokens(batch.input_ids)

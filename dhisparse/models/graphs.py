@@ -103,9 +103,19 @@ class PiecewiseGraphs:
         self.replays: dict[tuple[str, int, int], Callable[[], object]] = {}
         self.replayed = self.eager = 0  # counters: calls served by a graph / run eagerly
         self.capture_s = 0.0  # wall time spent capturing (first use of a (piece, layer, bucket))
+        self.limit: int | None = None  # tokens above this bucket run eagerly (None: every bucket)
 
     def bucket(self, T: int) -> int | None:
-        return next((b for b in self.buckets if b >= T), None) if T > 0 else None
+        if T <= 0 or (self.limit is not None and T > self.limit):
+            return None
+        return next((b for b in self.buckets if b >= T), None)
+
+    def allow(self, max_tokens: int) -> list[int]:
+        """Raise the limit to the bucket of max_tokens (never lowers it: graphs are shared by the
+        model's engines); returns the buckets now in use, to capture up front."""
+        top = next((b for b in self.buckets if b >= max_tokens), self.buckets[-1])
+        self.limit = max(self.limit or 0, top)
+        return [b for b in self.buckets if b <= self.limit]
 
     def _static(self, Tb: int, slot: int, x: torch.Tensor) -> torch.Tensor:
         key = (Tb, slot, x.dtype, tuple(x.shape[1:]))
