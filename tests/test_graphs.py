@@ -12,7 +12,8 @@ from dhisparse.models.graphs import EagerRunner, PiecewiseGraphs, graphs_for, gr
 
 
 def tiny_llm() -> LLM:
-    return LLM("tiny", page_size=8)
+    """CPU engine (also on a GPU machine): these tests drive bucketing with the eager runner."""
+    return LLM("tiny", page_size=8, device="cpu")
 
 
 def test_rope_tables_are_copied_once_per_pass():
