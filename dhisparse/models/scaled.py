@@ -12,7 +12,8 @@ Weights are seeded random (no files). Initialization keeps 78 layers finite in b
 matrix is N(0, 1/fan_in) (unit-variance outputs for unit-variance inputs), residual projections
 (o_proj, down projections) are further scaled by 1/sqrt(2 * layers), norms are 1. Indexer
 projections are ordinary random matrices, so top-k scores are spread out (no ties). Selection
-locality: every embedding row also carries one shared random direction (EMBED_OFFSET = 1.5 x a
+locality: every embedding row also carries one shared random direction (HEAD_GAIN = 16.0  # logit of the continuation ~ HEAD_GAIN * (share of h along its token's row)
+EMBED_OFFSET = 1.5 x a
 row's scale). It gives index scores a stable, query-independent part, so consecutive decode steps
 select overlapping rows as a trained model's do: measured by bench/locality.py (8K history, k 512),
 hisparse fetches 14.9% of selected rows from host at B = 2k and 21% at B = k (the paper's GLM-5.2:
@@ -88,6 +89,7 @@ SCALED_CONFIGS: dict[str, dict] = {
 
 SCALED_CONFIGS["glm52-scaled-k512"] = {**SCALED_CONFIGS["glm52-scaled"], "index_topk": 512}
 
+HEAD_GAIN = 16.0  # logit of the continuation ~ HEAD_GAIN * (share of h along its token's row)
 EMBED_OFFSET = 1.5  # shared embedding direction, in units of an embedding row's scale: bench/locality.py
 
 RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
@@ -154,6 +156,27 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
         if name.endswith("embed_tokens.weight") and embed_offset:
             value += (embed_offset * shared).to(target)
         t.data = value
+    _confident_head(model, cfg, seed, embed_offset * shared)
+
+
+def _confident_head(model: torch.nn.Module, cfg: ModelConfig, seed: int, offset: torch.Tensor) -> None:
+    """lm_head[pi(t)] = HEAD_GAIN / hidden * (embedding row of byte token t minus the shared offset):
+    greedy decoding continues t with pi(t) (pi a seeded permutation of the byte ids) by a wide
+    margin, because the residual stream keeps the current token's embedding. Random heads give
+    near-tied logits whose argmax flips with the batch's GEMM rounding on a GPU, so an output
+    recorded in one batch (the oracle drafter's reference) diverges in another; this head does not.
+    Rows outside the byte ids stay zero."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return
+    emb = model.model.embed_tokens.weight
+    n = min(BYTE_VOCAB, cfg.vocab_size) - 3
+    gen = torch.Generator(device="cpu").manual_seed(seed + 2)
+    perm = (torch.randperm(n, generator=gen) + 3).to(emb.device)
+    token = emb[3 : 3 + n].float() - offset.float()
+    w = torch.zeros(head.weight.shape, device=emb.device, dtype=torch.float32)
+    w[perm] = token * (HEAD_GAIN / cfg.hidden_size)
+    head.weight.data = w.to(head.weight.dtype)
 
 
 def build_scaled(name: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
