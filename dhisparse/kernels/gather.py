@@ -68,6 +68,35 @@ def _vec(t: torch.Tensor, ub: int) -> int:
     return 1
 
 
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(source view, destination view in copy units, vector width, column block) of a row-space
+    pair. The probing (unit, vector width) and a pinned source's zero-copy view are cached by
+    address and layout -- the same pairs recur every layer of every step. The cache holds no
+    owning reference: device tensors are re-viewed per call, and zero-copy views never own."""
+    key = (src_rows.data_ptr(), src_rows.shape, src_rows.stride(), src_rows.dtype, src_rows.device,
+           dst_rows.data_ptr(), dst_rows.shape, dst_rows.stride(), dst_rows.device)
+    if src_rows.dim() == 2:
+        src_rows = src_rows.unsqueeze(1)
+    if dst_rows.dim() == 2:
+        dst_rows = dst_rows.unsqueeze(1)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        uva = host_view(src_rows) if dst_rows.is_cuda and not src_rows.is_cuda else None
+        probe = uva if uva is not None else src_rows
+        ub = min(_unit(probe), _unit(dst_rows))
+        s_view = _as_units(uva, ub) if uva is not None else None
+        vec = min(_vec(_as_units(probe, ub), ub), _vec(_as_units(dst_rows, ub), ub))
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = hit = (s_view, ub, vec, min(triton.next_power_of_2(src_rows.shape[-1]), 64))
+    s_view, ub, vec, cw = hit
+    s = s_view if s_view is not None else _as_units(src_rows, ub)
+    return s, _as_units(dst_rows, ub), vec, cw
+
+
 def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: torch.Tensor,
                        dst_idx: torch.Tensor, count: torch.Tensor, *, rows_per_prog: int | None = None,
                        num_warps: int = 4) -> None:
@@ -79,20 +108,11 @@ def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: 
         raise ValueError("row spaces need a contiguous last dimension")
     if not (src_idx.is_contiguous() and dst_idx.is_contiguous()):
         raise ValueError("src_idx and dst_idx must be contiguous [N, C] (the kernel steps rows by C)")
-    if src_rows.dim() == 2:
-        src_rows = src_rows.unsqueeze(1)
-    if dst_rows.dim() == 2:
-        dst_rows = dst_rows.unsqueeze(1)
     N, C = src_idx.shape
     if N == 0 or C == 0:
         return
-    if dst_rows.is_cuda and not src_rows.is_cuda:
-        src_rows = host_view(src_rows)
-    ub = min(_unit(src_rows), _unit(dst_rows))
-    s, d = _as_units(src_rows, ub), _as_units(dst_rows, ub)
-    vec = min(_vec(s, ub), _vec(d, ub))
+    s, d, vec, CW = _layout(src_rows, dst_rows)
     W = s.shape[-1]
-    CW = min(triton.next_power_of_2(W), 64)
     R = rows_per_prog or max(1, min(16, 1024 // CW))
     grid = (triton.cdiv(C, R), N)
     gather_rows_kernel[grid](s, d, src_idx, dst_idx, count, C,
