@@ -2,9 +2,9 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of kernels,exact,profile,graphs,resolver,serving (default: kernels,profile,serving). Budget
-# the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
-# profile ~4 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first).
+# steps: any of kernels,exact,profile,graphs,resolver,serving,loadstep (default: kernels,profile,serving).
+# Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
+# profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-kernels,profile,serving}
@@ -14,10 +14,11 @@ case ",$STEPS," in *,kernels,*)
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
 case ",$STEPS," in *,exact,*)
   run "exactness on CUDA" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
-      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py ;; esac
+      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py \
+      -v --durations=15 ;; esac
 case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
-      --kv-pool-gib 40 --host-pool-gib 24 --out "$OUT/step_profile_h200.json" ;; esac
+      --kv-pool-gib 40 --host-pool-gib 24 --sync-report --out "$OUT/step_profile_h200.json" ;; esac
 case ",$STEPS," in *,graphs,*)
   run "decode-step profile, piecewise graphs vs eager" timeout 300 python3 bench/step_profile.py --concurrency 24 \
       --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs none,layer \
@@ -26,3 +27,8 @@ case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
+case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) / off (hisparse), pools as in gpu_serving
+  run "load step" timeout 400 python3 -m dhisparse.cli loadstep --model-path glm52-scaled-k512 --device cuda \
+      --dtype bfloat16 --page-size 64 --kv-pool-bytes 9730326528 --host-pool-bytes 49715277824 \
+      --max-running-requests 65 --max-model-len 8464 --input-len 8192 --output-len 256 --c-low 4 --c-high 48 \
+      --low-duration 30 --high-duration 40 --after-duration 40 --no-progress --out "$OUT/loadstep_h200.json" ;; esac

@@ -116,6 +116,36 @@ def test_all_direct_calls_skip_the_resolver():
     assert not calls and st["resolver_direct_calls"] > 0 and st["resolver_direct_share"] == 1.0
 
 
+def test_completed_decode_pages_stay_resident_and_resolve_without_any_resolver_work(monkeypatch):
+    """While pages are spare, completed tail pages stay on the device as published optional history
+    (backed up to host as well), so after many decoded pages every request is still fully covered:
+    the pass takes the host-known all-direct path (no resolver call, no direct check, no copy)."""
+    from dhisparse.kv import hier_context
+
+    llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, debug_checks=True)
+    store = llm.engine.store
+    store.plan_fn = lambda *a, **k: pytest.fail("resolver called although every page is published")
+    monkeypatch.setattr(hier_context, "direct_plan", lambda *a: pytest.fail("direct check although the host knew"))
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(30 + 7 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)  # 6 decoded pages of 4 rows each
+    ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]
+    out = llm.generate(prompts, sp)
+    assert [o.token_ids for o in out] == ref
+    st = llm.engine.stats().as_dict()
+    assert st["resolver_direct_share"] == 1.0 and st["host_fetched_share"] == 0.0 and st["resolver_calls"] > 0
+
+
+def test_pressure_keeps_completed_pages_out_of_the_reserve():
+    """With no page beyond the reserve a completed tail page is recycled as under hisparse: same
+    tokens, and optional pages never take the reserve (I4)."""
+    llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, kv_pool_bytes=1 << 17, debug_checks=True)
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(30 + 7 * i)] for i in range(4)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    llm.engine.store.check_integrity()
+
+
 def test_engine_series_carries_residency_counters():
     from dhisparse.engine.series import SeriesRecorder
 

@@ -88,8 +88,8 @@ def test_v41_presets_match_resident_with_one_state_per_source(loaded, reference,
     assert ck.calls == {1: 2 * ck.decode_passes, 2: 2 * ck.decode_passes} and ck.decode_passes > 0
     assert eng.store.census.calls == 4 * ck.decode_passes
     assert ck.reused == 3 * eng.stats().steps == eng.store.counters.reuse_reads
-    assert ck.reindex_hits > 0  # a reindex call found rows the full layer fetched into the shared cache
-    if preset == "hisparse":
+    if preset == "hisparse":  # (adaptive keeps these short histories, decoded pages too, resident: all direct)
+        assert ck.reindex_hits > 0  # a reindex call found rows the full layer fetched into the shared cache
         assert sum(ck.host_rows.values()) > 0
 
 

@@ -37,13 +37,16 @@ class AdaptiveKV(HierarchicalKV):
                                     self._publish, self._unpublish)
         self.max_total: dict[object, int] = {}
         self._waiting_logged: object = None
+        self._published: dict[object, set[int]] = {}  # req -> published page indices (host-side mirror of opt_loc)
 
     # -- publication (ready map) ----------------------------------------------------------------
     def _publish(self, req: object, j: int, page: int) -> None:
         ps = self.page_size
         self.opt_loc[self.reqs[req].slot, j * ps : (j + 1) * ps] = self.arena.locations([page], ps, ps)
+        self._published.setdefault(req, set()).add(j)
 
     def _unpublish(self, req: object, j: int) -> None:
+        self._published.get(req, set()).discard(j)
         st = self.reqs.get(req)
         if st is not None:
             ps = self.page_size
@@ -52,7 +55,10 @@ class AdaptiveKV(HierarchicalKV):
     def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
         """Copy page index j of req between its device page and its host page (all layers: both
         are [L, ps, d]); asynchronous on CUDA, ordered before later kernels by the stream."""
-        hp = self.host.tables[req][j]
+        table = self.host.tables.get(req)
+        if table is None:  # released before a deferred copy ran: the copy was cancelled, nothing reads it
+            return
+        hp = table[j]
         if kind == "backup":
             self.host.rows[hp].copy_(self.arena.latent[page], non_blocking=True)
         else:
@@ -83,9 +89,32 @@ class AdaptiveKV(HierarchicalKV):
         self.max_total[req] = max_total
         return True
 
+    def covers(self, reqs: list[object]) -> bool:
+        """Every complete history page of every request in `reqs` is published (host-side check):
+        any selection then resolves from the tail and the ready map, with no resolver call."""
+        ps = self.page_size
+        return all(len(self._published.get(q, ())) * ps >= self.reqs[q].tail_start for q in reqs)
+
+    def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
+        """Completed tail pages go to host as under hisparse; while a pool page beyond the reserve
+        is free, the completed page also stays on the device as published optional history (a fresh
+        page takes its place in the tail), so low-load decoding keeps resolving directly."""
+        ps = self.page_size
+        while n - st.tail_start >= ps:
+            done = st.tail_pages[0]
+            self._pages_to_host(req, [done], st.tail_start)
+            if self.res.can_keep():
+                st.tail_pages = st.tail_pages[1:] + self.pool.alloc(req, 1)
+                self.res.keep(req, st.tail_start // ps, done)
+            else:
+                st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]
+            st.tail_start += ps
+            self._set_tail(st)
+
     def free(self, req: object) -> None:
         st = self.reqs.get(req)
         self.res.release(req)
+        self._published.pop(req, None)
         if st is not None:
             self.opt_loc[st.slot] = -1
         self.max_total.pop(req, None)

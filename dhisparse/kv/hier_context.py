@@ -14,7 +14,7 @@ from dhisparse.kv.arena import row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolvePlan
-from dhisparse.kv.staging import StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
+from dhisparse.kv.staging import DirectPlan, StagePlan, direct_locations, direct_plan, stage_overflow, stage_overflow_deferred
 
 
 def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
@@ -43,6 +43,8 @@ class HierContext(PagedContext):
                 self.slots.append(st.slot)
                 starts.append(st.tail_start)
         self._decode_map(batch.query_start, kv.device)
+        covers = getattr(kv, "covers", None)  # adaptive: every decoding request's history is published
+        self.all_direct = bool(self.decode_rows) and covers is not None and covers([reqs[r] for r in self.decode_rows])
         if self.decode_rows:
             self._tail_into_table(starts)
         self._finish_tables()
@@ -132,13 +134,17 @@ class HierContext(PagedContext):
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
 
-    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None]:
-        """The producer layer's resolver call. With a deferrable (Triton) resolver nothing here
+    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan | DirectPlan, ResolvePlan | StagePlan | None]:
+        """The producer layer's resolver call. When the host knows every decoding request's history
+        is published (adaptive at low load: `all_direct`), locations come from the tail and the
+        ready map with no resolver launch and no copies. With a deferrable (Triton) resolver nothing here
         waits for the device: the kernel takes the direct path per request, the counters stay on
         the device, and rows of a verification union that found no hot-cache victim are staged by
         device ops (`stage_overflow_deferred`). With the reference resolver the call-level direct
         path and staging read the plan on the host."""
         kv = self.kv
+        if self.all_direct:
+            return direct_locations(per_req, self.slots_t, kv), None
         if kv.deferred:
             plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True)
             if per_req.shape[1] * per_req.shape[2] <= kv.B:
@@ -154,6 +160,10 @@ class HierContext(PagedContext):
     def _copy(self, layer: int, plan: ResolvePlan, staged: ResolvePlan | None, rows: torch.Tensor, producer: bool) -> None:
         """This layer's host -> device copies of the plan (and of staged rows); census update."""
         kv, host = self.kv, self.kv.host.layer_rows(layer)
+        if isinstance(plan, DirectPlan):
+            if producer:
+                kv.census.add_device(plan.counts, plan.counts[2])  # nothing copied
+            return
         if getattr(plan, "deferred", False):
             launch_copies(plan, host, rows)
             copied, counts = plan.copy_n.sum(), plan.counts

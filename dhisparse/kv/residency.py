@@ -111,6 +111,22 @@ class ResidencyManager:
             self.on_publish(req, j, page)
         self._rr.append(req)
 
+    def can_keep(self) -> bool:
+        """A completed tail page may stay as optional history: a pool page beyond the reserve is
+        free to replace it in the tail."""
+        return self.pool.available - 1 >= self.reserve
+
+    def keep(self, req: object, j: int, page: int) -> None:
+        """Page index j of req, just completed in its tail and backed up to host (copy enqueued on
+        the compute stream, so every later reader and the page's reuse are ordered after it), becomes
+        a published optional page owned by ("opt", req); j joins the eligible history."""
+        st = self.reqs[req]
+        self.pool.transfer(req, opt_owner(req), [page])
+        st.pages[j] = OptPage(page, PageState.READY)
+        st.backed.add(j)
+        st.eligible = max(st.eligible, j + 1)
+        self.on_publish(req, j, page)
+
     def set_remaining(self, req: object, remaining: int) -> None:
         if req in self.reqs:
             self.reqs[req].remaining = remaining
