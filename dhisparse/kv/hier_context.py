@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import row_bytes, table_locations
+from dhisparse.kv.arena import SPACE, row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.resolver import ResolvePlan
-from dhisparse.kv.staging import DirectPlan, StagePlan, direct_locations, direct_plan, stage_overflow, stage_overflow_deferred
+from dhisparse.kv.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
 
 def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
@@ -47,6 +47,8 @@ class HierContext(PagedContext):
         self.all_direct = bool(self.decode_rows) and covers is not None and covers([reqs[r] for r in self.decode_rows])
         if self.decode_rows:
             self._tail_into_table(starts)
+            if self.all_direct:
+                self._ready_into_table()
         self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
@@ -85,6 +87,18 @@ class HierContext(PagedContext):
         wide = torch.nn.functional.pad(self.lat_of, (0, 1), value=-1)
         wide[info[0][:, None].expand_as(pos), pos] = kv.tail_loc[self.slots_t]
         self.lat_of = wide[:, :W]
+
+    def _ready_into_table(self) -> None:
+        """All-direct pass: decoding requests' history positions (-1 so far) take their ready-map
+        locations, so a selection is located by the same single gather as under `resident`.
+
+            positions   0 ........ tail_start ...... len-1
+            lat_of[r]   opt_loc[slot, 0 ..]   tail_loc[slot, 0 ..]
+        """
+        rows = torch.tensor(self.decode_rows, dtype=torch.int64).to(self.kv.device, non_blocking=True)
+        W = self.lat_of.shape[1]
+        cur = self.lat_of[rows]
+        self.lat_of[rows] = torch.where(cur >= 0, cur, self.kv.opt_loc[self.slots_t, :W])
 
     def _check(self, selection: torch.Tensor) -> None:
         lens = self.batch.seq_lens[self.batch.req_idx][:, None]
@@ -130,21 +144,30 @@ class HierContext(PagedContext):
         if self.decode_rows:
             if layer != kv.groups[g]:
                 raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
+            if self.all_direct:  # lat_of already holds every location (see _ready_into_table)
+                self.plans[g] = (DirectPlan(None, self._direct_counts(sel)), None)
+                return loc
             self.plans[g] = self._plan(g, self._per_request(sel))
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
 
+    def _direct_counts(self, sel: torch.Tensor) -> torch.Tensor:
+        """[6] census counters of an all-direct call: selected entries and distinct rows (per
+        request) of the decoding tokens; nothing from the hot cache or host."""
+        s = sel[self.dec_tok]
+        keys = torch.where(s >= 0, self.dec_i[:, None] * SPACE + s, -1).reshape(-1).sort().values
+        distinct = ((keys[1:] != keys[:-1]) & (keys[1:] >= 0)).sum() + (keys[:1] >= 0).sum()
+        zero = torch.zeros((), dtype=torch.int64, device=sel.device)
+        return torch.stack([(s >= 0).sum(), distinct, zero, zero, zero, zero])
+
     def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan | DirectPlan, ResolvePlan | StagePlan | None]:
-        """The producer layer's resolver call. When the host knows every decoding request's history
-        is published (adaptive at low load: `all_direct`), locations come from the tail and the
-        ready map with no resolver launch and no copies. With a deferrable (Triton) resolver nothing here
+        """The producer layer's resolver call (not made at all in an all-direct pass, see
+        `_locate_new`). With a deferrable (Triton) resolver nothing here
         waits for the device: the kernel takes the direct path per request, the counters stay on
         the device, and rows of a verification union that found no hot-cache victim are staged by
         device ops (`stage_overflow_deferred`). With the reference resolver the call-level direct
         path and staging read the plan on the host."""
         kv = self.kv
-        if self.all_direct:
-            return direct_locations(per_req, self.slots_t, kv), None
         if kv.deferred:
             plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True)
             if per_req.shape[1] * per_req.shape[2] <= kv.B:

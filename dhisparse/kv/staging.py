@@ -23,29 +23,12 @@ from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 
 @dataclass
 class DirectPlan:
-    """Locations of a call known on the host to resolve wholly directly (every complete history
-    page of every request published): loc [N, K, k] from the tail and the ready map, counts [6]
-    device counters (selected, distinct direct rows). No resolver launch, no copies."""
+    """A call known on the host to resolve wholly directly (every complete history page of every
+    decoding request published; `HierContext` then locates through its table): counts [6] device
+    counters (selected entries, distinct direct rows). No resolver launch, no copies; loc unused."""
 
-    loc: torch.Tensor
+    loc: torch.Tensor | None
     counts: torch.Tensor
-
-
-def direct_locations(sel: torch.Tensor, slots: torch.Tensor, kv) -> DirectPlan:
-    """`direct_plan` without the check (the caller knows every row is direct): a few device ops,
-    no sync. sel [N, K, k] positions (-1 padding); slots [N] int64 on the device."""
-    N = sel.shape[0]
-    valid = sel >= 0
-    s = slots[:, None, None].expand_as(sel)
-    pos = sel.clamp(min=0)
-    start = kv.tail_start[s]
-    tail = kv.tail_loc[s, (pos - start).clamp(0, kv.tail_loc.shape[1] - 1)]
-    opt = kv.opt_loc[s, pos.clamp(max=kv.opt_loc.shape[1] - 1)]
-    loc = torch.where(valid, torch.where(pos >= start, tail, opt), torch.full_like(sel, -1))
-    keys = torch.where(valid, sel, -1).reshape(N, -1).sort(dim=1).values
-    distinct = ((keys[:, 1:] != keys[:, :-1]) & (keys[:, 1:] >= 0)).sum() + (keys[:, 0] >= 0).sum()
-    zero = torch.zeros((), dtype=torch.int64, device=sel.device)
-    return DirectPlan(loc, torch.stack([valid.sum(), distinct, zero, zero, zero, zero]))
 
 
 def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:
