@@ -12,12 +12,13 @@ Weights are seeded random (no files). Initialization keeps 78 layers finite in b
 matrix is N(0, 1/fan_in) (unit-variance outputs for unit-variance inputs), residual projections
 (o_proj, down projections) are further scaled by 1/sqrt(2 * layers), norms are 1. Indexer
 projections are ordinary random matrices, so top-k scores are spread out (no ties). Selection
-locality: every embedding row also carries one shared random direction (HEAD_GAIN = 16.0  # logit of the continuation ~ HEAD_GAIN * (share of h along its token's row)
-EMBED_OFFSET = 1.5 x a
-row's scale). It gives index scores a stable, query-independent part, so consecutive decode steps
-select overlapping rows as a trained model's do: measured by bench/locality.py (8K history, k 512),
-hisparse fetches 14.9% of selected rows from host at B = 2k and 21% at B = k (the paper's GLM-5.2:
-14.2% at B = 2k, low load); with no offset, 56% / 62%. lm_head rows
+locality: every embedding row also carries one shared random direction (EMBED_OFFSET = 3 x a
+row's scale; larger offsets start to crowd the confident head's margin). It gives index scores a stable, query-independent part, so consecutive decode steps
+select overlapping rows as a trained model's do. Measured by bench/locality.py (hisparse, one
+request, B = 2k; `bench/results/locality_*.json`): 4 layers, fp32, 8K history: 15% of selected rows
+host-fetched at offset 1.5 (56% with no offset). 78 layers, 2K history: 4.4% in fp32 at 1.5, but in
+bf16 29.6% / 16.3% / 10.7% at offsets 1.5 / 3 / 6 (16-bit rounding blurs the stable part). The
+paper's GLM-5.2 at low load: 14.2% at B = 2k. The 8K bf16 point is to be measured on the GPU. lm_head rows
 past the ByteTokenizer's 259 ids are zero, so greedy output stays decodable.
 
 `build_scaled(name, seed, dtype, device, num_layers=None)` builds straight on `device` (CUDA
@@ -90,7 +91,7 @@ SCALED_CONFIGS: dict[str, dict] = {
 SCALED_CONFIGS["glm52-scaled-k512"] = {**SCALED_CONFIGS["glm52-scaled"], "index_topk": 512}
 
 HEAD_GAIN = 16.0  # logit of the continuation ~ HEAD_GAIN * (share of h along its token's row)
-EMBED_OFFSET = 1.5  # shared embedding direction, in units of an embedding row's scale: bench/locality.py
+EMBED_OFFSET = 3.0  # shared embedding direction, in units of an embedding row's scale: bench/locality.py
 
 RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 FP32_SUFFIXES = (".mlp.gate.weight", "e_score_correction_bias")
@@ -175,7 +176,8 @@ def _confident_head(model: torch.nn.Module, cfg: ModelConfig, seed: int, offset:
     perm = (torch.randperm(n, generator=gen) + 3).to(emb.device)
     token = emb[3 : 3 + n].float() - offset.float()
     w = torch.zeros(head.weight.shape, device=emb.device, dtype=torch.float32)
-    w[perm] = token * (HEAD_GAIN / cfg.hidden_size)
+    gain = HEAD_GAIN * float(1.0 + offset.float().pow(2).mean()) ** 0.5 / cfg.hidden_size  # h's share along a token row
+    w[perm] = token * gain
     head.weight.data = w.to(head.weight.dtype)
 
 
