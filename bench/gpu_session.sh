@@ -2,13 +2,16 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of kernels,exact,profile,graphs,resolver,serving,loadstep (default: kernels,profile,serving).
+# steps: any of locality,kernels,exact,profile,graphs,resolver,serving,loadstep (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-kernels,profile,serving}
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/gpu_session.log" | grep -v "^    " | cut -c1-200 | tail -25; }
+case ",$STEPS," in *,locality,*)  # calibrate the scaled model's selection locality in bf16 at 8K (~1 min)
+  run "selection locality" timeout 150 python3 bench/locality.py --device cuda --dtype bfloat16 --layers 78 \
+      --prompt-len 8192 --offsets 1.5,3,6 --hot 1,2 --out "$OUT/locality_h200.json" ;; esac
 case ",$STEPS," in *,kernels,*)
   run "kernel tests (CUDA)" timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_kernel.py \
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
