@@ -87,6 +87,7 @@ class HierContext(PagedContext):
         wide = torch.nn.functional.pad(self.lat_of, (0, 1), value=-1)
         wide[info[0][:, None].expand_as(pos), pos] = kv.tail_loc[self.slots_t]
         self.lat_of = wide[:, :W]
+        self.dec_rows_t = info[0]  # [Nd] batch rows of the decoding requests (device)
 
     def _ready_into_table(self) -> None:
         """All-direct pass: decoding requests' history positions (-1 so far) take their ready-map
@@ -95,8 +96,7 @@ class HierContext(PagedContext):
             positions   0 ........ tail_start ...... len-1
             lat_of[r]   opt_loc[slot, 0 ..]   tail_loc[slot, 0 ..]
         """
-        rows = torch.tensor(self.decode_rows, dtype=torch.int64).to(self.kv.device, non_blocking=True)
-        W = self.lat_of.shape[1]
+        rows, W = self.dec_rows_t, self.lat_of.shape[1]
         cur = self.lat_of[rows]
         self.lat_of[rows] = torch.where(cur >= 0, cur, self.kv.opt_loc[self.slots_t, :W])
 
@@ -145,7 +145,7 @@ class HierContext(PagedContext):
             if layer != kv.groups[g]:
                 raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
             if self.all_direct:  # lat_of already holds every location (see _ready_into_table)
-                self.plans[g] = (DirectPlan(None, self._direct_counts(sel)), None)
+                self.plans[g] = (DirectPlan(self._direct_counts(sel)), None)
                 return loc
             self.plans[g] = self._plan(g, self._per_request(sel))
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
@@ -185,7 +185,7 @@ class HierContext(PagedContext):
         kv, host = self.kv, self.kv.host.layer_rows(layer)
         if isinstance(plan, DirectPlan):
             if producer:
-                kv.census.add_device(plan.counts, plan.counts[2])  # nothing copied
+                kv.census.add_device(plan.counts, plan.counts.new_zeros(()))  # nothing copied
             return
         if getattr(plan, "deferred", False):
             launch_copies(plan, host, rows)

@@ -25,9 +25,8 @@ from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 class DirectPlan:
     """A call known on the host to resolve wholly directly (every complete history page of every
     decoding request published; `HierContext` then locates through its table): counts [6] device
-    counters (selected entries, distinct direct rows). No resolver launch, no copies; loc unused."""
+    counters (selected entries, distinct direct rows). No resolver launch, no copies."""
 
-    loc: torch.Tensor | None
     counts: torch.Tensor
 
 
