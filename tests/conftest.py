@@ -44,3 +44,26 @@ def _release_cuda_memory():
         from dhisparse.engine.memory import release_memory
 
         release_memory()
+
+
+CUDA_TEST_POOL_BYTES = 2 << 30  # default pools of test engines on a GPU machine
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _small_default_pools_on_cuda():
+    """On CUDA an engine's default pools are 90% of free device memory and up to half the host's
+    memory pinned (tens of seconds to pin per engine); tests that leave the pools unset get
+    CUDA_TEST_POOL_BYTES each instead. Explicit settings are untouched; CPU defaults are unchanged."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from dhisparse.engine import engine as engine_mod, stores, v4_stores
+
+    kv, host = engine_mod.kv_pool_bytes, stores.host_pool_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "kv_pool_bytes",
+                   lambda setting, fraction, device: kv(setting if setting is not None else CUDA_TEST_POOL_BYTES, fraction, device))
+        capped = lambda setting, device_pool: host(setting if setting is not None else CUDA_TEST_POOL_BYTES, device_pool)  # noqa: E731
+        mp.setattr(stores, "host_pool_bytes", capped)
+        mp.setattr(v4_stores, "host_pool_bytes", capped)
+        yield
