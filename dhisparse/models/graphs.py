@@ -5,7 +5,9 @@ or not the GPU is busy. The post-attention piece of a layer -- value up-projecti
 residual add, post-attention norm, router, experts (the small-batch dense path, no host sync) or
 MLP, residual add -- is a pure function of the layer input h [T, H] and the attention output
 o_lat [T, heads, C]: no KV state, no host-side decisions. `PiecewiseGraphs` captures it once per
-(layer, bucket) and replays it, so the block costs one copy in, one replay and one copy out. The
+(layer, bucket) -- at engine start for every bucket up to the decode / verification batch
+(`DsaForCausalLM.capture_graphs`; larger passes run eagerly) -- and replays it, so the block costs a
+copy in, one replay and a copy out. The
 pre-attention piece (input norm, q / kv projections, RoPE, the absorbed query, the indexer's
 projections; `MLAttention.pre`) is pure per token too ('layer' mode replays both). The KV part --
 store, index top-k, locate, sparse attention -- stays eager (its context changes shape every
