@@ -160,12 +160,6 @@ def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
     return engine
 
 
-def release(engine) -> None:
-    """Drop the engine's stores now (the caller must hold no other reference to it)."""
-    del engine
-    release_memory()
-
-
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     """Greedy non-speculative outputs of every distinct prompt (adaptive preset, one batch)."""
     engine = fresh_engine(engine_config(ns, sz, "adaptive"), loaded, prefixes)
@@ -180,7 +174,8 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
         for o in engine.step():
             if o.finished:
                 ref[prompts[o.request_id]] = list(o.token_ids)
-    release(engine)
+    del engine  # the last reference: its pools go now, before the next engine sizes its own
+    release_memory()
     return ref
 
 
@@ -191,8 +186,8 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference):
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
     loop.distinct = ns.distinct_suffixes
     trace = loop.run()
-    loop.engine = None
-    release(engine)
+    del loop, engine  # the last references: the pools go now, before the next engine sizes its own
+    release_memory()
     return R.run_result(preset, c, "in-process", trace)
 
 

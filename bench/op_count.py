@@ -35,16 +35,6 @@ SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten._unique2", "aten.u
 HOST_DATA_OPS = {"aten.lift_fresh"}
 
 
-def _site() -> str:
-    """The innermost dhisparse frame of the current stack (file:line function)."""
-    import traceback
-
-    for f in reversed(traceback.extract_stack()):
-        if "/dhisparse/" in f.filename and "/bench/" not in f.filename:
-            return f"{f.filename.split('/dhisparse/')[-1]}:{f.lineno} {f.name}"
-    return "?"
-
-
 class OpCounter(TorchDispatchMode):
     """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch.
     Syncing ops and host-data tensors are also counted by their dhisparse call site."""
@@ -61,9 +51,9 @@ class OpCounter(TorchDispatchMode):
             name = str(func.overloadpacket)
             self.ops[name] += 1
             if name in SYNC_OPS:
-                self.syncs[f"{name} @ {_site()}"] += 1
+                self.syncs[f"{name} @ {sp.dhisparse_site()}"] += 1
             elif name in HOST_DATA_OPS:
-                self.host_data[_site()] += 1
+                self.host_data[sp.dhisparse_site()] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):

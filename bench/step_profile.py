@@ -139,35 +139,35 @@ def host_profile(engine, ns) -> tuple[list[dict], list[dict]]:
     return rows[: ns.top], cum[: ns.top]
 
 
+def dhisparse_site() -> str:
+    """The innermost frame of the current stack inside the dhisparse package (not its bench
+    harness), as 'path:line function'; '?' if none."""
+    import traceback
+
+    for f in reversed(traceback.extract_stack()):
+        if "/dhisparse/" in f.filename and "/bench/" not in f.filename:
+            return f"{f.filename.split('/dhisparse/')[-1]}:{f.lineno} {f.name}"
+    return "?"
+
+
 def sync_report(engine, ns) -> dict:
     """Call sites (innermost dhisparse frame) of operations that synchronise host and device during
     two steps, from torch's sync debug mode; {site: count per step}."""
     if not ns.device.startswith("cuda"):
         return {}
     import collections
-    import traceback
     import warnings
 
     sites: collections.Counter = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack() if "/dhisparse/" in f.filename]
-        sites[f"{frames[-1].filename.split('/dhisparse/')[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"] += 1
-
-    old = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(2):
-                    engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda *a, **k: sites.update([dhisparse_site()])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(2):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return {k: v / 2 for k, v in sites.most_common()}
 
 
