@@ -31,7 +31,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="glm52-scaled-k512"); a("--layers", type=int, default=4, help="truncate the layer plan")
-    a("--offsets", default="0,1,2,3,4,6"); a("--hot", default="1,2", help="hot cache sizes B in units of k")
+    a("--offsets", default="0,1,2,3,4,6"); a("--gains", default="0", help="index_gain values (models/scaled.py)"); a("--hot", default="1,2", help="hot cache sizes B in units of k")
     a("--prompt-len", type=int, default=4096); a("--steps", type=int, default=40); a("--warm", type=int, default=8)
     a("--device", default="cpu"); a("--dtype", default="float32"); a("--threads", type=int, default=2)
     a("--out", default="bench/results/locality_cpu.json")
@@ -73,14 +73,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(ns.threads)
     rows, t0 = [], time.perf_counter()
     for off in [float(x) for x in ns.offsets.split(",")]:
-        loaded = build_scaled(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, embed_offset=off)
-        loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
-        k = loaded.config.index_topk
-        for m in [float(x) for x in ns.hot.split(",")]:
-            r = {"embed_offset": off, "B_over_k": m, **share(ns, loaded, int(m * k))}
-            rows.append(r)
-            print(f"offset {off:4.1f}  B = {m:g}k: host-fetched share {100 * r['host_fetched_share']:5.1f}% "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        for gain in [float(x) for x in ns.gains.split(",")]:
+            loaded = build_scaled(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, embed_offset=off, index_gain=gain)
+            loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+            k = loaded.config.index_topk
+            for m in [float(x) for x in ns.hot.split(",")]:
+                r = {"embed_offset": off, "index_gain": gain, "B_over_k": m, **share(ns, loaded, int(m * k))}
+                rows.append(r)
+                print(f"offset {off:4.1f}  gain {gain:4.1f}  B = {m:g}k: host-fetched share "
+                      f"{100 * r['host_fetched_share']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
+            del loaded
     doc = {"kind": "locality", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
            "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)

@@ -92,6 +92,7 @@ SCALED_CONFIGS["glm52-scaled-k512"] = {**SCALED_CONFIGS["glm52-scaled"], "index_
 
 HEAD_GAIN = 16.0  # logit of the continuation ~ HEAD_GAIN * (share of h along its token's row)
 EMBED_OFFSET = 3.0  # shared embedding direction, in units of an embedding row's scale: bench/locality.py
+INDEX_GAIN = 8.0  # stable index-query direction, in units of the query's own spread: bench/locality.py
 
 RESIDUAL_SUFFIXES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 FP32_SUFFIXES = (".mlp.gate.weight", "e_score_correction_bias")
@@ -132,11 +133,12 @@ def _std(name: str, shape: torch.Size, layers: int) -> float:
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: torch.dtype,
-                 embed_offset: float = EMBED_OFFSET) -> None:
+                 embed_offset: float = EMBED_OFFSET, index_gain: float = INDEX_GAIN) -> None:
     """Seeded in-place init on the model's own device (see the module docstring); casts to dtype
     except the router weight and its correction bias, which stay fp32 like a checkpoint's.
     embed_offset: every embedding row gets `embed_offset * u` added, u ~ N(0, I) one fixed vector
-    (a shared residual direction, which gives index scores a query-independent part: locality)."""
+    (a shared residual direction, which gives index scores a query-independent part: locality).
+    index_gain: see `_stable_index_queries`."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
@@ -158,6 +160,32 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
             value += (embed_offset * shared).to(target)
         t.data = value
     _confident_head(model, cfg, seed, embed_offset * shared)
+    if index_gain and embed_offset:
+        _stable_index_queries(model, cfg, seed, shared, index_gain)
+
+
+def _stable_index_queries(model: torch.nn.Module, cfg: ModelConfig, seed: int, shared: torch.Tensor,
+                          gain: float) -> None:
+    """Every indexer's wq_b += gain / sqrt(q_lora) * d c^T: c the unit direction of the shared
+    embedding offset in that layer's normalized query latent (c . q_lat is large and positive for
+    every token), d ~ N(0, 1) per head dim, zero on the RoPE'd dims. Each index query then carries
+    ~gain x its own spread along one fixed, position-independent direction d, so the score of a key
+    has a part that no query changes (d . k_s): consecutive steps select overlapping rows, as a
+    trained model's do. Unlike a larger embedding offset this leaves the residual stream (and the
+    head's margin) alone, and unlike the offset alone it survives the RoPE'd half of the index dims
+    (whose contribution turns with every new position)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 3)
+    for layer in model.model.layers:
+        ix = getattr(layer.self_attn, "indexer", None)
+        if ix is None:
+            continue
+        c = layer.self_attn.q_a_proj.weight.float() @ shared.float()
+        c = c / c.norm()
+        d = torch.randn(ix.n_heads, ix.head_dim, generator=gen)
+        d[:, : ix.rope_dim] = 0.0
+        w = ix.wq_b.weight
+        bump = (gain / c.numel() ** 0.5) * d.reshape(-1, 1).to(w.device) * c[None, :]
+        w.data = (w.float() + bump).to(w.dtype)
 
 
 def _confident_head(model: torch.nn.Module, cfg: ModelConfig, seed: int, offset: torch.Tensor) -> None:
@@ -183,11 +211,12 @@ def _confident_head(model: torch.nn.Module, cfg: ModelConfig, seed: int, offset:
 
 def build_scaled(name: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cpu", num_layers: int | None = None,
-                 embed_offset: float = EMBED_OFFSET) -> LoadedModel:
+                 embed_offset: float = EMBED_OFFSET, index_gain: float = INDEX_GAIN) -> LoadedModel:
     """Deterministic random scaled model built directly on `device` (same seed + device ->
-    identical weights). embed_offset: see `init_weights` (bench/locality.py calibrates it)."""
+    identical weights). embed_offset, index_gain: see `init_weights` (bench/locality.py
+    calibrates them)."""
     cfg = scaled_config(name, num_layers)
     with torch.device(device):
         model = DsaForCausalLM(cfg)
-    init_weights(model, cfg, seed, dtype, embed_offset)
+    init_weights(model, cfg, seed, dtype, embed_offset, index_gain)
     return LoadedModel(model.eval(), cfg, {})
