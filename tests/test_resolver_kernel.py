@@ -137,6 +137,24 @@ def test_run_copies_matches_reference(dtype, width):
     assert run_copies_triton(plan_reference(sel, torch.tensor([0, 2]), clone_state(st), 1), src, d) == nbytes
 
 
+def test_layered_copy_serves_a_layer_group():
+    """One launch over [pages, G, ps, W] row spaces (a layer group; a strided slice of the layer
+    axis) copies every layer's rows exactly as the per-layer reference copy does."""
+    st = make_state(S=3, B=8, L=32, TT=4, seed=3)
+    g = torch.Generator().manual_seed(1)
+    host = torch.randint(0, 100, (st.host_table.numel() + 1, 5, 4, 9), generator=g).to(torch.float16)
+    sel = torch.randint(-1, 28, (2, 2, 5), generator=g)
+    want, got = Pair(st).step(sel, [0, 2], now=1, defer=True)
+    dev = torch.zeros(8, 6, 8, 9, dtype=torch.float16, device=DEV)
+    src = host.pin_memory() if DEV == "cuda" else host
+    launch_copies(got, src[:, 1:4], dev[:, 2:5])
+    for i in range(3):
+        ref = torch.zeros(8, 8, 9, dtype=torch.float16)
+        run_copies(want, host[:, 1 + i], ref)
+        assert torch.equal(dev[:, 2 + i].cpu(), ref)
+    assert not dev[:, [0, 1, 5]].any()
+
+
 @pytest.mark.parametrize("rounds", [0, 1])
 def test_leftover_fallback_is_exact(monkeypatch, rounds):
     """With few (or no) hash rounds most rows go through the exact one-at-a-time fallback."""

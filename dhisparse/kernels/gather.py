@@ -1,7 +1,8 @@
 """Fused row gather-copy: dst_rows[dst[n, r]] = src_rows[src[n, r]] for r < count[n].
 
 Rows are the last dimension of paged row spaces [pages, rows_per_page, W] (any W, any dtype, same
-dtype on both sides). Rows are moved in the widest integer unit the row size and strides allow
+dtype on both sides), or of layered ones [pages, G, rows_per_page, W] where every one of the G
+layers copies the same rows (a layer group shares one selection: one launch serves the group). Rows are moved in the widest integer unit the row size and strides allow
 (8 B for 656-B and 1152-B rows) and vector hints let 16-B loads issue. Grid
 (cdiv(C, R), N): it scales with the copy capacity; programs past a request's count exit at once.
 On CUDA a CPU source must be pinned: it is read zero-copy through `host_view` (UVA).
@@ -20,11 +21,13 @@ _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 @triton.jit(do_not_specialize=["C"])
 def gather_rows_kernel(src_ptr, dst_ptr, sidx_ptr, didx_ptr, cnt_ptr, C,
-                       hp, hs0, hs1, dp, ds0, ds1,
+                       hp, hs0, hsl, hs1, dp, ds0, dsl, ds1,
                        W: tl.constexpr, R: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
-    """Program (pid, n) copies rows pid*R .. pid*R+R-1 of request n's plan (src/dst idx [N, C])."""
+    """Program (pid, n, g) copies rows pid*R .. pid*R+R-1 of request n's plan (src/dst idx [N, C])
+    in layer g of the row spaces."""
     pid = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
     cnt = tl.load(cnt_ptr + n)
     r0 = pid * R
     if r0 < cnt:
@@ -32,8 +35,8 @@ def gather_rows_kernel(src_ptr, dst_ptr, sidx_ptr, didx_ptr, cnt_ptr, C,
         rm = r < cnt
         si = tl.load(sidx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
         di = tl.load(didx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
-        sb = tl.multiple_of((si // hp) * hs0 + (si % hp) * hs1, VEC)
-        db = tl.multiple_of((di // dp) * ds0 + (di % dp) * ds1, VEC)
+        sb = tl.multiple_of((si // hp) * hs0 + g * hsl + (si % hp) * hs1, VEC)
+        db = tl.multiple_of((di // dp) * ds0 + g * dsl + (di % dp) * ds1, VEC)
         for c0 in tl.static_range(0, W, CW):
             cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
             m = rm[:, None] & (cols[None, :] < W)
@@ -71,6 +74,17 @@ def _vec(t: torch.Tensor, ub: int) -> int:
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
+def _layered(t: torch.Tensor) -> torch.Tensor:
+    """[R, W] -> [R, 1, 1, W]; [P, ps, W] -> [P, 1, ps, W]; [P, G, ps, W] as it is."""
+    if t.dim() == 2:
+        return t[:, None, None]
+    if t.dim() == 3:
+        return t.unsqueeze(1)
+    if t.dim() == 4:
+        return t
+    raise ValueError(f"row spaces are [rows, W], [pages, ps, W] or [pages, G, ps, W]; got shape {tuple(t.shape)}")
+
+
 def _layout(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(source view, destination view in copy units, vector width, column block) of a row-space
     pair. The probing (unit, vector width) and a pinned source's zero-copy view are cached by
@@ -78,10 +92,7 @@ def _layout(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tenso
     owning reference: device tensors are re-viewed per call, and zero-copy views never own."""
     key = (src_rows.data_ptr(), src_rows.shape, src_rows.stride(), src_rows.dtype, src_rows.device,
            dst_rows.data_ptr(), dst_rows.shape, dst_rows.stride(), dst_rows.device)
-    if src_rows.dim() == 2:
-        src_rows = src_rows.unsqueeze(1)
-    if dst_rows.dim() == 2:
-        dst_rows = dst_rows.unsqueeze(1)
+    src_rows, dst_rows = _layered(src_rows), _layered(dst_rows)
     hit = _LAYOUTS.get(key)
     if hit is None:
         uva = host_view(src_rows) if dst_rows.is_cuda and not src_rows.is_cuda else None
@@ -100,7 +111,8 @@ def _layout(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tenso
 def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: torch.Tensor,
                        dst_idx: torch.Tensor, count: torch.Tensor, *, rows_per_prog: int | None = None,
                        num_warps: int = 4) -> None:
-    """src_rows [HP, hp, W], dst_rows [P, dp, W] (same dtype, unit last stride); src_idx, dst_idx
+    """src_rows [HP, hp, W], dst_rows [P, dp, W] (same dtype, unit last stride), or layered
+    [HP, G, hp, W] / [P, G, dp, W] (same G: every layer copies the same rows); src_idx, dst_idx
     [N, C] flat row indices (page * rows_per_page + row); count [N] rows to copy per request."""
     if src_rows.dtype != dst_rows.dtype or src_rows.shape[-1] != dst_rows.shape[-1]:
         raise ValueError("source and destination rows must share dtype and width")
@@ -112,9 +124,12 @@ def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: 
     if N == 0 or C == 0:
         return
     s, d, vec, CW = _layout(src_rows, dst_rows)
+    if s.shape[1] != d.shape[1]:
+        raise ValueError(f"layered row spaces need the same layer count, got {s.shape[1]} and {d.shape[1]}")
     W = s.shape[-1]
     R = rows_per_prog or max(1, min(16, 1024 // CW))
-    grid = (triton.cdiv(C, R), N)
+    grid = (triton.cdiv(C, R), N, s.shape[1])
     gather_rows_kernel[grid](s, d, src_idx, dst_idx, count, C,
-                             s.shape[1], s.stride(0), s.stride(1), d.shape[1], d.stride(0), d.stride(1),
+                             s.shape[2], s.stride(0), s.stride(1), s.stride(2),
+                             d.shape[2], d.stride(0), d.stride(1), d.stride(2),
                              W=W, R=R, CW=CW, VEC=vec, num_warps=num_warps)

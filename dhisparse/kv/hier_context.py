@@ -181,14 +181,22 @@ class HierContext(PagedContext):
         return stage_overflow(plan, per_req, self.slots_t, kv)
 
     def _copy(self, layer: int, plan: ResolvePlan, staged: ResolvePlan | None, rows: torch.Tensor, producer: bool) -> None:
-        """This layer's host -> device copies of the plan (and of staged rows); census update."""
+        """This layer's host -> device copies of the plan (and of staged rows); census update.
+        A deferred plan's copies for a whole group of consecutive layers are launched once, by
+        the producer: followers would copy the same rows into their own row spaces, and nothing
+        reads a follower's victim rows before the follower itself runs in this pass. Staged rows
+        share one buffer across layers, so each layer still stages its own."""
         kv, host = self.kv, self.kv.host.layer_rows(layer)
         if isinstance(plan, DirectPlan):
             if producer:
                 kv.census.add_device(plan.counts, plan.counts.new_zeros(()))  # nothing copied
             return
         if getattr(plan, "deferred", False):
-            launch_copies(plan, host, rows)
+            span = kv.group_span[kv.group_of[layer]]
+            if span is None:
+                launch_copies(plan, host, rows)
+            elif producer:  # one layered launch copies the rows of every layer of the group
+                launch_copies(plan, kv.host.rows[:, span], self.arena.latent[:, span])
             copied, counts = plan.copy_n.sum(), plan.counts
             if staged is not None:
                 launch_copies(staged, host, kv.stage)

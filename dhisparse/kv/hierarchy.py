@@ -122,6 +122,13 @@ for _name in Census.FIELDS:
     setattr(Census, _name, _census_field(_name))
 
 
+def _span(layers: list[int], producer: int) -> slice | None:
+    """slice(first, last + 1) of a group whose layers are consecutive and start at its producer
+    (one layered copy serves the whole group), else None (each layer copies its own rows)."""
+    ok = layers and layers[0] == producer and layers[-1] - layers[0] + 1 == len(layers)
+    return slice(layers[0], layers[-1] + 1) if ok else None
+
+
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies) -> None:
@@ -137,6 +144,8 @@ class HierarchicalKV:
         self.groups = arena.layout.index_layers
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
         self.group_size = [sum(1 for g in self.group_of.values() if g == i) for i in range(len(self.groups))]
+        self.group_span = [_span(sorted(l for l, g in self.group_of.items() if g == i), p)
+                           for i, p in enumerate(self.groups)]
         G, S, dev = len(self.groups), max_slots, self.device
         self.hot_pos = torch.full((S, G, self.B), -1, dtype=torch.int64, device=dev)
         self.hot_stamp = torch.full_like(self.hot_pos, -1)
