@@ -38,14 +38,14 @@ def test_replays_equal_eager_ffn_and_own_their_outputs():
         h = torch.randn(T, layer.post_attention_layernorm.weight.shape[0])
         torch.testing.assert_close(g(0, layer.ffn, h), layer.ffn(h), rtol=1e-5, atol=1e-5)
     assert g.eager == 1 and g.replayed == 4  # T = 13 exceeds the largest bucket
-    assert set(g.replays) == {("ffn", 0, 1), ("ffn", 0, 4), ("ffn", 0, 8)}
+    assert set(g.replays) == {("ffn", 0, 1, ()), ("ffn", 0, 4, ()), ("ffn", 0, 8, ())}
     a = g(0, layer.ffn, torch.ones(3, layer.post_attention_layernorm.weight.shape[0]))
     keep = a.clone()
     g(0, layer.ffn, torch.zeros(3, layer.post_attention_layernorm.weight.shape[0]))  # same graph replays
     assert torch.equal(a, keep)  # an earlier result is not overwritten by the next replay
 
 
-@pytest.mark.parametrize("pieces", [("ffn",), ("pre", "ffn")])
+@pytest.mark.parametrize("pieces", [("ffn",), ("pre", "ffn"), ("pre", "attn")])
 def test_engine_with_piece_replays_generates_the_same_tokens(pieces):
     prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -57,7 +57,45 @@ def test_engine_with_piece_replays_generates_the_same_tokens(pieces):
     finally:
         llm.engine.model.graphs = None
     assert graphs.replayed > 0 and graphs.eager > 0  # decode steps replay, long prefill chunks run eagerly
-    assert {p for p, _, _ in graphs.replays} == set(pieces)
+    assert {k[0] for k in graphs.replays} == set(pieces)
+
+
+@pytest.mark.parametrize("preset,spec", [("hisparse", {}), ("adaptive", {}),
+                                         ("hisparse", {"speculative_algorithm": "ngram"})])
+def test_attention_piece_over_the_hierarchy_generates_the_same_tokens(preset, spec):
+    """Sparse attention inside the replayed piece over hierarchy row spaces (hot-cache misses; with
+    verification the staging rows as a second space): tokens of eager resident serving, and every
+    'attn' replay key names this engine's own row spaces."""
+    from dhisparse.models.graphs import spaces_key
+
+    prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
+    llm = LLM("tiny", preset=preset, page_size=4, device="cpu", hot_cache_rows=16, kv_pool_bytes=1 << 20, **spec)
+    e = llm.engine
+    graphs = e.model.graphs = PiecewiseGraphs(EagerRunner(), buckets=(1, 2, 4, 8, 16, 32), pieces=("pre", "attn"))
+    try:
+        e.model.capture_graphs(e.config.max_running_requests, e._row_spaces)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    finally:
+        e.model.graphs = None
+    own = {spaces_key(r) for i in range(len(e.model.model.layers)) for r in e._row_spaces(i)}
+    assert {k[3] for k in graphs.replays if k[0] == "attn"} <= own and graphs.replayed > 0
+    assert len(own) == len(e.model.model.layers) * (2 if spec else 1)
+
+
+def test_attention_piece_pads_locations_and_is_keyed_by_row_spaces():
+    g = PiecewiseGraphs(EagerRunner(), buckets=(4,), pieces=("pre", "attn"))
+    seen = []
+    fn = lambda rows, h, q, p, loc: seen.append(loc.clone()) or h + rows.sum()  # noqa: E731
+    a, b = torch.ones(2, 3), torch.zeros(5, 3)
+    h, q = torch.randn(3, 2), torch.randn(3, 1, 1)
+    g.attn(0, a, lambda *x: fn(a, *x), h, q, q, torch.arange(6).view(3, 2))
+    g.attn(0, a, lambda *x: fn(a, *x), h[:2], q[:2], q[:2], torch.arange(4).view(2, 2))
+    assert seen[1][2:].eq(-1).all() and torch.equal(seen[1][:2], torch.arange(4).view(2, 2))
+    g.attn(0, b, lambda *x: fn(b, *x), h, q, q, torch.zeros(3, 2, dtype=torch.int64))
+    assert len(g.replays) == 2  # one graph per row-space identity
+    assert g.keep_spaces({next(k[3] for k in g.replays if k[3][0][1] == (5, 3))}) == 1 and len(g.replays) == 1
 
 
 def test_bad_settings_name_the_fix():
@@ -110,7 +148,7 @@ def test_graphs_outlive_an_engine_and_report_counters():
     c = graph_counters(g)
     assert c["graphs_captured"] == 0 and c["graph_replays"] == 0
     if torch.cuda.is_available():
-        cuda = PiecewiseGraphs(CudaGraphRunner(), (1, 2), ("pre", "ffn"))
+        cuda = PiecewiseGraphs(CudaGraphRunner(), (1, 2), ("pre", "attn"))
         assert graphs_for(torch.device("cuda"), "layer", 16, cuda) is cuda  # kept for the next engine
         assert graphs_for(torch.device("cuda"), "ffn", 16, cuda) is not cuda  # other pieces: new graphs
 

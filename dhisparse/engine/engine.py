@@ -80,10 +80,17 @@ class Engine:
             return
         t0 = time.perf_counter()
         per_request = config.speculative_num_draft_tokens if config.speculative else 1
-        n = self.model.capture_graphs(config.max_running_requests * per_request)
+        n = self.model.capture_graphs(config.max_running_requests * per_request, self._row_spaces)
         if n:
             log.info("captured %d CUDA graphs (pieces x layers x buckets <= %d tokens) in %.1f s", n,
                      self.model.graphs.limit, time.perf_counter() - t0)
+
+    def _row_spaces(self, layer: int) -> list:
+        """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena
+        (speculative verification over the hierarchy) also the (rows, stage) pair."""
+        rows = self.arena.latent_rows(layer)
+        stage = getattr(self.store, "stage", None)
+        return [rows] if stage is None else [rows, (rows, stage)]
 
     def _build_kv(self, config: EngineConfig):
         """The KV store of the preset and its pool size in pages."""

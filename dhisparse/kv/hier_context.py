@@ -197,11 +197,12 @@ class HierContext(PagedContext):
                 launch_copies(plan, host, rows)
             elif producer:  # one layered launch copies the rows of every layer of the group
                 launch_copies(plan, kv.host.rows[:, span], self.arena.latent[:, span])
-            copied, counts = plan.copy_n.sum(), plan.counts
             if staged is not None:
                 launch_copies(staged, host, kv.stage)
-                copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
             if producer:  # every layer of the group copies the same rows: count them all here, once
+                copied, counts = plan.copy_n.sum(), plan.counts
+                if staged is not None:
+                    copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
                 kv.census.add_device(counts, copied * (row_bytes(rows) * kv.group_size[kv.group_of[layer]]))
             return
         nbytes = kv.copy_fn(plan, host, rows)

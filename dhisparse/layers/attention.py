@@ -63,6 +63,15 @@ def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor,
     return kernels.sparse_mla(q_abs, q_pe, rows, loc, scale)
 
 
+class Located(NamedTuple):
+    """A layer's selection [T, k] (positions, -1 padding), the row space(s) it reads and the
+    locations loc [T, k] of the selected rows in them (-1: none)."""
+
+    selection: torch.Tensor
+    rows: object
+    loc: torch.Tensor
+
+
 class PreAttention(NamedTuple):
     """The KV-free part of a layer's attention. q_abs [T, H, C] queries absorbed into latent
     space; q_pe [T, H, rope] roped; latent [T, C + rope] the row to store; index: the indexer's
@@ -131,6 +140,12 @@ class MLAttention(nn.Module):
                prev_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The KV part: store the rows, select, locate, sparse attention ->
         (o_lat [T, heads, kv_lora_rank], selection [T, index_topk])."""
+        found = self.locate(pre, batch, kv, prev_selection)
+        return self.sparse(pre.q_abs, pre.q_pe, found.rows, found.loc), found.selection
+
+    def locate(self, pre: PreAttention, batch: ForwardBatch, kv: KVContext,
+               prev_selection: torch.Tensor | None) -> "Located":
+        """Store this layer's rows, select (own indexer or the producer's selection), locate."""
         c, proj = self.cfg, pre.index
         kv.store(self.layer, pre.latent, proj.k if proj is not None else None)
         if proj is not None:
@@ -140,7 +155,11 @@ class MLAttention(nn.Module):
         else:
             selection = prev_selection
         rows, loc = kv.locate(self.layer, selection)
-        return sparse_mla(pre.q_abs, pre.q_pe, rows, loc, self.scale), selection
+        return Located(selection, rows, loc)
+
+    def sparse(self, q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor) -> torch.Tensor:
+        """Sparse MLA over the located rows: q_abs [T, H, C], q_pe [T, H, rope], loc [T, k] -> o_lat [T, H, C]."""
+        return sparse_mla(q_abs, q_pe, rows, loc, self.scale)
 
     def post(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Value up-projection and out-projection, a pure per-token function (graph-capturable):

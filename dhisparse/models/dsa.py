@@ -9,6 +9,7 @@ loader's small renaming (per-expert tensors are stacked). The forward works over
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, RotaryEmbedding
 from dhisparse.models.base import CausalLMHead
 from dhisparse.models.config import ModelConfig
+from dhisparse.models.graphs import spaces_key
 
 
 @dataclass
@@ -48,6 +50,11 @@ class DecoderLayer(nn.Module):
         input h [T, H] and the attention output o_lat [T, heads, kv_lora_rank] (graph-capturable)."""
         return self.ffn(h + self.self_attn.post(o_lat))
 
+    def attn_ffn(self, rows, h: torch.Tensor, q_abs: torch.Tensor, q_pe: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """Sparse attention over `rows` at loc [T, k], then `post_ffn`: a function of its tensor
+        inputs for fixed row spaces (graph-capturable per engine)."""
+        return self.post_ffn(h, self.self_attn.sparse(q_abs, q_pe, rows, loc))
+
     def pre(self, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
         """Input norm + the KV-free part of attention: a pure function of h, C, S (graph-capturable)."""
         return self.self_attn.pre(self.input_layernorm(h), C, S)
@@ -59,6 +66,10 @@ class DecoderLayer(nn.Module):
             pre = graphs.pre(layer, self.pre, h, rope.C, rope.S)
         else:
             pre = self.pre(h, rope.C, rope.S)
+        if graphs is not None and "attn" in graphs.pieces:
+            found = self.self_attn.locate(pre, batch, kv, prev_selection)
+            out = graphs.attn(layer, found.rows, partial(self.attn_ffn, found.rows), h, pre.q_abs, pre.q_pe, found.loc)
+            return out, found.selection
         o_lat, selection = self.self_attn.attend(pre, batch, kv, prev_selection)
         if graphs is not None and "ffn" in graphs.pieces:
             return graphs.ffn(layer, self.post_ffn, h, o_lat), selection
@@ -85,25 +96,34 @@ class DsaForCausalLM(CausalLMHead):
         self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
-    def capture_graphs(self, max_tokens: int) -> int:
+    def capture_graphs(self, max_tokens: int, spaces=None) -> int:
         """Capture every layer's graph pieces for each bucket up to `max_tokens` tokens a pass (the
         decode / verification batches) now, so no step pays a capture; larger passes (prefill
-        chunks) run eagerly. Pieces are pure, so zero inputs record the same graphs. Returns the
-        number of graphs captured (0 without graphs or when all exist)."""
+        chunks) run eagerly. Pure pieces see zero inputs; the 'attn' piece sees no located rows
+        (loc -1). spaces(layer) -> the row-space variants that layer reads (the engine's arena
+        rows, and with staging the (rows, stage) pair); 'attn' graphs of other row spaces are
+        dropped, and without `spaces` none are captured here. Returns the number captured."""
         g = self.graphs
         if g is None:
             return 0
         before, m, c = len(g.replays), self.model, self.config
         dev, dtype = m.embed_tokens.weight.device, m.embed_tokens.weight.dtype
+        if spaces is not None and "attn" in g.pieces:
+            before -= g.keep_spaces({spaces_key(r) for i in range(len(m.layers)) for r in spaces(i)})
         for T in g.allow(max_tokens):
             h = torch.zeros(T, c.hidden_size, device=dev, dtype=dtype)
             rope = RopeTables.build(*m.rotary_emb(torch.zeros(T, dtype=torch.int64, device=dev), dtype))
             o_lat = torch.zeros(T, c.num_heads, c.kv_lora_rank, device=dev, dtype=dtype)
+            q_pe = torch.zeros(T, c.num_heads, c.qk_rope_head_dim, device=dev, dtype=dtype)
+            loc = torch.full((T, c.index_topk), -1, dtype=torch.int64, device=dev)
             for i, layer in enumerate(m.layers):
                 if "pre" in g.pieces:
                     g.pre(i, layer.pre, h, rope.C, rope.S)
                 if "ffn" in g.pieces:
                     g.ffn(i, layer.post_ffn, h, o_lat)
+                if "attn" in g.pieces and spaces is not None:
+                    for rows in spaces(i):
+                        g.attn(i, rows, partial(layer.attn_ffn, rows), h, o_lat, q_pe, loc)
         return len(g.replays) - before
 
     @torch.inference_mode()

@@ -10,13 +10,20 @@ o_lat [T, heads, C]: no KV state, no host-side decisions. `PiecewiseGraphs` capt
 copy in, one replay and a copy out. The
 pre-attention piece (input norm, q / kv projections, RoPE, the absorbed query, the indexer's
 projections; `MLAttention.pre`) is pure per token too ('layer' mode replays both). The KV part --
-store, index top-k, locate, sparse attention -- stays eager (its context changes shape every
-step), as in vLLM's piecewise graphs.
+store, index top-k, locate -- stays eager (its context changes shape every step), as in vLLM's
+piecewise graphs.
 
     tokens T -> bucket Tb = smallest bucket >= T (T > the largest bucket: eager)
     static_in[Tb][:T] = h          (rows T..Tb-1 keep finite earlier values; the FFN is per-token,
     graph(layer, Tb).replay()       so padded rows never touch real rows and no state changes)
     return static_out[:T].clone()  (the graph's output buffer is overwritten by its next replay)
+
+The 'attn' piece (mode 'layer') goes further: the sparse attention itself joins the post piece,
+because its inputs are fixed-shape per bucket -- q_abs, q_pe [T, heads, .] and the located rows
+loc [T, k] -- and its row spaces (the engine's arena, the staging rows) have fixed addresses. Those
+addresses are baked into the graph, so 'attn' graphs are keyed by the row spaces too (one set per
+engine: a new engine's capture drops the graphs of row spaces it does not use). Padded loc rows
+are -1 (no row: the kernel writes zeros), so a padded token never reads a stale location.
 
 `runner` is pluggable: `CudaGraphRunner` on CUDA; tests use an eager runner with the same
 bucketing and padding on CPU. Graphs share one memory pool; the static inputs are shared per
@@ -83,9 +90,11 @@ def _head(out, T: int):
 
 
 class PiecewiseGraphs:
-    """Per-(piece, layer, bucket) replays of pure per-token pieces of a decoder layer.
+    """Per-(piece, layer, bucket, row spaces) replays of per-token pieces of a decoder layer.
 
     `ffn(layer, fn, *inputs)` -> fn(*inputs) [T, H], cloned (it lives on into the next layer);
+    `attn(layer, rows, fn, h, q_abs, q_pe, loc)` -> fn(h, q_abs, q_pe, loc) [T, H], cloned, with
+    the row spaces `rows` (a tensor or a tuple of two) fixed in the graph;
     `pre(layer, fn, h, C, S)` -> fn(h, C, S) (PreAttention), not cloned: valid until the same
     graph replays again, i.e. within this layer of this pass.
     Static inputs are shared per (bucket, slot) across layers and pieces (layers run one after
@@ -97,12 +106,12 @@ class PiecewiseGraphs:
         """pieces: which pieces replay ('pre', 'ffn'); the others run eagerly."""
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be distinct positive sizes in increasing order, got {buckets}")
-        if not set(pieces) <= {"pre", "ffn"}:
-            raise ValueError(f"pieces must be among 'pre', 'ffn', got {pieces}")
+        if not set(pieces) <= {"pre", "ffn", "attn"}:
+            raise ValueError(f"pieces must be among 'pre', 'ffn', 'attn', got {pieces}")
         self.runner, self.buckets, self.pieces = runner, buckets, pieces
         self.inputs: dict[tuple, torch.Tensor] = {}  # (bucket, slot, dtype, row shape) -> [Tb, ...]
         self.last: dict[tuple, torch.Tensor] = {}  # the same key -> the source copied last
-        self.replays: dict[tuple[str, int, int], Callable[[], object]] = {}
+        self.replays: dict[tuple[str, int, int, tuple], Callable[[], object]] = {}  # (piece, layer, Tb, spaces)
         self.replayed = self.eager = 0  # counters: calls served by a graph / run eagerly
         self.capture_s = 0.0  # wall time spent capturing (first use of a (piece, layer, bucket))
         self.limit: int | None = None  # tokens above this bucket run eagerly (None: every bucket)
@@ -119,27 +128,35 @@ class PiecewiseGraphs:
         self.limit = max(self.limit or 0, top)
         return [b for b in self.buckets if b <= self.limit]
 
-    def _static(self, Tb: int, slot: int, x: torch.Tensor) -> torch.Tensor:
+    def _static(self, Tb: int, slot: int, x: torch.Tensor, pad: int | None = None) -> torch.Tensor:
+        """The bucket's static input for slot: x copied into rows [:T]; rows [T:] set to pad (if
+        given) or left as they are (finite earlier values)."""
         key = (Tb, slot, x.dtype, tuple(x.shape[1:]))
         buf = self.inputs.get(key)
         if buf is None:
-            buf = self.inputs[key] = torch.zeros((Tb,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            fill = 0 if pad is None else pad
+            buf = self.inputs[key] = torch.full((Tb,) + tuple(x.shape[1:]), fill, dtype=x.dtype, device=x.device)
         if self.last.get(key) is not x:
             buf[: x.shape[0]].copy_(x)
+            if pad is not None and x.shape[0] < Tb:
+                buf[x.shape[0] :].fill_(pad)
             self.last[key] = x
         return buf
 
-    def run(self, piece: str, layer: int, fn: Callable, inputs: tuple[torch.Tensor, ...], clone: bool):
+    def run(self, piece: str, layer: int, fn: Callable, inputs: tuple[torch.Tensor, ...], clone: bool,
+            spaces: tuple = (), pads: dict[int, int] | None = None):
         T = inputs[0].shape[0]
         Tb = self.bucket(T)
         if Tb is None:
             self.eager += 1
             return fn(*inputs)
-        static = tuple(self._static(Tb, i, x) for i, x in enumerate(inputs))
-        replay = self.replays.get((piece, layer, Tb))
+        pads = pads or {}
+        static = tuple(self._static(Tb, i, x, pads.get(i)) for i, x in enumerate(inputs))
+        key = (piece, layer, Tb, spaces)
+        replay = self.replays.get(key)
         if replay is None:
             t0 = time.perf_counter()
-            replay = self.replays[(piece, layer, Tb)] = self.runner.capture(lambda: fn(*static))
+            replay = self.replays[key] = self.runner.capture(lambda: fn(*static))
             self.capture_s += time.perf_counter() - t0
         self.replayed += 1
         out = _head(replay(), T)
@@ -152,7 +169,27 @@ class PiecewiseGraphs:
     def pre(self, layer: int, fn: Callable, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
         return self.run("pre", layer, fn, (h, C, S), clone=False)
 
+    def attn(self, layer: int, rows, fn: Callable, h: torch.Tensor, q_abs: torch.Tensor, q_pe: torch.Tensor,
+             loc: torch.Tensor) -> torch.Tensor:
+        """fn(h, q_abs, q_pe, loc) [T, H]: sparse attention over `rows` at loc [T, k] (-1: none),
+        out-projection, residual, FFN. fn must read exactly the row spaces `rows`: their
+        addresses are part of the graph and of its key."""
+        return self.run("attn", layer, fn, (h, q_abs, q_pe, loc), clone=True, spaces=spaces_key(rows), pads={3: -1})
+
+    def keep_spaces(self, keys: set[tuple]) -> int:
+        """Drop 'attn' graphs over row spaces other than `keys` (an engine's own); returns how many."""
+        stale = [k for k in self.replays if k[0] == "attn" and k[3] not in keys]
+        for k in stale:
+            del self.replays[k]
+        return len(stale)
+
     __call__ = ffn
+
+
+def spaces_key(rows) -> tuple:
+    """Identity of row spaces (a tensor or a tuple of them): address, shape, strides, dtype each."""
+    spaces = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in spaces)
 
 
 def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -165,7 +202,7 @@ def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
     return tuple(b for b in buckets if b * max(n_experts, 1) <= DENSE_ROWS)
 
 
-GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the FFN piece
+GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the attention + FFN piece
 
 
 def auto_graph_mode(device: torch.device, model_has_pieces: bool, n_experts: int) -> str:
@@ -198,7 +235,7 @@ def graphs_for(device: torch.device, mode: str, n_experts: int,
         raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if device.type != "cuda":
         raise ValueError(f"cuda_graphs {mode!r} needs a CUDA device; use --cuda-graphs none on CPU")
-    pieces = ("pre", "ffn") if mode == "layer" else ("ffn",)
+    pieces = ("pre", "attn") if mode == "layer" else ("ffn",)
     if existing is not None and existing.pieces == pieces and isinstance(existing.runner, CudaGraphRunner):
         return existing
     return PiecewiseGraphs(CudaGraphRunner(), graph_buckets(n_experts), pieces)

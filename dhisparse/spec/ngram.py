@@ -41,7 +41,7 @@ class NgramDrafter(StatelessDrafter):
         for n in range(min(self.max_n, hist.numel() - 1), self.min_n - 1, -1):
             j = find_last_match(hist, n)
             if j >= 0:
-                tokens = continuation(hist.tolist(), j + n, req.max_drafts)
+                tokens = continuation(hist[j + n :].tolist(), 0, req.max_drafts)  # only the tail: no 100K-long list
                 return DraftProposal(tokens, None, [n / (n + 1)] * len(tokens))
         return DraftProposal.empty()
 
