@@ -257,8 +257,8 @@ def main(argv=None) -> int:
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
     reference = oracle_reference(ns, sz, loaded, prefixes) if any(p.endswith("+spec") for p in ns.preset_list) else None
     runs = []
-    for preset in ns.preset_list:
-        for c in ns.concurrencies:
+    for c in ns.concurrencies:  # every preset at one load side by side before the next load
+        for preset in ns.preset_list:
             t = time.perf_counter()
             runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference))
             m = runs[-1].metrics

@@ -155,10 +155,12 @@ class HierContext(PagedContext):
         """[6] census counters of an all-direct call: selected entries and distinct rows (per
         request) of the decoding tokens; nothing from the hot cache or host."""
         s = sel[self.dec_tok]
+        selected = (s >= 0).sum()
+        if self.K == 1:  # one query per request: a top-k selection holds distinct positions
+            return torch.cat([selected.expand(2), selected.new_zeros(4)])
         keys = torch.where(s >= 0, self.dec_i[:, None] * SPACE + s, -1).reshape(-1).sort().values
         distinct = ((keys[1:] != keys[:-1]) & (keys[1:] >= 0)).sum() + (keys[:1] >= 0).sum()
-        zero = torch.zeros((), dtype=torch.int64, device=sel.device)
-        return torch.stack([(s >= 0).sum(), distinct, zero, zero, zero, zero])
+        return torch.cat([torch.stack([selected, distinct]), selected.new_zeros(4)])
 
     def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan | DirectPlan, ResolvePlan | StagePlan | None]:
         """The producer layer's resolver call (not made at all in an all-direct pass, see
