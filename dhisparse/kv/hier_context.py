@@ -68,6 +68,9 @@ class HierContext(PagedContext):
             ii.extend([i] * n)
             jj.extend(range(n))
         self.K = max((qs[r + 1] - qs[r] for r in self.decode_rows), default=1)
+        # dense: every token of the pass belongs to a decoding request and each has K of them, so
+        # [T, k] <-> [Nd, K, k] is a view (steady-state decode and verification passes)
+        self.dense = len(tok) == qs[-1] == len(self.decode_rows) * self.K
         m = torch.tensor([tok, ii, jj], dtype=torch.int64).to(device, non_blocking=True)
         self.dec_tok, self.dec_i, self.dec_j = m[0], m[1], m[2]
         self.slots_t = torch.tensor(self.slots, dtype=torch.int64).to(device, non_blocking=True)
@@ -110,6 +113,8 @@ class HierContext(PagedContext):
 
     def _per_request(self, selection: torch.Tensor) -> torch.Tensor:
         """[Nd, K, k] selections of decoding requests (their tokens padded with -1)."""
+        if self.dense:
+            return selection.view(len(self.decode_rows), self.K, selection.shape[1])
         out = selection.new_full((len(self.decode_rows), self.K, selection.shape[1]), -1)
         out[self.dec_i, self.dec_j] = selection[self.dec_tok]
         return out
@@ -138,9 +143,8 @@ class HierContext(PagedContext):
         plan (run by the group's producer layer) for decoding ones. Locations are layer-independent
         (every layer's row space has the same page layout), so the group's followers reuse them."""
         kv = self.kv
-        sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, torch.full_like(selection, -1))
-        loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)]
-        loc = torch.where(sel >= 0, loc, torch.full_like(loc, -1))
+        sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, -1)
+        loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)].masked_fill_(sel < 0, -1)
         if self.decode_rows:
             if layer != kv.groups[g]:
                 raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
@@ -148,13 +152,15 @@ class HierContext(PagedContext):
                 self.plans[g] = (DirectPlan(self._direct_counts(sel)), None)
                 return loc
             self.plans[g] = self._plan(g, self._per_request(sel))
+            if self.dense:
+                return self.plans[g][0].loc.reshape(loc.shape)
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
 
     def _direct_counts(self, sel: torch.Tensor) -> torch.Tensor:
         """[6] census counters of an all-direct call: selected entries and distinct rows (per
         request) of the decoding tokens; nothing from the hot cache or host."""
-        s = sel[self.dec_tok]
+        s = sel if self.dense else sel[self.dec_tok]
         selected = (s >= 0).sum()
         if self.K == 1:  # one query per request: a top-k selection holds distinct positions
             return torch.cat([selected.expand(2), selected.new_zeros(4)])
