@@ -44,12 +44,14 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
         self.host_data: collections.Counter = collections.Counter()
+        self.sites: collections.Counter = collections.Counter()  # every op by its innermost dhisparse call site
         self.inside = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
             name = str(func.overloadpacket)
             self.ops[name] += 1
+            self.sites[sp.dhisparse_site()] += 1
             if name in SYNC_OPS:
                 self.syncs[f"{name} @ {sp.dhisparse_site()}"] += 1
             elif name in HOST_DATA_OPS:
@@ -62,7 +64,9 @@ class OpCounter(TorchDispatchMode):
         counter, run = self, InterpretedFunction.run
 
         def counted(fn_self, *a, **kw):
-            counter.ops["triton_launch"] += 1 if not counter.inside else 0
+            if not counter.inside:
+                counter.ops["triton_launch"] += 1
+                counter.sites[sp.dhisparse_site()] += 1
             counter.inside += 1
             try:
                 return run(fn_self, *a, **kw)
@@ -94,6 +98,7 @@ def count(preset: str, ns, loaded) -> dict:
     per_step = sum(c.ops.values()) / ns.steps
     return {"preset": preset, "C": ns.concurrency, "layers": layers, "ops_per_step": per_step,
             "ops_per_layer": per_step / layers, "top": {k: v / ns.steps for k, v in c.ops.most_common(20)},
+            "top_sites": {k: v / ns.steps for k, v in c.sites.most_common(40)},
             "syncs_per_step": sum(c.syncs.values()) / ns.steps,
             "sync_sites": {k: v / ns.steps for k, v in c.syncs.most_common()},
             "host_data_tensors_per_step": sum(c.host_data.values()) / ns.steps,

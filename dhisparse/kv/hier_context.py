@@ -51,6 +51,7 @@ class HierContext(PagedContext):
                 self._ready_into_table()
         self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
+        self._zero = torch.zeros((), dtype=torch.int64, device=kv.device)  # bytes copied by a direct call
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
 
     def _decode_map(self, qs: list[int], device) -> None:
@@ -143,7 +144,7 @@ class HierContext(PagedContext):
         plan (run by the group's producer layer) for decoding ones. Locations are layer-independent
         (every layer's row space has the same page layout), so the group's followers reuse them."""
         kv = self.kv
-        sel = torch.where(selection < self.batch.seq_lens[self.batch.req_idx][:, None], selection, -1)
+        sel = selection  # positions past a request's length are errors (the indexer masks them; `_check` in debug)
         loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)].masked_fill_(sel < 0, -1)
         if self.decode_rows:
             if layer != kv.groups[g]:
@@ -194,11 +195,12 @@ class HierContext(PagedContext):
         the producer: followers would copy the same rows into their own row spaces, and nothing
         reads a follower's victim rows before the follower itself runs in this pass. Staged rows
         share one buffer across layers, so each layer still stages its own."""
-        kv, host = self.kv, self.kv.host.layer_rows(layer)
+        kv = self.kv
         if isinstance(plan, DirectPlan):
             if producer:
-                kv.census.add_device(plan.counts, plan.counts.new_zeros(()))  # nothing copied
+                kv.census.add_device(plan.counts, self._zero)  # nothing copied
             return
+        host = kv.host.layer_rows(layer)
         if getattr(plan, "deferred", False):
             span = kv.group_span[kv.group_of[layer]]
             if span is None:
