@@ -56,6 +56,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--quick", action="store_true")
     a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
     a("--sync-report", action="store_true", help="CUDA: list the call sites that synchronise during two steps")
+    a("--isolate", action=argparse.BooleanOptionalAction, default=None,
+      help="each preset / graph mode in its own process (default on CUDA: a finished torch.profiler session "
+           "leaves CUPTI hooks that slow every later launch in the process, so later presets time slower)")
     ns = p.parse_args(argv)
     if ns.quick:
         for k, v in QUICK.items():
@@ -222,6 +225,29 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     return res
 
 
+def isolated(ns, preset: str, graphs: str) -> dict:
+    """`one_preset` in a fresh process (see --isolate); its run record comes back through a file."""
+    import json
+    import subprocess
+    import tempfile
+
+    skip = {"--presets", "--cuda-graphs", "--out"}
+    args, it = [], iter(ns.argv[1:])
+    for a in it:
+        if a.split("=")[0] in skip:
+            if "=" not in a:
+                next(it, None)
+            continue
+        if a not in ("--isolate", "--no-isolate"):
+            args.append(a)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "run.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--presets", preset, "--cuda-graphs", graphs,
+                        "--no-isolate", "--out", out], check=True)
+        with open(out) as f:
+            return json.load(f)["runs"][0]
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     import faulthandler
@@ -231,13 +257,19 @@ def main(argv=None) -> int:
     from dhisparse.kv.prefix import PrefixStore
 
     t0 = time.perf_counter()
-    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
-    prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
-    runs = []
     modes = [m.strip() for m in ns.cuda_graphs.split(",") if m.strip()]
-    for preset, graphs in [(p.strip(), m) for p in ns.presets.split(",") if p.strip() for m in modes]:
+    combos = [(p.strip(), m) for p in ns.presets.split(",") if p.strip() for m in modes]
+    isolate = ns.device.startswith("cuda") if ns.isolate is None else ns.isolate
+    if isolate and len(combos) > 1:
+        loaded = prefixes = None
+    else:
+        isolate = False
+        loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+        prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
+    runs = []
+    for preset, graphs in combos:
         t = time.perf_counter()
-        runs.append(one_preset(ns, loaded, prefixes, preset, graphs))
+        runs.append(isolated(ns, preset, graphs) if isolate else one_preset(ns, loaded, prefixes, preset, graphs))
         r = runs[-1]
         print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host "
               f"{r.get('host_ms', float('nan')):.2f} ms ({100 * r.get('host_share', float('nan')):.1f}%) "
