@@ -66,9 +66,9 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     T, H, D = q.shape
     rows, locs, lens = table
     Lmax = locs.shape[1]
-    out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or Lmax == 0 or rows.numel() == 0:
-        return out
+        return torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.empty((T, Lmax), dtype=torch.float32, device=q.device)  # the kernel writes every score (-inf: not visible)
     assert rows.shape[-1] == D, (rows.shape, q.shape)
     ieee = not (q.dtype == rows.dtype and q.dtype in (torch.bfloat16, torch.float16))
     locs = locs.contiguous()

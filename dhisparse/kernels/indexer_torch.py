@@ -40,12 +40,15 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tens
 def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [T, L] (-inf = not visible) -> ordered selection [T, topk] int64, -1 padding."""
     T, L = scores.shape
-    out = torch.full((T, topk), -1, dtype=torch.int64, device=scores.device)
     kk = min(topk, L)
+    if T > 0 and kk == topk:  # the usual long-history case: two ops, no padding
+        val, idx = scores.topk(kk, dim=-1)
+        return idx.masked_fill_(torch.isinf(val), -1)
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=scores.device)
     if T == 0 or kk == 0:
         return out
     val, idx = scores.topk(kk, dim=-1)
-    out[:, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
+    out[:, :kk] = idx.masked_fill_(torch.isinf(val), -1)
     return out
 
 
@@ -54,8 +57,10 @@ def topk_in_chunks(score_fn, q: torch.Tensor, w: torch.Tensor, positions: torch.
     """Selection [T, topk] int64 of every token, scoring tokens in chunks with `score_fn` (a
     scores function of this module's signature) so that at most SCORE_ELEMS fp32 scores are live."""
     T, Lmax = q.shape[0], table.locs.shape[1]
-    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     step = max(1, SCORE_ELEMS // max(Lmax, 1))
+    if T <= step:  # one chunk (every decode / verification pass): no output buffer to fill and copy
+        return topk_of_scores(score_fn(q, w, positions, req_idx, table), topk)
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     for a in range(0, T, step):
         b = min(T, a + step)
         out[a:b] = topk_of_scores(score_fn(q[a:b], w[a:b], positions[a:b], req_idx[a:b], table), topk)
