@@ -63,6 +63,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--host-pool-gib", type=float, default=None, help="host pool (default: what the slots need, <= 80%% of MemAvailable)")
     a("--max-batched-tokens", type=int, default=8192)
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
+    a("--drafter", default="oracle", choices=("oracle", "ngram", "dflash"),
+      help="drafter of the +spec presets: the calibrated oracle (a measurement tool) or a real one")
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn or layer (piecewise CUDA graphs)")
@@ -136,7 +138,8 @@ def estimate_s(ns, sz: dict) -> float:
     import_s = sz["resident_pages_per_request"] * sz["page_bytes"] / 20e9
     engine_s = sz["host_pool_bytes"] / 4e9 + 4 + ns.input_len / 20000
     runs = sum(engine_s + ns.duration + c * import_s for c in ns.concurrencies for _ in ns.preset_list)
-    ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if "adaptive+spec" in ns.preset_list else 0
+    oracle = ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
+    ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if oracle else 0
     return 30 + ref_s + runs
 
 
@@ -146,8 +149,8 @@ def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
                         kv_pool_bytes=sz["kv_pool_bytes"], max_running_requests=sz["max_running_requests"],
                         max_num_batched_tokens=ns.max_batched_tokens, hot_cache_rows=ns.hot_cache_rows,
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
-                        speculative_algorithm="oracle" if spec else None, speculative_num_draft_tokens=ns.spec_width,
-                        speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec else None,
+                        speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
+                        speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec and ns.drafter == "oracle" else None,
                         cuda_graphs=ns.cuda_graphs)
 
 
@@ -221,11 +224,12 @@ def write(ns, sz, est, t0, runs):
     config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
               "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
                            "distinct_suffixes": ns.distinct_suffixes},
-              "concurrency": ns.concurrencies, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
+              "concurrency": ns.concurrencies, "drafter": ns.drafter, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
               "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "ratios": ratios}
     result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
-                          notes=["adaptive+spec uses the ORACLE drafter (measurement tool), calibrated to "
-                                 f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}"])
+                          notes=[f"+spec presets use the ORACLE drafter (measurement tool), calibrated to "
+                                 f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}" if ns.drafter == "oracle"
+                                 else f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)"])
     return R.write_json(result, ns.out), ratios
 
 
@@ -255,7 +259,8 @@ def main(argv=None) -> int:
     from dhisparse.kv.prefix import PrefixStore
 
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
-    reference = oracle_reference(ns, sz, loaded, prefixes) if any(p.endswith("+spec") for p in ns.preset_list) else None
+    oracle = ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
+    reference = oracle_reference(ns, sz, loaded, prefixes) if oracle else None
     runs = []
     for c in ns.concurrencies:  # every preset at one load side by side before the next load
         for preset in ns.preset_list:

@@ -2,7 +2,8 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of locality,kernels,exact,profile,graphs,resolver,serving,loadstep (default: kernels,profile,serving).
+# steps: any of locality,kernels,exact,profile,profile4,graphs,resolver,serving,realdraft,budget,loadstep
+# (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
 set -u
@@ -22,6 +23,9 @@ case ",$STEPS," in *,exact,*)
 case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
       --kv-pool-gib 40 --host-pool-gib 24 --sync-report --out "$OUT/step_profile_h200.json" ;; esac
+case ",$STEPS," in *,profile4,*)  # low load: resident vs adaptive, each in its own process (~1 min)
+  run "decode-step profile C4" timeout 120 python3 bench/step_profile.py --concurrency 4 --steps 6 --warmup 3 \
+      --presets resident,adaptive,hisparse --kv-pool-gib 40 --host-pool-gib 8 --sync-report --out "$OUT/step_profile_c4_h200.json" ;; esac
 case ",$STEPS," in *,graphs,*)
   run "decode-step profile, piecewise graphs vs eager" timeout 300 python3 bench/step_profile.py --concurrency 24 \
       --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs none,layer \
@@ -30,6 +34,14 @@ case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
+case ",$STEPS," in *,realdraft,*)  # serving with a real drafter: n-gram lookup (the scaled model's greedy output cycles)
+  run "serving, n-gram drafter" timeout 200 python3 bench/gpu_serving.py --concurrency 36,4 --presets hisparse,adaptive+spec \
+      --drafter ngram --force --out "$OUT/gpu_serving_ngram_h200.json" ;; esac
+case ",$STEPS," in *,budget,*)  # Fig. 9: hot-cache budget B = k/2, k, 2k at the high load (one file per B)
+  for B in 256 512 1024; do
+    run "hot-cache budget B=$B" timeout 120 python3 bench/gpu_serving.py --concurrency 36 --presets hisparse,adaptive \
+        --hot-cache-rows $B --duration 12 --force --out "$OUT/gpu_budget_B${B}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) / off (hisparse), pools as in gpu_serving
   run "load step" timeout 400 python3 -m dhisparse.cli loadstep --model-path glm52-scaled-k512 --device cuda \
       --dtype bfloat16 --page-size 64 --kv-pool-bytes 9730326528 --host-pool-bytes 49715277824 \
