@@ -97,6 +97,10 @@ class ResidencyMachine(RuleBasedStateMachine):
     def repopulate(self):
         self.mgr.repopulate()
 
+    @rule(limit=st.integers(1, 4))
+    def backup_ahead(self, limit):
+        self.mgr.backup_ahead(limit)
+
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 1000))
     def finish(self, pick):
@@ -124,3 +128,42 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 ResidencyMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestResidencyMachine = ResidencyMachine.TestCase
+
+
+def test_backup_ahead_takes_the_copy_off_the_reclaim():
+    """Pages backed up ahead stay published while the copy runs; a reclaim afterwards retires them
+    with no new copy, and they drain after the readers of the pass that saw them."""
+    pool, copies = PagePool(10), FakeCopies()
+    unpublished = []
+    mgr = ResidencyManager(pool, 1, copies, on_unpublish=lambda r, j: unpublished.append((r, j)))
+    pages = pool.alloc("a", 6)
+    mgr.register("a", 6, dict(enumerate(pages)), set(), remaining=5)
+    assert mgr.backup_ahead(4) == 4 and mgr.backup_ahead(4) == 2 and mgr.backup_ahead(4) == 0
+    assert not unpublished and mgr.coverage() == (6, 6)  # still published while backing up
+    for kind, req, j, _ in copies.pending[:5]:
+        mgr.on_copy_done(kind, req, j)
+    copies.pending = copies.pending[5:]
+    assert mgr.reqs["a"].backed == {0, 1, 2, 3, 4} and mgr.coverage() == (6, 6)
+    mgr.begin_pass()
+    assert mgr.reclaim(8)  # needs all six pages: five retire at once, the sixth's copy is in flight
+    assert not copies.pending[1:] and len(unpublished) == 5 and mgr.retiring() == 6
+    kind, req, j, _ = copies.pending.pop()
+    mgr.on_copy_done(kind, req, j)
+    assert len(unpublished) == 6
+    free = pool.available
+    mgr.end_pass()
+    assert pool.available == free + 6
+
+
+def test_release_during_an_ahead_backup_waits_for_the_copy():
+    pool, copies = PagePool(6), FakeCopies()
+    mgr = ResidencyManager(pool, 0, copies)
+    pages = pool.alloc("a", 2)
+    mgr.register("a", 2, dict(enumerate(pages)), set(), remaining=5)
+    mgr.backup_ahead(1)
+    mgr.release("a")
+    assert pool.available == 5  # page 1 drained at once; page 0 is still read by its copy
+    kind, req, j, _ = copies.pending.pop()
+    mgr.on_copy_done(kind, req, j)
+    mgr.collect()
+    assert pool.available == 6 and "a" not in mgr.reqs

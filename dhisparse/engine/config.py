@@ -36,10 +36,13 @@ class EngineConfig:
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
+    backup_ahead_pages [--backup-ahead-pages]: adaptive: under memory pressure (the latest
+        admission's pages exceed what is free beyond the reserve), host backups of published
+        optional pages started per step ahead of a reclaim (0: back up only when reclaiming).
     cuda_graphs [--cuda-graphs]: "auto", "none", "ffn" or "layer": replay each decoder layer's FFN
         block (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
-        projections, RoPE, indexer projections) -- from CUDA graphs per token bucket (piecewise
-        graphs; the KV part of attention stays eager). DSA models with <= 64 routed experts, CUDA.
+        projections, RoPE, indexer projections) and the sparse attention -- from CUDA graphs per token
+        bucket (piecewise graphs; storing, selecting and locating KV stay eager). DSA models with <= 64 routed experts, CUDA.
         "auto" (default) = "layer" where available, else "none".
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
@@ -75,6 +78,7 @@ class EngineConfig:
     admission_reserve_pages: int = 0
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
+    backup_ahead_pages: int = 32
     copy_stream: str = "side"
     cuda_graphs: str = "auto"
     speculative_algorithm: str | None = None
@@ -112,8 +116,8 @@ class EngineConfig:
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn' or 'layer', got {self.cuda_graphs!r}")
         if self.copy_stream not in ("side", "compute"):
             raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
-        if self.admission_reserve_pages < 0 or self.repopulate_pages < 0:
-            raise ConfigValueError("admission_reserve_pages and repopulate_pages must be >= 0")
+        if self.admission_reserve_pages < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
+            raise ConfigValueError("admission_reserve_pages, repopulate_pages and backup_ahead_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")

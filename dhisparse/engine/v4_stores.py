@@ -51,7 +51,7 @@ def build_v4_store(cfg: EngineConfig, mc: V4Config, pool_bytes: int, device: tor
         kv = V4HierarchicalKV(*args, **kw)
     else:
         kv = V4AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages, reclaim_order=cfg.reclaim_order,
-                          repopulate_pages=cfg.repopulate_pages, max_len=max_model_len // mc.csa_rate + 1)
+                          repopulate_pages=cfg.repopulate_pages, backup_ahead_pages=cfg.backup_ahead_pages, max_len=max_model_len // mc.csa_rate + 1)
     return V4Store(V4HierStore(mc, kv, device, dtype), page_bytes, pages)
 
 

@@ -5,7 +5,8 @@ Differences from `HierarchicalKV`:
              pages of other requests are reclaimed first (eq. 4); if they cannot cover it, the
              admission waits
   handoff    complete prompt pages stay on device as published optional pages; their host backup
-             is deferred until a reclaim needs it
+             is deferred until memory pressure: then `backup_ahead_pages` per step are backed up
+             while they stay published, so a reclaim rarely copies on the admission path
   decode     the resolver's direct path reads the ready optional map (`opt_loc`) before scanning
   each step  finished copies are published / retired, drained pages freed, and a bounded
              round-robin repopulates reclaimed history from host while pages are spare
@@ -27,8 +28,10 @@ log = logging.getLogger("dhisparse.kv")
 
 class AdaptiveKV(HierarchicalKV):
     def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4,
-                 max_len: int = 4096, side_stream: bool = True, **kw) -> None:
-        """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/copies.py)."""
+                 max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32, **kw) -> None:
+        """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/copies.py).
+        backup_ahead_pages: host backups started per step under memory pressure (0: only when a
+        reclaim needs them, on the admission path)."""
         super().__init__(*args, **kw)
         S = self.hot_pos.shape[0]
         self.opt_loc = torch.full((S, max_len), -1, dtype=torch.int64, device=self.device)
@@ -38,6 +41,8 @@ class AdaptiveKV(HierarchicalKV):
         self.max_total: dict[object, int] = {}
         self._waiting_logged: object = None
         self._published: dict[object, set[int]] = {}  # req -> published page indices (host-side mirror of opt_loc)
+        self.backup_ahead_pages = backup_ahead_pages
+        self._last_need = 0  # pages the latest admission attempt needed: the pressure test's yardstick
 
     # -- publication (ready map) ----------------------------------------------------------------
     def _publish(self, req: object, j: int, page: int) -> None:
@@ -74,6 +79,7 @@ class AdaptiveKV(HierarchicalKV):
         if not self.free_slots:
             return False  # no request slot: reclaiming memory would not help
         need = self.pages_for(max_total, prompt_len)
+        self._last_need = need
         self.progress()
         if self.res.deficit(need) > 0:
             if not self.res.reclaim(need):
@@ -134,6 +140,8 @@ class AdaptiveKV(HierarchicalKV):
                 self.res.set_remaining(req, self.max_total[req] - n)
         self.progress()
         self.res.repopulate()
+        if self.backup_ahead_pages and self.res.deficit(self._last_need) > 0:  # the next admission would reclaim
+            self.res.backup_ahead(self.backup_ahead_pages)
         self.progress()
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:

@@ -7,6 +7,10 @@ Each page is in one state:
   POPULATING --copy done--> READY --reclaim--> BACKING_UP --backup done--> DRAINING --readers done--> free
                                     (backed up)  ------------------------>  DRAINING
 
+  A READY page may also carry a backup started ahead of need (`ahead`: under memory pressure the
+  host copy of not-yet-backed pages runs while they stay published), so a later reclaim retires it
+  with no copy on the admission path.
+
   READY / BACKING_UP pages are published (the resolver reads them directly); a page is published
   only after its copy completed, unpublished only after its host backup completed (I1), and freed
   only after every pass launched before the unpublish completed (I3). Accounting (eq. 3, I4):
@@ -38,6 +42,7 @@ class OptPage:
     state: PageState
     epoch: int = 0
     cancelled: bool = False
+    ahead: bool = False  # a backup issued by backup_ahead is in flight (the page stays READY)
 
 
 @dataclass
@@ -97,6 +102,7 @@ class ResidencyManager:
         self._admissions = 0
         self._rr: list[object] = []
         self.reclaimed = self.repopulated = 0  # pages, cumulative
+        self._draining: dict[object, set[int]] = {}  # req -> indices of its DRAINING pages
 
     # -- registration ---------------------------------------------------------------------------
     def register(self, req: object, eligible: int, resident: dict[int, int], backed: set[int], remaining: int) -> None:
@@ -140,10 +146,12 @@ class ResidencyManager:
         for j, op in list(st.pages.items()):
             if op.state in (PageState.READY, PageState.BACKING_UP):
                 self.on_unpublish(req, j)
-            if op.state in (PageState.POPULATING, PageState.BACKING_UP):
+            if op.state in (PageState.POPULATING, PageState.BACKING_UP) or op.ahead:
                 op.cancelled = True
+                if op.ahead:  # the copy still reads the page: it drains when the copy is done
+                    op.state = PageState.BACKING_UP
             else:
-                op.state, op.epoch = PageState.DRAINING, self.launched
+                self._drain(req, j, op)
         st.eligible, st.remaining, st.released = 0, 0, True
         if req in self._rr:
             self._rr.remove(req)
@@ -203,18 +211,41 @@ class ResidencyManager:
             op = st.pages[j]
             if j in st.backed:
                 self.on_unpublish(req, j)
-                op.state, op.epoch = PageState.DRAINING, self.launched
+                self._drain(req, j, op)
+            elif op.ahead:  # its backup is already in flight: completion retires it
+                op.state = PageState.BACKING_UP
             else:
                 op.state = PageState.BACKING_UP
                 self.copies.issue("backup", req, j, op.page)
+
+    def backup_ahead(self, limit: int) -> int:
+        """Start host backups of up to `limit` READY pages that have none, in reclaim order (the
+        pages a reclaim takes first are backed first); they stay published meanwhile. Called under
+        memory pressure, it takes the backup off the admission path: a reclaim of a backed page only
+        unpublishes it and waits for its readers. Returns the number of copies started."""
+        started = 0
+        for req in self.order({r: st for r, st in self.reqs.items() if not st.released}):
+            st = self.reqs[req]
+            for j, op in sorted(st.pages.items()):
+                if started >= limit:
+                    return started
+                if op.state is PageState.READY and not op.ahead and j not in st.backed:
+                    op.ahead = True
+                    self.copies.issue("backup", req, j, op.page)
+                    started += 1
+        return started
 
     # -- copy completion ------------------------------------------------------------------------
     def on_copy_done(self, kind: str, req: object, j: int) -> None:
         st = self.reqs[req]
         op = st.pages[j]
         if kind == "backup":
-            assert op.state is PageState.BACKING_UP
             st.backed.add(j)
+            if op.ahead:
+                op.ahead = False
+                if op.state is PageState.READY:
+                    return  # backed up ahead of need: stays published
+            assert op.state is PageState.BACKING_UP
             if not op.cancelled:
                 self.on_unpublish(req, j)
         else:
@@ -223,20 +254,28 @@ class ResidencyManager:
                 op.state = PageState.READY
                 self.on_publish(req, j, op.page)
                 return
-        op.state, op.epoch, op.cancelled = PageState.DRAINING, self.launched, False
+        op.cancelled = False
+        self._drain(req, j, op)
         self._collect_req(req)
 
     # -- freeing ----------------------------------------------------------------------------------
+    def _drain(self, req: object, j: int, op: OptPage) -> None:
+        """Page j of req is unpublished (or never was): free once the passes launched so far end."""
+        op.state, op.epoch = PageState.DRAINING, self.launched
+        self._draining.setdefault(req, set()).add(j)
+
     def collect(self) -> None:
-        for req in list(self.reqs):
+        for req in list(self._draining):
             self._collect_req(req)
 
     def _collect_req(self, req: object) -> None:
-        st = self.reqs[req]
-        for j, op in list(st.pages.items()):
-            if op.state is PageState.DRAINING and op.epoch <= self.completed:
-                self.pool.free(opt_owner(req), [op.page])
-                del st.pages[j]
+        """Free req's drained pages whose readers are done (only pages in DRAINING are visited)."""
+        st, draining = self.reqs[req], self._draining.get(req, ())
+        for j in [j for j in draining if st.pages[j].epoch <= self.completed]:
+            self.pool.free(opt_owner(req), [st.pages.pop(j).page])
+            draining.discard(j)
+        if not draining:
+            self._draining.pop(req, None)
         if not st.pages and st.released:
             del self.reqs[req]
 
@@ -251,6 +290,8 @@ class ResidencyManager:
             req = self._rr.pop(0)
             self._rr.append(req)
             st = self.reqs[req]
+            if len(st.pages) >= st.eligible:  # nothing of its history is off the device
+                continue
             missing = [j for j in range(st.eligible) if j not in st.pages and j in st.backed]
             for j in missing[: self.per_attempt - started]:
                 if self.pool.available - 1 < self.reserve:
@@ -267,3 +308,5 @@ class ResidencyManager:
         for req, st in self.reqs.items():
             owned = sorted(self.pool.owned_by(opt_owner(req)))
             assert owned == sorted(op.page for op in st.pages.values()), f"optional pages of {req!r} disagree with the pool"
+            draining = {j for j, op in st.pages.items() if op.state is PageState.DRAINING}
+            assert draining == self._draining.get(req, set()), f"draining pages of {req!r} disagree with their states"
