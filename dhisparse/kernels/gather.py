@@ -2,9 +2,10 @@
 
 Rows are the last dimension of paged row spaces [pages, rows_per_page, W] (any W, any dtype, same
 dtype on both sides), or of layered ones [pages, G, rows_per_page, W] where every one of the G
-layers copies the same rows (a layer group shares one selection: one launch serves the group). Rows are moved in the widest integer unit the row size and strides allow
-(8 B for 656-B and 1152-B rows) and vector hints let 16-B loads issue. Grid
-(cdiv(C, R), N): it scales with the copy capacity; programs past a request's count exit at once.
+layers copies the same rows (a layer group shares one selection: one launch serves the group).
+Rows are moved in the widest integer unit the row size and strides allow (8 B for 656-B and
+1152-B rows) and vector hints let 16-B loads issue. Grid (cdiv(C, R), N, G): it scales with the
+copy capacity; programs past a request's count exit at once.
 On CUDA a CPU source must be pinned: it is read zero-copy through `host_view` (UVA).
 """
 

@@ -144,17 +144,17 @@ class HierContext(PagedContext):
         plan (run by the group's producer layer) for decoding ones. Locations are layer-independent
         (every layer's row space has the same page layout), so the group's followers reuse them."""
         kv = self.kv
-        sel = selection  # positions past a request's length are errors (the indexer masks them; `_check` in debug)
-        loc = self.lat_of[self.batch.req_idx[:, None], sel.clamp(min=0)].masked_fill_(sel < 0, -1)
-        if self.decode_rows:
-            if layer != kv.groups[g]:
-                raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
-            if self.all_direct:  # lat_of already holds every location (see _ready_into_table)
-                self.plans[g] = (DirectPlan(self._direct_counts(sel)), None)
-                return loc
-            self.plans[g] = self._plan(g, self._per_request(sel))
-            if self.dense:
-                return self.plans[g][0].loc.reshape(loc.shape)
+        if self.decode_rows and layer != kv.groups[g]:
+            raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
+        # positions past a request's length are errors (the indexer masks them; `_check` in debug)
+        if self.decode_rows and not self.all_direct:
+            self.plans[g] = self._plan(g, self._per_request(selection))
+            if self.dense:  # every token decodes: the plan's locations are the pass's
+                return self.plans[g][0].loc.reshape(selection.shape)
+        loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
+        if self.all_direct:  # lat_of already holds every location (see _ready_into_table)
+            self.plans[g] = (DirectPlan(self._direct_counts(selection)), None)
+        elif self.decode_rows:
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
 
