@@ -148,3 +148,23 @@ def test_series_interval_share_from_raw_counters():
     first, second = rec.rows
     assert first["host_fetched_share"] == 0.1 and second["host_fetched_share"] == pytest.approx(0.5)
     assert second["output_tok_s"] == pytest.approx(10.0) and second["decoding"] == pytest.approx(1.5)
+
+
+def test_step_profile_plot_splits_the_step(tmp_path):
+    """Fig. 10: each run's bar is its alone families + overlap + idle = the profiled step; runs
+    without kernel data (CPU) are skipped, and a result with none of them is refused."""
+    from dhisparse.bench.plot_profile import IDLE, OVERLAP, plot_profile, step_bars
+    from dhisparse.bench.plots import plot_results
+
+    kern = {"profiled_wall_ms_per_step": 40.0, "busy_ms": 25.0, "overlap_ms": 3.0,
+            "alone_ms": {"gemm": 10.0, "cache copy": 4.0, "attention": 8.0}}
+    res = {"kind": "step_profile", "config": {"model": "m"},
+           "runs": [{"preset": "hisparse", "cuda_graphs": "auto", "C": 24, "wall_ms_median": 30.0, "kernels": kern},
+                    {"preset": "resident", "C": 4, "wall_ms_median": 9.0, "kernels": {}}]}
+    (bar,) = step_bars(res)
+    assert [n for n, _ in bar.segments] == ["gemm", "attention", "cache copy", OVERLAP, IDLE]
+    assert sum(ms for _, ms in bar.segments) == pytest.approx(40.0) and bar.label == "hisparse C24 [auto]"
+    assert_png(plot_profile(res, tmp_path / "p.png"))
+    assert [p.name for p in plot_results([res], tmp_path)] == ["step_profile.png"]
+    with pytest.raises(ValueError, match="no kernel data"):
+        plot_profile({"kind": "step_profile", "runs": res["runs"][1:]}, tmp_path / "none.png")

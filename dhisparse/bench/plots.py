@@ -6,6 +6,7 @@
   time, one line per arm, phases shaded.
 * `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case (linear
   axes), min-max error bars, and the least-squares line with its bandwidth.
+* `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
 * `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
   direct path dotted; Fig. 8c - bars at B_ref with and without host misses; p10-p90 error bars.
 """
@@ -284,7 +285,10 @@ def _save(fig, out: str | Path) -> Path:
 
 def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     """Every figure the given result files support: serving curves from all bench results
-    together, one load-step figure per loadstep result, one resolver figure per resolver file."""
+    together, one load-step figure per loadstep result, one step-profile figure (Fig. 10) per
+    step_profile result with kernel data, one resolver figure per resolver file."""
+    from dhisparse.bench.plot_profile import plot_profile, step_bars
+
     out_dir = Path(out_dir)
     written = []
     bench = [r for r in results if r.get("kind") == "bench"]
@@ -292,6 +296,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
         written.append(plot_serving(bench, out_dir / "serving.png"))
     for k, r in enumerate(x for x in results if x.get("kind") == "loadstep"):
         written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
+    for k, r in enumerate(x for x in results if x.get("kind") == "step_profile" and step_bars(x)):
+        written.append(plot_profile(r, out_dir / f"step_profile{'' if k == 0 else k}.png"))
     for k, r in enumerate(x for x in results if "records" in x):
         if r["records"]:
             written.append(plot_resolver(r["records"], out_dir / f"resolver{'' if k == 0 else k}.png"))

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
                        formatter_class=HelpFormatter,
                        description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs output; "
                                    "all files on one figure); loadstep -> loadstep.png (slots, coverage, host-fetched "
-                                   "share vs time); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} "
+                                   "share vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} "
                                    "-> resolver.png.")
     p.add_argument("results", nargs="+", help="result JSON files")
     p.add_argument("--out", default="figures", help="output folder")
@@ -31,7 +31,8 @@ def run(ns: argparse.Namespace) -> int:
         results.append(data)
     written = plot_results(results, ns.out)
     if not written:
-        raise ValueError("none of the files is a bench, loadstep or resolver result; nothing to plot")
+        raise ValueError("none of the files is a bench, loadstep, step_profile (with kernel data) or resolver result; "
+                         "nothing to plot")
     for png in written:
         print(png)
     return 0
