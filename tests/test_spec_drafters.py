@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from spec_loop import FakeTarget, one_thread, speculative_greedy  # noqa: F401
 
 from dhisparse.spec.drafter import DraftProposal, DraftRequest
-from dhisparse.spec.ngram import NgramDrafter, continuation, find_last_match
+from dhisparse.spec.ngram import NgramDrafter, continuation, find_last_match, find_last_match_bytes
 from dhisparse.spec.oracle import OracleDrafter, corrupt_rate_for_tokens_per_round, expected_tokens_per_round
 from dhisparse.spec.verify import verify_greedy
 
@@ -31,6 +34,15 @@ def test_ngram_prefers_the_longest_and_latest_match():
     hist = torch.tensor([7, 1, 2, 8, 0, 1, 2, 9, 5, 0, 1, 2])
     assert find_last_match(hist, 2) == 5 and find_last_match(hist, 3) == 4 and find_last_match(hist, 4) == -1
     assert continuation([1, 2, 3], 1, 4) == [2, 3, 2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.integers(0, 300), max_size=40), hs.integers(0, 5))
+def test_ngram_byte_search_matches_the_window_reference(hist, n):
+    """The drafter's int32-bytes search finds the same latest match as the window comparison,
+    including ids whose bytes could line up across an id boundary (0..300 spans two bytes)."""
+    buf = array("i", hist).tobytes()
+    assert find_last_match_bytes(buf, n) == find_last_match(torch.tensor(hist, dtype=torch.int64), n)
 
 
 def test_ngram_on_random_text_proposes_nothing_useful():

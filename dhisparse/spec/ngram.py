@@ -12,6 +12,7 @@ matches repeat more reliably); DSpark-style scheduling can use it.
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import torch
@@ -26,7 +27,7 @@ class NgramDrafter(StatelessDrafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"NgramDrafter needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self._history: dict[str, torch.Tensor] = {}
+        self._history: dict[str, bytearray] = {}  # request -> committed ids as int32 bytes
 
     def release(self, request_id: str) -> None:
         self._history.pop(request_id, None)
@@ -37,31 +38,57 @@ class NgramDrafter(StatelessDrafter):
     def _propose_one(self, req: DraftRequest) -> DraftProposal:
         if req.max_drafts < 1:
             return DraftProposal.empty()
-        hist = self._tensor(req)
-        for n in range(min(self.max_n, hist.numel() - 1), self.min_n - 1, -1):
-            j = find_last_match(hist, n)
+        buf = self._history_bytes(req) + _ids_bytes([req.anchor])
+        length = len(buf) // _ITEM
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            j = find_last_match_bytes(buf, n)
             if j >= 0:
-                tokens = continuation(hist[j + n :].tolist(), 0, req.max_drafts)  # only the tail: no 100K-long list
+                tail = array("i", buf[(j + n) * _ITEM : (j + n + req.max_drafts) * _ITEM]).tolist()
+                tokens = continuation(tail, 0, req.max_drafts)
                 return DraftProposal(tokens, None, [n / (n + 1)] * len(tokens))
         return DraftProposal.empty()
 
-    def _tensor(self, req: DraftRequest) -> torch.Tensor:
-        """History [n + 1] int64 (committed + anchor), extended incrementally (committed ids only grow)."""
-        committed = self._history.get(req.request_id)
+    def _history_bytes(self, req: DraftRequest) -> bytearray:
+        """Committed ids as int32 bytes, extended incrementally (committed ids only grow)."""
+        buf = self._history.get(req.request_id)
         n = req.num_committed
-        if committed is None or committed.numel() > n:
-            committed = torch.tensor(list(req.token_ids), dtype=torch.int64)
-        elif committed.numel() < n:
-            tail = torch.tensor(list(req.token_ids[committed.numel():]), dtype=torch.int64)
-            committed = torch.cat([committed, tail])
-        self._history[req.request_id] = committed
-        return torch.cat([committed, torch.tensor([req.anchor], dtype=torch.int64)])
+        if buf is None or len(buf) // _ITEM > n:
+            buf = bytearray(_ids_bytes(req.token_ids[:n]))
+        elif len(buf) // _ITEM < n:
+            buf += _ids_bytes(req.token_ids[len(buf) // _ITEM : n])
+        self._history[req.request_id] = buf
+        return buf
+
+
+_ITEM = 4  # bytes per id in the search buffers (int32)
+
+
+def _ids_bytes(ids) -> bytes:
+    return array("i", ids).tobytes()
+
+
+def find_last_match_bytes(buf: bytes | bytearray, n: int) -> int:
+    """`find_last_match` over ids packed as int32 bytes (the drafter's history): a C substring
+    search from the end instead of comparing every window; only id-aligned hits count."""
+    length = len(buf) // _ITEM
+    if n < 1 or length <= n:
+        return -1
+    suffix = bytes(buf[(length - n) * _ITEM :])
+    end = (length - 1) * _ITEM  # an occurrence must end before the last id (a token follows it)
+    while True:
+        i = buf.rfind(suffix, 0, end)
+        if i < 0:
+            return -1
+        if i % _ITEM == 0:
+            return i // _ITEM
+        end = i + len(suffix) - 1  # misaligned hit: look further left
 
 
 def find_last_match(hist: torch.Tensor, n: int) -> int:
     """Start j of the latest earlier occurrence of the suffix hist[-n:] (j + n < len), or -1.
 
-    hist [L] int64. Vectorised: windows [L - n, n] compared against the suffix."""
+    hist [L] int64. Vectorised: windows [L - n, n] compared against the suffix (the reference of
+    `find_last_match_bytes`, which the drafter uses)."""
     length = hist.numel()
     if n < 1 or length <= n:
         return -1
