@@ -198,3 +198,29 @@ def test_backup_ahead_takes_host_copies_off_the_admission_path(resident):
         store.check_integrity()
     print("admission-path backups", {k: len(v) for k, v in on_admission.items()})
     assert len(on_admission[0]) > 0 and len(on_admission[32]) < len(on_admission[0])
+
+
+def test_ready_map_writes_are_batched_and_the_last_change_wins():
+    """Publications are applied in one batched write when the ready map is next read; a page
+    unpublished after its publication (or the reverse) ends as its last change says."""
+    import torch
+
+    llm = LLM("tiny", preset="adaptive", page_size=4, hot_cache_rows=16)
+    eng = llm.engine
+    rid = eng.add_request(list(range(3, 40)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    store, ps = eng.store, 4
+    slot = store.reqs[rid].slot
+    before = store.opt_loc.clone()
+    store._publish(rid, 20, 5)
+    store._unpublish(rid, 20)
+    store._publish(rid, 21, 7)
+    store._unpublish(rid, 0)
+    store._publish(rid, 0, 9)
+    assert len(store._pending_map) == 3 and torch.equal(store._opt_loc, before)  # nothing written yet
+    m = store.opt_loc  # the read applies them
+    assert not store._pending_map
+    assert (m[slot, 20 * ps : 21 * ps] == -1).all()
+    assert m[slot, 21 * ps : 22 * ps].tolist() == [7 * ps + o for o in range(ps)]
+    assert m[slot, 0:ps].tolist() == [9 * ps + o for o in range(ps)]

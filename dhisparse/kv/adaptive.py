@@ -34,7 +34,9 @@ class AdaptiveKV(HierarchicalKV):
         reclaim needs them, on the admission path)."""
         super().__init__(*args, **kw)
         S = self.hot_pos.shape[0]
-        self.opt_loc = torch.full((S, max_len), -1, dtype=torch.int64, device=self.device)
+        width = -(-max_len // self.page_size) * self.page_size  # whole pages
+        self._opt_loc = torch.full((S, width), -1, dtype=torch.int64, device=self.device)
+        self._pending_map: dict[tuple[int, int], int] = {}  # (slot, page index) -> device page, -1: unpublished
         self.copies = copy_engine_for(self.device, self.copy_page, side_stream)
         self.res = ResidencyManager(self.pool, reserve_pages, self.copies, reclaim_order, repopulate_pages,
                                     self._publish, self._unpublish)
@@ -45,17 +47,38 @@ class AdaptiveKV(HierarchicalKV):
         self._last_need = 0  # pages the latest admission attempt needed: the pressure test's yardstick
 
     # -- publication (ready map) ----------------------------------------------------------------
+    @property
+    def opt_loc(self) -> torch.Tensor:
+        """[S, max_len] ready map: location of each published optional row (-1: none). Pending
+        publications are applied first, so every reader sees them."""
+        if self._pending_map:
+            self._flush_ready_map()
+        return self._opt_loc
+
     def _publish(self, req: object, j: int, page: int) -> None:
-        ps = self.page_size
-        self.opt_loc[self.reqs[req].slot, j * ps : (j + 1) * ps] = self.arena.locations([page], ps, ps)
+        self._pending_map[(self.reqs[req].slot, j)] = page
         self._published.setdefault(req, set()).add(j)
 
     def _unpublish(self, req: object, j: int) -> None:
         self._published.get(req, set()).discard(j)
         st = self.reqs.get(req)
         if st is not None:
-            ps = self.page_size
-            self.opt_loc[st.slot, j * ps : (j + 1) * ps] = -1
+            self._pending_map[(st.slot, j)] = -1
+
+    def _flush_ready_map(self) -> None:
+        """Pending (un)publications -> the ready map in one batched write, the last change of each
+        page winning (a handoff publishes a whole prompt at once: one small copy, not one per page).
+
+            opt_loc[slot, j*ps : (j+1)*ps] = page*ps + 0..ps-1   (or -1)
+        """
+        items = list(self._pending_map.items())
+        self._pending_map.clear()
+        meta = torch.tensor([[s, j, p] for (s, j), p in items], dtype=torch.int64).to(self.device, non_blocking=True)
+        ps, width = self.page_size, self._opt_loc.shape[1]
+        off = torch.arange(ps, device=self.device)
+        pos = (meta[:, :1] * width + meta[:, 1:2] * ps + off).reshape(-1)
+        val = torch.where(meta[:, 2:] >= 0, meta[:, 2:] * ps + off, -1).reshape(-1)
+        self._opt_loc.view(-1).index_copy_(0, pos, val)
 
     def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
         """Copy page index j of req between its device page and its host page (all layers: both
@@ -122,7 +145,8 @@ class AdaptiveKV(HierarchicalKV):
         self.res.release(req)
         self._published.pop(req, None)
         if st is not None:
-            self.opt_loc[st.slot] = -1
+            self._pending_map = {k: v for k, v in self._pending_map.items() if k[0] != st.slot}
+            self._opt_loc[st.slot] = -1
         self.max_total.pop(req, None)
         super().free(req)
         # optional pages still draining stay owned by ("opt", req) until collected

@@ -77,7 +77,10 @@ class KVArena:
 
     def locations(self, pages: list[int] | torch.Tensor, n: int, per_page: int) -> torch.Tensor:
         """[n] locations of positions 0..n-1 laid out over `pages` with `per_page` rows a page."""
-        t = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+        if isinstance(pages, torch.Tensor):
+            t = pages.to(device=self.device, dtype=torch.int64)
+        else:  # staged host copy: no device sync (torch.tensor(..., device=cuda) would wait for the stream)
+            t = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
         loc = (t[:, None] * per_page + torch.arange(per_page, device=self.device)).reshape(-1)
         return loc[:n]
 
