@@ -125,11 +125,13 @@ def table_locations(tables: list[list[int]], lens: list[int], per_page: int, dev
     (per_page rows a page), -1 past each length: one tensor build for the whole batch."""
     width = max(max(lens, default=1), 1)
     n_pages = max(max((len(t) for t in tables), default=1), 1)
-    pages = torch.tensor([t + [0] * (n_pages - len(t)) for t in tables] or [[0]], dtype=torch.int64, device=device)
+    rows = [t + [0] * (n_pages - len(t)) for t in tables] or [[0]]
+    packed = torch.tensor([x for r in rows for x in r] + (lens or [0]), dtype=torch.int64)
+    packed = packed.to(device, non_blocking=True)  # one staged host copy, no device sync
+    pages, lens_t = packed[: len(rows) * n_pages].view(len(rows), n_pages), packed[len(rows) * n_pages :, None]
     pos = torch.arange(width, device=device)
     idx = (pos // per_page).clamp(max=n_pages - 1)
     loc = pages[:, idx] * per_page + pos % per_page
-    lens_t = torch.tensor(lens or [0], dtype=torch.int64, device=device)[:, None]
     return torch.where(pos[None, :] < lens_t, loc, torch.full_like(loc, -1))[: len(tables)]
 
 
