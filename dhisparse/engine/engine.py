@@ -248,7 +248,10 @@ class Engine:
         if not sampled:
             return []
         reqs = [c.req for c, _ in sampled]
-        logits = self.model.logits(hidden[[i for _, i in sampled]])
+        idx = [i for _, i in sampled]
+        if idx != list(range(hidden.shape[0])):  # a decode pass samples every row, in order
+            hidden = hidden.index_select(0, torch.tensor(idx).to(hidden.device, non_blocking=True))  # no sync
+        logits = self.model.logits(hidden)
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tokens.tolist()
         now = time.perf_counter()
         return [self._append_tokens(r, [tok], now) for r, tok in zip(reqs, tokens)]

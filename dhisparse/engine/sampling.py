@@ -52,7 +52,7 @@ def _row_settings(params: Sequence[SamplingParams], vocab: int, device) -> tuple
     temp = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    as_col = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device).unsqueeze(1)  # noqa: E731
+    as_col = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True).unsqueeze(1)  # noqa: E731
     return as_col(temp, torch.float32), as_col(top_k, torch.int64), as_col(top_p, torch.float32)
 
 
@@ -79,7 +79,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        rows = torch.tensor(greedy_rows, device=logits.device)
+        rows = torch.tensor(greedy_rows).to(logits.device, non_blocking=True)
         one_hot = torch.zeros(len(greedy_rows), vocab, device=logits.device)
         one_hot.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
         probs[rows] = one_hot
