@@ -130,6 +130,11 @@ def pinned_cap(limit: int) -> int:
     return 1 << (limit.bit_length() - 1) if limit > 0 else 0
 
 
+def uses_oracle(ns) -> bool:
+    """Whether a +spec preset runs with the oracle drafter (it needs the recorded reference)."""
+    return ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
+
+
 def estimate_s(ns, sz: dict) -> float:
     """Rough wall time: model build, reference run, and per run: engine (host pool pinning), prefix
     hand-off, warm-up imports (one per client at ~20 GB/s) and the timed window."""
@@ -138,8 +143,7 @@ def estimate_s(ns, sz: dict) -> float:
     import_s = sz["resident_pages_per_request"] * sz["page_bytes"] / 20e9
     engine_s = sz["host_pool_bytes"] / 4e9 + 4 + ns.input_len / 20000
     runs = sum(engine_s + ns.duration + c * import_s for c in ns.concurrencies for _ in ns.preset_list)
-    oracle = ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
-    ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if oracle else 0
+    ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if uses_oracle(ns) else 0
     return 30 + ref_s + runs
 
 
@@ -259,8 +263,7 @@ def main(argv=None) -> int:
     from dhisparse.kv.prefix import PrefixStore
 
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
-    oracle = ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
-    reference = oracle_reference(ns, sz, loaded, prefixes) if oracle else None
+    reference = oracle_reference(ns, sz, loaded, prefixes) if uses_oracle(ns) else None
     runs = []
     for c in ns.concurrencies:  # every preset at one load side by side before the next load
         for preset in ns.preset_list:

@@ -49,7 +49,8 @@ class AdaptiveKV(HierarchicalKV):
     # -- publication (ready map) ----------------------------------------------------------------
     @property
     def opt_loc(self) -> torch.Tensor:
-        """[S, max_len] ready map: location of each published optional row (-1: none). Pending
+        """[S, max_len rounded up to whole pages] ready map: location of each published optional
+        row (-1: none). Pending
         publications are applied first, so every reader sees them."""
         if self._pending_map:
             self._flush_ready_map()

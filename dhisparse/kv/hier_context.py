@@ -200,21 +200,21 @@ class HierContext(PagedContext):
             if producer:
                 kv.census.add_device(plan.counts, self._zero)  # nothing copied
             return
-        host = kv.host.layer_rows(layer)
         if getattr(plan, "deferred", False):
             span = kv.group_span[kv.group_of[layer]]
             if span is None:
-                launch_copies(plan, host, rows)
+                launch_copies(plan, kv.host.layer_rows(layer), rows)
             elif producer:  # one layered launch copies the rows of every layer of the group
                 launch_copies(plan, kv.host.rows[:, span], self.arena.latent[:, span])
             if staged is not None:
-                launch_copies(staged, host, kv.stage)
+                launch_copies(staged, kv.host.layer_rows(layer), kv.stage)
             if producer:  # every layer of the group copies the same rows: count them all here, once
                 copied, counts = plan.copy_n.sum(), plan.counts
                 if staged is not None:
                     copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
                 kv.census.add_device(counts, copied * (row_bytes(rows) * kv.group_size[kv.group_of[layer]]))
             return
+        host = kv.host.layer_rows(layer)
         nbytes = kv.copy_fn(plan, host, rows)
         nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
         if producer:
