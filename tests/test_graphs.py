@@ -117,7 +117,7 @@ def test_bad_settings_name_the_fix():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 @pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive"])
-@pytest.mark.parametrize("mode", ["ffn", "layer"])
+@pytest.mark.parametrize("mode", ["ffn", "layer", "step"])
 def test_cuda_graph_replays_generate_the_same_tokens(preset, mode):
     """Captured pieces (padded to their bucket) give every preset the tokens of eager execution."""
     prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
@@ -129,11 +129,11 @@ def test_cuda_graph_replays_generate_the_same_tokens(preset, mode):
     assert llm.engine.model.graphs.replayed > 0
 
 
-def test_auto_mode_picks_layer_only_where_capture_works():
+def test_auto_mode_picks_step_only_where_capture_works():
     from dhisparse.models.graphs import auto_graph_mode
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert auto_graph_mode(cuda, True, 16) == "layer"
+    assert auto_graph_mode(cuda, True, 16) == "step"
     assert auto_graph_mode(cpu, True, 16) == "none"
     assert auto_graph_mode(cuda, False, 0) == "none"  # DeepSeek-V4 model: no pieces
     assert auto_graph_mode(cuda, True, 256) == "none"  # real GLM-5 experts: the MoE path syncs

@@ -43,7 +43,9 @@ class EngineConfig:
         block (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
         projections, RoPE, indexer projections) and the sparse attention -- from CUDA graphs per token
         bucket (piecewise graphs; storing, selecting and locating KV stay eager). DSA models with <= 64 routed experts, CUDA.
-        "auto" (default) = "layer" where available, else "none".
+        "step": "layer", and every pass whose requests all run the same number of tokens (decode,
+        verification) replays as one graph of the whole forward per request bucket
+        (engine/step_graphs.py). "auto" (default) = "step" where available, else "none".
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
@@ -112,8 +114,8 @@ class EngineConfig:
             raise ConfigValueError(f"kv_pool_fraction must be in (0, 1]; got {self.kv_pool_fraction}")
         if self.reclaim_order not in ("remaining", "largest", "newest"):
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
-        if self.cuda_graphs not in ("auto", "none", "ffn", "layer"):
-            raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn' or 'layer', got {self.cuda_graphs!r}")
+        if self.cuda_graphs not in ("auto", "none", "ffn", "layer", "step"):
+            raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
         if self.copy_stream not in ("side", "compute"):
             raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:

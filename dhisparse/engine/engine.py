@@ -23,12 +23,13 @@ from dhisparse.engine.speculative import SpecRuntime
 from dhisparse.engine.stats import EngineStats, store_counters
 from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.context import ForwardBatch, ScratchRows
 from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
-from dhisparse.models.graphs import auto_graph_mode, graph_counters, graphs_for
+from dhisparse.engine.step_graphs import StepGraphs
+from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_buckets, graph_counters, graphs_for
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
@@ -61,6 +62,7 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         self._capture_graphs(config)
+        self.step_graphs = self.make_step_graphs(CudaGraphRunner()) if self.graph_mode == "step" else None
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _set_graphs(self, mode: str) -> None:
@@ -84,6 +86,17 @@ class Engine:
         if n:
             log.info("captured %d CUDA graphs (pieces x layers x buckets <= %d tokens) in %.1f s", n,
                      self.model.graphs.limit, time.perf_counter() - t0)
+
+    def make_step_graphs(self, runner) -> StepGraphs | None:
+        """Whole-step graphs of this engine's decode / verification passes, replayed by `runner`
+        (None for stores without step-graph contexts). Takes one arena page as the scratch rows
+        of padded requests."""
+        if self.arena is None or not hasattr(self.model, "graphs"):
+            return None
+        page = self.arena.pool.alloc("step-graph-scratch", 1)[0]
+        scratch = ScratchRows(page * self.arena.page_size, page * self.arena.index_page_size)
+        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
+        return StepGraphs(self.model, self.store, runner, graph_buckets(experts), self.max_model_len, scratch)
 
     def _row_spaces(self, layer: int) -> list:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena
@@ -193,7 +206,10 @@ class Engine:
         t_start = time.perf_counter()
         batch = ForwardBatch.build([(c.tokens, c.start) for c in chunks], self.device)
         ctx = self.store.context(batch, [c.req.request_id for c in chunks])
-        out = self.model(batch, ctx, capture_layers=self.spec.capture if self.spec else ())
+        capture = self.spec.capture if self.spec else ()
+        out = self.step_graphs.forward(batch, ctx, capture) if self.step_graphs is not None else None
+        if out is None:
+            out = self.model(batch, ctx, capture_layers=capture)
         self._steps += 1
         self._peak = max(self._peak, self.store.usage().used)
         sampled: list[tuple[Chunk, int]] = []
@@ -295,7 +311,8 @@ class Engine:
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
                            store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})
-                           | graph_counters(getattr(self.model, "graphs", None)))
+                           | graph_counters(getattr(self.model, "graphs", None))
+                           | (self.step_graphs.counters() if self.step_graphs is not None else {}))
 
 class _Detok:
     """Adapts the tokenizer's incremental detokenizer to the StopChecker's `add` protocol."""

@@ -89,10 +89,11 @@ def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
     return t
 
 
-def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: int, *,
+def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
                 defer: bool = False, num_warps: int | None = None) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
+    now: the LRU stamp, an int or a [1] int64 device tensor (read by the kernel, not the host).
     Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns loc [N, K, k]
     (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
     """
@@ -132,6 +133,14 @@ def _sort_classes(smax: int) -> tuple[int, int, int, int]:
     return tuple(cs[-4:])
 
 
+def _now_tensor(now, dev: torch.device) -> torch.Tensor:
+    """The LRU stamp as the [1] int64 device tensor the kernel reads (HierarchicalKV passes its
+    `now_t`, so a captured step graph stamps with the step it replays in)."""
+    if isinstance(now, torch.Tensor):
+        return now.reshape(-1)[:1]
+    return torch.full((1,), int(now), dtype=torch.int64, device=dev)
+
+
 def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
@@ -158,7 +167,7 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         table, table.stride(0), table.shape[1], st.host_page_size,
         dmap if dmap is not None else hot_pos, dmap.stride(0) if dmap is not None else 0,
         dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
-        int(now),
+        _now_tensor(now, dev),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
         scr64, scr32,
         KKP=KKP, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),

@@ -237,14 +237,14 @@ def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
     tl.store(c + 5, nover.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["now", "KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
+@triton.jit(do_not_specialize=["KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
     hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
     tail_start_ptr, tail_loc_ptr, s_tail, TT,
     table_ptr, s_table, HPW, ps,
     dmap_ptr, s_dmap, LMAX, has_map,
-    now,
+    now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr,
     KKP: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
@@ -257,7 +257,7 @@ def resolve_plan_kernel(
     scr32 [N, 2*HT + 3*KKP + BP] int32."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
-    now = now.to(tl.int64)
+    now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
     out = scr64_ptr + n * (2 * KKP + BP)
     mk = out + KKP
     vk = mk + KKP

@@ -56,6 +56,11 @@ class AdaptiveKV(HierarchicalKV):
             self._flush_ready_map()
         return self._opt_loc
 
+    def prepare_replay(self) -> None:
+        """Apply pending ready-map changes now: a replayed step graph reads `_opt_loc` directly
+        (the eager forward flushes on its first `opt_loc` read)."""
+        self.opt_loc
+
     def _publish(self, req: object, j: int, page: int) -> None:
         self._pending_map[(self.reqs[req].slot, j)] = page
         self._published.setdefault(req, set()).add(j)

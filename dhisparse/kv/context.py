@@ -118,3 +118,27 @@ class KVContext(Protocol):
         loc is -1 where selection is -1.
         """
         ...
+
+
+class GraphPass(NamedTuple):
+    """What a context offers a whole-step CUDA graph (`engine.step_graphs`) for its pass.
+
+    K        tokens of every request (the pass is N requests x K tokens, request r owning tokens
+             r*K .. r*K+K-1)
+    variant  hashable Python-side branch of the pass (e.g. all-direct or not): one graph each
+    rows     name -> (tensor [N, ...], pad value): the per-request tensors the context reads in
+             the forward; the graph holds static copies [N_bucket, ...] (2-D tables also padded
+             to a static width) and the context's `for_graph` rebuilds itself over them
+    """
+
+    K: int
+    variant: tuple
+    rows: dict
+
+
+class ScratchRows(NamedTuple):
+    """A latent and an index location owned by no request: padded tokens of a step graph write
+    their rows there, so a padded request never touches a real request's rows."""
+
+    latent: int
+    index: int

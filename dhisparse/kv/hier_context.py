@@ -12,7 +12,7 @@ import torch
 
 from dhisparse.kv.arena import SPACE, row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.kv.resolver import ResolvePlan
 from dhisparse.kv.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
@@ -53,6 +53,34 @@ class HierContext(PagedContext):
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self._zero = torch.zeros((), dtype=torch.int64, device=kv.device)  # bytes copied by a direct call
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
+
+    def graph_pass(self) -> GraphPass | None:
+        """A pass of decoding requests only, K tokens each, on the deferred (sync-free) resolver:
+        a step graph can replay it. Padded requests take the first real slot: they select
+        nothing (seq_len 0), so the resolver's direct exit leaves that slot's state untouched."""
+        kv = self.kv
+        if not (self.dense and self.decode_rows and kv.deferred and not kv.debug):
+            return None
+        rows = {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1), "slots_t": (self.slots_t, self.slots[0])}
+        return GraphPass(self.K, ("hier", self.all_direct), rows)
+
+    @classmethod
+    def for_graph(cls, kv, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "HierContext":
+        """The context a step graph captures over its static buffers `rows` (see `graph_pass`):
+        every request decodes with K tokens (dense), request r owning tokens r*K .. r*K+K-1."""
+        ctx = cls.__new__(cls)
+        PagedContext.__init__(ctx, kv, batch, batch.num_reqs)
+        N, K, dev = batch.num_reqs, gp.K, kv.device
+        ctx.lat_of, ctx.idx_of, ctx.slots_t = rows["lat_of"], rows["idx_of"], rows["slots_t"]
+        ctx.decode_rows, ctx.slots = list(range(N)), []
+        ctx.K, ctx.dense, ctx.all_direct = K, True, gp.variant[1]
+        ctx.dec_tok = torch.arange(N * K, device=dev)
+        ctx.dec_i, ctx.dec_j = ctx.dec_tok // K, ctx.dec_tok % K
+        ctx.dec_rows_t = torch.arange(N, device=dev)
+        ctx._finish_tables(scratch)
+        ctx.plans, ctx.memo = {}, {}
+        ctx._zero = torch.zeros((), dtype=torch.int64, device=dev)
+        return ctx
 
     def _decode_map(self, qs: list[int], device) -> None:
         """Where decoding requests' tokens sit: token dec_tok[m] of the flattened batch is query
@@ -178,7 +206,7 @@ class HierContext(PagedContext):
         path and staging read the plan on the host."""
         kv = self.kv
         if kv.deferred:
-            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now, defer=True)
+            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now_t, defer=True)
             if per_req.shape[1] * per_req.shape[2] <= kv.B:
                 return plan, None
             return plan, stage_overflow_deferred(plan, per_req, self.slots_t, kv)

@@ -48,7 +48,12 @@ class Census:
 
     `add` takes host counters (reference resolver); `add_device` takes the Triton plan's device
     counters without synchronising: they accumulate on the device and are folded into the
-    host totals the first time a field is read (one sync per read, not per call)."""
+    host totals the first time a field is read (one sync per read, not per call).
+
+    `in_place` (set while a whole-step CUDA graph is captured, see `engine.step_graphs`): a
+    device call adds into one persistent accumulator `_acc` [len(FIELDS) + 1] (the last entry
+    counts calls) with ops the graph records, so every replay counts its calls; the Python list
+    of pending tensors would hold only the capture's own outputs."""
 
     FIELDS = ResolveCounters._fields + ("bytes_moved", "direct_calls")
     REDUCE_EVERY = 256
@@ -57,6 +62,8 @@ class Census:
         self._tot = dict.fromkeys(self.FIELDS, 0)
         self._dev: torch.Tensor | None = None  # [len(FIELDS)] int64 on the device, not yet folded
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (counts [6], bytes) per call
+        self._acc: torch.Tensor | None = None  # [len(FIELDS) + 1] int64 device accumulator (in_place calls)
+        self.in_place = False
         self.calls = 0
 
     def add(self, c: ResolveCounters, nbytes: int) -> None:
@@ -67,11 +74,23 @@ class Census:
 
     def add_device(self, counts: torch.Tensor, nbytes: torch.Tensor) -> None:
         """counts [6] int64 device tensor in ResolveCounters order; nbytes: 0-d device tensor.
-        Kept as is (no op dispatched); reduced on the device every REDUCE_EVERY calls."""
+        Kept as is (no op dispatched); reduced on the device every REDUCE_EVERY calls. In place
+        (`in_place`): added to `_acc` by device ops."""
+        if self.in_place:
+            direct = (counts[2] + counts[3] == 0).reshape(1).to(torch.int64)
+            one = torch.ones(1, dtype=torch.int64, device=counts.device)
+            self.accumulator(counts.device).add_(torch.cat([counts, nbytes.reshape(1).to(torch.int64), direct, one]))
+            return
         self._pending.append((counts, nbytes))
         self.calls += 1
         if len(self._pending) >= self.REDUCE_EVERY:
             self._reduce()
+
+    def accumulator(self, device) -> torch.Tensor:
+        """The persistent in-place accumulator (allocated once; its address is fixed for graphs)."""
+        if self._acc is None:
+            self._acc = torch.zeros(len(self.FIELDS) + 1, dtype=torch.int64, device=device)
+        return self._acc
 
     def _reduce(self) -> None:
         """Pending device counters -> one device vector (no sync)."""
@@ -104,6 +123,12 @@ class Census:
             for k, v in zip(self.FIELDS, self._dev.tolist()):
                 self._tot[k] += int(v)
             self._dev = None
+        if self._acc is not None:
+            vals = self._acc.tolist()
+            for k, v in zip(self.FIELDS, vals):
+                self._tot[k] += int(v)
+            self.calls += int(vals[-1])
+            self._acc.zero_()
 
 
 def _census_field(name: str) -> property:
@@ -159,6 +184,7 @@ class HierarchicalKV:
             self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
+        self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = getattr(plan_fn, "deferrable", False)  # plan(defer=True) never waits for the device
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
@@ -237,6 +263,8 @@ class HierarchicalKV:
         from dhisparse.kv.hier_context import HierContext
 
         self.now += 1
+        if self.deferred:
+            self.now_t.fill_(self.now)  # no sync; a replayed step graph reads the stamp from here
         for r, req in enumerate(reqs):
             n = batch.lens[r]
             self.resident.ensure_index(req, n) if self.reqs[req].decoding else self.resident.ensure(req, n)
@@ -307,6 +335,11 @@ class HierarchicalKV:
             self.host_table = grown
         self.host_table[st.slot] = -1
         self.host_table[st.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64, device=self.device)
+
+    def graph_fingerprint(self) -> tuple:
+        """Addresses a captured step graph bakes in that can change while serving: the host table
+        is reallocated when a history outgrows it (`sync_host_table`), which retires graphs."""
+        return (self.host_table.data_ptr(), tuple(self.host_table.shape))
 
     def resolver_state(self, group: int) -> ResolverState:
         return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,

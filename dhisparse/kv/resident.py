@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows, table_locations
-from dhisparse.kv.context import ForwardBatch, IndexTable
+from dhisparse.kv.context import ForwardBatch, GraphPass, IndexTable, ScratchRows
 from dhisparse.kv.pool import PoolUsage
 
 
@@ -104,10 +104,21 @@ class PagedContext:
         self.lens = list(batch.lens)
         self.lat_of = self.idx_of = None  # [N, Lmax] each, built by the subclass (table_locations)
 
-    def _finish_tables(self) -> None:
+    def _finish_tables(self, scratch: ScratchRows | None = None) -> None:
+        """Write locations of the pass's tokens [T]; with `scratch` (a step graph's static
+        context) tokens without a location (padding: -1) write to the scratch rows instead."""
         self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
         self.idx_write = self.idx_of[self.batch.req_idx, self.batch.positions]
+        if scratch is not None:
+            self.lat_write = torch.where(self.lat_write < 0, scratch.latent, self.lat_write)
+            self.idx_write = torch.where(self.idx_write < 0, scratch.index, self.idx_write)
         self.writes = self.arena.write_rows(self.lat_write, self.idx_write)
+
+    def uniform_k(self) -> int | None:
+        """K when every request of the pass has exactly K tokens, else None."""
+        qs = self.batch.query_start
+        sizes = {qs[r + 1] - qs[r] for r in range(len(qs) - 1)}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
         self.writes.latent(layer, latent)
@@ -132,6 +143,24 @@ class ResidentContext(PagedContext):
         self.idx_of = table_locations([kv.index_tables[r] for r in reqs], self.lens, kv.arena.index_page_size, kv.device)
         self._finish_tables()
         self._memo: tuple[torch.Tensor, torch.Tensor] | None = None  # (selection, locations) of the last layer
+
+    def graph_pass(self) -> GraphPass | None:
+        """Every request with the same number of tokens: a step graph can replay the pass."""
+        K = self.uniform_k()
+        if K is None:
+            return None
+        return GraphPass(K, ("resident",), {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1)})
+
+    @classmethod
+    def for_graph(cls, kv: ResidentKV, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "ResidentContext":
+        """The context a step graph captures: tables are the graph's static buffers `rows`
+        (padded requests: -1 everywhere, seq_len 0), write locations computed in the graph."""
+        ctx = cls.__new__(cls)
+        PagedContext.__init__(ctx, kv, batch, batch.num_reqs)
+        ctx.lat_of, ctx.idx_of = rows["lat_of"], rows["idx_of"]
+        ctx._finish_tables(scratch)
+        ctx._memo = None
+        return ctx
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Locations are layer-independent: layers sharing a selection (GLM `shared`) reuse them."""

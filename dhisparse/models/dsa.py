@@ -127,14 +127,17 @@ class DsaForCausalLM(CausalLMHead):
         return len(g.replays) - before
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = ()) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, kv: KVContext, capture_layers: tuple[int, ...] = (),
+                piecewise: bool = True) -> ModelOutput:
+        """piecewise=False: no piecewise graph replays (inside a whole-step graph capture)."""
         m = self.model
+        graphs = self.graphs if piecewise else None
         h = m.embed_tokens(batch.input_ids)
         rope = RopeTables.build(*m.rotary_emb(batch.positions, h.dtype))  # once per pass
         selection = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
-            h, selection = layer(h, rope, batch, kv, selection, self.graphs)
+            h, selection = layer(h, rope, batch, kv, selection, graphs)
             if i in capture_layers:
                 captured[i] = h
         return ModelOutput(m.norm(h), captured)

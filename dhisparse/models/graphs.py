@@ -202,16 +202,18 @@ def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
     return tuple(b for b in buckets if b * max(n_experts, 1) <= DENSE_ROWS)
 
 
-GRAPH_MODES = ("none", "ffn", "layer")  # layer = the pre-attention piece and the attention + FFN piece
+GRAPH_MODES = ("none", "ffn", "layer", "step")
+# layer = the pre-attention piece and the attention + FFN piece; step = layer + whole-step graphs of
+# decode / verification passes (engine.step_graphs)
 
 
 def auto_graph_mode(device: torch.device, model_has_pieces: bool, n_experts: int) -> str:
-    """What --cuda-graphs auto means: 'layer' on CUDA for a model with graph pieces whose FFN runs
+    """What --cuda-graphs auto means: 'step' on CUDA for a model with graph pieces whose FFN runs
     sync-free (<= DENSE_MAX_EXPERTS routed experts), else 'none'."""
     from dhisparse.layers.moe import DENSE_MAX_EXPERTS
 
     ok = device.type == "cuda" and model_has_pieces and n_experts <= DENSE_MAX_EXPERTS
-    return "layer" if ok else "none"
+    return "step" if ok else "none"
 
 
 def graph_counters(graphs: PiecewiseGraphs | None) -> dict:
@@ -235,7 +237,7 @@ def graphs_for(device: torch.device, mode: str, n_experts: int,
         raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if device.type != "cuda":
         raise ValueError(f"cuda_graphs {mode!r} needs a CUDA device; use --cuda-graphs none on CPU")
-    pieces = ("pre", "attn") if mode == "layer" else ("ffn",)
+    pieces = ("pre", "attn") if mode in ("layer", "step") else ("ffn",)
     if existing is not None and existing.pieces == pieces and isinstance(existing.runner, CudaGraphRunner):
         return existing
     return PiecewiseGraphs(CudaGraphRunner(), graph_buckets(n_experts), pieces)

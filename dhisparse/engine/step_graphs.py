@@ -1,0 +1,179 @@
+"""Whole-step CUDA graphs: a decode / verification pass replayed as one graph per batch bucket.
+
+Piecewise graphs (`models.graphs`) remove the per-token pieces' launches but leave the KV part of
+every layer -- store, indexer top-k, resolver, copies, locate -- to the host: ~100 Python-level
+ops a layer, the host-bound part of a 78-layer decode step. A pass in which every request runs
+the same K tokens (plain decode K = 1, speculative verification K = width + 1) is instead replayed
+from one graph of the whole forward, embeddings to final norm:
+
+  1. the engine builds the pass's context eagerly, as always (page tables, tail and ready-map
+     folds, resolver clock): a few staged copies and small ops;
+  2. the context names the per-request tensors its forward reads (`GraphPass.rows`); they, the
+     token ids, positions and lengths are copied into the bucket's static buffers, padded:
+
+        requests   | r0 | r1 | ... | rN-1 | pad ... pad |     N_b = bucket(N)
+        tokens     r * K .. r * K + K - 1 (req_idx is static: t // K)
+        seq_len    real lengths          | 0           |   (a padded request sees no history)
+        tables     [N, W] copied into [N_b, W_b], -1 elsewhere (no location)
+        writes     real rows             | scratch row |   (`ScratchRows`: owned by no request)
+
+  3. the graph of (N_b, K, W_b, variant) replays; its hidden rows [:N*K] are copied out.
+
+A padded request selects nothing, so the resolver's direct exit writes no slot state (it takes the
+first real slot's id only to stay in bounds), its copy plan is empty, and its rows land in the
+scratch page: no real request's state changes (tests/test_step_graphs.py). A graph is captured
+on first use of its key, over padding only (every request padded), so the warm-up and capture
+runs touch no real state; census counters accumulate in place on the device (`Census.in_place`).
+Addresses that can move while serving (the hierarchy's host table) are part of the key
+(`graph_fingerprint`). Passes of other shapes (prefill, mixed) run eagerly with the piecewise
+graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
+from dhisparse.models.dsa import ModelOutput
+
+MIN_WIDTH = 64
+
+
+def width_bucket(W: int, max_width: int) -> int | None:
+    """Static table width for a pass whose tables are W wide: the next power of two (>= 64),
+    capped at max_width (the model length); None when W exceeds max_width."""
+    if W > max_width:
+        return None
+    return min(max(MIN_WIDTH, 1 << max(0, W - 1).bit_length()), max_width)
+
+
+@dataclass
+class StepEntry:
+    """One captured step: static inputs, the replay and its static output."""
+
+    ids: torch.Tensor  # [Tb] int64
+    positions: torch.Tensor  # [Tb] int64
+    seq_lens: torch.Tensor  # [Nb] int64
+    rows: dict  # name -> static [Nb, ...] (2-D tables [Nb, Wb])
+    pads: dict  # name -> pad value
+    replay: Callable[[], ModelOutput] | None = None
+    uses: int = field(default=0)
+
+    def load(self, batch: ForwardBatch, gp: GraphPass) -> None:
+        """Copy one pass's inputs into the static buffers, padding the rest (see the module)."""
+        T, N = batch.num_tokens, batch.num_reqs
+        _put(self.ids, batch.input_ids, 0)
+        _put(self.positions, batch.positions, 0)
+        _put(self.seq_lens, batch.seq_lens, 0)
+        for name, (t, pad) in gp.rows.items():
+            _put(self.rows[name], t, pad)
+        assert T == N * gp.K
+
+    def clear(self) -> None:
+        """Every request padded (the capture's inputs)."""
+        self.ids.zero_(), self.positions.zero_(), self.seq_lens.zero_()
+        for name, buf in self.rows.items():
+            buf.fill_(self.pads[name])
+
+
+def _put(buf: torch.Tensor, x: torch.Tensor, pad) -> None:
+    """buf[:n, :w] = x (n, w = x's leading sizes); the rest of buf = pad."""
+    n = x.shape[0]
+    if x.dim() == 2:
+        w = x.shape[1]
+        buf[:n, :w].copy_(x)
+        if w < buf.shape[1]:
+            buf[:n, w:].fill_(pad)
+    else:
+        buf[:n].copy_(x)
+    if n < buf.shape[0]:
+        buf[n:].fill_(pad)
+
+
+class StepGraphs:
+    """Whole-step graphs of one engine (they bake in its KV tensors' addresses).
+
+    `forward(batch, ctx, capture_layers)` -> ModelOutput of the pass from a graph replay, or None
+    when the pass is not graphable (the caller runs it eagerly). Buckets: request counts N_b with
+    N_b * K within the model's graph token buckets (the MoE's sync-free path)."""
+
+    def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows) -> None:
+        self.model, self.kv, self.runner = model, kv, runner
+        self.token_buckets, self.max_width, self.scratch = token_buckets, max_width, scratch
+        self.entries: dict[tuple, StepEntry] = {}
+        self.replayed = self.eager = 0
+        self.capture_s = 0.0
+
+    def bucket(self, N: int, K: int) -> int | None:
+        """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager)."""
+        return next((b // K for b in self.token_buckets if b % K == 0 and b // K >= N), None)
+
+    def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput | None:
+        make = getattr(ctx, "graph_pass", None)
+        gp = make() if make is not None else None
+        Nb = self.bucket(batch.num_reqs, gp.K) if gp is not None else None
+        widths = [t.shape[1] for t, _ in gp.rows.values() if t.dim() == 2] if gp is not None else []
+        Wb = width_bucket(max(widths, default=1), self.max_width) if gp is not None else None
+        if Nb is None or Wb is None:
+            self.eager += 1
+            return None
+        fp = getattr(self.kv, "graph_fingerprint", tuple)()
+        key = (type(ctx).__name__, Nb, gp.K, Wb, gp.variant, tuple(capture_layers), fp)
+        prepare = getattr(self.kv, "prepare_replay", None)
+        if prepare is not None:
+            prepare()
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._capture(type(ctx), gp, Nb, Wb, tuple(capture_layers))
+        entry.load(batch, gp)
+        out = entry.replay()
+        entry.uses += 1
+        self.replayed += 1
+        T = batch.num_tokens
+        return ModelOutput(out.hidden[:T].clone(), {i: h[:T].clone() for i, h in out.captured.items()})
+
+    def _static(self, gp: GraphPass, Nb: int, Wb: int) -> StepEntry:
+        dev = self.kv.device
+        Tb = Nb * gp.K
+        i64 = dict(dtype=torch.int64, device=dev)
+        rows, pads = {}, {}
+        for name, (t, pad) in gp.rows.items():
+            shape = (Nb, Wb) + tuple(t.shape[2:]) if t.dim() >= 2 else (Nb,) + tuple(t.shape[1:])
+            rows[name], pads[name] = torch.full(shape, pad, dtype=t.dtype, device=dev), pad
+        return StepEntry(torch.zeros(Tb, **i64), torch.zeros(Tb, **i64), torch.zeros(Nb, **i64), rows, pads)
+
+    def _capture(self, ctx_cls, gp: GraphPass, Nb: int, Wb: int, capture_layers: tuple[int, ...]) -> StepEntry:
+        """Capture the forward over all-padding inputs (no real state is read or written)."""
+        t0 = time.perf_counter()
+        entry = self._static(gp, Nb, Wb)
+        entry.clear()
+        K, dev = gp.K, self.kv.device
+        req_idx = torch.arange(Nb * K, device=dev) // K
+        batch = ForwardBatch(entry.ids, entry.positions, req_idx, entry.seq_lens,
+                             list(range(0, Nb * K + 1, K)), [0] * Nb)
+        census = getattr(self.kv, "census", None)
+
+        def step() -> ModelOutput:
+            ctx = ctx_cls.for_graph(self.kv, batch, gp, entry.rows, self.scratch)
+            return self.model(batch, ctx, capture_layers=capture_layers, piecewise=False)
+
+        saved = None
+        if census is not None:
+            acc = census.accumulator(dev)
+            saved, census.in_place = acc.clone(), True
+        try:
+            entry.replay = self.runner.capture(step)
+        finally:
+            if census is not None:
+                census.in_place = False
+                census.accumulator(dev).copy_(saved)  # the capture's own (padding) calls do not count
+        self.capture_s += time.perf_counter() - t0
+        return entry
+
+    def counters(self) -> dict:
+        return {"step_graph_replays": self.replayed, "step_graph_eager_passes": self.eager,
+                "step_graphs_captured": len(self.entries), "step_graph_capture_s": self.capture_s}

@@ -1,0 +1,138 @@
+"""Whole-step graphs (engine/step_graphs.py): bucketing, padding and exactness on CPU with the eager
+runner (the CUDA runner records the same static-buffer forward). The hierarchy's step graphs need
+the deferred resolver: Triton, interpreted on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dhisparse import SamplingParams
+from dhisparse.engine.llm import LLM
+from dhisparse.engine.step_graphs import StepGraphs, width_bucket
+from dhisparse.models.graphs import EagerRunner
+
+PROMPTS = [[5 + (3 * i + j) % 90 for j in range(20 + 9 * i)] for i in range(3)]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def llm(preset: str = "resident", **kw) -> LLM:
+    kw.setdefault("page_size", 8)
+    if preset != "resident":
+        kw.setdefault("resolver", "triton")
+        kw.setdefault("hot_cache_rows", 16)
+    return LLM("tiny", preset=preset, device="cpu", **kw)
+
+
+def with_steps(model: LLM) -> StepGraphs:
+    model.engine.step_graphs = model.engine.make_step_graphs(EagerRunner())
+    return model.engine.step_graphs
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return [o.token_ids for o in llm().generate(PROMPTS, GREEDY)]
+
+
+def test_width_buckets_are_powers_of_two_capped_at_the_model_length():
+    assert [width_bucket(w, 5000) for w in (1, 64, 65, 1000, 4096, 4097, 5000)] == [64, 64, 128, 1024, 4096, 5000, 5000]
+    assert width_bucket(5001, 5000) is None
+
+
+def test_request_buckets_keep_tokens_on_the_token_buckets():
+    g = StepGraphs(None, None, EagerRunner(), (1, 2, 4, 8, 12, 16), 100, None)
+    assert [g.bucket(n, 1) for n in (1, 3, 5, 9, 16, 17)] == [1, 4, 8, 12, 16, None]
+    assert [g.bucket(n, 4) for n in (1, 2, 3, 4, 5)] == [1, 2, 3, 4, None]  # 4, 8, 12, 16 tokens
+
+
+@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive"])
+def test_step_graphs_generate_the_same_tokens(preset, reference):
+    model = llm(preset)
+    g = with_steps(model)
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert g.replayed > 0 and g.eager > 0  # decode steps replay; prefill steps run eagerly
+    assert len(model.engine.arena.pool.owned_by("step-graph-scratch")) == 1
+    stats = model.engine.stats().as_dict()
+    assert stats["step_graph_replays"] == g.replayed
+
+
+def test_verification_passes_replay_with_staging(reference):
+    """Speculative verification (K = 5 tokens a request) over the hierarchy: a hot cache of index_topk
+    rows forces the union of a request's K selections through the staging arena."""
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+
+    model = LLM.__new__(LLM)
+    model.engine = Engine(EngineConfig(preset="hisparse", resolver="triton", hot_cache_rows=16, page_size=8, device="cpu",
+                                       speculative_algorithm="oracle", speculative_num_draft_tokens=4,
+                                       speculative_oracle_tokens_per_round=3.0),
+                          oracle_reference={tuple(p): r for p, r in zip(PROMPTS, reference)})
+    g = with_steps(model)
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert any(k[2] == 4 and n for k, n in ((k, e.uses) for k, e in g.entries.items()))  # K = 4 verification graphs replayed
+    assert model.engine.stats().as_dict()["resolver_overflow"] > 0
+
+
+def _state(model: LLM) -> dict[str, torch.Tensor]:
+    e = model.engine
+    storage = e.arena.storage.clone()
+    storage[e.arena.pool.owned_by("step-graph-scratch")] = 0  # padded tokens write here
+    out = {"storage": storage}
+    for name in ("hot_pos", "hot_stamp", "tail_loc", "tail_start"):
+        if hasattr(e.store, name):
+            out[name] = getattr(e.store, name).clone()
+    return out
+
+
+@pytest.mark.parametrize("preset", ["resident", "hisparse"])
+def test_padded_requests_leave_every_real_state_as_an_eager_step_does(preset):
+    """Two engines in lockstep, one eager, one replaying step graphs: 3 requests run in a bucket
+    of 4 (one padded request), and after every step all KV rows (but the scratch page), the hot
+    caches with their LRU stamps and the tails are identical."""
+    eager, graphed = llm(preset), llm(preset)
+    eager.engine.make_step_graphs(EagerRunner())  # the same scratch page, so pages line up
+    g = with_steps(graphed)
+    for m in (eager, graphed):
+        for p in PROMPTS:
+            m.engine.add_request(p, GREEDY)
+    steps = 0
+    while eager.engine.has_unfinished():
+        a, b = eager.engine.step(), graphed.engine.step()
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        sa, sb = _state(eager), _state(graphed)
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), f"{name} differs after step {steps}"
+        steps += 1
+    assert not graphed.engine.has_unfinished()
+    assert {k[1] for k in g.entries} == {4}  # three requests, bucket 4
+    if preset != "resident":
+        ca, cb = eager.engine.store.census.copy(), graphed.engine.store.census.copy()
+        assert ca._tot == cb._tot and ca.calls == cb.calls  # the padded request adds no counts
+
+
+def test_a_pass_wider_than_the_model_length_runs_eagerly():
+    model = llm()
+    g = with_steps(model)
+    g.max_width = 16  # every table is wider: no graph
+    ref = [o.token_ids for o in llm().generate(PROMPTS[:1], GREEDY)]
+    assert [o.token_ids for o in model.generate(PROMPTS[:1], GREEDY)] == ref
+    assert g.replayed == 0 and not g.entries
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+def test_cuda_step_graphs_match_eager_decoding(preset):
+    """On the GPU: `--cuda-graphs step` (CUDA graph runner) gives the tokens of `--cuda-graphs none`."""
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+
+    prompts = [[5 + (3 * i + j) % 90 for j in range(20 + 9 * i)] for i in range(5)]
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, LLM("tiny", cuda_graphs="none").generate(prompts, GREEDY))}
+    kw = dict(speculative_algorithm="oracle", speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0) \
+        if preset.endswith("+spec") else {}
+    model = LLM.__new__(LLM)
+    model.engine = Engine(EngineConfig(preset=preset, cuda_graphs="step", page_size=8, hot_cache_rows=16, **kw),
+                          oracle_reference=ref)
+    assert [o.token_ids for o in model.generate(prompts, GREEDY)] == [ref[tuple(p)] for p in prompts]
+    stats = model.engine.stats().as_dict()
+    assert stats["step_graph_replays"] > 0 and stats["step_graphs_captured"] > 0
