@@ -67,7 +67,7 @@ def parse(argv=None) -> argparse.Namespace:
       help="drafter of the +spec presets: the calibrated oracle (a measurement tool) or a real one")
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
-    a("--cuda-graphs", default="auto", help="auto, none, ffn or layer (piecewise CUDA graphs)")
+    a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)

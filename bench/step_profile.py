@@ -50,7 +50,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions listed per preset")
-    a("--cuda-graphs", default="auto", help="auto, none, ffn or layer (piecewise CUDA graphs, see dhisparse/models/graphs.py); "
+    a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs, see dhisparse/models/graphs.py) or step (+ whole-step graphs, dhisparse/engine/step_graphs.py); "
       "a comma list profiles every preset under each mode, side by side")
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
