@@ -14,6 +14,7 @@ from dhisparse.models.graphs import EagerRunner
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(20 + 9 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on CPU only where CUDA is absent
 
 
 def llm(preset: str = "resident", **kw) -> LLM:
@@ -21,7 +22,7 @@ def llm(preset: str = "resident", **kw) -> LLM:
     if preset != "resident":
         kw.setdefault("resolver", "triton")
         kw.setdefault("hot_cache_rows", 16)
-    return LLM("tiny", preset=preset, device="cpu", **kw)
+    return LLM("tiny", preset=preset, device=DEVICE, cuda_graphs="none", **kw)
 
 
 def with_steps(model: LLM) -> StepGraphs:
@@ -63,7 +64,8 @@ def test_verification_passes_replay_with_staging(reference):
     from dhisparse.engine.engine import Engine
 
     model = LLM.__new__(LLM)
-    model.engine = Engine(EngineConfig(preset="hisparse", resolver="triton", hot_cache_rows=16, page_size=8, device="cpu",
+    model.engine = Engine(EngineConfig(preset="hisparse", resolver="triton", hot_cache_rows=16, page_size=8, device=DEVICE,
+                                       cuda_graphs="none",
                                        speculative_algorithm="oracle", speculative_num_draft_tokens=4,
                                        speculative_oracle_tokens_per_round=3.0),
                           oracle_reference={tuple(p): r for p, r in zip(PROMPTS, reference)})
