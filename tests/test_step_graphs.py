@@ -112,6 +112,32 @@ def test_padded_requests_leave_every_real_state_as_an_eager_step_does(preset):
         assert ca._tot == cb._tot and ca.calls == cb.calls  # the padded request adds no counts
 
 
+class ForgetfulRunner:
+    """Holds its thunk only weakly, like a CUDA graph (it keeps raw addresses, not the tensors)."""
+
+    def capture(self, thunk):
+        import weakref
+
+        ref = weakref.ref(thunk)
+
+        def replay():
+            fn = ref()
+            assert fn is not None, "the captured step (and the static batch it reads) was freed"
+            return fn()
+
+        return replay
+
+
+def test_entries_keep_what_their_graph_reads_alive(reference):
+    model = llm()
+    model.engine.step_graphs = g = model.engine.make_step_graphs(ForgetfulRunner())
+    import gc
+
+    gc.collect()
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert g.replayed > 0
+
+
 def test_a_pass_wider_than_the_model_length_runs_eagerly():
     model = llm()
     g = with_steps(model)

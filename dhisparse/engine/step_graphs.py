@@ -61,6 +61,7 @@ class StepEntry:
     rows: dict  # name -> static [Nb, ...] (2-D tables [Nb, Wb])
     pads: dict  # name -> pad value
     replay: Callable[[], ModelOutput] | None = None
+    keep: tuple = ()  # what the graph reads but no other object holds (the static batch's req_idx)
     uses: int = field(default=0)
 
     def load(self, batch: ForwardBatch, gp: GraphPass) -> None:
@@ -165,6 +166,7 @@ class StepGraphs:
         if census is not None:
             acc = census.accumulator(dev)
             saved, census.in_place = acc.clone(), True
+        entry.keep = (batch, step)  # a CUDA graph holds raw addresses: these must outlive it
         try:
             entry.replay = self.runner.capture(step)
         finally:
