@@ -111,15 +111,47 @@ def drive_to_decode(engine, ns) -> None:
     raise RuntimeError("requests never reached decode")
 
 
-def timed_steps(engine, ns) -> list[float]:
-    out = []
+class BlockedClock:
+    """Time the host spends blocked reading device values (`tolist` / `item`: the step's syncs)
+    while installed; everything else in `engine.step()` is host work."""
+
+    def __init__(self) -> None:
+        self.blocked = 0.0
+
+    def __enter__(self) -> "BlockedClock":
+        self.saved = torch.Tensor.tolist, torch.Tensor.item
+        for name, fn in zip(("tolist", "item"), self.saved):
+            setattr(torch.Tensor, name, self._timed(fn))
+        return self
+
+    def _timed(self, fn):
+        def wrapper(t, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(t, *a, **k)
+            finally:
+                self.blocked += time.perf_counter() - t0
+
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        torch.Tensor.tolist, torch.Tensor.item = self.saved
+
+
+def timed_steps(engine, ns) -> tuple[list[float], list[float]]:
+    """Unprofiled steps: (wall ms, host ms) per step. Host = the time `engine.step()` runs on
+    the CPU minus the time it waits for the device (see `BlockedClock`)."""
+    walls, hosts = [], []
     for _ in range(ns.steps):
         sync(ns.device)
-        t = time.perf_counter()
-        engine.step()
-        sync(ns.device)
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
+        with BlockedClock() as clock:
+            t = time.perf_counter()
+            engine.step()
+            t_host = time.perf_counter() - t - clock.blocked
+            sync(ns.device)
+            walls.append((time.perf_counter() - t) * 1e3)
+        hosts.append(t_host * 1e3)
+    return walls, hosts
 
 
 def host_profile(engine, ns) -> tuple[list[dict], list[dict]]:
@@ -209,7 +241,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     admitted = len(engine.scheduler.running)
     for _ in range(ns.warmup):
         engine.step()
-    walls = timed_steps(engine, ns)
+    walls, hosts = timed_steps(engine, ns)
     host, host_cum = host_profile(engine, ns)
     kern = kernel_profile(engine, ns)
     syncs = sync_report(engine, ns) if ns.sync_report else {}
@@ -217,7 +249,9 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     del engine
     release_memory()
     walls.sort()
+    hosts.sort()
     res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
+           "host_unprofiled_ms_median": hosts[len(hosts) // 2], "host_unprofiled_share": hosts[len(hosts) // 2] / walls[len(walls) // 2],
            "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
@@ -271,7 +305,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         runs.append(isolated(ns, preset, graphs) if isolate else one_preset(ns, loaded, prefixes, preset, graphs))
         r = runs[-1]
-        print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host "
+        print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host (unprofiled) "
+              f"{r['host_unprofiled_ms_median']:.2f} ms ({100 * r['host_unprofiled_share']:.1f}%); GPU idle (profiled) "
               f"{r.get('host_ms', float('nan')):.2f} ms ({100 * r.get('host_share', float('nan')):.1f}%) "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
         for h in r["host_top"][:8]:

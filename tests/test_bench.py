@@ -168,3 +168,20 @@ def test_step_profile_plot_splits_the_step(tmp_path):
     assert [p.name for p in plot_results([res], tmp_path)] == ["step_profile.png"]
     with pytest.raises(ValueError, match="no kernel data"):
         plot_profile({"kind": "step_profile", "runs": res["runs"][1:]}, tmp_path / "none.png")
+
+
+def test_blocked_clock_times_device_reads_and_restores_them():
+    """step_profile's unprofiled host time = step time minus the time blocked in tolist / item."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("step_profile", pathlib.Path(__file__).parents[1] / "bench" / "step_profile.py")
+    sp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sp)
+    import torch
+
+    before = torch.Tensor.tolist, torch.Tensor.item
+    with sp.BlockedClock() as clock:
+        assert torch.arange(3).tolist() == [0, 1, 2] and torch.tensor(4).item() == 4
+    assert clock.blocked > 0
+    assert (torch.Tensor.tolist, torch.Tensor.item) == before
