@@ -251,7 +251,8 @@ def test_direct_without_map_all_tail():
 
 @pytest.mark.parametrize("rounds", [0, 1, 4])
 def test_direct_distinct_count_exact_with_collisions(monkeypatch, rounds):
-    """Many duplicates and few hash rounds: the distinct count falls back to one position at a time."""
+    """Many duplicates (within a chunk and across chunks) and few hash rounds: the direct path's
+    bitmap count and the full path's dedup fallback both count distinct rows exactly."""
     import dhisparse.kernels.resolver as kr
 
     monkeypatch.setattr(kr, "MAX_ROUNDS", rounds)
@@ -333,3 +334,17 @@ def test_random_mostly_direct_batches(seed):
         sel = torch.randint(0, L, (N, K, k), generator=g)
         sel = torch.where(torch.rand(N, K, k, generator=g) < 0.2, -1, sel)
         p.step(sel, torch.randperm(S, generator=g)[:N], now=10 + step)
+
+
+def test_direct_distinct_count_across_chunks():
+    """K*k = 4500 entries (three chunks of the direct path): duplicates within and across chunks and
+    positions at every bit of a bitmap word (p % 32 == 31 included) count once each."""
+    L = 1600
+    st = make_state(S=2, B=4, L=L, TT=8, direct=True)
+    st.direct_loc[:] = 5000 + torch.arange(L)
+    g = torch.Generator().manual_seed(7)
+    sel = torch.randint(-1, L, (2, 3, 1500), generator=g)
+    sel[0, 2, :64] = torch.arange(31, 31 + 32 * 64, 32)[:64].clamp(max=L - 1)  # word-top bits
+    want, _ = Pair(st).step(sel, [1, 0], now=2)
+    assert want.counters.direct == sum(len(set(sel[n][sel[n] >= 0].tolist())) for n in range(2))
+    assert want.counters.hot == want.counters.host == 0

@@ -154,6 +154,10 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     LOGH = HT.bit_length() - 1
     scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
     scr32 = torch.empty((N, 2 * HT + 3 * KKP + BP), dtype=torch.int32, device=dev)
+    # positions are < the host table's reach + the tail (I1), or < the optional map's width
+    bits = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
+    words = -(-bits // 32)
+    bm = torch.zeros((N, words), dtype=torch.int32, device=dev)  # P0's distinct-row bitmap
     if num_warps is None:
         big = max(KKP, BP)
         num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
@@ -169,7 +173,7 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
         _now_tensor(now, dev),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
-        scr64, scr32,
+        scr64, scr32, bm, words,
         KKP=KKP, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
         SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
     )

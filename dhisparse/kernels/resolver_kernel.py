@@ -22,10 +22,13 @@ ever cleared.
 
 Direct fast path (P0, paper §3.2: "a lookup skips the hot-cache scan only when every selected row
 resolves through a ready mapping or the tail"): every program first maps each selection entry
-through its tail / optional map and writes loc in selection order. If every valid entry resolved,
-it only counts its distinct rows (one packed-key hash table, no representatives) and exits: no
-dedup, hot scan, eviction or copy plan (copy_n = 0, hot-cache state untouched, as the reference
-leaves it). Otherwise P1-P5 run unchanged and P5 overwrites the speculative loc row.
+through its tail / optional map and writes loc in selection order, in chunks of CH entries. Each
+directly resolved entry also sets its position's bit in the request's row of a zeroed bitmap
+(`bm` [N, WORDS] int32, one bit per history position) with an atomic OR; an entry whose bit was
+not yet set is a new distinct row, so the distinct count needs no dedup and no table wider than a
+chunk. If every valid entry resolved, the program exits: no dedup, hot scan, eviction or copy
+plan (copy_n = 0, hot-cache state untouched, as the reference leaves it). Otherwise P1-P5 run
+unchanged and P5 overwrites the speculative loc row.
 
 Cost depends on K*k, B and the misses, never on the history length. Hot positions must be unique
 per slot row, slots unique within a call, host locations distinct (as the reference assumes),
@@ -120,13 +123,15 @@ def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_
 
 @triton.jit
 def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
-                    has_map, KKP: tl.constexpr, CH: tl.constexpr):
-    """P0a. Per selection entry (not per distinct row): loc[n, i] = tail / optional-map location,
-    -1 for padding (written speculatively). Stops after the first chunk holding a valid entry that
-    does not resolve directly. Returns (valid entries, entries not direct)."""
+                    has_map, bm_ptr, WORDS, KKP: tl.constexpr, CH: tl.constexpr):
+    """P0. Per selection entry (not per distinct row): loc[n, i] = tail / optional-map location,
+    -1 for padding (written speculatively), and the position's bit set in bitmap row n (a position
+    past the bitmap counts as not direct). Stops after the first chunk holding a valid entry that
+    does not resolve directly. Returns (valid entries, entries not direct, distinct direct rows)."""
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
     nnd = nval
+    ndist = nval
     for c0 in range(0, KKP, CH):
         if (c0 < KK) & (nnd == 0):
             i = c0 + tl.arange(0, CH)
@@ -139,41 +144,15 @@ def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_
             dv = tl.load(dmap_ptr + s * s_dmap + p, mask=valid & (~in_tail) & (p < LMAX) & (has_map != 0),
                          other=-1).to(tl.int64)
             o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+            word = p >> 5
+            ok = valid & (o >= 0) & (word < WORDS)
+            bit = (tl.full([CH], 1, tl.int64) << (p & 31)).to(tl.int32)  # bit 31 wraps to the sign bit
+            old = tl.atomic_or(bm_ptr + n * WORDS + word, bit, mask=ok, sem="relaxed")
+            ndist += tl.sum((ok & ((old & bit) == 0)).to(tl.int32), axis=0)
             nval += tl.sum(valid.to(tl.int32), axis=0)
-            nnd += tl.sum((valid & (o < 0)).to(tl.int32), axis=0)
+            nnd += tl.sum((valid & (~ok)).to(tl.int32), axis=0)
             tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
-    return nval, nnd
-
-
-@triton.jit
-def _count_distinct(sel_ptr, KK, n, T, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
-                    RMAX: tl.constexpr):
-    """P0b. Distinct valid positions of request n's KK entries. T: HT int64 scratch (contents
-    irrelevant). Each round every unresolved entry i writes key p*2^32 + i to one bucket of T (round-r
-    hash) and reads the winner back: entries whose winner holds their position are resolved, and the
-    winner itself counts its position once. Leftovers after RMAX rounds: one position at a time."""
-    i = tl.arange(0, KKP)
-    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-    active = p >= 0
-    nact = tl.sum(active.to(tl.int32), axis=0)
-    ndist = nact * 0
-    for r in tl.static_range(RMAX):
-        if nact > 0:
-            h = _hash(p, r, LOGH)
-            tl.store(T + h, p * 4294967296 + i, mask=active)
-            tl.debug_barrier()
-            w = tl.load(T + h, mask=active, other=-1)
-            got = active & ((w >> 32) == p)
-            ndist += tl.sum((got & ((w & 0xFFFFFFFF) == i)).to(tl.int32), axis=0)
-            active = active & (~got)
-            nact = tl.sum(active.to(tl.int32), axis=0)
-            tl.debug_barrier()
-    while nact > 0:  # leftovers: one position at a time
-        q = tl.min(tl.where(active, p, 9223372036854775807), axis=0)
-        active = active & (p != q)
-        ndist += 1
-        nact = tl.sum(active.to(tl.int32), axis=0)
-    return ndist
+    return nval, nnd, ndist
 
 
 @triton.jit
@@ -237,7 +216,7 @@ def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
     tl.store(c + 5, nover.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap"])
+@triton.jit(do_not_specialize=["KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap", "WORDS"])
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
     hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
@@ -246,7 +225,7 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr,
+    scr64_ptr, scr32_ptr, bm_ptr, WORDS,
     KKP: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
     CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
     SD: tl.constexpr,
@@ -254,7 +233,7 @@ def resolve_plan_kernel(
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 2*HT + 3*KKP + BP] int32."""
+    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap)."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -268,10 +247,9 @@ def resolve_plan_kernel(
     prot = lf + KKP
 
     c = cnt_ptr + n * 6
-    nval, nnd = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
-                                LMAX, has_map, KKP, CH)
+    nval, nnd, ndist = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
+                                       s_dmap, LMAX, has_map, bm_ptr, WORDS, KKP, CH)
     if nnd == 0:  # P0: every valid entry resolved directly; loc is final
-        ndist = _count_distinct(sel_ptr, KK, n, out, KKP, HT, LOGH, RMAX)
         tl.store(copy_n_ptr + n, ndist * 0)
         _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
     else:
