@@ -94,6 +94,7 @@ def test_padded_requests_leave_every_real_state_as_an_eager_step_does(preset):
     eager, graphed = llm(preset), llm(preset)
     eager.engine.make_step_graphs(EagerRunner())  # the same scratch page, so pages line up
     g = with_steps(graphed)
+    g.token_buckets = (1, 2, 4, 8)  # three requests run in a bucket of four
     for m in (eager, graphed):
         for p in PROMPTS:
             m.engine.add_request(p, GREEDY)
@@ -164,3 +165,16 @@ def test_cuda_step_graphs_match_eager_decoding(preset):
     assert [o.token_ids for o in model.generate(prompts, GREEDY)] == [ref[tuple(p)] for p in prompts]
     stats = model.engine.stats().as_dict()
     assert stats["step_graph_replays"] > 0 and stats["step_graphs_captured"] > 0
+
+
+def test_step_buckets_pad_little():
+    """A step graph pads a batch by at most 8 requests up to 128 tokens (the piecewise buckets pad
+    36 to 48), and every bucket stays on the MoE's sync-free path."""
+    from dhisparse.engine.step_graphs import STEP_BUCKETS
+    from dhisparse.models.graphs import graph_buckets
+
+    model = llm()
+    g = with_steps(model)
+    assert g.token_buckets == graph_buckets(8, STEP_BUCKETS)
+    assert g.bucket(36, 1) == 40 and g.bucket(9, 4) == 10
+    assert all(g.bucket(n, 1) - n < 8 for n in range(1, 129))

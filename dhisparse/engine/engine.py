@@ -28,7 +28,7 @@ from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
-from dhisparse.engine.step_graphs import StepGraphs
+from dhisparse.engine.step_graphs import STEP_BUCKETS, StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_buckets, graph_counters, graphs_for
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
@@ -96,7 +96,7 @@ class Engine:
         page = self.arena.pool.alloc("step-graph-scratch", 1)[0]
         scratch = ScratchRows(page * self.arena.page_size, page * self.arena.index_page_size)
         experts = getattr(self.model_config, "n_routed_experts", 0) or 0
-        return StepGraphs(self.model, self.store, runner, graph_buckets(experts), self.max_model_len, scratch)
+        return StepGraphs(self.model, self.store, runner, graph_buckets(experts, STEP_BUCKETS), self.max_model_len, scratch)
 
     def _row_spaces(self, layer: int) -> list:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena

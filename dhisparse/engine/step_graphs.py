@@ -41,6 +41,9 @@ from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.models.dsa import ModelOutput
 
 MIN_WIDTH = 64
+# token buckets of whole-step graphs: finer than the piecewise graphs' (they are captured lazily,
+# only for the batch sizes that occur), so a batch of 36 pads to 40 tokens, not 48
+STEP_BUCKETS = tuple(range(1, 9)) + (10, 12, 14) + tuple(range(16, 129, 8)) + tuple(range(144, 257, 16)) + tuple(range(288, 513, 32))
 
 
 def width_bucket(W: int, max_width: int) -> int | None:
