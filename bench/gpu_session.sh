@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of locality,kernels,exact,profile,profile4,graphs,resolver,serving,realdraft,budget,loadstep
+# steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,serving32k
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -30,6 +30,10 @@ case ",$STEPS," in *,graphs,*)
   run "decode-step profile, piecewise graphs vs eager" timeout 300 python3 bench/step_profile.py --concurrency 24 \
       --steps 5 --warmup 3 --presets resident,hisparse --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs none,layer \
       --out "$OUT/step_profile_graphs_h200.json" ;; esac
+case ",$STEPS," in *,stepgraphs,*)  # piecewise vs whole-step graphs at C36 and C4; unprofiled host share (~3 min)
+  run "decode-step profile, layer vs step graphs" timeout 300 python3 bench/step_profile.py --concurrency 36 --steps 6 \
+      --warmup 3 --presets hisparse,adaptive,resident --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs layer,step \
+      --out "$OUT/step_profile_step_c36_h200.json" ;; esac
 case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
@@ -47,3 +51,6 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
       --dtype bfloat16 --page-size 64 --kv-pool-bytes 9730326528 --host-pool-bytes 49715277824 \
       --max-running-requests 65 --max-model-len 8464 --input-len 8192 --output-len 256 --c-low 4 --c-high 48 \
       --low-duration 30 --high-duration 40 --after-duration 40 --no-progress --out "$OUT/loadstep_h200.json" ;; esac
+case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, 64 GiB pinned host pool
+  run "serving at 32K" timeout 560 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 --host-pool-gib 64 \
+      --concurrency 14,3 --duration 15 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
