@@ -96,7 +96,9 @@ class Engine:
         page = self.arena.pool.alloc("step-graph-scratch", 1)[0]
         scratch = ScratchRows(page * self.arena.page_size, page * self.arena.index_page_size)
         experts = getattr(self.model_config, "n_routed_experts", 0) or 0
-        return StepGraphs(self.model, self.store, runner, graph_buckets(experts, STEP_BUCKETS), self.max_model_len, scratch)
+        max_k = self.config.speculative_num_draft_tokens if self.config.speculative else 1
+        return StepGraphs(self.model, self.store, runner, graph_buckets(experts, STEP_BUCKETS), self.max_model_len, scratch,
+                          max_k)
 
     def _row_spaces(self, layer: int) -> list:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena

@@ -67,19 +67,23 @@ class StepEntry:
     keep: tuple = ()  # what the graph reads but no other object holds (the static batch's req_idx)
     uses: int = field(default=0)
 
-    def load(self, batch: ForwardBatch, gp: GraphPass) -> None:
-        """Copy one pass's inputs into the static buffers, padding the rest (see the module)."""
-        T, N = batch.num_tokens, batch.num_reqs
-        _put(self.ids, batch.input_ids, 0)
-        _put(self.positions, batch.positions, 0)
+    def load(self, batch: ForwardBatch, gp: GraphPass, slots: torch.Tensor | None) -> None:
+        """Copy one pass's inputs into the static buffers, padding the rest (see the module).
+        slots [T]: the graph token of each of the pass's tokens (a ragged pass), or None (token t
+        is graph token t)."""
+        if slots is None:
+            _put(self.ids, batch.input_ids, 0)
+            _put(self.positions, batch.positions, -1)
+        else:
+            self.ids.zero_().index_copy_(0, slots, batch.input_ids)
+            self.positions.fill_(-1).index_copy_(0, slots, batch.positions)
         _put(self.seq_lens, batch.seq_lens, 0)
         for name, (t, pad) in gp.rows.items():
             _put(self.rows[name], t, pad)
-        assert T == N * gp.K
 
     def clear(self) -> None:
         """Every request padded (the capture's inputs)."""
-        self.ids.zero_(), self.positions.zero_(), self.seq_lens.zero_()
+        self.ids.zero_(), self.positions.fill_(-1), self.seq_lens.zero_()
         for name, buf in self.rows.items():
             buf.fill_(self.pads[name])
 
@@ -105,11 +109,15 @@ class StepGraphs:
     when the pass is not graphable (the caller runs it eagerly). Buckets: request counts N_b with
     N_b * K within the model's graph token buckets (the MoE's sync-free path)."""
 
-    def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows) -> None:
+    def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows,
+                 max_k: int = 1) -> None:
+        """max_k: the longest request a ragged pass may pad the others to (the verification width);
+        a pass whose requests all run the same number of tokens replays whatever that number."""
         self.model, self.kv, self.runner = model, kv, runner
+        self.max_k = max_k
         self.token_buckets, self.max_width, self.scratch = token_buckets, max_width, scratch
         self.entries: dict[tuple, StepEntry] = {}
-        self.replayed = self.eager = 0
+        self.replayed = self.eager = self.ragged = 0
         self.capture_s = 0.0
 
     def bucket(self, N: int, K: int) -> int | None:
@@ -119,7 +127,11 @@ class StepGraphs:
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput | None:
         make = getattr(ctx, "graph_pass", None)
         gp = make() if make is not None else None
-        Nb = self.bucket(batch.num_reqs, gp.K) if gp is not None else None
+        N, T = batch.num_reqs, batch.num_tokens
+        ragged = gp is not None and T != N * gp.K
+        if ragged and gp.K > self.max_k:
+            gp = None
+        Nb = self.bucket(N, gp.K) if gp is not None else None
         widths = [t.shape[1] for t, _ in gp.rows.values() if t.dim() == 2] if gp is not None else []
         Wb = width_bucket(max(widths, default=1), self.max_width) if gp is not None else None
         if Nb is None or Wb is None:
@@ -133,12 +145,25 @@ class StepGraphs:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._capture(type(ctx), gp, Nb, Wb, tuple(capture_layers))
-        entry.load(batch, gp)
+        slots = self._slots(batch, gp.K) if ragged else None
+        entry.load(batch, gp, slots)
         out = entry.replay()
         entry.uses += 1
         self.replayed += 1
-        T = batch.num_tokens
-        return ModelOutput(out.hidden[:T].clone(), {i: h[:T].clone() for i, h in out.captured.items()})
+        self.ragged += ragged
+        if slots is None:
+            return ModelOutput(out.hidden[:T].clone(), {i: h[:T].clone() for i, h in out.captured.items()})
+        return ModelOutput(out.hidden.index_select(0, slots), {i: h.index_select(0, slots) for i, h in out.captured.items()})
+
+    def _slots(self, batch: ForwardBatch, K: int) -> torch.Tensor:
+        """[T] graph token of each token of a ragged pass: request r's j-th token -> r * K + j.
+
+            pass    | r0: a0 d0 d1 | r1: a1 | r2: a2 d2 |            (K = 3)
+            graph   | a0 d0 d1     | a1 -- --| a2 d2 -- |   -- = padding (position -1)
+        """
+        qs = batch.query_start
+        idx = [r * K + j for r in range(batch.num_reqs) for j in range(qs[r + 1] - qs[r])]
+        return torch.tensor(idx, dtype=torch.int64).to(self.kv.device, non_blocking=True)  # staged: no sync
 
     def _static(self, gp: GraphPass, Nb: int, Wb: int) -> StepEntry:
         dev = self.kv.device
@@ -180,5 +205,5 @@ class StepGraphs:
         return entry
 
     def counters(self) -> dict:
-        return {"step_graph_replays": self.replayed, "step_graph_eager_passes": self.eager,
+        return {"step_graph_replays": self.replayed, "step_graph_ragged_replays": self.ragged, "step_graph_eager_passes": self.eager,
                 "step_graphs_captured": len(self.entries), "step_graph_capture_s": self.capture_s}

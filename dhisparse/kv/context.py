@@ -123,8 +123,9 @@ class KVContext(Protocol):
 class GraphPass(NamedTuple):
     """What a context offers a whole-step CUDA graph (`engine.step_graphs`) for its pass.
 
-    K        tokens of every request (the pass is N requests x K tokens, request r owning tokens
-             r*K .. r*K+K-1)
+    K        tokens of the longest request: the graph runs N requests x K tokens, request r owning
+             tokens r*K .. r*K+K-1; a shorter request's (ragged pass) missing tokens are padding
+             (position -1: they see no history and write to the scratch rows)
     variant  hashable Python-side branch of the pass (e.g. all-direct or not): one graph each
     rows     name -> (tensor [N, ...], pad value): the per-request tensors the context reads in
              the forward; the graph holds static copies [N_bucket, ...] (2-D tables also padded

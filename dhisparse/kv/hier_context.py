@@ -55,11 +55,13 @@ class HierContext(PagedContext):
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
 
     def graph_pass(self) -> GraphPass | None:
-        """A pass of decoding requests only, K tokens each, on the deferred (sync-free) resolver:
-        a step graph can replay it. Padded requests take the first real slot: they select
-        nothing (seq_len 0), so the resolver's direct exit leaves that slot's state untouched."""
+        """A pass of decoding requests only (up to K tokens each) on the deferred (sync-free)
+        resolver: a step graph can replay it. Padded requests take the first real slot: they
+        select nothing (seq_len 0), so the resolver's direct exit leaves that slot's state
+        untouched; a ragged pass's padded tokens select nothing either (position -1), so each
+        request's union of selections is the eager pass's."""
         kv = self.kv
-        if not (self.dense and self.decode_rows and kv.deferred and not kv.debug):
+        if not (self.decode_rows and len(self.decode_rows) == self.batch.num_reqs and kv.deferred and not kv.debug):
             return None
         rows = {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1), "slots_t": (self.slots_t, self.slots[0])}
         return GraphPass(self.K, ("hier", self.all_direct), rows)

@@ -109,16 +109,16 @@ class PagedContext:
         context) tokens without a location (padding: -1) write to the scratch rows instead."""
         self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
         self.idx_write = self.idx_of[self.batch.req_idx, self.batch.positions]
-        if scratch is not None:
-            self.lat_write = torch.where(self.lat_write < 0, scratch.latent, self.lat_write)
-            self.idx_write = torch.where(self.idx_write < 0, scratch.index, self.idx_write)
+        if scratch is not None:  # padding: a padded request (-1 tables) or a padded token (position -1)
+            pad = (self.lat_write < 0) | (self.batch.positions < 0)
+            self.lat_write = torch.where(pad, scratch.latent, self.lat_write)
+            self.idx_write = torch.where(pad | (self.idx_write < 0), scratch.index, self.idx_write)
         self.writes = self.arena.write_rows(self.lat_write, self.idx_write)
 
-    def uniform_k(self) -> int | None:
-        """K when every request of the pass has exactly K tokens, else None."""
+    def max_k(self) -> int:
+        """Tokens of the pass's longest request."""
         qs = self.batch.query_start
-        sizes = {qs[r + 1] - qs[r] for r in range(len(qs) - 1)}
-        return sizes.pop() if len(sizes) == 1 else None
+        return max((qs[r + 1] - qs[r] for r in range(len(qs) - 1)), default=0)
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
         self.writes.latent(layer, latent)
@@ -144,12 +144,10 @@ class ResidentContext(PagedContext):
         self._finish_tables()
         self._memo: tuple[torch.Tensor, torch.Tensor] | None = None  # (selection, locations) of the last layer
 
-    def graph_pass(self) -> GraphPass | None:
-        """Every request with the same number of tokens: a step graph can replay the pass."""
-        K = self.uniform_k()
-        if K is None:
-            return None
-        return GraphPass(K, ("resident",), {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1)})
+    def graph_pass(self) -> GraphPass:
+        """Any pass can replay as N requests x (its longest request's) K tokens; `StepGraphs`
+        decides whether that padding is worth a graph."""
+        return GraphPass(self.max_k(), ("resident",), {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1)})
 
     @classmethod
     def for_graph(cls, kv: ResidentKV, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "ResidentContext":
