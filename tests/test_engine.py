@@ -122,3 +122,19 @@ def test_bad_settings():
         EngineConfig.from_kwargs(pagesize=4)
     with pytest.raises(ValueError, match="model"):
         LLM("/no/such/folder")
+
+
+def test_ids_from_equals_a_slice_of_all_ids():
+    """The scheduler's decode chunks read ids_from(start) instead of slicing all_ids."""
+    from hypothesis import given
+    from hypothesis import strategies as hs
+
+    from dhisparse.engine.request import Request
+
+    @given(hs.lists(hs.integers(0, 9), min_size=1, max_size=6), hs.lists(hs.integers(0, 9), max_size=6), hs.integers(0, 14))
+    def check(prompt, output, start):
+        req = Request("r", prompt, SamplingParams())
+        req.output_ids = list(output)
+        assert req.ids_from(start) == req.all_ids[start:]
+
+    check()

@@ -65,6 +65,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_from(self, start: int) -> list[int]:
+        """all_ids[start:] without building all_ids (a decode step needs only the last token)."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P :]
+        return self.prompt_ids[start:] + self.output_ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

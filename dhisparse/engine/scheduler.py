@@ -71,7 +71,7 @@ class Scheduler:
         chunks: list[Chunk] = []
         for req in self.running:
             if not req.in_prefill and budget > 0:
-                chunks.append(Chunk(req, req.num_computed, req.all_ids[req.num_computed :], True))
+                chunks.append(Chunk(req, req.num_computed, req.ids_from(req.num_computed), True))
                 budget -= 1
         for req in self.running:
             if req.in_prefill and budget > 0:

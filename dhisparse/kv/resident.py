@@ -105,15 +105,36 @@ class PagedContext:
         self.lat_of = self.idx_of = None  # [N, Lmax] each, built by the subclass (table_locations)
 
     def _finish_tables(self, scratch: ScratchRows | None = None) -> None:
-        """Write locations of the pass's tokens [T]; with `scratch` (a step graph's static
-        context) tokens without a location (padding: -1) write to the scratch rows instead."""
-        self.lat_write = self.lat_of[self.batch.req_idx, self.batch.positions]
-        self.idx_write = self.idx_of[self.batch.req_idx, self.batch.positions]
-        if scratch is not None:  # padding: a padded request (-1 tables) or a padded token (position -1)
-            pad = (self.lat_write < 0) | (self.batch.positions < 0)
-            self.lat_write = torch.where(pad, scratch.latent, self.lat_write)
-            self.idx_write = torch.where(pad | (self.idx_write < 0), scratch.index, self.idx_write)
-        self.writes = self.arena.write_rows(self.lat_write, self.idx_write)
+        """The tables are final: write locations follow on first use (`writes`), so a pass that
+        replays a step graph (which computes its own) never builds them. With `scratch` (a step
+        graph's static context) tokens without a location (padding) write to the scratch rows."""
+        self._scratch, self._writes = scratch, None
+
+    @property
+    def writes(self):
+        """The pass's `WriteRows` (lat_write / idx_write [T]: each token's write locations)."""
+        if self._writes is None:
+            lat = self.lat_of[self.batch.req_idx, self.batch.positions]
+            idx = self.idx_of[self.batch.req_idx, self.batch.positions]
+            if self._scratch is not None:  # padding: a padded request (-1 tables) or a padded token (position -1)
+                pad = (lat < 0) | (self.batch.positions < 0)
+                lat = torch.where(pad, self._scratch.latent, lat)
+                idx = torch.where(pad | (idx < 0), self._scratch.index, idx)
+            self._lat_write, self._idx_write = lat, idx
+            self._writes = self.arena.write_rows(lat, idx)
+        return self._writes
+
+    @property
+    def lat_write(self) -> torch.Tensor:
+        """[T] latent write location of each token."""
+        self.writes  # noqa: B018  (built on first use)
+        return self._lat_write
+
+    @property
+    def idx_write(self) -> torch.Tensor:
+        """[T] index write location of each token."""
+        self.writes  # noqa: B018  (built on first use)
+        return self._idx_write
 
     def max_k(self) -> int:
         """Tokens of the pass's longest request."""
