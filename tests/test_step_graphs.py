@@ -206,3 +206,15 @@ def test_step_buckets_pad_little():
     assert g.token_buckets == graph_buckets(8, STEP_BUCKETS)
     assert g.bucket(36, 1) == 40 and g.bucket(9, 4) == 10
     assert all(g.bucket(n, 1) - n < 8 for n in range(1, 129))
+
+
+def test_a_failed_capture_leaves_its_passes_to_the_eager_path(reference, caplog):
+    class Failing:
+        def capture(self, thunk):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = llm()
+    g = model.engine.step_graphs = model.engine.make_step_graphs(Failing())
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert g.failed and not g.entries and g.replayed == 0
+    assert "step graph capture failed" in caplog.text

@@ -31,6 +31,7 @@ graphs.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,6 +40,8 @@ import torch
 
 from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.models.dsa import ModelOutput
+
+log = logging.getLogger("dhisparse.engine")
 
 MIN_WIDTH = 64
 # token buckets of whole-step graphs: finer than the piecewise graphs' (they are captured lazily,
@@ -117,6 +120,7 @@ class StepGraphs:
         self.max_k = max_k
         self.token_buckets, self.max_width, self.scratch = token_buckets, max_width, scratch
         self.entries: dict[tuple, StepEntry] = {}
+        self.failed: set[tuple] = set()  # keys whose capture raised: their passes run eagerly
         self.replayed = self.eager = self.ragged = 0
         self.capture_s = 0.0
 
@@ -142,9 +146,18 @@ class StepGraphs:
         prepare = getattr(self.kv, "prepare_replay", None)
         if prepare is not None:
             prepare()
+        if key in self.failed:
+            self.eager += 1
+            return None
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._capture(type(ctx), gp, Nb, Wb, tuple(capture_layers))
+            try:
+                entry = self.entries[key] = self._capture(type(ctx), gp, Nb, Wb, tuple(capture_layers))
+            except Exception as e:  # a capture that fails leaves the pass to the eager path, loudly
+                log.warning("step graph capture failed for %s (%s: %s); such passes run eagerly", key[:5], type(e).__name__, e)
+                self.failed.add(key)
+                self.eager += 1
+                return None
         slots = self._slots(batch, gp.K) if ragged else None
         entry.load(batch, gp, slots)
         out = entry.replay()
@@ -185,9 +198,10 @@ class StepGraphs:
         batch = ForwardBatch(entry.ids, entry.positions, req_idx, entry.seq_lens,
                              list(range(0, Nb * K + 1, K)), [0] * Nb)
         census = getattr(self.kv, "census", None)
+        shape = GraphPass(gp.K, gp.variant, {})  # not the capturing pass's own tensors: the graph outlives them
 
         def step() -> ModelOutput:
-            ctx = ctx_cls.for_graph(self.kv, batch, gp, entry.rows, self.scratch)
+            ctx = ctx_cls.for_graph(self.kv, batch, shape, entry.rows, self.scratch)
             return self.model(batch, ctx, capture_layers=capture_layers, piecewise=False)
 
         saved = None
