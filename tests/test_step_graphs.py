@@ -218,3 +218,22 @@ def test_a_failed_capture_leaves_its_passes_to_the_eager_path(reference, caplog)
     assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
     assert g.failed and not g.entries and g.replayed == 0
     assert "step graph capture failed" in caplog.text
+
+
+def test_census_in_place_accumulation_equals_the_pending_path():
+    """Under a step-graph capture the census adds each call into one device accumulator (the ops a
+    graph replays); folded, it gives the totals of the pending-list path, calls included."""
+    from dhisparse.kv.hierarchy import Census
+
+    g = torch.Generator().manual_seed(3)
+    calls = [(torch.randint(0, 50, (6,), generator=g), torch.randint(0, 999, (), generator=g)) for _ in range(7)]
+    calls[2][0][2:4] = 0  # a wholly direct call
+    a, b = Census(), Census()
+    b.in_place = True
+    for counts, nbytes in calls:
+        a.add_device(counts, nbytes)
+        b.add_device(counts, nbytes)
+    assert b.calls == 0 and not b._pending  # nothing on the host until folded
+    ca, cb = a.copy(), b.copy()
+    assert ca._tot == cb._tot and ca.calls == cb.calls == 7 and cb.direct_calls >= 1
+    assert b.copy()._tot == cb._tot  # the accumulator was zeroed by the fold: nothing counted twice

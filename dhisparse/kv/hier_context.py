@@ -69,7 +69,8 @@ class HierContext(PagedContext):
     @classmethod
     def for_graph(cls, kv, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "HierContext":
         """The context a step graph captures over its static buffers `rows` (see `graph_pass`):
-        every request decodes with K tokens (dense), request r owning tokens r*K .. r*K+K-1."""
+        every request decodes with K graph tokens (dense), request r owning tokens r*K .. r*K+K-1
+        (padding where the pass's request had fewer)."""
         ctx = cls.__new__(cls)
         PagedContext.__init__(ctx, kv, batch, batch.num_reqs)
         N, K, dev = batch.num_reqs, gp.K, kv.device

@@ -77,9 +77,9 @@ class Census:
         Kept as is (no op dispatched); reduced on the device every REDUCE_EVERY calls. In place
         (`in_place`): added to `_acc` by device ops."""
         if self.in_place:
+            acc = self.accumulator(counts.device)
             direct = (counts[2] + counts[3] == 0).reshape(1).to(torch.int64)
-            one = torch.ones(1, dtype=torch.int64, device=counts.device)
-            self.accumulator(counts.device).add_(torch.cat([counts, nbytes.reshape(1).to(torch.int64), direct, one]))
+            acc.add_(torch.cat([counts, nbytes.reshape(1).to(torch.int64), direct, self._one]))
             return
         self._pending.append((counts, nbytes))
         self.calls += 1
@@ -90,6 +90,7 @@ class Census:
         """The persistent in-place accumulator (allocated once; its address is fixed for graphs)."""
         if self._acc is None:
             self._acc = torch.zeros(len(self.FIELDS) + 1, dtype=torch.int64, device=device)
+            self._one = torch.ones(1, dtype=torch.int64, device=device)  # the calls increment
         return self._acc
 
     def _reduce(self) -> None:
