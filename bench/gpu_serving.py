@@ -68,6 +68,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
+    a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+      help="any other EngineConfig setting for every preset, e.g. backup_ahead_pages=128 (repeatable)")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)
@@ -147,15 +149,37 @@ def estimate_s(ns, sz: dict) -> float:
     return 30 + ref_s + runs
 
 
+def engine_overrides(pairs: list[str]) -> dict:
+    """--engine-arg NAME=VALUE pairs -> EngineConfig keyword values, typed from the field's default
+    (int, float, bool or str; 'none' -> None)."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    out = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in defaults:
+            raise SystemExit(f"--engine-arg {pair!r}: expected NAME=VALUE with NAME one of {sorted(defaults)}")
+        d = defaults[name]
+        if raw.lower() == "none":
+            out[name] = None
+        elif isinstance(d, bool):
+            out[name] = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            out[name] = type(d)(raw) if isinstance(d, (int, float)) else raw
+    return out
+
+
 def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
     spec = preset.endswith("+spec")
-    return EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
+    base = dict(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
                         kv_pool_bytes=sz["kv_pool_bytes"], max_running_requests=sz["max_running_requests"],
                         max_num_batched_tokens=ns.max_batched_tokens, hot_cache_rows=ns.hot_cache_rows,
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec and ns.drafter == "oracle" else None,
                         cuda_graphs=ns.cuda_graphs)
+    return EngineConfig(**(base | engine_overrides(ns.engine_arg)))
 
 
 def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):

@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,serving32k
+# steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,serving32k,backupahead
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -54,3 +54,7 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
 case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, 64 GiB pinned host pool
   run "serving at 32K" timeout 560 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 --host-pool-gib 64 \
       --concurrency 14,3 --duration 15 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
+case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: more host backups ahead of reclaim (~2 min)
+  run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
+      --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \
+      --out "$OUT/gpu_serving_backup128_h200.json" ;; esac

@@ -185,3 +185,16 @@ def test_blocked_clock_times_device_reads_and_restores_them():
         assert torch.arange(3).tolist() == [0, 1, 2] and torch.tensor(4).item() == 4
     assert clock.blocked > 0
     assert (torch.Tensor.tolist, torch.Tensor.item) == before
+
+
+def test_gpu_serving_engine_args_are_typed_from_the_config():
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    got = gs.engine_overrides(["backup_ahead_pages=128", "copy_stream=compute", "debug_checks=true", "hot_cache_rows=none"])
+    assert got == {"backup_ahead_pages": 128, "copy_stream": "compute", "debug_checks": True, "hot_cache_rows": None}
+    with pytest.raises(SystemExit, match="backup_ahead_pages"):
+        gs.engine_overrides(["backup_ahed_pages=1"])
