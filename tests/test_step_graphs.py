@@ -237,3 +237,30 @@ def test_census_in_place_accumulation_equals_the_pending_path():
     ca, cb = a.copy(), b.copy()
     assert ca._tot == cb._tot and ca.calls == cb.calls == 7 and cb.direct_calls >= 1
     assert b.copy()._tot == cb._tot  # the accumulator was zeroed by the fold: nothing counted twice
+
+
+@pytest.mark.parametrize("preset", ["resident", "adaptive"])
+def test_mixed_steps_split_into_a_replayed_decode_pass_and_an_eager_prefill_pass(preset):
+    """Requests arriving while others decode: the step runs its decodes from a graph and the new
+    prompts eagerly, as two passes; every request's tokens equal those of an engine without step
+    graphs fed the same arrivals."""
+    def run(model):
+        e, out = model.engine, {}
+        ids = [e.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        for _ in range(3):
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        ids += [e.add_request(p, GREEDY) for p in PROMPTS[2:]] + [e.add_request(PROMPTS[0][:7], GREEDY)]
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return [out[i] for i in ids]
+
+    ref = run(llm(preset))
+    model = llm(preset)
+    g = with_steps(model)
+    splits = []
+    orig = model.engine._split
+    model.engine._split = lambda chunks: splits.append(len(parts := orig(chunks))) or parts
+    assert run(model) == ref
+    assert 2 in splits and g.replayed > 0

@@ -30,6 +30,7 @@ from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
 from dhisparse.engine.step_graphs import STEP_BUCKETS, StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_buckets, graph_counters, graphs_for
+from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
 
@@ -206,18 +207,13 @@ class Engine:
         if self.spec is not None:
             chunks = self.spec.expand(chunks, len(self.scheduler.running))
         t_start = time.perf_counter()
-        batch = ForwardBatch.build([(c.tokens, c.start) for c in chunks], self.device)
-        ctx = self.store.context(batch, [c.req.request_id for c in chunks])
-        capture = self.spec.capture if self.spec else ()
-        out = self.step_graphs.forward(batch, ctx, capture) if self.step_graphs is not None else None
-        if out is None:
-            out = self.model(batch, ctx, capture_layers=capture)
+        chunks, qs, out = self._forward(chunks)
         self._steps += 1
         self._peak = max(self._peak, self.store.usage().used)
         sampled: list[tuple[Chunk, int]] = []
         verifying: list[tuple[Chunk, int, int]] = []
         for i, c in enumerate(chunks):
-            a, b = batch.query_start[i], batch.query_start[i + 1]
+            a, b = qs[i], qs[i + 1]
             if c.verify:
                 verifying.append((c, a, b))
                 continue
@@ -243,6 +239,40 @@ class Engine:
         if self.config.debug_checks:
             self.store.check_integrity()
         return outputs
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], ModelOutput]:
+        """The step's model pass(es): (chunks in pass order, their N+1 token offsets, output).
+        With step graphs a mixed step runs as two passes, its decodes (replayed from a graph) and
+        then its prefill chunks (eagerly), so a few prompt tokens do not send every decode down
+        the eager path. Requests are independent, so the split changes no result."""
+        capture = self.spec.capture if self.spec else ()
+        parts = self._split(chunks)
+        outs, qs = [], [0]
+        for part in parts:
+            batch = ForwardBatch.build([(c.tokens, c.start) for c in part], self.device)
+            ctx = self.store.context(batch, [c.req.request_id for c in part])
+            out = self.step_graphs.forward(batch, ctx, capture) if self.step_graphs is not None else None
+            outs.append(out if out is not None else self.model(batch, ctx, capture_layers=capture))
+            base = qs[-1]
+            qs.extend(base + x for x in batch.query_start[1:])
+        ordered = [c for part in parts for c in part]
+        if len(outs) == 1:
+            return ordered, qs, outs[0]
+        captured = {l: torch.cat([o.captured[l] for o in outs]) for l in outs[0].captured}
+        return ordered, qs, ModelOutput(torch.cat([o.hidden for o in outs]), captured)
+
+    def _split(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """[decodes, prefills] when a step mixes them and its decodes form a step-graph pass, else
+        [chunks]."""
+        g = self.step_graphs
+        dec = [c for c in chunks if c.start >= len(c.req.prompt_ids)]
+        if g is None or not dec or len(dec) == len(chunks) or not g.store_replays():
+            return [chunks]
+        sizes = {len(c.tokens) for c in dec}
+        K = max(sizes)
+        if (K > g.max_k and len(sizes) > 1) or g.bucket(len(dec), K) is None:
+            return [chunks]
+        return [dec, [c for c in chunks if c.start < len(c.req.prompt_ids)]]
 
     def _verify(self, verifying: list[tuple[Chunk, int, int]], hidden: torch.Tensor):
         """Accept drafts; the committed frontier becomes n + 1 + A (eq. 7)."""

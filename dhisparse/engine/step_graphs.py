@@ -124,6 +124,11 @@ class StepGraphs:
         self.replayed = self.eager = self.ragged = 0
         self.capture_s = 0.0
 
+    def store_replays(self) -> bool:
+        """Whether the store's decode passes can replay at all (the hierarchy needs the deferred,
+        sync-free resolver and no debug checks)."""
+        return getattr(self.kv, "deferred", True) and not getattr(self.kv, "debug", False)
+
     def bucket(self, N: int, K: int) -> int | None:
         """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager)."""
         return next((b // K for b in self.token_buckets if b % K == 0 and b // K >= N), None)
