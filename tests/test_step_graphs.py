@@ -239,11 +239,11 @@ def test_census_in_place_accumulation_equals_the_pending_path():
     assert b.copy()._tot == cb._tot  # the accumulator was zeroed by the fold: nothing counted twice
 
 
-@pytest.mark.parametrize("preset", ["resident", "adaptive"])
-def test_mixed_steps_split_into_a_replayed_decode_pass_and_an_eager_prefill_pass(preset):
-    """Requests arriving while others decode: the step runs its decodes from a graph and the new
-    prompts eagerly, as two passes; every request's tokens equal those of an engine without step
-    graphs fed the same arrivals."""
+@pytest.mark.parametrize("preset,spec", [("resident", False), ("adaptive", False), ("hisparse", True)])
+def test_mixed_steps_split_into_a_replayed_decode_pass_and_an_eager_prefill_pass(preset, spec):
+    """Requests arriving while others decode: the step runs its decodes (or n-gram verification
+    chunks) from a graph and the new prompts eagerly, as two passes; every request's tokens equal
+    those of a non-speculative engine without step graphs fed the same arrivals."""
     def run(model):
         e, out = model.engine, {}
         ids = [e.add_request(p, GREEDY) for p in PROMPTS[:2]]
@@ -257,7 +257,7 @@ def test_mixed_steps_split_into_a_replayed_decode_pass_and_an_eager_prefill_pass
         return [out[i] for i in ids]
 
     ref = run(llm(preset))
-    model = llm(preset)
+    model = llm(preset, **(dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4) if spec else {}))
     g = with_steps(model)
     splits = []
     orig = model.engine._split
