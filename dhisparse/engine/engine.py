@@ -23,13 +23,13 @@ from dhisparse.engine.speculative import SpecRuntime
 from dhisparse.engine.stats import EngineStats, store_counters
 from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
-from dhisparse.kv.context import ForwardBatch, ScratchRows
+from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.prefix import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
 from dhisparse.models.v4_config import V4Config
 from dhisparse.kv.arena import KVArena
-from dhisparse.engine.step_graphs import STEP_BUCKETS, StepGraphs
-from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_buckets, graph_counters, graphs_for
+from dhisparse.engine.step_graphs import StepGraphs
+from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.registry import LoadedModel, load_model
 from dhisparse.models.tokenizer import IncrementalDetokenizer
@@ -89,17 +89,8 @@ class Engine:
                      self.model.graphs.limit, time.perf_counter() - t0)
 
     def make_step_graphs(self, runner) -> StepGraphs | None:
-        """Whole-step graphs of this engine's decode / verification passes, replayed by `runner`
-        (None for stores without step-graph contexts). Takes one arena page as the scratch rows
-        of padded requests."""
-        if self.arena is None or not hasattr(self.model, "graphs"):
-            return None
-        page = self.arena.pool.alloc("step-graph-scratch", 1)[0]
-        scratch = ScratchRows(page * self.arena.page_size, page * self.arena.index_page_size)
-        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
-        max_k = self.config.speculative_num_draft_tokens if self.config.speculative else 1
-        return StepGraphs(self.model, self.store, runner, graph_buckets(experts, STEP_BUCKETS), self.max_model_len, scratch,
-                          max_k)
+        """Whole-step graphs of this engine's passes, replayed by `runner` (`StepGraphs.for_engine`)."""
+        return StepGraphs.for_engine(self, runner)
 
     def _row_spaces(self, layer: int) -> list:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena
@@ -262,17 +253,7 @@ class Engine:
         return ordered, qs, ModelOutput(torch.cat([o.hidden for o in outs]), captured)
 
     def _split(self, chunks: list[Chunk]) -> list[list[Chunk]]:
-        """[decodes, prefills] when a step mixes them and its decodes form a step-graph pass, else
-        [chunks]."""
-        g = self.step_graphs
-        dec = [c for c in chunks if c.start >= len(c.req.prompt_ids)]
-        if g is None or not dec or len(dec) == len(chunks) or not g.store_replays():
-            return [chunks]
-        sizes = {len(c.tokens) for c in dec}
-        K = max(sizes)
-        if (K > g.max_k and len(sizes) > 1) or g.bucket(len(dec), K) is None:
-            return [chunks]
-        return [dec, [c for c in chunks if c.start < len(c.req.prompt_ids)]]
+        return [chunks] if self.step_graphs is None else self.step_graphs.split(chunks)
 
     def _verify(self, verifying: list[tuple[Chunk, int, int]], hidden: torch.Tensor):
         """Accept drafts; the committed frontier becomes n + 1 + A (eq. 7)."""

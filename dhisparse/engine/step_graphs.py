@@ -40,6 +40,7 @@ import torch
 
 from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.models.dsa import ModelOutput
+from dhisparse.models.graphs import graph_buckets
 
 log = logging.getLogger("dhisparse.engine")
 
@@ -128,6 +129,32 @@ class StepGraphs:
         """Whether the store's decode passes can replay at all (the hierarchy needs the deferred,
         sync-free resolver and no debug checks)."""
         return getattr(self.kv, "deferred", True) and not getattr(self.kv, "debug", False)
+
+    @classmethod
+    def for_engine(cls, engine, runner) -> "StepGraphs | None":
+        """An engine's step graphs (None for stores without step-graph contexts: DeepSeek-V4).
+        Takes one arena page as the scratch rows of padded requests and tokens."""
+        arena = engine.arena
+        if arena is None or not hasattr(engine.model, "graphs"):
+            return None
+        page = arena.pool.alloc("step-graph-scratch", 1)[0]
+        scratch = ScratchRows(page * arena.page_size, page * arena.index_page_size)
+        experts = getattr(engine.model_config, "n_routed_experts", 0) or 0
+        cfg = engine.config
+        max_k = cfg.speculative_num_draft_tokens if cfg.speculative else 1
+        return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch, max_k)
+
+    def split(self, chunks: list) -> list[list]:
+        """A step's chunks as passes: [decodes, prefills] when the step mixes them and its decodes
+        (chunks past their prompt: decode or verification) form a replayable pass, else [chunks]."""
+        dec = [c for c in chunks if c.start >= len(c.req.prompt_ids)]
+        if not dec or len(dec) == len(chunks) or not self.store_replays():
+            return [chunks]
+        sizes = {len(c.tokens) for c in dec}
+        K = max(sizes)
+        if (K > self.max_k and len(sizes) > 1) or self.bucket(len(dec), K) is None:
+            return [chunks]
+        return [dec, [c for c in chunks if c.start < len(c.req.prompt_ids)]]
 
     def bucket(self, N: int, K: int) -> int | None:
         """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager)."""
