@@ -17,7 +17,7 @@ case ",$STEPS," in *,kernels,*)
   run "kernel tests (CUDA)" timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_kernel.py \
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
 case ",$STEPS," in *,exact,*)
-  run "exactness on CUDA" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
+  run "exactness on CUDA" timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
       tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py tests/test_step_graphs.py \
       -v --durations=15 ;; esac
 case ",$STEPS," in *,profile,*)
