@@ -210,7 +210,7 @@ class Engine:
                 continue
             self._prefilled += max(0, min(len(c.req.prompt_ids), c.start + len(c.tokens)) - c.start)
             c.req.num_computed = c.start + len(c.tokens)
-            if self.spec is not None and c.start < len(c.req.prompt_ids):
+            if self.spec is not None and not c.decodes:
                 self.spec.observe_prefill(c, out.captured, a, b)
                 if c.req.export_prefix:
                     self.spec.keep_features(c.req.request_id, out.captured, a, b)
@@ -225,7 +225,7 @@ class Engine:
         outputs += self._commit(verifying, accs, out.captured)
         if self.spec is not None:
             self.spec.observe_step(time.perf_counter() - t_start)
-        self._decoding = sum(1 for c in chunks if c.start >= len(c.req.prompt_ids))
+        self._decoding = sum(1 for c in chunks if c.decodes)
         self.series.observe(time.perf_counter() - self._t0, len(outputs), self._decoding, lambda: self.stats().as_dict())
         if self.config.debug_checks:
             self.store.check_integrity()

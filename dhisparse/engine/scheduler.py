@@ -35,6 +35,11 @@ class Chunk:
     sample: bool
     verify: bool = False  # speculative verification chunk: [anchor, drafts...]
 
+    @property
+    def decodes(self) -> bool:
+        """The chunk is past its prompt: a decode token or a verification chunk."""
+        return self.start >= len(self.req.prompt_ids)
+
 
 class Scheduler:
     def __init__(self, store: AdmittingStore, max_running: int, token_budget: int, on_admit=None) -> None:

@@ -75,7 +75,7 @@ class SpecRuntime:
 
     def expand(self, chunks: list[Chunk], running: int) -> list[Chunk]:
         """Turn decode chunks into verification chunks [anchor + drafts]."""
-        decodes = [i for i, c in enumerate(chunks) if c.start >= len(c.req.prompt_ids)]
+        decodes = [i for i, c in enumerate(chunks) if c.decodes]
         if not decodes:
             return chunks
         width = self.width(running)

@@ -127,8 +127,8 @@ class StepGraphs:
 
     def store_replays(self) -> bool:
         """Whether the store's decode passes can replay at all (the hierarchy needs the deferred,
-        sync-free resolver and no debug checks)."""
-        return getattr(self.kv, "deferred", True) and not getattr(self.kv, "debug", False)
+        sync-free resolver and no debug checks: `HierarchicalKV.replayable`)."""
+        return getattr(self.kv, "replayable", True)
 
     @classmethod
     def for_engine(cls, engine, runner) -> "StepGraphs | None":
@@ -147,14 +147,14 @@ class StepGraphs:
     def split(self, chunks: list) -> list[list]:
         """A step's chunks as passes: [decodes, prefills] when the step mixes them and its decodes
         (chunks past their prompt: decode or verification) form a replayable pass, else [chunks]."""
-        dec = [c for c in chunks if c.start >= len(c.req.prompt_ids)]
+        dec = [c for c in chunks if c.decodes]
         if not dec or len(dec) == len(chunks) or not self.store_replays():
             return [chunks]
         sizes = {len(c.tokens) for c in dec}
         K = max(sizes)
         if (K > self.max_k and len(sizes) > 1) or self.bucket(len(dec), K) is None:
             return [chunks]
-        return [dec, [c for c in chunks if c.start < len(c.req.prompt_ids)]]
+        return [dec, [c for c in chunks if not c.decodes]]
 
     def bucket(self, N: int, K: int) -> int | None:
         """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager)."""

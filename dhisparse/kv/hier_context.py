@@ -60,8 +60,7 @@ class HierContext(PagedContext):
         select nothing (seq_len 0), so the resolver's direct exit leaves that slot's state
         untouched; a ragged pass's padded tokens select nothing either (position -1), so each
         request's union of selections is the eager pass's."""
-        kv = self.kv
-        if not (self.decode_rows and len(self.decode_rows) == self.batch.num_reqs and kv.deferred and not kv.debug):
+        if not (self.decode_rows and len(self.decode_rows) == self.batch.num_reqs and self.kv.replayable):
             return None
         rows = {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1), "slots_t": (self.slots_t, self.slots[0])}
         return GraphPass(self.K, ("hier", self.all_direct), rows)

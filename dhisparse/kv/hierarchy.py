@@ -337,6 +337,12 @@ class HierarchicalKV:
         self.host_table[st.slot] = -1
         self.host_table[st.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64, device=self.device)
 
+    @property
+    def replayable(self) -> bool:
+        """Whether decode passes can replay from a step graph: the deferred (sync-free) resolver
+        and no debug checks (they read the device)."""
+        return self.deferred and not self.debug
+
     def graph_fingerprint(self) -> tuple:
         """Addresses a captured step graph bakes in that can change while serving: the host table
         is reallocated when a history outgrows it (`sync_host_table`), which retires graphs."""
