@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device-call preamble/epilogue: carried wheels onto PYTHONPATH and a persistent Triton cache.
-#   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.tgz)
+#   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.txz)
 # Triton compiles each kernel shape once (~30-50 s for the resolver); the cache tarball carried
-# between calls keeps later calls from paying that again.
+# between calls keeps later calls from paying that again. It comes back only under the device
+# tool's 16 MiB file limit (xz keeps the text IRs small); over it, it is dropped.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,8 +14,10 @@ else
 fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 mkdir -p /tmp/tc
+[ -f .tcache/tc.txz ] && tar xJf .tcache/tc.txz -C /tmp/tc
 [ -f .tcache/tc.tgz ] && tar xzf .tcache/tc.tgz -C /tmp/tc
 "$@"
 rc=$?
-tar czf "$OUT/tc.tgz" -C /tmp/tc .
+tar cf - -C /tmp/tc . | xz -6 -T0 > "$OUT/tc.txz"
+[ "$(stat -c %s "$OUT/tc.txz")" -lt 16000000 ] || { echo "triton cache $(du -h "$OUT/tc.txz" | cut -f1): not returned"; rm -f "$OUT/tc.txz"; }
 exit $rc

@@ -9,12 +9,13 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-kernels,profile,serving}
-run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/gpu_session.log" | grep -v "^    " | cut -c1-200 | tail -25; }
+LOG=${LOG:-$OUT/gpu_session.log}
+run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$LOG" | grep -v "^    " | cut -c1-200 | tail -25; }
 case ",$STEPS," in *,locality,*)  # calibrate the scaled model's selection locality in bf16 at 8K (~1 min)
   run "selection locality" timeout 150 python3 bench/locality.py --device cuda --dtype bfloat16 --layers 78 \
       --prompt-len 8192 --offsets 3 --gains 4,8,16 --hot 2 --out "$OUT/locality_h200.json" ;; esac
 case ",$STEPS," in *,kernels,*)
-  run "kernel tests (CUDA)" timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_kernel.py \
+  run "kernel tests (CUDA)" timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_kernel.py \
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
 case ",$STEPS," in *,exact,*)
   run "exactness on CUDA" timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
