@@ -113,7 +113,7 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     pool_pages = ns.resident_fit * resident
     host_per_req = math.ceil(total / ps) * page_bytes  # HostStore.admit reserves the whole history
     target = int(ns.admit_factor * ns.resident_fit)
-    host_cap_bytes = pinned_cap(int(0.8 * mem_available()) or 1 << 40)
+    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/pinned.py)
     want = min(target, pool_pages // hier) * host_per_req
     host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(want, host_cap_bytes)
     slots = max(1, min(target, pool_pages // hier, host_bytes // host_per_req))
@@ -124,12 +124,6 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
                 resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
                 host_bytes_per_request=host_per_req, host_pool_bytes=host_bytes, host_slots=host_bytes // host_per_req,
                 host_mem_available=mem_available(), max_running_requests=slots)
-
-
-def pinned_cap(limit: int) -> int:
-    """The largest pinned pool whose block fits `limit`: torch's host allocator rounds a pinned
-    allocation up to a power of two, so a pool just over 2^n bytes pins 2^(n+1)."""
-    return 1 << (limit.bit_length() - 1) if limit > 0 else 0
 
 
 def uses_oracle(ns) -> bool:

@@ -51,3 +51,37 @@ def test_pinned_view_reads_host_bytes_and_is_released():
     del t, v
     gc.collect()
     assert len(uva._CACHE) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cudaHostRegister)")
+def test_exact_size_pinned_pool_is_pinned_copies_and_reads_zero_copy():
+    """A pool from kv/pinned.py behaves as a torch pinned tensor: is_pinned, asynchronous copies
+    both ways, and a zero-copy view that reads and writes the same bytes."""
+    from dhisparse.kv import pinned
+
+    uva.clear_cache()
+    rows = pinned.pinned_zeros((37, 3, 16, 24), torch.bfloat16)  # not a power of two in bytes
+    assert rows.is_pinned() and pinned.registered_bytes()[0] >= rows.numel() * 2
+    src = torch.randn(37, 3, 16, 24, device="cuda").to(torch.bfloat16)
+    rows.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(rows, src.cpu())
+    v = uva.host_view(rows[:, 1])
+    assert v.is_cuda and torch.equal(v, src[:, 1])
+    idx = torch.randperm(37, device="cuda")[:11]
+    assert torch.equal(v[idx], src[idx, 1])  # device-side gather over PCIe
+    v[3].fill_(1.5)
+    torch.cuda.synchronize()
+    assert bool((rows[3, 1] == 1.5).all())
+    back = torch.empty_like(src)
+    back.copy_(rows, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back.cpu(), rows)
+    ptr = rows.data_ptr()
+    del rows, v
+    gc.collect()
+    again = pinned.pinned_zeros((30, 3, 16, 24), torch.bfloat16)  # reuses the idle registration, zeroed
+    assert again.data_ptr() == ptr and again.is_pinned() and int(again.float().abs().sum()) == 0
+    del again
+    gc.collect()
+    assert pinned.release_idle() > 0

@@ -22,9 +22,9 @@ def resolve_device(name: str) -> torch.device:
 
 def release_memory() -> None:
     """Collect unreachable engines (their stores hold reference cycles) and return cached CUDA
-    blocks, so the next engine sees what is free. Cached pinned host blocks stay: torch's host
-    allocator hands a freed host pool (rounded up to a power of two) to the next pool of the same
-    size class without pinning again (pinning tens of GiB takes ~1 s per GiB)."""
+    blocks, so the next engine sees what is free. A freed host pool's pinned registration stays
+    (kv/pinned.py) and the next pool that fits reuses it without pinning again (pinning tens of
+    GiB takes ~1 s per GiB)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

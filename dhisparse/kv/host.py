@@ -1,7 +1,7 @@
 """Host backing store: every immutable latent row of every request has a host copy (I1).
 
-Host rows live in a host arena of pages `[HP, L, page_size, latent_dim]` (pinned when CUDA is
-available, a plain tensor on CPU: same code path). Index keys never go to host (the indexer
+Host rows live in a host arena of pages `[HP, L, page_size, latent_dim]` (pinned at its exact
+size when CUDA is available, a plain tensor on CPU: same code path). Index keys never go to host (the indexer
 scores the whole history on device).
 
   host table of request r: [h0, h1, ...]   position t -> host location h[t // ps] * ps + t % ps
@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kv.arena import cdiv
+from dhisparse.kv.pinned import pinned_zeros
 from dhisparse.kv.pool import PagePool
 
 
 class HostStore:
     def __init__(self, num_pages: int, num_layers: int, page_size: int, width: int, dtype: torch.dtype, pin: bool, device: str = "cpu") -> None:
         self.page_size = page_size
-        self.rows = torch.zeros(num_pages, num_layers, page_size, width, dtype=dtype, pin_memory=pin, device=device)
+        shape = (num_pages, num_layers, page_size, width)
+        # pinned at its exact size (kv/pinned.py): torch's pinned allocator would round up to 2^n
+        self.rows = pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype, device=device)
         self.pool = PagePool(num_pages, "host pages")
         self.tables: dict[object, list[int]] = {}
 
