@@ -2,7 +2,8 @@
 # One device call's worth of GPU checks and measurements, in priority order; each step writes under
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
-# steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,serving32k,backupahead
+# steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
+#        serving32k,serving32kmid,backupahead
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -52,9 +53,12 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
       --dtype bfloat16 --page-size 64 --kv-pool-bytes 9730326528 --host-pool-bytes 49715277824 \
       --max-running-requests 65 --max-model-len 8464 --input-len 8192 --output-len 256 --c-low 4 --c-high 48 \
       --low-duration 30 --high-duration 40 --after-duration 40 --no-progress --out "$OUT/loadstep_h200.json" ;; esac
-case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, 64 GiB pinned host pool
-  run "serving at 32K" timeout 560 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 --host-pool-gib 64 \
-      --concurrency 14,3 --duration 15 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
+case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, hierarchy 10x (30 slots)
+  run "serving at 32K, C18 (60% of slots) and C3" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 92 --concurrency 18,3 --duration 25 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
+case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
+  run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac
 case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: more host backups ahead of reclaim (~2 min)
   run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
       --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \

@@ -126,11 +126,12 @@ def test_bad_settings():
 
 def test_ids_from_equals_a_slice_of_all_ids():
     """The scheduler's decode chunks read ids_from(start) instead of slicing all_ids."""
-    from hypothesis import given
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as hs
 
     from dhisparse.engine.request import Request
 
+    @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a busy GPU host generates slowly
     @given(hs.lists(hs.integers(0, 9), min_size=1, max_size=6), hs.lists(hs.integers(0, 9), max_size=6), hs.integers(0, 14))
     def check(prompt, output, start):
         req = Request("r", prompt, SamplingParams())

@@ -55,6 +55,8 @@ def test_step_graphs_generate_the_same_tokens(preset, reference):
     assert len(model.engine.arena.pool.owned_by("step-graph-scratch")) == 1
     stats = model.engine.stats().as_dict()
     assert stats["step_graph_replays"] == g.replayed
+    # the scratch page is the engine's own: an idle engine reports an empty pool one page smaller
+    assert stats["kv_pages_used"] == 0 and stats["kv_pages_total"] == model.engine.arena.pool.num_pages - 1
 
 
 def test_verification_passes_replay_with_staging(reference):

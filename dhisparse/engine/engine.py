@@ -200,7 +200,7 @@ class Engine:
         t_start = time.perf_counter()
         chunks, qs, out = self._forward(chunks)
         self._steps += 1
-        self._peak = max(self._peak, self.store.usage().used)
+        self._peak = max(self._peak, self.store.usage().used - self._fixed_pages)
         sampled: list[tuple[Chunk, int]] = []
         verifying: list[tuple[Chunk, int, int]] = []
         for i, c in enumerate(chunks):
@@ -318,9 +318,15 @@ class Engine:
             self._held_outputs.extend(self.step())  # other requests' outputs wait for the next step()
         return len(self.encode_prompt(prompt))
 
+    @property
+    def _fixed_pages(self) -> int:
+        """Pool pages the engine itself holds for its whole life (the step graphs' scratch page):
+        left out of the reported pool, so an idle engine reports 0 pages used."""
+        return StepGraphs.SCRATCH_PAGES if self.step_graphs is not None else 0
+
     def stats(self) -> EngineStats:
-        u = self.store.usage()
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total, u.used,
+        u, fixed = self.store.usage(), self._fixed_pages
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total - fixed, u.used - fixed,
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
                            store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})

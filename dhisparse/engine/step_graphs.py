@@ -130,6 +130,8 @@ class StepGraphs:
         sync-free resolver and no debug checks: `HierarchicalKV.replayable`)."""
         return getattr(self.kv, "replayable", True)
 
+    SCRATCH_PAGES = 1  # pool pages an engine with step graphs holds for its life (padding writes)
+
     @classmethod
     def for_engine(cls, engine, runner) -> "StepGraphs | None":
         """An engine's step graphs (None for stores without step-graph contexts: DeepSeek-V4).
@@ -137,7 +139,7 @@ class StepGraphs:
         arena = engine.arena
         if arena is None or not hasattr(engine.model, "graphs"):
             return None
-        page = arena.pool.alloc("step-graph-scratch", 1)[0]
+        page = arena.pool.alloc("step-graph-scratch", cls.SCRATCH_PAGES)[0]
         scratch = ScratchRows(page * arena.page_size, page * arena.index_page_size)
         experts = getattr(engine.model_config, "n_routed_experts", 0) or 0
         cfg = engine.config
