@@ -4,12 +4,13 @@
 # Each list runs in its own process group with CUDA_VISIBLE_DEVICES set and its own log
 # ($OUT/gpu0.log, $OUT/gpu1.log). Every ratio a step reports is measured inside one process on one
 # GPU; the other GPU's work shares only the host (CPU cores, DRAM), which the results' notes name.
+# Each process gets 8 CPU threads for torch's host ops (32 cores in all).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-(CUDA_VISIBLE_DEVICES=0 LOG="$OUT/gpu0.log" bash bench/gpu_session.sh "$1" > "$OUT/gpu0.out" 2>&1) &
+(OMP_NUM_THREADS=8 CUDA_VISIBLE_DEVICES=0 LOG="$OUT/gpu0.log" bash bench/gpu_session.sh "$1" > "$OUT/gpu0.out" 2>&1) &
 p0=$!
-(CUDA_VISIBLE_DEVICES=1 LOG="$OUT/gpu1.log" bash bench/gpu_session.sh "$2" > "$OUT/gpu1.out" 2>&1) &
+(OMP_NUM_THREADS=8 CUDA_VISIBLE_DEVICES=1 LOG="$OUT/gpu1.log" bash bench/gpu_session.sh "$2" > "$OUT/gpu1.out" 2>&1) &
 p1=$!
 wait $p0; wait $p1
 for g in 0 1; do echo "======== GPU $g: ${@:$((g + 1)):1}"; tail -c 5500 "$OUT/gpu$g.out"; done

@@ -3,7 +3,7 @@
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
-#        serving32k,serving32kmid,backupahead
+#        serving32k,serving32kmid,backupahead,hoststep,quick
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -36,6 +36,13 @@ case ",$STEPS," in *,stepgraphs,*)  # piecewise vs whole-step graphs at C36 and 
   run "decode-step profile, layer vs step graphs" timeout 300 python3 bench/step_profile.py --concurrency 36 --steps 6 \
       --warmup 3 --presets hisparse,adaptive,resident --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs layer,step \
       --out "$OUT/step_profile_step_c36_h200.json" ;; esac
+case ",$STEPS," in *,hoststep,*)  # whole-step graphs only: the unprofiled host share at C36 (~2 min)
+  run "decode-step profile, step graphs, C36" timeout 240 python3 bench/step_profile.py --concurrency 36 --steps 6 \
+      --warmup 3 --presets hisparse,adaptive,resident --kv-pool-gib 40 --host-pool-gib 24 --cuda-graphs step \
+      --out "$OUT/step_profile_host_c36_h200.json" ;; esac
+case ",$STEPS," in *,quick,*)  # the CUDA tests of this session's changes (pinned pools, device tables) (~1.5 min)
+  run "quick CUDA checks" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_uva.py tests/test_pinned.py \
+      tests/test_hier_tables.py tests/test_hierarchy.py ;; esac
 case ",$STEPS," in *,resolver,*)
   run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)

@@ -6,15 +6,16 @@ ops a layer, the host-bound part of a 78-layer decode step. A pass in which ever
 the same K tokens (plain decode K = 1, speculative verification K = width + 1) is instead replayed
 from one graph of the whole forward, embeddings to final norm:
 
-  1. the engine builds the pass's context eagerly, as always (page tables, tail and ready-map
-     folds, resolver clock): a few staged copies and small ops;
+  1. the engine builds the pass's context (host-side bookkeeping, one staged copy of the slots;
+     location tables are built only if the pass then runs eagerly);
   2. the context names the per-request tensors its forward reads (`GraphPass.rows`); they, the
      token ids, positions and lengths are copied into the bucket's static buffers, padded:
 
         requests   | r0 | r1 | ... | rN-1 | pad ... pad |     N_b = bucket(N)
         tokens     r * K .. r * K + K - 1 (req_idx is static: t // K)
         seq_len    real lengths          | 0           |   (a padded request sees no history)
-        tables     [N, W] copied into [N_b, W_b], -1 elsewhere (no location)
+        tables     [N, W] copied into [N_b, W_b], -1 elsewhere (no location); the hierarchy's
+                   are computed in the graph from the slots' persistent state instead
         writes     real rows             | scratch row |   (`ScratchRows`: owned by no request)
 
   3. the graph of (N_b, K, W_b, variant) replays; its hidden rows [:N*K] are copied out.
@@ -170,8 +171,7 @@ class StepGraphs:
         if ragged and gp.K > self.max_k:
             gp = None
         Nb = self.bucket(N, gp.K) if gp is not None else None
-        widths = [t.shape[1] for t, _ in gp.rows.values() if t.dim() == 2] if gp is not None else []
-        Wb = width_bucket(max(widths, default=1), self.max_width) if gp is not None else None
+        Wb = width_bucket(max(max(batch.lens, default=1), 1), self.max_width) if gp is not None else None
         if Nb is None or Wb is None:
             self.eager += 1
             return None
@@ -232,7 +232,7 @@ class StepGraphs:
         batch = ForwardBatch(entry.ids, entry.positions, req_idx, entry.seq_lens,
                              list(range(0, Nb * K + 1, K)), [0] * Nb)
         census = getattr(self.kv, "census", None)
-        shape = GraphPass(gp.K, gp.variant, {})  # not the capturing pass's own tensors: the graph outlives them
+        shape = GraphPass(gp.K, gp.variant, {}, Wb)  # not the capturing pass's own tensors: the graph outlives them
 
         def step() -> ModelOutput:
             ctx = ctx_cls.for_graph(self.kv, batch, shape, entry.rows, self.scratch)

@@ -130,11 +130,13 @@ class GraphPass(NamedTuple):
     rows     name -> (tensor [N, ...], pad value): the per-request tensors the context reads in
              the forward; the graph holds static copies [N_bucket, ...] (2-D tables also padded
              to a static width) and the context's `for_graph` rebuilds itself over them
+    width    (`for_graph` only) the graph's static table width W_b >= every request's length
     """
 
     K: int
     variant: tuple
     rows: dict
+    width: int = 0
 
 
 class ScratchRows(NamedTuple):

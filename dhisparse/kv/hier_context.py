@@ -27,67 +27,72 @@ def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None
 class HierContext(PagedContext):
     def __init__(self, kv, batch: ForwardBatch, reqs: list[object]) -> None:
         super().__init__(kv, batch, len(reqs))
-        self.decode_rows: list[int] = []
-        self.slots: list[int] = []
         states = [kv.reqs[req] for req in reqs]
-        res = kv.resident
-        self.idx_of = table_locations([res.index_tables[q] for q in reqs], self.lens, kv.arena.index_page_size, kv.device)
-        self.lat_of = table_locations([[] if st.decoding else res.latent_tables[q] for q, st in zip(reqs, states)],
-                                      [0 if st.decoding else n for st, n in zip(states, self.lens)], kv.page_size, kv.device)
-        if self.lat_of.shape[1] < self.idx_of.shape[1]:
-            self.lat_of = torch.nn.functional.pad(self.lat_of, (0, self.idx_of.shape[1] - self.lat_of.shape[1]), value=-1)
-        starts = []
-        for r, st in enumerate(states):
-            if st.decoding:
-                self.decode_rows.append(r)
-                self.slots.append(st.slot)
-                starts.append(st.tail_start)
-        self._decode_map(batch.query_start, kv.device)
+        self._prefill_tables = [[] if st.decoding else kv.resident.latent_tables[q] for q, st in zip(reqs, states)]
+        self.decode_rows = [r for r, st in enumerate(states) if st.decoding]
+        self.slots = [states[r].slot for r in self.decode_rows]
+        self._decode_map(batch.query_start, [st.slot for st in states], kv.device)
         covers = getattr(kv, "covers", None)  # adaptive: every decoding request's history is published
         self.all_direct = bool(self.decode_rows) and covers is not None and covers([reqs[r] for r in self.decode_rows])
-        if self.decode_rows:
-            self._tail_into_table(starts)
-            if self.all_direct:
-                self._ready_into_table()
         self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self._zero = torch.zeros((), dtype=torch.int64, device=kv.device)  # bytes copied by a direct call
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
 
+    def _build_tables(self) -> None:
+        """idx_of from the device index page table; lat_of: prefilling requests' workspace rows
+        (their page tables), decoding requests' tail (and, all-direct, ready-map) rows from their
+        slots' persistent state (`HierarchicalKV.decode_locations`). Built on first use: a pass
+        that replays a step graph computes the same inside the graph (`for_graph`)."""
+        kv, W = self.kv, max(max(self.lens, default=1), 1)
+        self.idx_of = kv.index_locations(self.all_slots_t, self.batch.seq_lens, W)
+        if len(self.decode_rows) == len(self.lens):  # a decode / verification pass
+            self.lat_of = kv.decode_locations(self.slots_t, self.batch.seq_lens, W, self.all_direct)
+            return
+        lens = [0 if not t else n for t, n in zip(self._prefill_tables, self.lens)]
+        lat = table_locations(self._prefill_tables, lens, kv.page_size, kv.device)
+        self.lat_of = torch.nn.functional.pad(lat, (0, W - lat.shape[1]), value=-1)
+        if self.decode_rows:
+            lens_t = self.batch.seq_lens[self.dec_rows_t]
+            self.lat_of[self.dec_rows_t] = kv.decode_locations(self.slots_t, lens_t, W, self.all_direct)
+
     def graph_pass(self) -> GraphPass | None:
         """A pass of decoding requests only (up to K tokens each) on the deferred (sync-free)
-        resolver: a step graph can replay it. Padded requests take the first real slot: they
-        select nothing (seq_len 0), so the resolver's direct exit leaves that slot's state
+        resolver: a step graph can replay it. The graph reads each request's slot and computes
+        its tables from the slots' persistent state. Padded requests take the first real slot:
+        they select nothing (seq_len 0), so the resolver's direct exit leaves that slot's state
         untouched; a ragged pass's padded tokens select nothing either (position -1), so each
         request's union of selections is the eager pass's."""
         if not (self.decode_rows and len(self.decode_rows) == self.batch.num_reqs and self.kv.replayable):
             return None
-        rows = {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1), "slots_t": (self.slots_t, self.slots[0])}
-        return GraphPass(self.K, ("hier", self.all_direct), rows)
+        return GraphPass(self.K, ("hier", self.all_direct), {"slots_t": (self.slots_t, self.slots[0])})
 
     @classmethod
     def for_graph(cls, kv, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "HierContext":
         """The context a step graph captures over its static buffers `rows` (see `graph_pass`):
         every request decodes with K graph tokens (dense), request r owning tokens r*K .. r*K+K-1
-        (padding where the pass's request had fewer)."""
+        (padding where the pass's request had fewer); tables gp.width wide, computed in the graph."""
         ctx = cls.__new__(cls)
         PagedContext.__init__(ctx, kv, batch, batch.num_reqs)
         N, K, dev = batch.num_reqs, gp.K, kv.device
-        ctx.lat_of, ctx.idx_of, ctx.slots_t = rows["lat_of"], rows["idx_of"], rows["slots_t"]
+        ctx.slots_t = ctx.all_slots_t = rows["slots_t"]
         ctx.decode_rows, ctx.slots = list(range(N)), []
         ctx.K, ctx.dense, ctx.all_direct = K, True, gp.variant[1]
         ctx.dec_tok = torch.arange(N * K, device=dev)
         ctx.dec_i, ctx.dec_j = ctx.dec_tok // K, ctx.dec_tok % K
         ctx.dec_rows_t = torch.arange(N, device=dev)
+        ctx.idx_of = kv.index_locations(ctx.slots_t, batch.seq_lens, gp.width)
+        ctx.lat_of = kv.decode_locations(ctx.slots_t, batch.seq_lens, gp.width, ctx.all_direct)
         ctx._finish_tables(scratch)
         ctx.plans, ctx.memo = {}, {}
         ctx._zero = torch.zeros((), dtype=torch.int64, device=dev)
         return ctx
 
-    def _decode_map(self, qs: list[int], device) -> None:
+    def _decode_map(self, qs: list[int], all_slots: list[int], device) -> None:
         """Where decoding requests' tokens sit: token dec_tok[m] of the flattened batch is query
-        dec_j[m] of decoding request dec_i[m] (index into decode_rows). One host->device copy per
-        pass; every layer then moves selections and locations with one indexed op each.
+        dec_j[m] of decoding request dec_i[m] (index into decode_rows); plus every request's slot
+        and the decoding requests' batch rows. One host->device copy per pass; every layer then
+        moves selections and locations with one indexed op each.
 
             batch tokens   | prefill r0 ......... | dec r1: q0 q1 q2 | dec r2: q0 | ...
             per request    [Nd, K, k]: row i = decode_rows[i], column j = its j-th query
@@ -102,37 +107,12 @@ class HierContext(PagedContext):
         # dense: every token of the pass belongs to a decoding request and each has K of them, so
         # [T, k] <-> [Nd, K, k] is a view (steady-state decode and verification passes)
         self.dense = len(tok) == qs[-1] == len(self.decode_rows) * self.K
-        m = torch.tensor([tok, ii, jj], dtype=torch.int64).to(device, non_blocking=True)
-        self.dec_tok, self.dec_i, self.dec_j = m[0], m[1], m[2]
-        self.slots_t = torch.tensor(self.slots, dtype=torch.int64).to(device, non_blocking=True)
-
-    def _tail_into_table(self, starts: list[int]) -> None:
-        """lat_of[r, tail_start .. len) = the slot's tail locations, for every decoding request in
-        a few batched ops. Tail offsets past a request's length write a scratch column.
-
-            positions   0 ........ tail_start ...... len-1 | scratch
-            lat_of[r]   -1 (history: resolver)  tail_loc[slot, 0 ..]   | W
-        """
-        kv, W = self.kv, self.lat_of.shape[1]
-        info = torch.tensor([self.decode_rows, starts, [self.lens[r] for r in self.decode_rows]],
-                            dtype=torch.int64).to(kv.device, non_blocking=True)
-        pos = info[1][:, None] + torch.arange(kv.tail_loc.shape[1], device=kv.device)  # [Nd, TT]
-        pos = torch.where(pos < info[2][:, None], pos, W)
-        wide = torch.nn.functional.pad(self.lat_of, (0, 1), value=-1)
-        wide[info[0][:, None].expand_as(pos), pos] = kv.tail_loc[self.slots_t]
-        self.lat_of = wide[:, :W]
-        self.dec_rows_t = info[0]  # [Nd] batch rows of the decoding requests (device)
-
-    def _ready_into_table(self) -> None:
-        """All-direct pass: decoding requests' history positions (-1 so far) take their ready-map
-        locations, so a selection is located by the same single gather as under `resident`.
-
-            positions   0 ........ tail_start ...... len-1
-            lat_of[r]   opt_loc[slot, 0 ..]   tail_loc[slot, 0 ..]
-        """
-        rows, W = self.dec_rows_t, self.lat_of.shape[1]
-        cur = self.lat_of[rows]
-        self.lat_of[rows] = torch.where(cur >= 0, cur, self.kv.opt_loc[self.slots_t, :W])
+        T, N, Nd = len(tok), len(all_slots), len(self.decode_rows)
+        m = torch.tensor(tok + ii + jj + all_slots + self.slots + self.decode_rows, dtype=torch.int64).to(device, non_blocking=True)
+        self.dec_tok, self.dec_i, self.dec_j = m[:T], m[T : 2 * T], m[2 * T : 3 * T]
+        self.all_slots_t = m[3 * T : 3 * T + N]
+        self.slots_t = m[3 * T + N : 3 * T + N + Nd]
+        self.dec_rows_t = m[3 * T + N + Nd :]  # [Nd] batch rows of the decoding requests
 
     def _check(self, selection: torch.Tensor) -> None:
         lens = self.batch.seq_lens[self.batch.req_idx][:, None]
@@ -182,7 +162,7 @@ class HierContext(PagedContext):
             if self.dense:  # every token decodes: the plan's locations are the pass's
                 return self.plans[g][0].loc.reshape(selection.shape)
         loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
-        if self.all_direct:  # lat_of already holds every location (see _ready_into_table)
+        if self.all_direct:  # lat_of already holds every location (decode_locations, direct)
             self.plans[g] = (DirectPlan(self._direct_counts(selection)), None)
         elif self.decode_rows:
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]

@@ -180,6 +180,8 @@ class HierarchicalKV:
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
         self.host_table = torch.full((S, 1), -1, dtype=torch.int64, device=dev)
+        self.idx_pages = torch.full((S, 1), -1, dtype=torch.int64, device=dev)  # device mirror of index tables
+        self._idx_known = [0] * S  # entries of each slot's idx_pages row that mirror its index table
         self.stage = self.stage_loc = None
         if max_queries > 1:
             self._build_staging(S, max_queries)
@@ -234,6 +236,7 @@ class HierarchicalKV:
         if st is not None:
             self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
             self.host_table[st.slot] = -1
+            self._idx_known[st.slot] = 0  # the next owner re-sends its pages (stale ones lie past its length)
             self.free_slots.append(st.slot)
 
     def usage(self) -> PoolUsage:
@@ -269,7 +272,61 @@ class HierarchicalKV:
         for r, req in enumerate(reqs):
             n = batch.lens[r]
             self.resident.ensure_index(req, n) if self.reqs[req].decoding else self.resident.ensure(req, n)
+        self._sync_index_pages(reqs)
         return HierContext(self, batch, reqs)
+
+    def _sync_index_pages(self, reqs: list[object]) -> None:
+        """Bring the device index page table up to date for `reqs`: only pages added since the
+        last sync travel (index tables only grow while a request lives), in one staged copy, so a
+        pass costs O(requests) host work instead of re-sending every page table.
+
+            idx_pages[slot]   | synced pages (_idx_known) | new pages of this pass | stale / -1 |
+        """
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for req in reqs:
+            slot, table = self.reqs[req].slot, self.resident.index_tables[req]
+            k = self._idx_known[slot]
+            if len(table) > k:
+                rows.extend([slot] * (len(table) - k))
+                cols.extend(range(k, len(table)))
+                vals.extend(table[k:])
+                self._idx_known[slot] = len(table)
+        if not vals:
+            return
+        if max(cols) >= self.idx_pages.shape[1]:  # a history outgrew the table: reallocate (retires step graphs)
+            grown = torch.full((self.idx_pages.shape[0], 2 * (max(cols) + 1)), -1, dtype=torch.int64, device=self.device)
+            grown[:, : self.idx_pages.shape[1]] = self.idx_pages
+            self.idx_pages = grown
+        packed = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.idx_pages[packed[0], packed[1]] = packed[2]
+
+    def index_locations(self, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int) -> torch.Tensor:
+        """[N, W] index-row locations of positions 0..W-1 of the requests in slots `slots_t` [N]
+        (-1 at and past lens_t [N]), from the device page table: device ops only (a step graph
+        computes them in the graph)."""
+        ips, P = self.arena.index_page_size, self.idx_pages.shape[1]
+        pos = torch.arange(W, device=self.device)
+        loc = self.idx_pages[slots_t][:, (pos // ips).clamp(max=P - 1)] * ips + pos % ips
+        return torch.where(pos[None, :] < lens_t[:, None], loc, -1)
+
+    def decode_locations(self, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int, direct: bool) -> torch.Tensor:
+        """[N, W] latent locations of decoding requests in slots `slots_t` [N] with lens_t [N]:
+        the tail's rows at tail_start .. len-1; with `direct` (every history page published,
+        adaptive) the ready map's before the tail; -1 elsewhere (history: the resolver). Device ops
+        only, from the slots' persistent state.
+
+            positions   0 ........ tail_start ...... len-1 | len .. W-1
+            locations   -1 / opt_loc[slot]  tail_loc[slot, 0 ..]  | -1
+        """
+        pos = torch.arange(W, device=self.device)
+        off = pos[None, :] - self.tail_start[slots_t][:, None]
+        tail = self.tail_loc[slots_t].gather(1, off.clamp(0, self.tail_loc.shape[1] - 1))
+        out = torch.where((off >= 0) & (pos[None, :] < lens_t[:, None]), tail, -1)
+        if direct:
+            out = torch.where(off < 0, self.opt_loc[slots_t, :W], out)
+        return out
 
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
@@ -345,8 +402,9 @@ class HierarchicalKV:
 
     def graph_fingerprint(self) -> tuple:
         """Addresses a captured step graph bakes in that can change while serving: the host table
-        is reallocated when a history outgrows it (`sync_host_table`), which retires graphs."""
-        return (self.host_table.data_ptr(), tuple(self.host_table.shape))
+        and the index page table are reallocated when a history outgrows them (`sync_host_table`,
+        `_sync_index_pages`), which retires graphs."""
+        return (self.host_table.data_ptr(), tuple(self.host_table.shape), self.idx_pages.data_ptr(), tuple(self.idx_pages.shape))
 
     def resolver_state(self, group: int) -> ResolverState:
         return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,

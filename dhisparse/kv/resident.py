@@ -97,12 +97,39 @@ class ResidentKV:
 
 class PagedContext:
     """Shared part of the paged KVContexts: per-request location tables lat_of / idx_of [N, Lmax]
-    (-1 where a position has no device row), writes at the batch's positions, index-key reads."""
+    (-1 where a position has no device row), writes at the batch's positions, index-key reads.
+    A subclass either sets the tables or builds them on first use (`_build_tables`), so a pass
+    that replays a step graph (which computes its own) need not build them at all."""
 
     def __init__(self, kv, batch: ForwardBatch, n_reqs: int) -> None:
         self.kv, self.batch, self.arena = kv, batch, kv.arena
         self.lens = list(batch.lens)
-        self.lat_of = self.idx_of = None  # [N, Lmax] each, built by the subclass (table_locations)
+        self._lat_of = self._idx_of = None  # [N, Lmax] each
+
+    def _build_tables(self) -> None:
+        raise NotImplementedError  # contexts that set their tables never get here
+
+    @property
+    def lat_of(self) -> torch.Tensor:
+        """[N, Lmax] latent location of position s of request r (-1: none on the device)."""
+        if self._lat_of is None:
+            self._build_tables()
+        return self._lat_of
+
+    @lat_of.setter
+    def lat_of(self, value: torch.Tensor) -> None:
+        self._lat_of = value
+
+    @property
+    def idx_of(self) -> torch.Tensor:
+        """[N, Lmax] index-row location of position s of request r (-1 past its length)."""
+        if self._idx_of is None:
+            self._build_tables()
+        return self._idx_of
+
+    @idx_of.setter
+    def idx_of(self, value: torch.Tensor) -> None:
+        self._idx_of = value
 
     def _finish_tables(self, scratch: ScratchRows | None = None) -> None:
         """The tables are final: write locations follow on first use (`writes`), so a pass that
