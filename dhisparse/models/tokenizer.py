@@ -55,6 +55,9 @@ class ByteTokenizer:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        if skip_special:  # the streaming detokenizer's path: one bytes() over the window
+            hi = self.vocab_size
+            return bytes(i - self.OFFSET for i in map(int, ids) if self.OFFSET <= i < hi).decode("utf-8", errors="replace")
         out, buf = [], bytearray()
         for i in ids:
             i = int(i)
