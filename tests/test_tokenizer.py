@@ -142,3 +142,22 @@ def test_load_tokenizer_fallbacks(tmp_path):
     assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         HFTokenizer(tmp_path)
+
+
+def test_byte_tokenizer_fast_decode_equals_the_general_path():
+    """The skip_special fast path equals decoding the kept bytes one by one (specials, padding ids
+    and broken UTF-8 included)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as hs
+
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    @settings(deadline=None, max_examples=200)
+    @given(hs.lists(hs.integers(0, 300), max_size=24))
+    def check(ids):
+        kept = bytearray(i - tok.OFFSET for i in ids if tok.OFFSET <= i < tok.vocab_size)
+        assert tok.decode(ids) == kept.decode("utf-8", errors="replace")
+
+    check()
