@@ -73,7 +73,7 @@ def test_verification_passes_replay_with_staging(reference):
                           oracle_reference={tuple(p): r for p, r in zip(PROMPTS, reference)})
     g = with_steps(model)
     assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
-    assert any(k[2] == 4 and n for k, n in ((k, e.uses) for k, e in g.entries.items()))  # K = 4 verification graphs replayed
+    assert any(k[0][1] == 4 and n for k, n in ((k, e.uses) for k, e in g.entries.items()))  # K = 4 verification graphs replayed
     assert model.engine.stats().as_dict()["resolver_overflow"] > 0
 
 
@@ -195,6 +195,21 @@ def test_cuda_step_graphs_match_eager_decoding(preset):
     assert [o.token_ids for o in model.generate(prompts, GREEDY)] == [ref[tuple(p)] for p in prompts]
     stats = model.engine.stats().as_dict()
     assert stats["step_graph_replays"] > 0 and stats["step_graphs_captured"] > 0
+
+
+@pytest.mark.parametrize("preset", ["resident", "adaptive"])
+def test_a_smaller_batch_replays_a_captured_wider_graph(preset, reference):
+    """Fewer requests (down to half a captured bucket) replay that bucket's graph padded instead
+    of capturing their own: the tokens are unchanged and no graph is added."""
+    model = llm(preset)
+    g = with_steps(model)
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    keys = set(g.entries)
+    assert max(k[1] for k in keys) == 3
+    assert [o.token_ids for o in model.generate(PROMPTS[1:], GREEDY)] == reference[1:]
+    assert set(g.entries) == keys  # two requests ran in the graph of three
+    assert [o.token_ids for o in model.generate(PROMPTS[2:], GREEDY)] == reference[2:]
+    assert any(k[1] == 1 for k in g.entries)  # one request: a bucket of three is over 2x, so its own
 
 
 def test_step_buckets_pad_little():

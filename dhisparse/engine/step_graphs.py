@@ -176,10 +176,11 @@ class StepGraphs:
             self.eager += 1
             return None
         fp = getattr(self.kv, "graph_fingerprint", tuple)()
-        key = (type(ctx).__name__, Nb, gp.K, Wb, gp.variant, tuple(capture_layers), fp)
         prepare = getattr(self.kv, "prepare_replay", None)
         if prepare is not None:
             prepare()
+        family = (type(ctx).__name__, gp.K, gp.variant, tuple(capture_layers), fp)
+        key = self._reuse(family, N, Nb, Wb) or (family, Nb, Wb)
         if key in self.failed:
             self.eager += 1
             return None
@@ -188,7 +189,7 @@ class StepGraphs:
             try:
                 entry = self.entries[key] = self._capture(type(ctx), gp, Nb, Wb, tuple(capture_layers))
             except Exception as e:  # a capture that fails leaves the pass to the eager path, loudly
-                log.warning("step graph capture failed for %s (%s: %s); such passes run eagerly", key[:5], type(e).__name__, e)
+                log.warning("step graph capture failed for %s (%s: %s); such passes run eagerly", key[0][:3] + key[1:], type(e).__name__, e)
                 self.failed.add(key)
                 self.eager += 1
                 return None
@@ -201,6 +202,17 @@ class StepGraphs:
         if slots is None:
             return ModelOutput(out.hidden[:T].clone(), {i: h[:T].clone() for i, h in out.captured.items()})
         return ModelOutput(out.hidden.index_select(0, slots), {i: h.index_select(0, slots) for i, h in out.captured.items()})
+
+    # keys of `entries`: (family, N_b, W_b), family = (context type, K, variant, layers, fingerprint)
+
+    def _reuse(self, family: tuple, N: int, Nb: int, Wb: int) -> tuple | None:
+        """The key of an already captured graph of the same family (context, K, variant, layers,
+        addresses) that can run this pass padded: request bucket in [Nb, 2N] and table width
+        >= Wb; the smallest such. Reusing one instead of capturing (Nb, Wb) keeps the graph count
+        (and the captures made while serving, e.g. as a wave of requests drains) small; padded
+        requests and table columns cost little in a decode pass."""
+        fits = [k for k in self.entries if k[0] == family and Nb <= k[1] <= 2 * N and k[2] >= Wb]
+        return min(fits, key=lambda k: (k[1], k[2])) if fits else None
 
     def _slots(self, batch: ForwardBatch, K: int) -> torch.Tensor:
         """[T] graph token of each token of a ragged pass: request r's j-th token -> r * K + j.

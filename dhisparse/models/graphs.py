@@ -48,22 +48,32 @@ class Runner(Protocol):
 
 
 class CudaGraphRunner:
-    """torch.cuda.CUDAGraph capture (after warm-up on a side stream), one shared memory pool."""
+    """torch.cuda.CUDAGraph capture (after warm-up on a side stream), one shared memory pool.
+
+    The capture brackets the thunk with capture_begin / capture_end on the side stream itself
+    rather than `torch.cuda.graph(...)`, whose entry synchronizes the device, runs gc.collect()
+    and empties the caching allocator: harmless at start-up, but a whole-step graph captured
+    lazily while serving paid that (and re-allocating what was emptied) in the middle of a step,
+    up to ~1.7 s a capture on the H200."""
 
     def __init__(self, warmup: int = 1) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
+        self.stream = torch.cuda.Stream()
 
     def capture(self, thunk: Callable[[], object]) -> Callable[[], object]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side, main = self.stream, torch.cuda.current_stream()
+        side.wait_stream(main)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
                 thunk()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = thunk()
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = thunk()
+            finally:
+                graph.capture_end()
+        main.wait_stream(side)
 
         def replay() -> object:
             graph.replay()
