@@ -4,7 +4,8 @@
     python3 bench/gpu_serving.py --quick --out /tmp/smoke.json                       # CPU smoke, < 60 s
 
 Sizing (printed, and written under config.sizing): the KV pool holds `--resident-fit` full
-histories under `resident` (pages from KVArena.page_bytes and the stores' per-request page counts);
+histories under `resident` (pages from KVArena.page_bytes and the stores' per-request page counts)
+plus the whole-step graphs' scratch page;
 max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
 the host pool's histories). Every preset runs with the same pool and slot settings. Prompts are the
 prepared prefix + one of `--distinct-suffixes` short suffixes (cycled), so the oracle drafter's
@@ -31,6 +32,7 @@ from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.engine.params import SamplingParams  # noqa: E402
+from dhisparse.engine.step_graphs import StepGraphs  # noqa: E402
 from dhisparse.kv.arena import KVArena  # noqa: E402
 
 GIB = float(1 << 30)
@@ -110,7 +112,9 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     B = ns.hot_cache_rows or 2 * cfg.index_topk
     tail = 1 + math.ceil(ns.spec_width / ps)  # HierarchicalKV.tail_pages at K_max
     hier = B // ps + tail + arena.index_pages_for(total)  # HierarchicalKV.required_pages
-    pool_pages = ns.resident_fit * resident
+    # + the page an engine with whole-step graphs keeps for padding (StepGraphs.SCRATCH_PAGES): without
+    # it `resident` would hold resident_fit - 1 histories
+    pool_pages = ns.resident_fit * resident + StepGraphs.SCRATCH_PAGES
     host_per_req = math.ceil(total / ps) * page_bytes  # HostStore.admit reserves the whole history
     target = int(ns.admit_factor * ns.resident_fit)
     host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/pinned.py)

@@ -62,7 +62,7 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
   run "load step" timeout 400 python3 -m dhisparse.cli loadstep --model-path glm52-scaled-k512 --device cuda \
       --dtype bfloat16 --page-size 64 --kv-pool-bytes 9730326528 --host-pool-bytes 49715277824 \
       --max-running-requests 65 --max-model-len 8464 --input-len 8192 --output-len 256 --c-low 4 --c-high 48 \
-      --low-duration 30 --high-duration 40 --after-duration 40 --no-progress --out "$OUT/loadstep_h200.json" ;; esac
+      --low-duration 20 --high-duration 30 --after-duration 30 --no-progress --out "$OUT/loadstep_h200.json" ;; esac
 case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, hierarchy 10x (30 slots)
   run "serving at 32K, C18 (60% of slots) and C3" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 18,3 --duration 25 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
