@@ -53,10 +53,10 @@ case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 a
 case ",$STEPS," in *,realdraft,*)  # serving with a real drafter: n-gram lookup (the scaled model's greedy output cycles)
   run "serving, n-gram drafter" timeout 200 python3 bench/gpu_serving.py --concurrency 36,4 --presets hisparse,adaptive+spec \
       --drafter ngram --force --out "$OUT/gpu_serving_ngram_h200.json" ;; esac
-case ",$STEPS," in *,budget,*)  # Fig. 9: hot-cache budget B = k/2, k, 2k at the high load (one file per B)
-  for B in 256 512 1024; do
-    run "hot-cache budget B=$B" timeout 120 python3 bench/gpu_serving.py --concurrency 36 --presets hisparse,adaptive \
-        --hot-cache-rows $B --duration 12 --force --out "$OUT/gpu_budget_B${B}_h200.json"
+case ",$STEPS," in *,budget,*)  # Fig. 9: hot-cache budget B = k, 2k, 4k, 8k (k = 512) at the high load, one file per B
+  for B in 512 1024 2048 4096; do
+    run "hot-cache budget B=$B" timeout 100 python3 bench/gpu_serving.py --concurrency 36 --presets hisparse,adaptive \
+        --hot-cache-rows $B --duration 10 --force --out "$OUT/gpu_budget_B${B}_h200.json"
   done ;; esac
 case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) / off (hisparse), pools as in gpu_serving
   run "load step" timeout 400 python3 -m dhisparse.cli loadstep --model-path glm52-scaled-k512 --device cuda \
