@@ -18,6 +18,7 @@ mkdir -p /tmp/tc
 [ -f .tcache/tc.tgz ] && tar xzf .tcache/tc.tgz -C /tmp/tc
 "$@"
 rc=$?
+[ -n "${SKIP_CACHE_OUT:-}" ] && exit $rc  # a session's last call: the cache is not needed back
 tar cf - -C /tmp/tc . | xz -6 -T0 > "$OUT/tc.txz"
 [ "$(stat -c %s "$OUT/tc.txz")" -lt 16000000 ] || { echo "triton cache $(du -h "$OUT/tc.txz" | cut -f1): not returned"; rm -f "$OUT/tc.txz"; }
 exit $rc
