@@ -212,6 +212,23 @@ def test_a_smaller_batch_replays_a_captured_wider_graph(preset, reference):
     assert any(k[1] == 1 for k in g.entries)  # one request: a bucket of three is over 2x, so its own
 
 
+def test_a_mixed_step_splits_only_onto_a_captured_graph():
+    """The split never captures: without a captured graph of that K whose bucket fits the
+    decodes, a mixed step stays one (eager) pass."""
+    from types import SimpleNamespace as NS
+
+    g = StepGraphs(None, None, EagerRunner(), (1, 2, 4, 8, 12, 16), 100, None, max_k=4)
+    dec = [NS(decodes=True, tokens=[1]) for _ in range(3)]
+    pre = [NS(decodes=False, tokens=[1] * 9)]
+    assert g.split(dec + pre) == [dec + pre]
+    family = ("HierContext", 1, ("hier", False), (), ())
+    g.entries[(family, 8, 64)] = None  # bucket 8 > 2 x 3 decodes: not a fit
+    assert g.split(dec + pre) == [dec + pre]
+    g.entries[(family, 4, 64)] = None
+    assert g.split(dec + pre) == [dec, pre]
+    assert g.split([NS(decodes=True, tokens=[1] * 4)] + pre) == [[NS(decodes=True, tokens=[1] * 4)] + pre]  # K = 4: none
+
+
 def test_step_buckets_pad_little():
     """A step graph pads a batch by at most 8 requests up to 128 tokens (the piecewise buckets pad
     36 to 48), and every bucket stays on the MoE's sync-free path."""
