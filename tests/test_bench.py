@@ -198,3 +198,23 @@ def test_gpu_serving_engine_args_are_typed_from_the_config():
     assert got == {"backup_ahead_pages": 128, "copy_stream": "compute", "debug_checks": True, "hot_cache_rows": None}
     with pytest.raises(SystemExit, match="backup_ahead_pages"):
         gs.engine_overrides(["backup_ahed_pages=1"])
+
+
+def test_budget_sweep_plot(tmp_path):
+    """Bench results of one concurrency at different hot-cache sizes plot as Fig. 9; results of a
+    concurrency sweep (or one file) stay serving curves."""
+    from dhisparse.bench.plot_budget import is_budget_sweep
+    from dhisparse.bench.plots import plot_results
+
+    def at(B: int) -> dict:
+        runs = [{"preset": p, "concurrency": 36, "metrics": {"output_tok_s": 900 - B / 10 + 50 * k, "active": 36,
+                                                             "counters": {"host_fetched_share": 64 / B}}}
+                for k, p in enumerate(("hisparse", "adaptive"))]
+        return {"kind": "bench", "runs": runs, "config": {"sizing": {"hot_cache_rows": B}}}
+
+    sweep = [at(B) for B in (512, 1024, 2048)]
+    assert is_budget_sweep(sweep) and not is_budget_sweep(sweep[:1])
+    assert not is_budget_sweep([_bench_result(["hisparse"]), _bench_result(["adaptive"])])  # no B recorded
+    written = plot_results(sweep, tmp_path)
+    assert [p.name for p in written] == ["budget.png"]
+    assert_png(written[0])

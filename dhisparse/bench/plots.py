@@ -6,6 +6,8 @@
   time, one line per arm, phases shaded.
 * `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case (linear
   axes), min-max error bars, and the least-squares line with its bandwidth.
+* `plot_budget` (`plot_budget.py`): Fig. 9 - output and host-fetched share against the
+  hot-cache budget B, from bench results of one concurrency at different B.
 * `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
 * `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
   direct path dotted; Fig. 8c - bars at B_ref with and without host misses; p10-p90 error bars.
@@ -285,14 +287,18 @@ def _save(fig, out: str | Path) -> Path:
 
 def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     """Every figure the given result files support: serving curves from all bench results
-    together, one load-step figure per loadstep result, one step-profile figure (Fig. 10) per
+    together (or, for bench results of one concurrency at different hot-cache sizes, the budget
+    sweep), one load-step figure per loadstep result, one step-profile figure (Fig. 10) per
     step_profile result with kernel data, one resolver figure per resolver file."""
+    from dhisparse.bench.plot_budget import is_budget_sweep, plot_budget
     from dhisparse.bench.plot_profile import plot_profile, step_bars
 
     out_dir = Path(out_dir)
     written = []
     bench = [r for r in results if r.get("kind") == "bench"]
-    if bench:
+    if bench and is_budget_sweep(bench):
+        written.append(plot_budget(bench, out_dir / "budget.png", STYLE))
+    elif bench:
         written.append(plot_serving(bench, out_dir / "serving.png"))
     for k, r in enumerate(x for x in results if x.get("kind") == "loadstep"):
         written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
