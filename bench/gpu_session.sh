@@ -64,8 +64,8 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
       --max-running-requests 65 --max-model-len 8464 --input-len 8192 --output-len 256 --c-low 4 --c-high 48 \
       --low-duration 20 --high-duration 30 --after-duration 30 --no-progress --out "$OUT/loadstep_h200.json" ;; esac
 case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, hierarchy 10x (30 slots)
-  run "serving at 32K, C18 (60% of slots) and C3" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
-      --host-pool-gib 92 --concurrency 18,3 --duration 25 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
+  run "serving at 32K, C18 (60% of slots) and C2 (every history fits)" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 92 --concurrency 18,2 --duration 25 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
 case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
   run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac
