@@ -1,11 +1,13 @@
-"""The hierarchy's device-side tables against the host page tables they stand for: the index page
-table (`HierarchicalKV.idx_pages`, synced incrementally), `index_locations` and
+"""The hierarchy's device-side tables against the host page tables they stand for: the slot tables
+(`kv/slot_tables.py`: host pages and index pages, synced incrementally), `index_locations` and
 `decode_locations`, through prefill, decode and slot reuse."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
@@ -72,13 +74,60 @@ def test_a_reused_slot_gets_its_new_owner_pages(monkeypatch):
 
     def free_without_reset(self, req):
         slot = self.reqs[req].slot if req in self.reqs else None
-        known = self._idx_known[slot] if slot is not None else None
+        saved = (self.index_pages.known[slot], self.index_pages.t[slot].clone()) if slot is not None else None
         orig_free(self, req)
-        if slot is not None:
-            self._idx_known[slot] = known
+        if slot is not None:  # undo the reset: the row keeps the old owner's pages
+            self.index_pages.known[slot] = saved[0]
+            self.index_pages.t[slot] = saved[1]
 
     monkeypatch.setattr(HierarchicalKV, "free", free_without_reset)
     llm = LLM("tiny", preset="hisparse", page_size=4, hot_cache_rows=16, max_running_requests=2, max_num_batched_tokens=24)
     watch(llm)
     with pytest.raises(AssertionError):
         llm.generate(PROMPTS, GREEDY)
+
+
+def test_host_table_mirrors_the_host_pages():
+    """The resolver's host table (a SlotTable too) holds each decoding request's host pages."""
+    llm = LLM("tiny", preset="hisparse", page_size=4, hot_cache_rows=16, max_running_requests=2, max_num_batched_tokens=24)
+    kv, seen = llm.engine.store, []
+    orig = kv.context
+
+    def context(batch, reqs):
+        for req in reqs:
+            if req in kv.host.tables and kv.reqs[req].decoding:
+                pages = kv.host.tables[req]
+                assert kv.host_table[kv.reqs[req].slot, : len(pages)].tolist() == pages
+                seen.append(len(pages))
+        return orig(batch, reqs)
+
+    kv.context = context
+    llm.generate(PROMPTS, GREEDY)
+    assert seen and max(seen) > 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=40))
+def test_slot_table_rows_follow_their_lists(ops):
+    """Any sequence of appends (slot, n pages) and frees: after each sync every slot's row starts
+    with its list and holds -1 after it; a freed slot's row is all -1."""
+    from dhisparse.kv.slot_tables import SlotTable
+
+    table, lists, page = SlotTable(4, "cpu"), {s: [] for s in range(4)}, 100
+    for slot, n, free in ops:
+        if free:
+            table.reset(slot)
+            lists[slot] = []
+            assert bool((table.t[slot] == -1).all())
+            continue
+        lists[slot] += list(range(page, page + n))
+        page += n
+        table.sync(lists.items())
+        for s, pages in lists.items():
+            row = table.t[s].tolist()
+            assert row[: len(pages)] == pages and all(x == -1 for x in row[len(pages):])
+    lens = torch.tensor([len(lists[s]) * 2 for s in range(4)])
+    loc = table.locations(torch.arange(4), lens, 12, 2)
+    for s in range(4):
+        want = [lists[s][p // 2] * 2 + p % 2 if p < lens[s] else -1 for p in range(12)]
+        assert loc[s].tolist() == want

@@ -24,6 +24,24 @@ def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None
     launch(plan, host_rows, dev_rows)
 
 
+def decode_locations(kv, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int, direct: bool) -> torch.Tensor:
+    """[N, W] latent locations of a hierarchy `kv`'s decoding requests in slots `slots_t` [N]
+    with lens_t [N]: the tail's rows at tail_start .. len-1; with `direct` (every history page
+    published, adaptive) the ready map's before the tail; -1 elsewhere (history: the resolver).
+    Device ops only, from the slots' persistent state.
+
+        positions   0 ........ tail_start ...... len-1 | len .. W-1
+        locations   -1 / opt_loc[slot]  tail_loc[slot, 0 ..]  | -1
+    """
+    pos = torch.arange(W, device=kv.device)
+    off = pos[None, :] - kv.tail_start[slots_t][:, None]
+    tail = kv.tail_loc[slots_t].gather(1, off.clamp(0, kv.tail_loc.shape[1] - 1))
+    out = torch.where((off >= 0) & (pos[None, :] < lens_t[:, None]), tail, -1)
+    if direct:
+        out = torch.where(off < 0, kv.opt_loc[slots_t, :W], out)
+    return out
+
+
 class HierContext(PagedContext):
     def __init__(self, kv, batch: ForwardBatch, reqs: list[object]) -> None:
         super().__init__(kv, batch, len(reqs))
@@ -42,19 +60,19 @@ class HierContext(PagedContext):
     def _build_tables(self) -> None:
         """idx_of from the device index page table; lat_of: prefilling requests' workspace rows
         (their page tables), decoding requests' tail (and, all-direct, ready-map) rows from their
-        slots' persistent state (`HierarchicalKV.decode_locations`). Built on first use: a pass
+        slots' persistent state (`decode_locations`). Built on first use: a pass
         that replays a step graph computes the same inside the graph (`for_graph`)."""
         kv, W = self.kv, max(max(self.lens, default=1), 1)
         self.idx_of = kv.index_locations(self.all_slots_t, self.batch.seq_lens, W)
         if len(self.decode_rows) == len(self.lens):  # a decode / verification pass
-            self.lat_of = kv.decode_locations(self.slots_t, self.batch.seq_lens, W, self.all_direct)
+            self.lat_of = decode_locations(kv, self.slots_t, self.batch.seq_lens, W, self.all_direct)
             return
         lens = [0 if not t else n for t, n in zip(self._prefill_tables, self.lens)]
         lat = table_locations(self._prefill_tables, lens, kv.page_size, kv.device)
         self.lat_of = torch.nn.functional.pad(lat, (0, W - lat.shape[1]), value=-1)
         if self.decode_rows:
             lens_t = self.batch.seq_lens[self.dec_rows_t]
-            self.lat_of[self.dec_rows_t] = kv.decode_locations(self.slots_t, lens_t, W, self.all_direct)
+            self.lat_of[self.dec_rows_t] = decode_locations(kv, self.slots_t, lens_t, W, self.all_direct)
 
     def graph_pass(self) -> GraphPass | None:
         """A pass of decoding requests only (up to K tokens each) on the deferred (sync-free)
@@ -82,7 +100,7 @@ class HierContext(PagedContext):
         ctx.dec_i, ctx.dec_j = ctx.dec_tok // K, ctx.dec_tok % K
         ctx.dec_rows_t = torch.arange(N, device=dev)
         ctx.idx_of = kv.index_locations(ctx.slots_t, batch.seq_lens, gp.width)
-        ctx.lat_of = kv.decode_locations(ctx.slots_t, batch.seq_lens, gp.width, ctx.all_direct)
+        ctx.lat_of = decode_locations(kv, ctx.slots_t, batch.seq_lens, gp.width, ctx.all_direct)
         ctx._finish_tables(scratch)
         ctx.plans, ctx.memo = {}, {}
         ctx._zero = torch.zeros((), dtype=torch.int64, device=dev)

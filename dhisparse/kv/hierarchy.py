@@ -29,6 +29,7 @@ from dhisparse.kv.host import HostStore
 from dhisparse.kv.pool import PoolUsage
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.kv.resolver import ResolveCounters, ResolverState, plan_reference, run_copies
+from dhisparse.kv.slot_tables import SlotTable
 
 log = logging.getLogger("dhisparse.kv")
 
@@ -179,9 +180,8 @@ class HierarchicalKV:
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
-        self.host_table = torch.full((S, 1), -1, dtype=torch.int64, device=dev)
-        self.idx_pages = torch.full((S, 1), -1, dtype=torch.int64, device=dev)  # device mirror of index tables
-        self._idx_known = [0] * S  # entries of each slot's idx_pages row that mirror its index table
+        self.host_pages = SlotTable(S, dev)  # each slot's host page list (the resolver's host_table)
+        self.index_pages = SlotTable(S, dev)  # each slot's index page list (index_locations)
         self.stage = self.stage_loc = None
         if max_queries > 1:
             self._build_staging(S, max_queries)
@@ -235,8 +235,8 @@ class HierarchicalKV:
         self.resident.index_tables.pop(req, None)
         if st is not None:
             self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
-            self.host_table[st.slot] = -1
-            self._idx_known[st.slot] = 0  # the next owner re-sends its pages (stale ones lie past its length)
+            self.host_pages.reset(st.slot)
+            self.index_pages.reset(st.slot)
             self.free_slots.append(st.slot)
 
     def usage(self) -> PoolUsage:
@@ -276,57 +276,24 @@ class HierarchicalKV:
         return HierContext(self, batch, reqs)
 
     def _sync_index_pages(self, reqs: list[object]) -> None:
-        """Bring the device index page table up to date for `reqs`: only pages added since the
-        last sync travel (index tables only grow while a request lives), in one staged copy, so a
-        pass costs O(requests) host work instead of re-sending every page table.
+        """Bring the device index page table up to date for `reqs` (only pages added since the
+        last sync travel, `SlotTable.sync`)."""
+        self.index_pages.sync((self.reqs[q].slot, self.resident.index_tables[q]) for q in reqs)
 
-            idx_pages[slot]   | synced pages (_idx_known) | new pages of this pass | stale / -1 |
-        """
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[int] = []
-        for req in reqs:
-            slot, table = self.reqs[req].slot, self.resident.index_tables[req]
-            k = self._idx_known[slot]
-            if len(table) > k:
-                rows.extend([slot] * (len(table) - k))
-                cols.extend(range(k, len(table)))
-                vals.extend(table[k:])
-                self._idx_known[slot] = len(table)
-        if not vals:
-            return
-        if max(cols) >= self.idx_pages.shape[1]:  # a history outgrew the table: reallocate (retires step graphs)
-            grown = torch.full((self.idx_pages.shape[0], 2 * (max(cols) + 1)), -1, dtype=torch.int64, device=self.device)
-            grown[:, : self.idx_pages.shape[1]] = self.idx_pages
-            self.idx_pages = grown
-        packed = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.device, non_blocking=True)
-        self.idx_pages[packed[0], packed[1]] = packed[2]
+    @property
+    def idx_pages(self) -> torch.Tensor:
+        """[S, width] index page of each page-of-positions of each slot's request (-1: none)."""
+        return self.index_pages.t
+
+    @property
+    def host_table(self) -> torch.Tensor:
+        """[S, width] host page of each page-of-positions of each slot's request (-1: none)."""
+        return self.host_pages.t
 
     def index_locations(self, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int) -> torch.Tensor:
         """[N, W] index-row locations of positions 0..W-1 of the requests in slots `slots_t` [N]
-        (-1 at and past lens_t [N]), from the device page table: device ops only (a step graph
-        computes them in the graph)."""
-        ips, P = self.arena.index_page_size, self.idx_pages.shape[1]
-        pos = torch.arange(W, device=self.device)
-        loc = self.idx_pages[slots_t][:, (pos // ips).clamp(max=P - 1)] * ips + pos % ips
-        return torch.where(pos[None, :] < lens_t[:, None], loc, -1)
-
-    def decode_locations(self, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int, direct: bool) -> torch.Tensor:
-        """[N, W] latent locations of decoding requests in slots `slots_t` [N] with lens_t [N]:
-        the tail's rows at tail_start .. len-1; with `direct` (every history page published,
-        adaptive) the ready map's before the tail; -1 elsewhere (history: the resolver). Device ops
-        only, from the slots' persistent state.
-
-            positions   0 ........ tail_start ...... len-1 | len .. W-1
-            locations   -1 / opt_loc[slot]  tail_loc[slot, 0 ..]  | -1
-        """
-        pos = torch.arange(W, device=self.device)
-        off = pos[None, :] - self.tail_start[slots_t][:, None]
-        tail = self.tail_loc[slots_t].gather(1, off.clamp(0, self.tail_loc.shape[1] - 1))
-        out = torch.where((off >= 0) & (pos[None, :] < lens_t[:, None]), tail, -1)
-        if direct:
-            out = torch.where(off < 0, self.opt_loc[slots_t, :W], out)
-        return out
+        (-1 at and past lens_t [N]): device ops only (a step graph computes them in the graph)."""
+        return self.index_pages.locations(slots_t, lens_t, W, self.arena.index_page_size)
 
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
@@ -384,15 +351,9 @@ class HierarchicalKV:
             self._set_tail(st)
 
     def sync_host_table(self, req: object) -> None:
-        """Mirror req's host page list into the device table the resolver reads ([S, width],
-        -1 = no page); updated only when host pages are added, not on every resolver call."""
-        st, pages = self.reqs[req], self.host.tables[req]
-        if len(pages) > self.host_table.shape[1]:
-            grown = torch.full((self.host_table.shape[0], 2 * len(pages)), -1, dtype=torch.int64, device=self.device)
-            grown[:, : self.host_table.shape[1]] = self.host_table
-            self.host_table = grown
-        self.host_table[st.slot] = -1
-        self.host_table[st.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        """Mirror req's host page list into the device table the resolver reads (pages added since
+        the last sync only); called when host pages are added, not on every resolver call."""
+        self.host_pages.sync([(self.reqs[req].slot, self.host.tables[req])])
 
     @property
     def replayable(self) -> bool:
@@ -404,7 +365,7 @@ class HierarchicalKV:
         """Addresses a captured step graph bakes in that can change while serving: the host table
         and the index page table are reallocated when a history outgrows them (`sync_host_table`,
         `_sync_index_pages`), which retires graphs."""
-        return (self.host_table.data_ptr(), tuple(self.host_table.shape), self.idx_pages.data_ptr(), tuple(self.idx_pages.shape))
+        return self.host_pages.fingerprint() + self.index_pages.fingerprint()
 
     def resolver_state(self, group: int) -> ResolverState:
         return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,
