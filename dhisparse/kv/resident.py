@@ -95,41 +95,40 @@ class ResidentKV:
         return ResidentContext(self, batch, reqs)
 
 
+class _LazyTable:
+    """A PagedContext location table [N, Lmax] (-1: no row) kept in `_<name>`: set directly, or
+    built on first read by the context's `_build_tables`."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, ctx, owner=None):
+        if ctx is None:
+            return self
+        if getattr(ctx, self.attr) is None:
+            ctx._build_tables()
+        return getattr(ctx, self.attr)
+
+    def __set__(self, ctx, value: torch.Tensor) -> None:
+        setattr(ctx, self.attr, value)
+
+
 class PagedContext:
     """Shared part of the paged KVContexts: per-request location tables lat_of / idx_of [N, Lmax]
     (-1 where a position has no device row), writes at the batch's positions, index-key reads.
     A subclass either sets the tables or builds them on first use (`_build_tables`), so a pass
     that replays a step graph (which computes its own) need not build them at all."""
 
+    lat_of = _LazyTable()  # [N, Lmax] latent location of position s of request r (-1: none on the device)
+    idx_of = _LazyTable()  # [N, Lmax] index-row location of position s of request r (-1 past its length)
+
     def __init__(self, kv, batch: ForwardBatch, n_reqs: int) -> None:
         self.kv, self.batch, self.arena = kv, batch, kv.arena
         self.lens = list(batch.lens)
-        self._lat_of = self._idx_of = None  # [N, Lmax] each
+        self._lat_of = self._idx_of = None
 
     def _build_tables(self) -> None:
         raise NotImplementedError  # contexts that set their tables never get here
-
-    @property
-    def lat_of(self) -> torch.Tensor:
-        """[N, Lmax] latent location of position s of request r (-1: none on the device)."""
-        if self._lat_of is None:
-            self._build_tables()
-        return self._lat_of
-
-    @lat_of.setter
-    def lat_of(self, value: torch.Tensor) -> None:
-        self._lat_of = value
-
-    @property
-    def idx_of(self) -> torch.Tensor:
-        """[N, Lmax] index-row location of position s of request r (-1 past its length)."""
-        if self._idx_of is None:
-            self._build_tables()
-        return self._idx_of
-
-    @idx_of.setter
-    def idx_of(self, value: torch.Tensor) -> None:
-        self._idx_of = value
 
     def _finish_tables(self, scratch: ScratchRows | None = None) -> None:
         """The tables are final: write locations follow on first use (`writes`), so a pass that
