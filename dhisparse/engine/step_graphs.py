@@ -25,8 +25,9 @@ first real slot's id only to stay in bounds), its copy plan is empty, and its ro
 scratch page: no real request's state changes (tests/test_step_graphs.py). A graph is captured
 on first use of its key, over padding only (every request padded), so the warm-up and capture
 runs touch no real state; census counters accumulate in place on the device (`Census.in_place`).
-Addresses that can move while serving (the hierarchy's host table) are part of the key
-(`graph_fingerprint`). Passes of other shapes (prefill, mixed) run eagerly with the piecewise
+A pass with fewer requests replays a captured graph of up to twice its bucket rather than
+capturing its own, and a mixed step is split only onto a captured graph (`split`). Addresses that
+can move while serving (the hierarchy's slot tables) are part of the key (`graph_fingerprint`). Passes of other shapes (prefill, mixed) run eagerly with the piecewise
 graphs.
 """
 
@@ -114,6 +115,8 @@ class StepGraphs:
     when the pass is not graphable (the caller runs it eagerly). Buckets: request counts N_b with
     N_b * K within the model's graph token buckets (the MoE's sync-free path)."""
 
+    SCRATCH_PAGES = 1  # pool pages an engine with step graphs holds for its life (padding writes)
+
     def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows,
                  max_k: int = 1) -> None:
         """max_k: the longest request a ragged pass may pad the others to (the verification width);
@@ -130,8 +133,6 @@ class StepGraphs:
         """Whether the store's decode passes can replay at all (the hierarchy needs the deferred,
         sync-free resolver and no debug checks: `HierarchicalKV.replayable`)."""
         return getattr(self.kv, "replayable", True)
-
-    SCRATCH_PAGES = 1  # pool pages an engine with step graphs holds for its life (padding writes)
 
     @classmethod
     def for_engine(cls, engine, runner) -> "StepGraphs | None":
