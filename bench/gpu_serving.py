@@ -37,7 +37,7 @@ from dhisparse.kv.arena import KVArena  # noqa: E402
 
 GIB = float(1 << 30)
 BUDGET_S = 9 * 60
-METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
+METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "queue_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
            "active", "slots", "requests_completed")
 QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2,4", duration=2.0,
              resident_fit=2, page_size=16, distinct_suffixes=4, max_batched_tokens=512)
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
             runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference))
             m = runs[-1].metrics
             print(f"[run] {preset:14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
-                  f"active {m.active}  ({time.perf_counter() - t:.0f} s)", flush=True)
+                  f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s)", flush=True)
             path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")
