@@ -139,3 +139,15 @@ def test_ids_from_equals_a_slice_of_all_ids():
         assert req.ids_from(start) == req.all_ids[start:]
 
     check()
+
+
+def test_step_graph_warmup_flag():
+    """--step-graph-warmup turns on start-up capture of the step graphs (off by default)."""
+    import argparse
+
+    from dhisparse.cli.args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--step-graph-warmup"])).step_graph_warmup is True
+    assert engine_config(p.parse_args([])).step_graph_warmup is False

@@ -212,6 +212,22 @@ def test_a_smaller_batch_replays_a_captured_wider_graph(preset, reference):
     assert any(k[1] == 1 for k in g.entries)  # one request: a bucket of three is over 2x, so its own
 
 
+@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive"])
+def test_warm_captures_every_bucket_before_serving(preset, reference):
+    """`warm` captures each request bucket (at the full width, per variant) before serving; the
+    passes then replay those graphs with the eager tokens and capture nothing new."""
+    model = llm(preset)
+    g = with_steps(model)
+    n = g.warm(3)
+    keys = set(g.entries)
+    assert n == len(keys) and {k[1] for k in keys} == {1, 2, 3}
+    assert {k[2] for k in keys} == {model.engine.max_model_len}
+    assert len({k[0][2] for k in keys}) == (2 if preset == "adaptive" else 1)  # all-direct or not
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert set(g.entries) == keys and g.replayed > 0
+    assert g.warm(3) == 0  # nothing left to capture
+
+
 def test_a_mixed_step_splits_only_onto_a_captured_graph():
     """The split never captures: without a captured graph of that K whose bucket fits the
     decodes, a mixed step stays one (eager) pass."""

@@ -55,11 +55,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         names = [flag, "--model"] if field == "model" else [flag]
         g.add_argument(*names, dest=field, type=typ, default=None, help=help_)
     g.add_argument("--debug-checks", dest="debug_checks", action="store_true", default=None, help="check KV pool integrity after every step")
+    g.add_argument("--step-graph-warmup", dest="step_graph_warmup", action="store_true", default=None,
+                   help="capture every decode / verification step graph at start (default: on first use)")
 
 
 def engine_config(ns: argparse.Namespace, **overrides: object) -> EngineConfig:
     kw = {f: getattr(ns, f) for f, _, _ in ENGINE_FLAGS.values() if getattr(ns, f, None) is not None}
     if getattr(ns, "debug_checks", None):
         kw["debug_checks"] = True
+    if getattr(ns, "step_graph_warmup", None):
+        kw["step_graph_warmup"] = True
     kw.update(overrides)
     return EngineConfig.from_kwargs(**kw)

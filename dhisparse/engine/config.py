@@ -46,6 +46,9 @@ class EngineConfig:
         "step": "layer", and every pass whose requests all run the same number of tokens (decode,
         verification) replays as one graph of the whole forward per request bucket
         (engine/step_graphs.py). "auto" (default) = "step" where available, else "none".
+    step_graph_warmup [--step-graph-warmup]: with "step" graphs, capture the decode / verification
+        graphs of every request bucket up to max_running_requests at engine start (full table
+        width), instead of on first use while serving; costs start-up time per engine.
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
@@ -83,6 +86,7 @@ class EngineConfig:
     backup_ahead_pages: int = 32
     copy_stream: str = "side"
     cuda_graphs: str = "auto"
+    step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_window_size: int = 2048

@@ -64,6 +64,8 @@ class Engine:
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         self._capture_graphs(config)
         self.step_graphs = self.make_step_graphs(CudaGraphRunner()) if self.graph_mode == "step" else None
+        if self.step_graphs is not None and config.step_graph_warmup:
+            self.step_graphs.warm(config.max_running_requests, self.spec.capture if self.spec else ())
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _set_graphs(self, mode: str) -> None:

@@ -148,6 +148,31 @@ class StepGraphs:
         max_k = cfg.speculative_num_draft_tokens if cfg.speculative else 1
         return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch, max_k)
 
+    def warm(self, max_reqs: int, capture_layers: tuple[int, ...] = ()) -> int:
+        """Capture before serving the graphs decode (K = 1) and verification (K = max_k) passes
+        replay: every request bucket up to `max_reqs`, at the full table width (a narrower pass
+        replays them, `_reuse`), one per variant of the store's context (`graph_templates`).
+        Returns the number captured; a capture that fails leaves that key to the eager path."""
+        ctx_cls = self.kv.graph_context()
+        fp = getattr(self.kv, "graph_fingerprint", tuple)()
+        t0, n = time.perf_counter(), 0
+        for K in sorted({1, self.max_k}):
+            buckets = sorted({b for b in (self.bucket(N, K) for N in range(1, max_reqs + 1)) if b is not None})
+            for gp in ctx_cls.graph_templates(self.kv, K):
+                family = (ctx_cls.__name__, K, gp.variant, tuple(capture_layers), fp)
+                for Nb in buckets:
+                    key = (family, Nb, self.max_width)
+                    if key in self.entries or key in self.failed:
+                        continue
+                    try:
+                        self.entries[key] = self._capture(ctx_cls, gp, Nb, self.max_width, tuple(capture_layers))
+                        n += 1
+                    except Exception as e:  # noqa: BLE001 - as in forward: that key runs eagerly
+                        log.warning("step graph capture failed for %s (%s: %s)", key[0][:3] + key[1:], type(e).__name__, e)
+                        self.failed.add(key)
+        log.info("captured %d step graphs before serving in %.1f s", n, time.perf_counter() - t0)
+        return n
+
     def split(self, chunks: list) -> list[list]:
         """A step's chunks as passes: [decodes, prefills] when the step mixes them and its decodes
         (chunks past their prompt: decode or verification) form a pass that an already captured

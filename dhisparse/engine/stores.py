@@ -33,7 +33,7 @@ def build_store(cfg: EngineConfig, arena: KVArena, pool_bytes: int, max_model_le
               max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1)
     args = (arena, host, hot, cfg.max_running_requests)
     if cfg.base_preset == "hisparse":
-        return HierarchicalKV(*args, **kw)
+        return HierarchicalKV(*args, **kw, max_len=max_model_len)
     return AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages, reclaim_order=cfg.reclaim_order,
                       repopulate_pages=cfg.repopulate_pages, backup_ahead_pages=cfg.backup_ahead_pages, max_len=max_model_len,
                       side_stream=cfg.copy_stream == "side")

@@ -86,6 +86,16 @@ class HierContext(PagedContext):
         return GraphPass(self.K, ("hier", self.all_direct), {"slots_t": (self.slots_t, self.slots[0])})
 
     @classmethod
+    def graph_templates(cls, kv, K: int) -> list[GraphPass]:
+        """The shapes of `graph_pass` for passes of K tokens a request (start-up capture): one
+        per variant the store's passes take (all-direct only where residency can cover)."""
+        if not kv.replayable:
+            return []
+        slots = (torch.empty(0, dtype=torch.int64, device=kv.device), 0)
+        direct = (False, True) if hasattr(kv, "covers") else (False,)
+        return [GraphPass(K, ("hier", d), {"slots_t": slots}) for d in direct]
+
+    @classmethod
     def for_graph(cls, kv, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "HierContext":
         """The context a step graph captures over its static buffers `rows` (see `graph_pass`):
         every request decodes with K graph tokens (dense), request r owning tokens r*K .. r*K+K-1

@@ -158,11 +158,12 @@ def _span(layers: list[int], producer: int) -> slice | None:
 
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
-                 debug: bool = False, max_queries: int = 1, copy_fn=run_copies) -> None:
+                 debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
-        union rows that do not fit the hot cache."""
+        union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
+        sizes the slot tables up front, so they never move (a captured step graph keeps them)."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
@@ -180,8 +181,9 @@ class HierarchicalKV:
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
         self.free_slots = list(range(S))
-        self.host_pages = SlotTable(S, dev)  # each slot's host page list (the resolver's host_table)
-        self.index_pages = SlotTable(S, dev)  # each slot's index page list (index_locations)
+        ml = max_len or 1
+        self.host_pages = SlotTable(S, dev, cdiv(ml, host.page_size))  # each slot's host page list (the resolver's host_table)
+        self.index_pages = SlotTable(S, dev, cdiv(ml, arena.index_page_size))  # each slot's index page list (index_locations)
         self.stage = self.stage_loc = None
         if max_queries > 1:
             self._build_staging(S, max_queries)
@@ -263,6 +265,12 @@ class HierarchicalKV:
         return self.resident.read_rows(req, n)
 
     # -- passes --------------------------------------------------------------------------------
+    def graph_context(self) -> type:
+        """The context class of this store's passes (its step graphs' `graph_templates`)."""
+        from dhisparse.kv.hier_context import HierContext
+
+        return HierContext
+
     def context(self, batch: ForwardBatch, reqs: list[object]) -> "HierContext":
         from dhisparse.kv.hier_context import HierContext
 

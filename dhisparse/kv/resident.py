@@ -94,6 +94,10 @@ class ResidentKV:
             self.ensure(req, batch.lens[r])
         return ResidentContext(self, batch, reqs)
 
+    def graph_context(self) -> type:
+        """The context class of this store's passes (its step graphs' `graph_templates`)."""
+        return ResidentContext
+
 
 class _LazyTable:
     """A PagedContext location table [N, Lmax] (-1: no row) kept in `_<name>`: set directly, or
@@ -195,6 +199,12 @@ class ResidentContext(PagedContext):
         """Any pass can replay as N requests x (its longest request's) K tokens; `StepGraphs`
         decides whether that padding is worth a graph."""
         return GraphPass(self.max_k(), ("resident",), {"lat_of": (self.lat_of, -1), "idx_of": (self.idx_of, -1)})
+
+    @classmethod
+    def graph_templates(cls, kv: ResidentKV, K: int) -> list[GraphPass]:
+        """The shapes of `graph_pass` for passes of K tokens a request (start-up capture)."""
+        empty = torch.empty(0, 1, dtype=torch.int64, device=kv.device)
+        return [GraphPass(K, ("resident",), {"lat_of": (empty, -1), "idx_of": (empty, -1)})]
 
     @classmethod
     def for_graph(cls, kv: ResidentKV, batch: ForwardBatch, gp: GraphPass, rows: dict, scratch: ScratchRows) -> "ResidentContext":
