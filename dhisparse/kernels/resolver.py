@@ -26,7 +26,7 @@ import torch
 
 from dhisparse.kernels.gather import gather_rows_padded
 from dhisparse.kv.arena import row_bytes
-from dhisparse.kernels.resolver_kernel import resolve_plan_kernel
+from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kv.resolver import ResolveCounters, ResolvePlan, ResolverState
 
 __all__ = ["TritonResolvePlan", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
@@ -164,6 +164,13 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
     # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
+    pre = None
+    if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
+        pre = torch.zeros((N, 3), dtype=torch.int32, device=dev)
+        chp = min(KKP, 1024)
+        direct_pre_kernel[(N, -(-KK // chp))](
+            sel2, slots, KK, st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
+            dmap, dmap.stride(0), dmap.shape[1], plan.loc, bm, words, pre, CH=chp, num_warps=4)
     resolve_plan_kernel[(N,)](
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
@@ -173,8 +180,8 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
         _now_tensor(now, dev),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
-        scr64, scr32, bm, words,
-        KKP=KKP, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
+        scr64, scr32, bm, words, pre if pre is not None else bm,
+        KKP=KKP, PRE=pre is not None, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
         SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
     )
 

@@ -1,4 +1,4 @@
-"""Fused Triton resolver plan kernel: one program per request (grid = N).
+"""Fused Triton resolver plan kernel: one program per request (grid = N), after an optional P0 pre-pass.
 
 Each program works over the union of its request's K*k selections (paper §3.2, eq. 5-6) in phases
 separated by CTA barriers, with a per-program scratch in global memory (L1/L2 resident).
@@ -21,8 +21,10 @@ ever cleared.
   P5 output  loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
 
 Direct fast path (P0, paper §3.2: "a lookup skips the hot-cache scan only when every selected row
-resolves through a ready mapping or the tail"): every program first maps each selection entry
-through its tail / optional map and writes loc in selection order, in chunks of CH entries. Each
+resolves through a ready mapping or the tail"): each selection entry is first mapped through its
+tail / optional map and loc written in selection order, in chunks of CH entries: with an optional
+map (adaptive) by `direct_pre_kernel`, one program per chunk, before the plan kernel; without one
+inside the plan kernel, stopping at the first chunk that does not resolve. Each
 directly resolved entry also sets its position's bit in the request's row of a zeroed bitmap
 (`bm` [N, WORDS] int32, one bit per history position) with an atomic OR; an entry whose bit was
 not yet set is a new distinct row, so the distinct count needs no dedup and no table wider than a
@@ -122,37 +124,66 @@ def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_
 
 
 @triton.jit
+def _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map,
+                  bm_ptr, WORDS, CH: tl.constexpr):
+    """P0 over entries i [CH] of request n: loc[n, i] = tail / optional-map location, -1 for
+    padding (written speculatively), and the position's bit set in bitmap row n (a position past
+    the bitmap counts as not direct). Returns (valid entries, entries not direct, new distinct
+    direct rows)."""
+    im = i < KK
+    p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
+    valid = p >= 0
+    in_tail = p >= ts
+    t = p - ts
+    tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=valid & in_tail & (t < TT), other=-1).to(tl.int64)
+    dv = tl.load(dmap_ptr + s * s_dmap + p, mask=valid & (~in_tail) & (p < LMAX) & (has_map != 0),
+                 other=-1).to(tl.int64)
+    o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+    word = p >> 5
+    ok = valid & (o >= 0) & (word < WORDS)
+    bit = (tl.full([CH], 1, tl.int64) << (p & 31)).to(tl.int32)  # bit 31 wraps to the sign bit
+    old = tl.atomic_or(bm_ptr + n * WORDS + word, bit, mask=ok, sem="relaxed")
+    tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    return (tl.sum(valid.to(tl.int32), axis=0), tl.sum((valid & (~ok)).to(tl.int32), axis=0),
+            tl.sum((ok & ((old & bit) == 0)).to(tl.int32), axis=0))
+
+
+@triton.jit
 def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
                     has_map, bm_ptr, WORDS, KKP: tl.constexpr, CH: tl.constexpr):
-    """P0. Per selection entry (not per distinct row): loc[n, i] = tail / optional-map location,
-    -1 for padding (written speculatively), and the position's bit set in bitmap row n (a position
-    past the bitmap counts as not direct). Stops after the first chunk holding a valid entry that
-    does not resolve directly. Returns (valid entries, entries not direct, distinct direct rows)."""
+    """P0 inside the program, chunk after chunk (`_direct_chunk`); stops after the first chunk
+    holding a valid entry that does not resolve directly. Returns (valid entries, entries not
+    direct, distinct direct rows)."""
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
     nnd = nval
     ndist = nval
     for c0 in range(0, KKP, CH):
         if (c0 < KK) & (nnd == 0):
-            i = c0 + tl.arange(0, CH)
-            im = i < KK
-            p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
-            valid = p >= 0
-            in_tail = p >= ts
-            t = p - ts
-            tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=valid & in_tail & (t < TT), other=-1).to(tl.int64)
-            dv = tl.load(dmap_ptr + s * s_dmap + p, mask=valid & (~in_tail) & (p < LMAX) & (has_map != 0),
-                         other=-1).to(tl.int64)
-            o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
-            word = p >> 5
-            ok = valid & (o >= 0) & (word < WORDS)
-            bit = (tl.full([CH], 1, tl.int64) << (p & 31)).to(tl.int32)  # bit 31 wraps to the sign bit
-            old = tl.atomic_or(bm_ptr + n * WORDS + word, bit, mask=ok, sem="relaxed")
-            ndist += tl.sum((ok & ((old & bit) == 0)).to(tl.int32), axis=0)
-            nval += tl.sum(valid.to(tl.int32), axis=0)
-            nnd += tl.sum((valid & (~ok)).to(tl.int32), axis=0)
-            tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+            a, b, d = _direct_chunk(sel_ptr, loc_ptr, KK, n, c0 + tl.arange(0, CH), s, ts, tail_loc_ptr, s_tail, TT,
+                                    dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, CH)
+            nval += a
+            nnd += b
+            ndist += d
     return nval, nnd, ndist
+
+
+@triton.jit(do_not_specialize=["KK", "TT", "LMAX", "s_dmap", "WORDS"])
+def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
+                      loc_ptr, bm_ptr, WORDS, pre_ptr, CH: tl.constexpr):
+    """P0 spread over programs: grid (N, cdiv(KK, CH)); program (n, j) runs `_direct_chunk` on
+    entries j*CH .. j*CH+CH-1 of request n and adds its (valid, not direct, distinct direct)
+    counts to pre [N, 3] int32 (zeros). The plan kernel then reads them instead of walking the
+    request's K*k entries in one program (with an optional map: adaptive)."""
+    n = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * CH + tl.arange(0, CH)
+    s = tl.load(slots_ptr + n).to(tl.int64)
+    ts = tl.load(tail_start_ptr + s).to(tl.int64)
+    a, b, d = _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, 1,
+                            bm_ptr, WORDS, CH)
+    tl.atomic_add(pre_ptr + n * 3, a, sem="relaxed")
+    tl.atomic_add(pre_ptr + n * 3 + 1, b, sem="relaxed")
+    tl.atomic_add(pre_ptr + n * 3 + 2, d, sem="relaxed")
 
 
 @triton.jit
@@ -225,15 +256,16 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr, bm_ptr, WORDS,
-    KKP: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
+    scr64_ptr, scr32_ptr, bm_ptr, WORDS, pre_ptr,
+    KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
     CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
     SD: tl.constexpr,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap)."""
+    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap).
+    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -247,8 +279,13 @@ def resolve_plan_kernel(
     prot = lf + KKP
 
     c = cnt_ptr + n * 6
-    nval, nnd, ndist = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
-                                       s_dmap, LMAX, has_map, bm_ptr, WORDS, KKP, CH)
+    if PRE:
+        nval = tl.load(pre_ptr + n * 3)
+        nnd = tl.load(pre_ptr + n * 3 + 1)
+        ndist = tl.load(pre_ptr + n * 3 + 2)
+    else:
+        nval, nnd, ndist = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
+                                           dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, KKP, CH)
     if nnd == 0:  # P0: every valid entry resolved directly; loc is final
         tl.store(copy_n_ptr + n, ndist * 0)
         _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
