@@ -100,6 +100,17 @@ def _dedup(sel_ptr, KK, n, R, rep, lf, KKP: tl.constexpr, HT: tl.constexpr, LOGH
 
 
 @triton.jit
+def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map):
+    """Direct location of positions p [CH] (int64) of slot s where mask m holds: the tail's row for
+    p >= tail_start ts, else the optional map's; -1 when neither (or masked)."""
+    in_tail = p >= ts
+    t = p - ts
+    tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=m & in_tail & (t < TT), other=-1).to(tl.int64)
+    dv = tl.load(dmap_ptr + s * s_dmap + p, mask=m & (~in_tail) & (p < LMAX) & (has_map != 0), other=-1).to(tl.int64)
+    return tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+
+
+@triton.jit
 def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
             LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
     """P2. out[uid] = tail or optional-map location (raw tail value; -1 when not direct).
@@ -110,12 +121,7 @@ def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             u, p, is_rep = _rep_chunk(sel_ptr, rep, n, KK, c0, CH)
-            in_tail = p >= ts
-            t = p - ts
-            tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=is_rep & in_tail & (t < TT), other=-1).to(tl.int64)
-            dv = tl.load(dmap_ptr + s * s_dmap + p, mask=is_rep & (~in_tail) & (p < LMAX) & (has_map != 0),
-                         other=-1).to(tl.int64)
-            o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+            o = _direct_loc(p, is_rep, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
             ndir += tl.sum((is_rep & (o >= 0)).to(tl.int32), axis=0)
             nrest += tl.sum((is_rep & (o < 0)).to(tl.int32), axis=0)
             tl.store(out + u, o, mask=is_rep)
@@ -133,12 +139,7 @@ def _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, d
     im = i < KK
     p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
     valid = p >= 0
-    in_tail = p >= ts
-    t = p - ts
-    tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=valid & in_tail & (t < TT), other=-1).to(tl.int64)
-    dv = tl.load(dmap_ptr + s * s_dmap + p, mask=valid & (~in_tail) & (p < LMAX) & (has_map != 0),
-                 other=-1).to(tl.int64)
-    o = tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+    o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
     word = p >> 5
     ok = valid & (o >= 0) & (word < WORDS)
     bit = (tl.full([CH], 1, tl.int64) << (p & 31)).to(tl.int32)  # bit 31 wraps to the sign bit
