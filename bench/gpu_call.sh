@@ -3,7 +3,7 @@
 #   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.txz)
 # Triton compiles each kernel shape once (~30-50 s for the resolver); the cache tarball carried
 # between calls keeps later calls from paying that again. It comes back only under the device
-# tool's 16 MiB file limit (xz keeps the text IRs small); over it, it is dropped.
+# tool's 16 MiB file limit (xz keeps the text IRs small); over it, in 15 MB parts.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,10 +15,15 @@ fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 mkdir -p /tmp/tc
 [ -f .tcache/tc.txz ] && tar xJf .tcache/tc.txz -C /tmp/tc
+ls .tcache/tc.txz.part* >/dev/null 2>&1 && cat .tcache/tc.txz.part* | tar xJf - -C /tmp/tc
 [ -f .tcache/tc.tgz ] && tar xzf .tcache/tc.tgz -C /tmp/tc
 "$@"
 rc=$?
 [ -n "${SKIP_CACHE_OUT:-}" ] && exit $rc  # a session's last call: the cache is not needed back
 tar cf - -C /tmp/tc . | xz -6 -T0 > "$OUT/tc.txz"
-[ "$(stat -c %s "$OUT/tc.txz")" -lt 16000000 ] || { echo "triton cache $(du -h "$OUT/tc.txz" | cut -f1): not returned"; rm -f "$OUT/tc.txz"; }
+# over the 16 MiB file limit it comes back in parts (tc.txz.part00, ...; copy them all into .tcache/)
+if [ "$(stat -c %s "$OUT/tc.txz")" -ge 16000000 ]; then
+  split -b 15000000 -d "$OUT/tc.txz" "$OUT/tc.txz.part" && rm -f "$OUT/tc.txz"
+  echo "triton cache in $(ls "$OUT"/tc.txz.part* | wc -l) parts"
+fi
 exit $rc

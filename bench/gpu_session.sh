@@ -44,7 +44,12 @@ case ",$STEPS," in *,quick,*)  # the CUDA tests of this session's changes (pinne
   run "quick CUDA checks" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_uva.py tests/test_pinned.py \
       tests/test_hier_tables.py tests/test_hierarchy.py ;; esac
 case ",$STEPS," in *,resolver,*)
-  run "resolver microbenchmark" timeout 200 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json" ;; esac
+  run "resolver microbenchmark" timeout 300 python3 bench/resolver_bench.py --fig8bc --out "$OUT/resolver_bench_h200.json"
+  rm -f "$OUT"/resolver_bench_h200_fig8bc.png ;; esac  # drawn locally from the JSON (the tool returns 8 files)
+case ",$STEPS," in *,specprofile,*)  # where a verification round's time goes, at serving8k's pools and C36 (~3 min)
+  run "decode-step profile, serving pools, C36, with verification" timeout 300 python3 bench/step_profile.py \
+      --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive,adaptive+spec --kv-pool-gib 9.1 \
+      --host-pool-gib 46 --cuda-graphs step --out "$OUT/step_profile_serving_c36_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
 case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 and low load C4, four presets (~5 min)
