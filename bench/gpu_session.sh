@@ -49,7 +49,7 @@ case ",$STEPS," in *,resolver,*)
 case ",$STEPS," in *,specprofile,*)  # where a verification round's time goes, at serving8k's pools and C36 (~3 min)
   run "decode-step profile, serving pools, C36, with verification" timeout 300 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive,adaptive+spec --kv-pool-gib 9.1 \
-      --host-pool-gib 46 --cuda-graphs step --out "$OUT/step_profile_serving_c36_h200.json" ;; esac
+      --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_serving_c36_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
 case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 and low load C4, four presets (~5 min)
@@ -74,6 +74,10 @@ case ",$STEPS," in *,loadstep,*)  # Fig. 6 / Table A1: residency on (adaptive) /
 case ",$STEPS," in *,serving32k,*)  # the input size: 32K prompts, 3 resident histories, hierarchy 10x (30 slots)
   run "serving at 32K, C18 (60% of slots) and C2 (every history fits)" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 18,2 --duration 25 --force --out "$OUT/gpu_serving_32k_h200.json" ;; esac
+case ",$STEPS," in *,serving32kc18,*)  # the 32K high-load point alone, without resident (~4 min)
+  run "serving at 32K, C18" timeout 330 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 25 --force \
+      --out "$OUT/gpu_serving_32k_c18_h200.json" ;; esac
 case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
   run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac

@@ -99,7 +99,9 @@ def drive_to_decode(engine, ns) -> None:
         run = engine.scheduler.running
         decoding = bool(run) and not any(r.in_prefill for r in run)
         stable = stable + 1 if decoding else 0
-        if decoding and (len(run) == ns.concurrency or stable >= 3):  # admissions stopped (memory-bound)
+        # every request decoding, or admissions stopped for good (memory-bound): an admission can
+        # wait a few steps for host copies to free pages, so a short pause is not the end of them
+        if decoding and (len(run) == ns.concurrency or stable >= 30):
             print(f"  {len(run)} of {ns.concurrency} decoding after {step} steps, {time.perf_counter() - t0:.1f} s", flush=True)
             return
         t = time.perf_counter()
