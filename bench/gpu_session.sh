@@ -50,6 +50,10 @@ case ",$STEPS," in *,specprofile,*)  # where a verification round's time goes, a
   run "decode-step profile, serving pools, C36, with verification" timeout 300 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive,adaptive+spec --kv-pool-gib 9.1 \
       --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_serving_c36_h200.json" ;; esac
+case ",$STEPS," in *,specprofile2,*)  # specprofile's two residency presets alone (~2 min)
+  run "decode-step profile, serving pools, C36, adaptive presets" timeout 170 python3 bench/step_profile.py \
+      --concurrency 36 --steps 6 --warmup 3 --presets adaptive,adaptive+spec --kv-pool-gib 9.1 \
+      --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_serving_c36_adaptive_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
 case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 and low load C4, four presets (~5 min)

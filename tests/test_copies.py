@@ -1,5 +1,6 @@
-"""Copy engines: every issued copy is reported done exactly once, after its event fired, in any
-order; the side-stream copy starts after the compute-stream fence of its issue."""
+"""Copy engines: every issued copy is reported done exactly once, after its batch's event fired,
+batches in any order; a batch's side-stream copies start after the compute-stream fence recorded
+when it is launched (at the poll after their issue)."""
 
 from __future__ import annotations
 
@@ -28,19 +29,37 @@ class ManualStreams:
         return event in self.fired
 
 
-def test_stream_engine_reports_each_copy_once_when_its_event_fires():
+def test_stream_engine_reports_each_copy_once_when_its_batch_fires():
     copied = []
     streams = ManualStreams()
     eng = StreamCopyEngine(lambda kind, req, j, page: copied.append((kind, req, j, page)), streams)
-    for j in range(4):
-        eng.issue("backup" if j % 2 else "populate", "r", j, 10 + j)
-    assert len(copied) == 4 and eng.in_flight() == 4 and eng.poll() == []
-    streams.fired |= {2, 0}
-    assert eng.poll() == [Done("populate", "r", 0), Done("populate", "r", 2)]
-    assert eng.poll() == [] and eng.in_flight() == 2
-    streams.fired |= {1, 3}
+    eng.issue("populate", "r", 0, 10)
+    eng.issue("populate", "r", 2, 12)
+    assert copied == [] and eng.in_flight() == 2  # staged: nothing launched before the poll
+    assert eng.poll() == [] and len(copied) == 2  # batch 0 launched
+    eng.issue("backup", "r", 1, 11)
+    eng.issue("backup", "r", 3, 13)
+    assert eng.poll() == [] and eng.in_flight() == 4  # batch 1 launched
+    streams.fired.add(1)  # batches finish in any order
     assert eng.poll() == [Done("backup", "r", 1), Done("backup", "r", 3)]
-    assert eng.in_flight() == 0
+    assert eng.poll() == [] and eng.in_flight() == 2
+    streams.fired.add(0)
+    assert eng.poll() == [Done("populate", "r", 0), Done("populate", "r", 2)]
+    assert eng.in_flight() == 0 and eng.poll() == []
+    assert copied == [("populate", "r", 0, 10), ("populate", "r", 2, 12), ("backup", "r", 1, 11), ("backup", "r", 3, 13)]
+
+
+def test_stream_engine_pays_one_fence_and_one_event_per_batch():
+    """The host cost that batching removes: 32 backups issued in one step launch as one batch."""
+    streams = ManualStreams()
+    eng = StreamCopyEngine(lambda *a: None, streams)
+    for j in range(32):
+        eng.issue("backup", "r", j, j)
+    eng.flush()
+    eng.flush()  # nothing staged: no empty batch
+    assert streams.log == ["fence"] and streams.n == 1
+    streams.fired.add(0)
+    assert len(eng.poll()) == 32 and streams.n == 1
 
 
 def test_sync_engine_copies_at_issue_and_reports_at_poll():

@@ -12,13 +12,45 @@ from hypothesis import strategies as hs
 
 from spec_loop import FakeTarget, one_thread, speculative_greedy  # noqa: F401
 
-from dhisparse.spec.drafter import DraftProposal, DraftRequest
+from dhisparse.spec.drafter import DraftProposal, DraftRequest, TokenIds
 from dhisparse.spec.ngram import NgramDrafter, continuation, find_last_match, find_last_match_bytes
 from dhisparse.spec.oracle import OracleDrafter, corrupt_rate_for_tokens_per_round, expected_tokens_per_round
 from dhisparse.spec.verify import verify_greedy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.integers(0, 9), max_size=12), hs.lists(hs.integers(0, 9), max_size=12), hs.data())
+def test_token_ids_view_equals_the_concatenation(prompt, output, data):
+    """TokenIds (the engine's no-copy history for drafters) reads as prompt + output[:n - P]: len,
+    indices (negative too), slices (any bounds and steps) and iteration; out of range raises."""
+    n = data.draw(hs.integers(0, len(prompt) + len(output)))
+    ref = (prompt + output)[:n]
+    view = TokenIds(prompt, output, n)
+    assert len(view) == n and list(view) == ref
+    a, b = data.draw(hs.integers(-15, 15)), data.draw(hs.integers(-15, 15))
+    step = data.draw(hs.sampled_from([None, 1, 2, -1]))
+    assert view[a:b:step] == ref[a:b:step] and view[:b] == ref[:b] and view[a:] == ref[a:]
+    for i in range(-n, n):
+        assert view[i] == ref[i]
+    with pytest.raises(IndexError):
+        view[n]
+    with pytest.raises(ValueError, match="n must be in"):
+        TokenIds(prompt, output, len(prompt) + len(output) + 1)
+
+
+def test_draft_request_from_parts_equals_from_history():
+    prompt, output = [5, 6, 7, 8], [9, 10]
+    a = DraftRequest.from_parts("r", prompt, output, 4, num_prompt_tokens=4)
+    b = DraftRequest.from_history("r", prompt + output, 4, num_prompt_tokens=4)
+    assert list(a.token_ids) == b.token_ids and a.anchor == b.anchor == 10 and a.num_committed == b.num_committed == 5
+    assert DraftRequest.from_parts("r", [3], [], 2).anchor == 3
+    with pytest.raises(ValueError, match="from_parts: no ids"):
+        DraftRequest.from_parts("r", [], [], 2)
+    for d in (NgramDrafter(min_n=1, max_n=3), OracleDrafter({(5, 6, 7, 8): [9, 10, 11, 12]}, vocab_size=20)):
+        assert d.propose([a])[0].tokens == d.propose([b])[0].tokens
 
 
 def test_ngram_proposes_the_continuation_on_repetitive_text():

@@ -83,7 +83,8 @@ class SpecRuntime:
         for i in decodes:
             r = chunks[i].req
             w = max(1, min(width, r.params.max_tokens - len(r.output_ids)))
-            reqs.append(DraftRequest.from_history(r.request_id, r.all_ids, w, params=r.params, num_prompt_tokens=len(r.prompt_ids)))
+            reqs.append(DraftRequest.from_parts(r.request_id, r.prompt_ids, r.output_ids, w, params=r.params,
+                                                num_prompt_tokens=len(r.prompt_ids)))
         out = list(chunks)
         for i, req, prop in zip(decodes, reqs, self.drafter.propose(reqs)):
             prop = prop.truncated(min(len(prop.tokens), req.max_drafts))
