@@ -48,7 +48,7 @@ class DelayedStreams:
 def test_adaptive_exact_under_random_load(resident, seed, copies, monkeypatch):
     if copies == "delayed":
         monkeypatch.setattr(adaptive_mod, "copy_engine_for",
-                            lambda device, copy, side: StreamCopyEngine(copy, DelayedStreams(100 + seed)))
+                            lambda device, copy, side, copy_many=None: StreamCopyEngine(copy, DelayedStreams(100 + seed), copy_many))
     rng = random.Random(seed)
     page = 16
     llm = LLM("tiny", preset="adaptive", page_size=page, hot_cache_rows=16, debug_checks=True,
@@ -224,3 +224,20 @@ def test_ready_map_writes_are_batched_and_the_last_change_wins():
     assert (m[slot, 20 * ps : 21 * ps] == -1).all()
     assert m[slot, 21 * ps : 22 * ps].tolist() == [7 * ps + o for o in range(ps)]
     assert m[slot, 0:ps].tolist() == [9 * ps + o for o in range(ps)]
+
+
+def test_batched_copies_merge_adjacent_pages_and_stay_exact(resident, monkeypatch):
+    """The side stream's batches copy runs of pages consecutive on both sides as one copy
+    (`AdaptiveKV.copy_pages`); under the delayed, out-of-order fake stream the tokens stay equal
+    to resident serving, and runs longer than one page do occur (so the merged path is tested)."""
+    counts = []
+    real = adaptive_mod.page_runs
+
+    def recording(pairs):
+        runs = real(pairs)
+        counts.extend(r.count for r in runs)
+        return runs
+
+    monkeypatch.setattr(adaptive_mod, "page_runs", recording)
+    test_adaptive_exact_under_random_load(resident, 0, "delayed", monkeypatch)
+    assert counts and max(counts) > 1

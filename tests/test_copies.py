@@ -4,7 +4,10 @@ when it is launched (at the poll after their issue)."""
 
 from __future__ import annotations
 
-from dhisparse.kv.copies import Done, StreamCopyEngine, SyncCopyEngine
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from dhisparse.kv.copies import Done, PageRun, StreamCopyEngine, SyncCopyEngine, page_runs
 
 
 class ManualStreams:
@@ -68,3 +71,25 @@ def test_sync_engine_copies_at_issue_and_reports_at_poll():
     eng.issue("backup", "q", 5, 7)
     assert copied == [("backup", "q", 5, 7)] and eng.in_flight() == 1
     assert eng.poll() == [Done("backup", "q", 5)] and eng.poll() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.sampled_from(["backup", "populate"]), hs.integers(0, 40)), max_size=30, unique_by=lambda x: x[1]),
+       hs.randoms())
+def test_page_runs_cover_every_copy_once_and_merge_adjacent_pages(copies, rnd):
+    """Each (kind, host, device) copy lies in exactly one run; a run is one kind over pages that
+    advance together on both sides; two copies adjacent on both sides never sit in separate runs."""
+    host = list(range(100, 100 + len(copies)))
+    rnd.shuffle(host)
+    pairs = [(kind, h if rnd.random() < 0.3 else 100 + d, d) for (kind, d), h in zip(copies, host)]
+    runs = page_runs(pairs)
+    expanded = [(r.kind, r.host + i, r.device + i) for r in runs for i in range(r.count)]
+    assert sorted(expanded) == sorted(pairs) and all(r.count >= 1 for r in runs)
+    ends = {(r.kind, r.host + r.count, r.device + r.count) for r in runs}
+    assert not any((r.kind, r.host, r.device) in ends for r in runs), "two mergeable runs left apart"
+
+
+def test_page_runs_example():
+    pairs = [("backup", 41, 8), ("backup", 40, 7), ("backup", 5, 12), ("backup", 42, 9), ("populate", 43, 10)]
+    assert page_runs(pairs) == [PageRun("backup", 40, 7, 3), PageRun("backup", 5, 12, 1), PageRun("populate", 43, 10, 1)]
+    assert page_runs([]) == []

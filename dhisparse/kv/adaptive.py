@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from dhisparse.kv.copies import copy_engine_for
+from dhisparse.kv.copies import CopyItem, copy_engine_for, page_runs
 from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
 from dhisparse.kv.residency import ResidencyManager, opt_owner
 from dhisparse.kv.resolver import ResolverState
@@ -37,7 +37,7 @@ class AdaptiveKV(HierarchicalKV):
         width = -(-max_len // self.page_size) * self.page_size  # whole pages
         self._opt_loc = torch.full((S, width), -1, dtype=torch.int64, device=self.device)
         self._pending_map: dict[tuple[int, int], int] = {}  # (slot, page index) -> device page, -1: unpublished
-        self.copies = copy_engine_for(self.device, self.copy_page, side_stream)
+        self.copies = copy_engine_for(self.device, self.copy_page, side_stream, copy_many=self.copy_pages)
         self.res = ResidencyManager(self.pool, reserve_pages, self.copies, reclaim_order, repopulate_pages,
                                     self._publish, self._unpublish)
         self.max_total: dict[object, int] = {}
@@ -97,6 +97,23 @@ class AdaptiveKV(HierarchicalKV):
             self.host.rows[hp].copy_(self.arena.latent[page], non_blocking=True)
         else:
             self.arena.latent[page].copy_(self.host.rows[hp], non_blocking=True)
+
+    def copy_pages(self, items: list[CopyItem]) -> None:
+        """A launched batch of `copy_page`s: pages consecutive on both sides move in one copy
+        (`page_runs`; the pool hands out and takes back pages in FIFO order, so a request's pages
+        often are). Copies of released requests are skipped, as in `copy_page`."""
+        pairs = []
+        for kind, req, j, page in items:
+            table = self.host.tables.get(req)
+            if table is not None:
+                pairs.append((kind, table[j], page))
+        for run in page_runs(pairs):
+            host = self.host.rows[run.host : run.host + run.count]
+            dev = self.arena.latent[run.device : run.device + run.count]
+            if run.kind == "backup":
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
 
     def progress(self) -> None:
         for kind, req, j in self.copies.poll():

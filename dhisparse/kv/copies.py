@@ -28,6 +28,34 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 CopyFn = Callable[[str, object, int, int], None]  # (kind, req, page index, device page)
+CopyItem = tuple[str, object, int, int]  # (kind, req, page index, device page): one issued copy
+CopyManyFn = Callable[[list[CopyItem]], None]  # a batch of copies at once (may merge them)
+
+
+class PageRun(NamedTuple):
+    """`count` consecutive device pages from `device` and host pages from `host`, one copy."""
+
+    kind: str
+    host: int
+    device: int
+    count: int
+
+
+def page_runs(pairs: list[tuple[str, int, int]]) -> list[PageRun]:
+    """(kind, host page, device page) copies -> runs where both page numbers advance together, so
+    each run is one contiguous copy. Every input pair is in exactly one run (pages of one batch
+    are distinct, so the order of copies inside a batch does not matter).
+
+        device  7 8 9   12        host  40 41 42   5      ->  runs (40, 7, 3), (5, 12, 1)
+    """
+    runs: list[PageRun] = []
+    for kind, h, d in sorted(pairs, key=lambda x: (x[0], x[2])):
+        last = runs[-1] if runs else None
+        if last and last.kind == kind and d == last.device + last.count and h == last.host + last.count:
+            runs[-1] = last._replace(count=last.count + 1)
+        else:
+            runs.append(PageRun(kind, h, d, 1))
+    return runs
 
 
 class Done(NamedTuple):
@@ -99,8 +127,11 @@ class StreamCopyEngine:
     """Copies on a side stream, launched in batches; each done when its batch's event fires
     (batches in any order)."""
 
-    def __init__(self, copy: CopyFn, streams: Streams) -> None:
+    def __init__(self, copy: CopyFn, streams: Streams, copy_many: CopyManyFn | None = None) -> None:
+        """copy_many: runs a launched batch at once (e.g. merging adjacent pages); default: `copy`
+        per item."""
         self.copy, self.streams = copy, streams
+        self.copy_many = copy_many or (lambda items: [copy(*item) for item in items])
         self.staged: list[tuple[Done, int]] = []  # issued, not launched yet: (copy, device page)
         self.pending: list[tuple[Done, object]] = []  # launched: (copy, its batch's event)
 
@@ -113,7 +144,7 @@ class StreamCopyEngine:
             return
         batch, self.staged = self.staged, []
         after = self.streams.fence()
-        event = self.streams.on_side(after, lambda: [self.copy(*d, page) for d, page in batch])
+        event = self.streams.on_side(after, lambda: self.copy_many([(*d, page) for d, page in batch]))
         self.pending.extend((d, event) for d, _ in batch)
 
     def poll(self) -> list[Done]:
@@ -132,8 +163,8 @@ class StreamCopyEngine:
         return len(self.staged) + len(self.pending)
 
 
-def copy_engine_for(device: torch.device, copy: CopyFn, side_stream: bool = True):
+def copy_engine_for(device: torch.device, copy: CopyFn, side_stream: bool = True, copy_many: CopyManyFn | None = None):
     """StreamCopyEngine on CUDA (unless side_stream is False), SyncCopyEngine otherwise."""
     if device.type == "cuda" and side_stream:
-        return StreamCopyEngine(copy, CudaStreams(device))
+        return StreamCopyEngine(copy, CudaStreams(device), copy_many)
     return SyncCopyEngine(copy)
