@@ -88,20 +88,14 @@ class AdaptiveKV(HierarchicalKV):
 
     def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
         """Copy page index j of req between its device page and its host page (all layers: both
-        are [L, ps, d]); asynchronous on CUDA, ordered before later kernels by the stream."""
-        table = self.host.tables.get(req)
-        if table is None:  # released before a deferred copy ran: the copy was cancelled, nothing reads it
-            return
-        hp = table[j]
-        if kind == "backup":
-            self.host.rows[hp].copy_(self.arena.latent[page], non_blocking=True)
-        else:
-            self.arena.latent[page].copy_(self.host.rows[hp], non_blocking=True)
+        are [L, ps, d]); asynchronous on CUDA, ordered before later kernels by the stream. A copy
+        of a released request is skipped (it was cancelled; nothing reads it)."""
+        self.copy_pages([(kind, req, j, page)])
 
     def copy_pages(self, items: list[CopyItem]) -> None:
         """A launched batch of `copy_page`s: pages consecutive on both sides move in one copy
         (`page_runs`; the pool hands out and takes back pages in FIFO order, so a request's pages
-        often are). Copies of released requests are skipped, as in `copy_page`."""
+        often are)."""
         pairs = []
         for kind, req, j, page in items:
             table = self.host.tables.get(req)
