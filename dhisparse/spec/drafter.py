@@ -113,8 +113,8 @@ class DraftRequest:
         n = len(prompt_ids) + len(output_ids)
         if n == 0:
             raise ValueError("DraftRequest.from_parts: no ids; a round needs an anchor token")
-        view = TokenIds(prompt_ids, output_ids, n)
-        return cls(request_id, TokenIds(prompt_ids, output_ids, n - 1), view[n - 1], max_width, **kw)
+        anchor = (output_ids or prompt_ids)[-1]
+        return cls(request_id, TokenIds(prompt_ids, output_ids, n - 1), anchor, max_width, **kw)
 
     @property
     def num_committed(self) -> int:
