@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dhisparse.models.tokenizer import (
-    ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer, TokenizerError, load_tokenizer,
+    ByteStreamDetokenizer, ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer, TokenizerError, load_tokenizer,
+    stream_detokenizer,
 )
 
 TEXTS = ["Hello, world!", "héllo wörld", "naïve café 你好 🙂 end", "", "tabs\tand\nnewlines"]
@@ -66,6 +69,30 @@ def test_incremental_detokenizer_flushes_incomplete_tail():
     ids = tok.encode("ok") + tok.encode("🙂")[:2]
     assert "".join(_stream(detok, ids)) == "ok"
     assert detok.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("cls", [IncrementalDetokenizer, ByteStreamDetokenizer])
+def test_byte_stream_detokenizer_pieces(cls):
+    tok = ByteTokenizer()
+    detok = cls(tok)
+    pieces = _stream(detok, tok.encode("a🙂é你"))
+    assert pieces == ["a", "", "", "", "🙂", "", "é", "", "", "你"] and detok.flush() == ""
+    assert stream_detokenizer(tok).__class__ is ByteStreamDetokenizer
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 300), max_size=40), skip=st.booleans())
+def test_byte_stream_detokenizer_equals_decode(ids, skip):
+    """Every emitted prefix is a prefix of the whole decode, and text + flush() is the whole decode
+    (invalid bytes, split sequences, specials and out-of-vocabulary ids included)."""
+    tok = ByteTokenizer()
+    full = tok.decode(ids, skip_special=skip)
+    detok = ByteStreamDetokenizer(tok, skip_special=skip)
+    text = ""
+    for i in ids:
+        text += detok.feed(i)
+        assert full.startswith(text) and detok.text == text
+    assert text + detok.flush() == full
 
 
 # ---- HFTokenizer ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.registry import LoadedModel, load_model
-from dhisparse.models.tokenizer import IncrementalDetokenizer
+from dhisparse.models.tokenizer import stream_detokenizer
 
 log = logging.getLogger("dhisparse.engine")
 
@@ -152,7 +152,7 @@ class Engine:
         rid = request_id or next_request_id()
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        detok = _Detok(IncrementalDetokenizer(self.tokenizer))
+        detok = _Detok(stream_detokenizer(self.tokenizer))
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         req = Request(rid, ids, params, make_generator(params.seed, self.device), StopChecker(params, eos, detok), export_prefix=export_prefix)
         self.requests[rid] = req
@@ -261,8 +261,10 @@ class Engine:
         """Accept drafts; the committed frontier becomes n + 1 + A (eq. 7)."""
         if not verifying:
             return []
-        rows = torch.cat([torch.arange(a, b, device=hidden.device) for _, a, b in verifying])
-        accs = self.spec.verify(verifying, self.model.logits(hidden[rows]))
+        rows = [i for _, a, b in verifying for i in range(a, b)]
+        if rows != list(range(hidden.shape[0])):  # a verification-only pass uses every row, in order
+            hidden = hidden.index_select(0, torch.tensor(rows).to(hidden.device, non_blocking=True))
+        accs = self.spec.verify(verifying, self.model.logits(hidden))
         for (c, _, _), acc in zip(verifying, accs):
             c.req.num_computed = c.start + acc.committed
         return accs
@@ -301,8 +303,9 @@ class Engine:
             if upd.finished:
                 self._finish(req, upd.reason)
                 break
-        return RequestOutput(req.request_id, new, list(req.output_ids), delta, req.stop.text,
-                             req.status is Status.FINISHED, req.finish_reason, req.metrics())
+        pieces = req.stop.pieces
+        return RequestOutput(req.request_id, new, delta, req.status is Status.FINISHED, req.finish_reason,
+                             req.metrics(), req.output_ids, len(req.output_ids), pieces, len(pieces))
 
     def _export(self, req: Request) -> None:
         n = len(req.prompt_ids)
@@ -338,5 +341,5 @@ class Engine:
 class _Detok:
     """Adapts the tokenizer's incremental detokenizer to the StopChecker's `add` protocol."""
 
-    def __init__(self, inner: IncrementalDetokenizer) -> None:
+    def __init__(self, inner) -> None:
         self.add = inner.feed

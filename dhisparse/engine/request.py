@@ -96,13 +96,29 @@ class Request:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A step's report for one request: new tokens/text since the last report, and totals."""
+    """A step's report for one request: new tokens/text since the last report, and totals.
+
+    The totals (`token_ids`, `text`) are read on demand from the request's output ids and emitted
+    text pieces as they were at this report (both lists only grow), so a step's reports cost O(new
+    tokens), not O(output length) per request."""
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
     text_delta: str
-    text: str
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    _ids: list[int] = field(repr=False, compare=False)  # the request's output ids; the first _n are this report's
+    _n: int = field(repr=False, compare=False)
+    _pieces: list[str] = field(repr=False, compare=False)  # emitted text pieces; the first _m are this report's
+    _m: int = field(repr=False, compare=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token id up to this report."""
+        return self._ids[: self._n]
+
+    @property
+    def text(self) -> str:
+        """All text emitted up to this report."""
+        return "".join(self._pieces[: self._m])

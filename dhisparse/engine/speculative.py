@@ -11,7 +11,7 @@ overwritten by the next round. The drafter advances with the same accepted prefi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,7 +89,8 @@ class SpecRuntime:
         for i, req, prop in zip(decodes, reqs, self.drafter.propose(reqs)):
             prop = prop.truncated(min(len(prop.tokens), req.max_drafts))
             self.proposals[req.request_id] = prop
-            out[i] = replace(chunks[i], tokens=[req.anchor, *prop.tokens], verify=True)
+            c = chunks[i]
+            out[i] = Chunk(c.req, c.start, [req.anchor, *prop.tokens], c.sample, True)
         return out
 
     def keep_features(self, request_id: str, captured: dict[int, torch.Tensor], a: int, b: int) -> None:

@@ -93,6 +93,11 @@ class StopChecker:
         return "".join(self._emitted)
 
     @property
+    def pieces(self) -> list[str]:
+        """The emitted text pieces (the list only grows; read-only for callers)."""
+        return self._emitted
+
+    @property
     def held_text(self) -> str:
         """Text generated but held back because it may still become a stop string."""
         return self._held

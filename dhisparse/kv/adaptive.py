@@ -79,12 +79,13 @@ class AdaptiveKV(HierarchicalKV):
         """
         items = list(self._pending_map.items())
         self._pending_map.clear()
-        meta = torch.tensor([[s, j, p] for (s, j), p in items], dtype=torch.int64).to(self.device, non_blocking=True)
+        meta = torch.tensor([[s, j, p] for (s, j), p in items], dtype=torch.int64)  # host: [n, 3]
         ps, width = self.page_size, self._opt_loc.shape[1]
-        off = torch.arange(ps, device=self.device)
-        pos = (meta[:, :1] * width + meta[:, 1:2] * ps + off).reshape(-1)
-        val = torch.where(meta[:, 2:] >= 0, meta[:, 2:] * ps + off, -1).reshape(-1)
-        self._opt_loc.view(-1).index_copy_(0, pos, val)
+        off = torch.arange(ps)
+        pos = meta[:, :1] * width + meta[:, 1:2] * ps + off  # [n, ps] flat positions in the map
+        val = torch.where(meta[:, 2:] >= 0, meta[:, 2:] * ps + off, -1)  # [n, ps] row locations
+        both = torch.stack([pos.reshape(-1), val.reshape(-1)]).to(self.device, non_blocking=True)  # one copy
+        self._opt_loc.view(-1).index_copy_(0, both[0], both[1])
 
     def copy_page(self, kind: str, req: object, j: int, page: int) -> None:
         """Copy page index j of req between its device page and its host page (all layers: both

@@ -189,20 +189,36 @@ class ResidencyManager:
         """Make room for an admission needing `need` pages. Counts pages already retiring; walks
         requests in reclaim order taking whole requests' ready pages until the deficit is covered.
         Returns False (and reclaims nothing new) when the optional pages cannot cover it."""
-        delta = self.deficit(need) - self.retiring()
+        ready, retiring = self._census()
+        delta = self.deficit(need) - retiring
         if delta <= 0:
             return True
+        if sum(ready.values()) < delta:  # every ready page together cannot cover it: wait
+            return False
         chosen, total = [], 0
-        for req in self.order({r: st for r, st in self.reqs.items() if self.reclaimable(r)}):
+        for req in self.order({r: self.reqs[r] for r in ready}):
             chosen.append(req)
-            total += len(self.reclaimable(req))
+            total += ready[req]
             if total >= delta:
                 break
-        if total < delta:
-            return False
         for req in chosen:
             self._retire_request(req)
         return True
+
+    def _census(self) -> tuple[dict[object, int], int]:
+        """One pass over the optional pages: ({request: its READY pages} for requests with any,
+        pages retiring) -- what `reclaimable` and `retiring` give, without a pass per request."""
+        ready, retiring = {}, 0
+        for req, st in self.reqs.items():
+            k = 0
+            for op in st.pages.values():
+                if op.state is PageState.READY:
+                    k += 1
+                if op.state is PageState.BACKING_UP or op.state is PageState.DRAINING or op.cancelled:
+                    retiring += 1
+            if k:
+                ready[req] = k
+        return ready, retiring
 
     def _retire_request(self, req: object) -> None:
         st = self.reqs[req]
@@ -226,13 +242,14 @@ class ResidencyManager:
         started = 0
         for req in self.order({r: st for r, st in self.reqs.items() if not st.released}):
             st = self.reqs[req]
-            for j, op in sorted(st.pages.items()):
-                if started >= limit:
-                    return started
-                if op.state is PageState.READY and not op.ahead and j not in st.backed:
-                    op.ahead = True
-                    self.copies.issue("backup", req, j, op.page)
-                    started += 1
+            todo = [j for j, op in st.pages.items() if op.state is PageState.READY and not op.ahead and j not in st.backed]
+            for j in sorted(todo)[: limit - started]:
+                op = st.pages[j]
+                op.ahead = True
+                self.copies.issue("backup", req, j, op.page)
+                started += 1
+            if started >= limit:
+                return started
         return started
 
     # -- copy completion ------------------------------------------------------------------------

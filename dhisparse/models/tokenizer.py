@@ -7,6 +7,7 @@ special tokens inside text are recognized); `decode(ids, skip_special=True)` dro
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from pathlib import Path
@@ -202,6 +203,55 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += new
         return new
+
+
+class ByteStreamDetokenizer:
+    """`IncrementalDetokenizer` for the `ByteTokenizer`, in O(1) per token: an incremental UTF-8
+    decoder (`codecs`, errors="replace") over the byte ids. Special ids (and ids past the byte
+    range) add nothing when skip_special. An incomplete multi-byte sequence is held until it
+    completes; `flush()` turns a still-incomplete tail into replacement chars. Every prefix of
+    the stream's text is a prefix of `ByteTokenizer.decode` of all ids fed, and text + flush()
+    equals it."""
+
+    def __init__(self, tokenizer: ByteTokenizer, skip_special: bool = True) -> None:
+        self.tok, self.skip_special = tokenizer, skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
+
+    def feed(self, token_id: int) -> str:
+        """Append one token; returns the new text (possibly "")."""
+        i, tok = int(token_id), self.tok
+        if tok.OFFSET <= i < tok.vocab_size:
+            new = self._utf8.decode(bytes((i - tok.OFFSET,)))
+        elif not self.skip_special and 0 <= i < tok.OFFSET:
+            new = self._utf8.decode(b"", final=True) + tok.SPECIAL_NAMES[i]
+            self._utf8.reset()
+        else:
+            return ""
+        if new:
+            self._pieces.append(new)
+        return new
+
+    def flush(self) -> str:
+        """Emit held-back bytes (an incomplete sequence becomes replacement chars)."""
+        new = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        if new:
+            self._pieces.append(new)
+        return new
+
+
+def stream_detokenizer(tokenizer: Tokenizer, skip_special: bool = True):
+    """The fastest exact incremental detokenizer for `tokenizer`: `ByteStreamDetokenizer` for the
+    byte tokenizer, the windowed `IncrementalDetokenizer` otherwise. Both have feed / flush / text."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteStreamDetokenizer(tokenizer, skip_special)
+    return IncrementalDetokenizer(tokenizer, skip_special)
 
 
 def load_tokenizer(folder: str | Path | None) -> Tokenizer:
