@@ -3,7 +3,8 @@
 # $OUT and a failure does not stop later steps. On the GPU machine, from the repo root:
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
-#        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8kwarm
+#        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
+#        specprofile,specprofile2,serving32kc18
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -59,6 +60,9 @@ case ",$STEPS," in *,serving,*)
 case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 and low load C4, four presets (~5 min)
   run "serving at 8K, C36 and C4" timeout 420 python3 bench/gpu_serving.py --concurrency 36,4 --duration 13 --force \
       --out "$OUT/gpu_serving_8k_h200.json" ;; esac
+case ",$STEPS," in *,serving8k25,*)  # serving8k with a 25-s window (the 13-s window moves a preset by +-3%) (~7 min)
+  run "serving at 8K, C36 and C4, 25-s window" timeout 520 python3 bench/gpu_serving.py --concurrency 36,4 --duration 25 --force \
+      --out "$OUT/gpu_serving_8k25_h200.json" ;; esac
 case ",$STEPS," in *,serving8kwarm,*)  # serving8k with every step graph captured at engine start (~6 min)
   run "serving at 8K, C36 and C4, step graphs captured at start" timeout 480 python3 bench/gpu_serving.py --concurrency 36,4 \
       --duration 13 --force --engine-arg step_graph_warmup=true --out "$OUT/gpu_serving_8k_warm_h200.json" ;; esac
