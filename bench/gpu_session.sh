@@ -4,7 +4,7 @@
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
-#        specprofile,specprofile2,serving32kc18
+#        specprofile,specprofile2,serving32kc18,profile4step
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -55,6 +55,10 @@ case ",$STEPS," in *,specprofile2,*)  # specprofile's two residency presets alon
   run "decode-step profile, serving pools, C36, adaptive presets" timeout 170 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets adaptive,adaptive+spec --kv-pool-gib 9.1 \
       --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_serving_c36_adaptive_h200.json" ;; esac
+case ",$STEPS," in *,profile4step,*)  # low load at the serving pools, whole-step graphs: resident vs adaptive vs hisparse (~2 min)
+  run "decode-step profile, serving pools, C4, step graphs" timeout 200 python3 bench/step_profile.py --concurrency 4 --steps 8 \
+      --warmup 3 --presets resident,adaptive,hisparse --kv-pool-gib 9.1 --host-pool-gib 32 --cuda-graphs step \
+      --out "$OUT/step_profile_serving_c4_h200.json" ;; esac
 case ",$STEPS," in *,serving,*)
   run "serving curves" timeout 420 python3 bench/gpu_serving.py --out "$OUT/gpu_serving_h200.json" ;; esac
 case ",$STEPS," in *,serving8k,*)  # the must-show points at 8K: high load C36 and low load C4, four presets (~5 min)

@@ -5,7 +5,8 @@
 
 For each preset: a fresh engine over the shared model, C requests importing the prepared prefix
 (+ a short suffix) are driven until every one is decoding; after `--warmup` steps, `--steps` steps
-are timed (wall, synchronised), then the same number run under cProfile (host functions, top by
+are timed (wall, synchronised), the same number under a per-phase host clock (bench/host_phases.py),
+then the same number under cProfile (host functions, top by
 own time) and under torch.profiler (CUDA kernels). From the kernel trace:
   busy_ms   union of kernel intervals in the step window (the GPU doing anything),
   idle      1 - busy / wall: time with no kernel running -- the host-bound share of the step,
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.host_phases import phase_steps  # noqa: E402
 from bench.kernel_families import family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
@@ -244,6 +246,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     for _ in range(ns.warmup):
         engine.step()
     walls, hosts = timed_steps(engine, ns)
+    phases = phase_steps(engine, ns.steps, lambda: sync(ns.device))
     host, host_cum = host_profile(engine, ns)
     kern = kernel_profile(engine, ns)
     syncs = sync_report(engine, ns) if ns.sync_report else {}
@@ -254,7 +257,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     hosts.sort()
     res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "host_unprofiled_ms_median": hosts[len(hosts) // 2], "host_unprofiled_share": hosts[len(hosts) // 2] / walls[len(walls) // 2],
-           "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+           "host_phases_ms": phases, "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
         res["host_share"] = res["host_ms"] / kern["profiled_wall_ms_per_step"]
@@ -311,6 +314,8 @@ def main(argv=None) -> int:
               f"{r['host_unprofiled_ms_median']:.2f} ms ({100 * r['host_unprofiled_share']:.1f}%); GPU idle (profiled) "
               f"{r.get('host_ms', float('nan')):.2f} ms ({100 * r.get('host_share', float('nan')):.1f}%) "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
+        ph = r.get("host_phases_ms", {})
+        print("    host phases (ms/step): " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
         for h in r["host_top"][:8]:
             print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:8.3f} cum {h['calls_per_step']:7.1f}x  {h['fn']}")
         for k, v in list(r["sync_sites"].items())[:10]:

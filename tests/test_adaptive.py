@@ -241,3 +241,23 @@ def test_batched_copies_merge_adjacent_pages_and_stay_exact(resident, monkeypatc
     monkeypatch.setattr(adaptive_mod, "page_runs", recording)
     test_adaptive_exact_under_random_load(resident, 0, "delayed", monkeypatch)
     assert counts and max(counts) > 1
+
+
+@pytest.mark.parametrize("prompt_lens", [(30, 37, 44), (3, 200, 9)])
+def test_host_counted_direct_passes_equal_the_device_census(prompt_lens, monkeypatch):
+    """An all-direct decode pass is counted on the host (min(k, n) selected rows a request, one
+    wholly direct call a group); the totals equal the per-group device counters'. Histories
+    shorter and longer than k (tiny: k = 16) both occur."""
+    from dhisparse.kv import hier_context
+
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate(prompt_lens)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    stats = {}
+    for host in (False, True):
+        monkeypatch.setattr(hier_context.HierContext, "HOST_CENSUS", host)
+        llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4)
+        outs = llm.generate(prompts, sp)
+        st = llm.engine.stats().as_dict()
+        stats[host] = ([o.token_ids for o in outs], {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))})
+    assert stats[True] == stats[False]
+    assert stats[True][1]["resolver_direct_calls"] > 0

@@ -201,6 +201,7 @@ class Engine:
             chunks = self.spec.expand(chunks, len(self.scheduler.running))
         t_start = time.perf_counter()
         chunks, qs, out = self._forward(chunks)
+        self.store.before_sync()  # KV upkeep that needs no result of this step runs while it computes
         self._steps += 1
         self._peak = max(self._peak, self.store.usage().used - self._fixed_pages)
         sampled: list[tuple[Chunk, int]] = []

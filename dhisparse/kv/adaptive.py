@@ -174,17 +174,23 @@ class AdaptiveKV(HierarchicalKV):
         self.res.begin_pass()
         return super().context(batch, reqs)
 
+    def before_sync(self) -> None:
+        """Residency upkeep that needs none of this step's results, run while the device computes
+        the step (the engine calls it right after the launch, before it waits for tokens or
+        acceptances): finished copies, repopulation while pages are spare, backups ahead of
+        need under pressure. Its copies are ordered after the step's kernels (copies.py)."""
+        self.progress()
+        self.res.repopulate()
+        if self.backup_ahead_pages and self.res.deficit(self._last_need) > 0:  # the next admission would reclaim
+            self.res.backup_ahead(self.backup_ahead_pages)
+        self.progress()
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         super().after_step(computed)
         self.res.end_pass()
         for req, (n, _) in computed.items():
             if req in self.max_total:
                 self.res.set_remaining(req, self.max_total[req] - n)
-        self.progress()
-        self.res.repopulate()
-        if self.backup_ahead_pages and self.res.deficit(self._last_need) > 0:  # the next admission would reclaim
-            self.res.backup_ahead(self.backup_ahead_pages)
-        self.progress()
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
         """Resident-first: keep complete prompt pages as optional history (no host copy yet)."""

@@ -32,11 +32,13 @@ class Census:
         self.in_place = False
         self.calls = 0
 
-    def add(self, c: ResolveCounters, nbytes: int) -> None:
+    def add(self, c: ResolveCounters, nbytes: int, calls: int = 1, direct_calls: int = 0) -> None:
+        """Host counters of `calls` calls (summed), `direct_calls` of them wholly direct."""
         for k in ResolveCounters._fields:
             self._tot[k] += getattr(c, k)
         self._tot["bytes_moved"] += nbytes
-        self.calls += 1
+        self._tot["direct_calls"] += direct_calls
+        self.calls += calls
 
     def add_device(self, counts: torch.Tensor, nbytes: torch.Tensor) -> None:
         """counts [6] int64 device tensor in ResolveCounters order; nbytes: 0-d device tensor.

@@ -13,7 +13,7 @@ import torch
 from dhisparse.kv.arena import SPACE, row_bytes, table_locations
 from dhisparse.kv.resident import PagedContext
 from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
-from dhisparse.kv.resolver import ResolvePlan
+from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 from dhisparse.kv.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
 
@@ -52,10 +52,30 @@ class HierContext(PagedContext):
         self._decode_map(batch.query_start, [st.slot for st in states], kv.device)
         covers = getattr(kv, "covers", None)  # adaptive: every decoding request's history is published
         self.all_direct = bool(self.decode_rows) and covers is not None and covers([reqs[r] for r in self.decode_rows])
+        if self.host_counted:
+            self._count_direct_pass()
         self._finish_tables()
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self._zero = torch.zeros((), dtype=torch.int64, device=kv.device)  # bytes copied by a direct call
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
+
+    HOST_CENSUS = True  # count K = 1 all-direct passes on the host (False: per group on the device)
+
+    @property
+    def host_counted(self) -> bool:
+        """An all-direct pass of one query per decoding request: its census is known on the host
+        (`_count_direct_pass`), so no layer group adds device counters (in a step graph that is
+        ~9 tiny kernels per group)."""
+        return self.HOST_CENSUS and self.all_direct and self.K == 1
+
+    def _count_direct_pass(self) -> None:
+        """The census of every group's call in this pass, from host lengths: a decoding request of
+        length n selects min(k, n) distinct positions (top-k over its visible history), all
+        resolved directly; one call per group, each wholly direct."""
+        kv, k = self.kv, self.kv.arena.cfg.index_topk
+        selected = sum(min(k, self.lens[r]) for r in self.decode_rows)
+        G = len(kv.groups)
+        kv.census.add(ResolveCounters(selected * G, selected * G, 0, 0, 0, 0), 0, calls=G, direct_calls=G)
 
     def _build_tables(self) -> None:
         """idx_of from the device index page table; lat_of: prefilling requests' workspace rows
@@ -191,7 +211,7 @@ class HierContext(PagedContext):
                 return self.plans[g][0].loc.reshape(selection.shape)
         loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
         if self.all_direct:  # lat_of already holds every location (decode_locations, direct)
-            self.plans[g] = (DirectPlan(self._direct_counts(selection)), None)
+            self.plans[g] = (DirectPlan(None if self.host_counted else self._direct_counts(selection)), None)
         elif self.decode_rows:
             loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
         return loc
@@ -235,7 +255,7 @@ class HierContext(PagedContext):
         share one buffer across layers, so each layer still stages its own."""
         kv = self.kv
         if isinstance(plan, DirectPlan):
-            if producer:
+            if producer and plan.counts is not None:  # None: counted on the host for the whole pass
                 kv.census.add_device(plan.counts, self._zero)  # nothing copied
             return
         if getattr(plan, "deferred", False):

@@ -202,6 +202,10 @@ class HierarchicalKV:
         (-1 at and past lens_t [N]): device ops only (a step graph computes them in the graph)."""
         return self.index_pages.locations(slots_t, lens_t, W, self.arena.index_page_size)
 
+    def before_sync(self) -> None:
+        """Upkeep that needs no result of the step just launched, run while it computes: none
+        here (AdaptiveKV's residency has some)."""
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
         finished; back up completed tail pages of decoding requests."""

@@ -48,6 +48,9 @@ class ResidentKV:
         if need > 0:
             table.extend(self.pool.alloc(req, need))
 
+    def before_sync(self) -> None:
+        """Nothing to do (see AdaptiveKV.before_sync)."""
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """Nothing to do: resident rows never move."""
 

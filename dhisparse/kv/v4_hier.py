@@ -179,6 +179,9 @@ class V4HierStore:
         row_batch = ForwardBatch.build(chunks, batch.input_ids.device)
         return V4HierPass(batch, states, self.cache.store, self.kv.context(row_batch, reqs), self)
 
+    def before_sync(self) -> None:
+        self.kv.before_sync()
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """Commit tokens < n (streaming state trimmed); rows < n // m become history of the row
         hierarchy (handoff of a finished prompt, host backup of completed tail pages)."""

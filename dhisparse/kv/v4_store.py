@@ -69,6 +69,9 @@ class V4ResidentStore:
                 st.rollback(start)
         return self.cache.begin(batch, states)
 
+    def before_sync(self) -> None:
+        """Nothing to do (see AdaptiveKV.before_sync)."""
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         for req, (n, _) in computed.items():
             st = self.states.get(req)
