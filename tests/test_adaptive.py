@@ -261,3 +261,28 @@ def test_host_counted_direct_passes_equal_the_device_census(prompt_lens, monkeyp
         stats[host] = ([o.token_ids for o in outs], {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))})
     assert stats[True] == stats[False]
     assert stats[True][1]["resolver_direct_calls"] > 0
+
+
+def test_no_repopulation_while_an_admission_waits_for_memory(resident):
+    """A page refilled while an admission lacks memory would be reclaimed for it: in a step whose
+    admission attempt failed for memory no repopulation starts. Tokens stay exact."""
+    rng = random.Random(6)
+    jobs = [(make_prompt(rng, rng.randrange(60, 110)), SamplingParams(max_tokens=24, ignore_eos=True)) for _ in range(8)]
+    llm = LLM("tiny", preset="adaptive", page_size=16, hot_cache_rows=16, debug_checks=True,
+              kv_pool_bytes=56 * 6 * 16 * 30 * 4, admission_reserve_pages=2)
+    store = llm.engine.store
+    events, issue, admit = [], store.res.copies.issue, store.admit
+    store.res.copies.issue = lambda kind, *a: events.append(kind) or issue(kind, *a)
+    store.admit = lambda *a, **k: admit(*a, **k) or events.append("failed") or False
+    ids, out, steps = {}, {}, []
+    for step in range(400):
+        if len(ids) < len(jobs) and step % 3 == 0:
+            ids[len(ids)] = llm.engine.add_request(*jobs[len(ids)])
+        events.clear()
+        out.update({o.request_id: o.token_ids for o in llm.engine.step() if o.finished})
+        steps.append(list(events))
+        if len(out) == len(jobs):
+            break
+    assert [out[ids[i]] for i in range(len(jobs))] == [resident.generate([p], sp)[0].token_ids for p, sp in jobs]
+    assert any("failed" in s for s in steps) and any("populate" in s for s in steps)
+    assert not any("failed" in s and "populate" in s for s in steps)

@@ -77,6 +77,32 @@ def test_ngram_byte_search_matches_the_window_reference(hist, n):
     assert find_last_match_bytes(buf, n) == find_last_match(torch.tensor(hist, dtype=torch.int64), n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.integers(0, 300), min_size=1, max_size=40), hs.integers(0, 5))
+def test_ngram_byte_search_with_a_trailing_id_not_copied_in(hist, n):
+    """The history's last id passed apart (`last`, the drafter's anchor) finds what the joined
+    buffer finds."""
+    buf, last = array("i", hist[:-1]).tobytes(), array("i", hist[-1:]).tobytes()
+    assert find_last_match_bytes(buf, n, last) == find_last_match(torch.tensor(hist, dtype=torch.int64), n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.integers(0, 6), min_size=1, max_size=40), hs.integers(1, 6))
+def test_ngram_proposals_equal_the_joined_history_reference(ids, width):
+    """Proposals (match length, continuation reading into the anchor and into the proposal
+    itself) equal a plain search over history + anchor."""
+    hist, anchor = ids[:-1], ids[-1]
+    full = torch.tensor(ids, dtype=torch.int64)
+    want = []
+    for n in range(min(4, len(ids) - 1), 1, -1):
+        j = find_last_match(full, n)
+        if j >= 0:
+            want = continuation(ids, j + n, width - 1)
+            break
+    got = NgramDrafter(2, 4).propose([DraftRequest("r", hist, anchor, max_width=width)])[0]
+    assert got.tokens == want
+
+
 def test_ngram_on_random_text_proposes_nothing_useful():
     rng = random.Random(0)
     text = [rng.randrange(1000) for _ in range(600)]

@@ -8,8 +8,9 @@ Differences from `HierarchicalKV`:
              is deferred until memory pressure: then `backup_ahead_pages` per step are backed up
              while they stay published, so a reclaim rarely copies on the admission path
   decode     the resolver's direct path reads the ready optional map (`opt_loc`) before scanning
-  each step  finished copies are published / retired, drained pages freed, and a bounded
-             round-robin repopulates reclaimed history from host while pages are spare
+  each step  right after the launch (`before_sync`): finished copies are published / retired,
+             drained pages freed, and a bounded round-robin repopulates reclaimed history from
+             host while pages are spare and no admission waits for memory
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class AdaptiveKV(HierarchicalKV):
         self._published: dict[object, set[int]] = {}  # req -> published page indices (host-side mirror of opt_loc)
         self.backup_ahead_pages = backup_ahead_pages
         self._last_need = 0  # pages the latest admission attempt needed: the pressure test's yardstick
+        self._steps = 0  # steps finished (after_step calls)
+        self._blocked_at = -1  # the step whose admission attempt lacked memory (see `_waiting`)
 
     # -- publication (ready map) ----------------------------------------------------------------
     @property
@@ -123,6 +126,7 @@ class AdaptiveKV(HierarchicalKV):
         self._last_need = need
         self.progress()
         if self.res.deficit(need) > 0:
+            self._blocked_at = self._steps  # this step's attempt lacks memory (reset if it succeeds)
             if not self.res.reclaim(need):
                 if self._waiting_logged != req:
                     log.info("request %s waits: %d pages needed, optional history cannot cover the deficit", req, need)
@@ -134,6 +138,7 @@ class AdaptiveKV(HierarchicalKV):
         if not super().admit(req, max_total, prompt_len):
             return False
         self.max_total[req] = max_total
+        self._blocked_at = -1
         return True
 
     def covers(self, reqs: list[object]) -> bool:
@@ -180,13 +185,20 @@ class AdaptiveKV(HierarchicalKV):
         acceptances): finished copies, repopulation while pages are spare, backups ahead of
         need under pressure. Its copies are ordered after the step's kernels (copies.py)."""
         self.progress()
-        self.res.repopulate()
+        if not self._waiting():  # while an admission waits for memory a refilled page would only be reclaimed
+            self.res.repopulate()
         if self.backup_ahead_pages and self.res.deficit(self._last_need) > 0:  # the next admission would reclaim
             self.res.backup_ahead(self.backup_ahead_pages)
         self.progress()
 
+    def _waiting(self) -> bool:
+        """An admission attempt of this step lacked memory (the scheduler retries the head of its
+        queue every step, so an aborted or admitted waiter stops counting by the next step)."""
+        return self._blocked_at == self._steps
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         super().after_step(computed)
+        self._steps += 1
         self.res.end_pass()
         for req, (n, _) in computed.items():
             if req in self.max_total:

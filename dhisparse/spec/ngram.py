@@ -38,12 +38,15 @@ class NgramDrafter(StatelessDrafter):
     def _propose_one(self, req: DraftRequest) -> DraftProposal:
         if req.max_drafts < 1:
             return DraftProposal.empty()
-        buf = self._history_bytes(req) + _ids_bytes([req.anchor])
-        length = len(buf) // _ITEM
+        buf = self._history_bytes(req)  # committed ids; the anchor follows them (not copied in)
+        anchor = _ids_bytes([req.anchor])
+        length = len(buf) // _ITEM + 1
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            j = find_last_match_bytes(buf, n)
+            j = find_last_match_bytes(buf, n, anchor)
             if j >= 0:
                 tail = array("i", buf[(j + n) * _ITEM : (j + n + req.max_drafts) * _ITEM]).tolist()
+                if len(tail) < req.max_drafts and j + n + len(tail) == length - 1:
+                    tail.append(req.anchor)  # the match's continuation reaches the anchor
                 tokens = continuation(tail, 0, req.max_drafts)
                 return DraftProposal(tokens, None, [n / (n + 1)] * len(tokens))
         return DraftProposal.empty()
@@ -67,13 +70,17 @@ def _ids_bytes(ids) -> bytes:
     return array("i", ids).tobytes()
 
 
-def find_last_match_bytes(buf: bytes | bytearray, n: int) -> int:
-    """`find_last_match` over ids packed as int32 bytes (the drafter's history): a C substring
-    search from the end instead of comparing every window; only id-aligned hits count."""
-    length = len(buf) // _ITEM
+def find_last_match_bytes(buf: bytes | bytearray, n: int, last: bytes = b"") -> int:
+    """`find_last_match` over ids packed as int32 bytes (the drafter's history) followed by the
+    packed id `last` (at most one; not copied in: the drafter's anchor): a C substring search
+    from the end instead of comparing every window; only id-aligned hits count."""
+    if len(last) > _ITEM:
+        raise ValueError(f"find_last_match_bytes: `last` holds at most one packed id, got {len(last)} bytes")
+    length = (len(buf) + len(last)) // _ITEM
     if n < 1 or length <= n:
         return -1
-    suffix = bytes(buf[(length - n) * _ITEM :])
+    k = len(last) // _ITEM  # ids of the suffix taken from `last`
+    suffix = bytes(buf[(length - n) * _ITEM :]) + last if n > k else last[(k - n) * _ITEM :]
     end = (length - 1) * _ITEM  # an occurrence must end before the last id (a token follows it)
     while True:
         i = buf.rfind(suffix, 0, end)
