@@ -111,3 +111,18 @@ def test_v4_hier_store_bad_settings(loaded):
     with pytest.raises(ValueError, match="deepseek_v4"):
         eng.prepare_prefix(PROMPTS[0])
     assert torch.is_tensor(eng.store.kv.hot_pos)
+
+
+def test_v4_host_counted_direct_passes_equal_the_device_census(loaded, reference, monkeypatch):
+    """V4's row hierarchy under `adaptive` counts its all-direct passes like the GLM path: the
+    host count equals the per-group device counters."""
+    from dhisparse.kv import hier_context
+
+    stats = {}
+    for host in (False, True):
+        monkeypatch.setattr(hier_context.HierContext, "HOST_CENSUS", host)
+        eng = engine(loaded, preset="adaptive", hot_cache_rows=4)
+        assert generate(eng, PROMPTS, GREEDY) == expected(reference)
+        st = eng.stats().as_dict()
+        stats[host] = {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))}
+    assert stats[True] == stats[False]

@@ -63,10 +63,11 @@ class HierContext(PagedContext):
 
     @property
     def host_counted(self) -> bool:
-        """An all-direct pass of one query per decoding request: its census is known on the host
-        (`_count_direct_pass`), so no layer group adds device counters (in a step graph that is
-        ~9 tiny kernels per group)."""
-        return self.HOST_CENSUS and self.all_direct and self.K == 1
+        """An all-direct pass of one query per decoding request over a store whose passes call
+        every layer group once (not V4's row passes: `host_census = False`): its census is known
+        on the host (`_count_direct_pass`), so no layer group adds device counters (in a step
+        graph that is ~9 tiny kernels per group)."""
+        return self.HOST_CENSUS and self.all_direct and self.K == 1 and getattr(self.kv, "host_census", True)
 
     def _count_direct_pass(self) -> None:
         """The census of every group's call in this pass, from host lengths: a decoding request of

@@ -189,7 +189,7 @@ class ResidencyManager:
         """Make room for an admission needing `need` pages. Counts pages already retiring; walks
         requests in reclaim order taking whole requests' ready pages until the deficit is covered.
         Returns False (and reclaims nothing new) when the optional pages cannot cover it."""
-        ready, retiring = self._census()
+        ready, retiring = self._tally()
         delta = self.deficit(need) - retiring
         if delta <= 0:
             return True
@@ -205,7 +205,7 @@ class ResidencyManager:
             self._retire_request(req)
         return True
 
-    def _census(self) -> tuple[dict[object, int], int]:
+    def _tally(self) -> tuple[dict[object, int], int]:
         """One pass over the optional pages: ({request: its READY pages} for requests with any,
         pages retiring) -- what `reclaimable` and `retiring` give, without a pass per request."""
         ready, retiring = {}, 0

@@ -73,7 +73,11 @@ def state_owner(req: object) -> tuple[str, object]:
 
 class _V4Rows:
     """Mixin over HierarchicalKV / AdaptiveKV (which work in row units): every request also
-    holds pages for its required V4 state, allocated at admission under `state_owner(req)`."""
+    holds pages for its required V4 state, allocated at admission under `state_owner(req)`.
+    Row passes are not one call per layer group with min(k, n) rows a request, so an all-direct
+    pass is counted per call on the device (`HierContext.host_counted`)."""
+
+    host_census = False
 
     def __init__(self, *args, v4: V4Config, **kw) -> None:
         super().__init__(*args, **kw)
