@@ -218,3 +218,32 @@ def test_budget_sweep_plot(tmp_path):
     written = plot_results(sweep, tmp_path)
     assert [p.name for p in written] == ["budget.png"]
     assert_png(written[0])
+
+
+def test_phase_clock_splits_a_step_and_removes_its_wrappers():
+    """The step profile's host phases: every phase reported, exclusive times that add up to at
+    most the step, and the engine's and torch's methods restored afterwards."""
+    import importlib.util
+    import pathlib
+    import time
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("host_phases", pathlib.Path(__file__).parents[1] / "bench" / "host_phases.py")
+    hp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hp)
+    from dhisparse import SamplingParams
+    from dhisparse.engine.llm import LLM
+
+    eng = LLM("tiny", preset="adaptive", speculative_algorithm="ngram", speculative_num_draft_tokens=3).engine
+    for i in range(3):
+        eng.add_request([3 + (i + j) % 7 for j in range(20)], SamplingParams(max_tokens=12, ignore_eos=True))
+    before = torch.Tensor.tolist, torch.Tensor.item
+    t0 = time.perf_counter()
+    ph = hp.phase_steps(eng, 4, lambda: None)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / 4
+    assert set(hp.BEFORE + hp.OVERLAP + hp.AFTER) | {"blocked"} <= set(ph) and min(ph.values()) >= 0
+    assert ph["launch"] > 0 and ph["expand"] > 0 and ph["other"] > 0
+    assert ph["before_launch"] + ph["overlap"] + ph["blocked"] + ph["after_sync"] <= wall_ms * 1.01
+    assert not {"_forward", "_step", "_sample"} & set(vars(eng)) and "schedule" not in vars(eng.scheduler)
+    assert (torch.Tensor.tolist, torch.Tensor.item) == before
