@@ -154,7 +154,9 @@ def verify_batch(
     for r in range(n):
         a, b = query_start[r], query_start[r + 1]
         if params[r].greedy:
-            _check_rows(logits[a:b], drafts[r], "target_logits")
+            if b - a != len(drafts[r]) + 1:  # `_check_rows` on the row count alone (no tensor slice)
+                raise ValueError(f"target_logits must have K_r = len(drafts) + 1 = {len(drafts[r]) + 1} rows "
+                                 f"(anchor + drafts) for request {r}, got {b - a}")
             out.append(_greedy(best[a:b], drafts[r]))
         else:
             out.append(verify_sampled(probs[a:b], drafts[r], draft_probs[r], generators[r]))
