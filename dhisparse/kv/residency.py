@@ -221,9 +221,9 @@ class ResidencyManager:
         return ready, retiring
 
     def _retire_request(self, req: object) -> None:
-        st = self.reqs[req]
-        self.reclaimed += len(self.reclaimable(req))
-        for j in self.reclaimable(req):
+        st, pages = self.reqs[req], self.reclaimable(req)
+        self.reclaimed += len(pages)
+        for j in pages:
             op = st.pages[j]
             if j in st.backed:
                 self.on_unpublish(req, j)

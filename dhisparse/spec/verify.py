@@ -48,11 +48,14 @@ def _result(drafts: Sequence[int], accepted: int, bonus: int) -> Acceptance:
     return Acceptance(accepted, [int(t) for t in drafts[:accepted]] + [int(bonus)], 1 + accepted)
 
 
-def _check_rows(rows: torch.Tensor, drafts: Sequence[int], what: str) -> None:
-    if rows.dim() != 2 or rows.shape[0] != len(drafts) + 1:
+def _check_rows(rows: torch.Tensor | int, drafts: Sequence[int], what: str) -> None:
+    """rows: the [K_r, V] tensor, or just its row count (verify_batch: no tensor slice per request)."""
+    shape = (rows,) if isinstance(rows, int) else tuple(rows.shape)
+    two_d = isinstance(rows, int) or len(shape) == 2
+    if not two_d or shape[0] != len(drafts) + 1:
         raise ValueError(
             f"{what} must be [K_r, V] with K_r = len(drafts) + 1 = {len(drafts) + 1} rows "
-            f"(anchor + drafts), got {tuple(rows.shape)}"
+            f"(anchor + drafts), got {shape}"
         )
 
 
@@ -154,9 +157,7 @@ def verify_batch(
     for r in range(n):
         a, b = query_start[r], query_start[r + 1]
         if params[r].greedy:
-            if b - a != len(drafts[r]) + 1:  # `_check_rows` on the row count alone (no tensor slice)
-                raise ValueError(f"target_logits must have K_r = len(drafts) + 1 = {len(drafts[r]) + 1} rows "
-                                 f"(anchor + drafts) for request {r}, got {b - a}")
+            _check_rows(b - a, drafts[r], f"request {r}'s target_logits")
             out.append(_greedy(best[a:b], drafts[r]))
         else:
             out.append(verify_sampled(probs[a:b], drafts[r], draft_probs[r], generators[r]))
