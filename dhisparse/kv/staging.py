@@ -25,9 +25,10 @@ from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
 class DirectPlan:
     """A call known on the host to resolve wholly directly (every complete history page of every
     decoding request published; `HierContext` then locates through its table): counts [6] device
-    counters (selected entries, distinct direct rows). No resolver launch, no copies."""
+    counters (selected entries, distinct direct rows), or None when the pass is counted on the host
+    (`HierContext.host_counted`). No resolver launch, no copies."""
 
-    counts: torch.Tensor
+    counts: torch.Tensor | None
 
 
 def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | None:
