@@ -4,7 +4,7 @@
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
-#        specprofile,specprofile2,serving32kc18,profile4step
+#        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -51,6 +51,14 @@ case ",$STEPS," in *,specprofile,*)  # where a verification round's time goes, a
   run "decode-step profile, serving pools, C36, with verification" timeout 300 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive,adaptive+spec --kv-pool-gib 9.1 \
       --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_serving_c36_h200.json" ;; esac
+case ",$STEPS," in *,specprofile32k,*)  # a full-width (K = 4) verification round at 32K C18, serving32kc18's pools (~4 min)
+  run "decode-step profile, 32K serving pools, C18, full-width rounds" timeout 330 python3 bench/step_profile.py \
+      --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive,adaptive+spec --drafter oracle \
+      --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_h200.json" ;; esac
+case ",$STEPS," in *,specprofile8ko,*)  # the same at 8K C36 (specprofile's pools) (~2.5 min)
+  run "decode-step profile, 8K serving pools, C36, full-width rounds" timeout 240 python3 bench/step_profile.py \
+      --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle --kv-pool-gib 9.1 \
+      --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_8k_c36_oracle_h200.json" ;; esac
 case ",$STEPS," in *,specprofile2,*)  # specprofile's two residency presets alone (~2 min)
   run "decode-step profile, serving pools, C36, adaptive presets" timeout 170 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets adaptive,adaptive+spec --kv-pool-gib 9.1 \

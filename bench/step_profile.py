@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.host_phases import phase_steps  # noqa: E402
-from bench.kernel_families import family_times  # noqa: E402
+from bench.kernel_families import family, family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
@@ -51,7 +51,12 @@ def parse(argv=None) -> argparse.Namespace:
     a("--kv-pool-gib", type=float, default=40.0); a("--host-pool-gib", type=float, default=40.0)
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
     a("--max-batched-tokens", type=int, default=16384)
-    a("--top", type=int, default=25, help="host functions listed per preset")
+    a("--top", type=int, default=25, help="host functions (and CUDA kernels) listed per preset")
+    a("--drafter", default="ngram", choices=("ngram", "oracle"),
+      help="+spec presets: the n-gram drafter (its acceptance is whatever the prompts give) or 'oracle': a "
+           "placeholder reference, so every round verifies the full width and rejects its drafts (the cost "
+           "of a full-width round; acceptance is not measured)")
+    a("--spec-width", type=int, default=4, help="verification width (queries per request and round)")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs, see dhisparse/models/graphs.py) or step (+ whole-step graphs, dhisparse/engine/step_graphs.py); "
       "a comma list profiles every preset under each mode, side by side")
     a("--out", default="bench/results/step_profile.json")
@@ -75,8 +80,14 @@ def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
                         kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.host_pool_gib * 2**30),
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
-                        speculative_algorithm="ngram" if spec else None, speculative_num_draft_tokens=4,
+                        speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         cuda_graphs=graphs)
+
+
+def placeholder_reference(prompt: list[int]) -> list[int]:
+    """The `--drafter oracle` reference: a fixed continuation the target does not produce, so each
+    round proposes width - 1 drafts and the verifier rejects them."""
+    return [7] * 8192
 
 
 def sync(device: str) -> None:
@@ -226,14 +237,28 @@ def kernel_profile(engine, ns) -> dict:
                if e.device_type == torch.autograd.DeviceType.CUDA]
     fam = family_times(kernels)
     per = lambda v: {k: x / ns.steps for k, x in v.items()} if isinstance(v, dict) else v / ns.steps  # noqa: E731
-    return {"profiled_wall_ms_per_step": wall / ns.steps, **{k: per(v) for k, v in fam.items()}}
+    return {"profiled_wall_ms_per_step": wall / ns.steps, **{k: per(v) for k, v in fam.items()},
+            "top_kernels": top_kernels(kernels, ns.steps, ns.top)}
+
+
+def top_kernels(kernels: list[tuple[str, float, float]], steps: int, top: int) -> list[dict]:
+    """The `top` kernel names by summed duration: ms and launches per step, and their family."""
+    ms: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for name, a, b in kernels:
+        ms[name] = ms.get(name, 0.0) + (b - a) / 1e3
+        calls[name] = calls.get(name, 0) + 1
+    rows = sorted(ms, key=lambda n: -ms[n])[:top]
+    return [{"name": n[:120], "family": family(n), "ms_per_step": ms[n] / steps, "calls_per_step": calls[n] / steps}
+            for n in rows]
 
 
 def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(engine_config(ns, preset, graphs), loaded=loaded)
+    reference = placeholder_reference if ns.drafter == "oracle" and preset.endswith("+spec") else None
+    engine = Engine(engine_config(ns, preset, graphs), loaded=loaded, oracle_reference=reference)
     engine.prefixes = prefixes
     print(f"  engine built {time.perf_counter() - t0:.1f} s", flush=True)
     if ns.verbose:
@@ -322,6 +347,8 @@ def main(argv=None) -> int:
             print(f"    sync {v:5.1f}/step  {k}")
         for k, v in sorted(r["kernels"].get("family_ms", {}).items(), key=lambda kv: -kv[1]):
             print(f"    {k:22} {v:8.3f} ms  alone {r['kernels']['alone_ms'].get(k, 0.0):8.3f} ms")
+        for t in r["kernels"].get("top_kernels", [])[:12]:
+            print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x  [{t['family']}] {t['name'][:90]}")
     doc = {"kind": "step_profile", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
            "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
            "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs,

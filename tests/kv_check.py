@@ -61,4 +61,16 @@ def checked(llm: LLM) -> LLM:
             dense.index[(slot, layer)] = index[j].to(store.device).clone()
 
     store.context, store.write_rows = context, write_rows
+    if hasattr(store, "import_prefix"):  # the engine imports stored prefixes whole pages at a time
+        orig_import = store.import_prefix
+
+        def import_prefix(req, item, n):
+            orig_import(req, item, n)
+            slot = names.setdefault(req, len(names))
+            for layer in range(item.latent.shape[0]):
+                dense.latent[(slot, layer)] = item.latent[layer, :n].to(store.device).clone()
+            for j, layer in enumerate(store.arena.layout.index_layers):
+                dense.index[(slot, layer)] = item.index[j, :n].to(store.device).clone()
+
+        store.import_prefix = import_prefix
     return llm

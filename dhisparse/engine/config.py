@@ -49,8 +49,9 @@ class EngineConfig:
     step_graph_warmup [--step-graph-warmup]: with "step" graphs, capture the decode / verification
         graphs of every request bucket up to max_running_requests at engine start (full table
         width), instead of on first use while serving; costs start-up time per engine.
-    copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
-        "side" (a side stream, completion by events) or "compute" (the compute stream).
+    copy_stream [--copy-stream]: where page copies beside the batch run on CUDA (adaptive's backup /
+        repopulation, every preset's prefix imports and hisparse's hand-off backups): "side" (side
+        streams, completion by events; the batch keeps running) or "compute" (the compute stream).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per

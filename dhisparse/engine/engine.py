@@ -183,7 +183,10 @@ class Engine:
         self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
         item, n = self.prefixes.match(req.prompt_ids)
         if item is not None and n > 0:
-            self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
+            if hasattr(self.store, "import_prefix"):  # whole pages, beside the running batch (kv/loads.py)
+                self.store.import_prefix(req.request_id, item, n)
+            else:
+                self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
             req.num_computed = req.imported_len = n
             if self.spec is not None:
                 self.spec.observe_import(req.request_id, item, n)

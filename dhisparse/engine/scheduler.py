@@ -70,15 +70,19 @@ class Scheduler:
             self.running.append(req)
 
     def schedule(self) -> list[Chunk]:
-        """Admit what fits and return this step's chunks (decodes first)."""
+        """Admit what fits and return this step's chunks (decodes first). A request whose KV is
+        still being copied (the store's `loading`: a prefix import or a hand-off backup in the
+        background, kv/loads.py) sits this step out."""
         self._admit()
         budget = self.token_budget
+        loading = getattr(self.store, "loading", None)
+        ready = [r for r in self.running if not loading(r.request_id)] if loading is not None else self.running
         chunks: list[Chunk] = []
-        for req in self.running:
+        for req in ready:
             if not req.in_prefill and budget > 0:
                 chunks.append(Chunk(req, req.num_computed, req.ids_from(req.num_computed), True))
                 budget -= 1
-        for req in self.running:
+        for req in ready:
             if req.in_prefill and budget > 0:
                 n = min(budget, len(req.prompt_ids) - req.num_computed)
                 end = req.num_computed + n

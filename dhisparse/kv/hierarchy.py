@@ -28,6 +28,7 @@ from dhisparse.kv.arena import SPACE, KVArena, cdiv
 from dhisparse.kv.census import Census
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.host import HostStore
+from dhisparse.kv.loads import make_loads, runs
 from dhisparse.kv.pool import PoolUsage
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.kv.resolver import ResolverState, plan_reference, run_copies
@@ -57,16 +58,19 @@ def _span(layers: list[int], producer: int) -> slice | None:
 
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
-                 debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None) -> None:
+                 debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
+                 side_stream: bool = True) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
         union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
-        sizes the slot tables up front, so they never move (a captured step graph keeps them)."""
+        sizes the slot tables up front, so they never move (a captured step graph keeps them).
+        side_stream: prefix imports and hand-off backups run beside the batch (kv/loads.py)."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
-        self.resident = ResidentKV(arena)  # index pages + prefill workspace
+        self.resident = ResidentKV(arena, side_stream)  # index pages + prefill workspace (+ its imports)
+        self.handoffs = make_loads(arena.device, side_stream)  # hand-off backups device -> host
         self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
@@ -129,7 +133,9 @@ class HierarchicalKV:
         return True
 
     def free(self, req: object) -> None:
+        self.handoffs.settle(req)  # its host pages are reused only after its hand-off copy
         st = self.reqs.pop(req, None)
+        self.resident.loads.settle(req)
         self.pool.release(req)
         self.host.free(req)
         self.resident.latent_tables.pop(req, None)
@@ -159,6 +165,14 @@ class HierarchicalKV:
     # -- prefix import / export (prefill workspace) --------------------------------------------
     def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
         self.resident.write_rows(req, latent, index, start)
+
+    def import_prefix(self, req: object, item, n: int) -> None:
+        """A stored prefix into req's prefill workspace, in the background (ResidentKV.import_prefix)."""
+        self.resident.import_prefix(req, item, n)
+
+    def loading(self, req: object) -> bool:
+        """Whether req waits for its prefix import or its hand-off backup (kv/loads.py)."""
+        return self.resident.loading(req) or self.handoffs.loading(req)
 
     def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.resident.read_rows(req, n)
@@ -203,8 +217,9 @@ class HierarchicalKV:
         return self.index_pages.locations(slots_t, lens_t, W, self.arena.index_page_size)
 
     def before_sync(self) -> None:
-        """Upkeep that needs no result of the step just launched, run while it computes: none
-        here (AdaptiveKV's residency has some)."""
+        """Upkeep that needs no result of the step just launched, run while it computes: free the
+        workspace pages of finished hand-offs (AdaptiveKV's residency adds more)."""
+        self.handoffs.poll()
 
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
@@ -240,18 +255,39 @@ class HierarchicalKV:
             self.host.rows[hp].copy_(self.arena.latent[p], non_blocking=True)
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
+        """The prompt is done: its complete workspace pages go to host in the background (req is
+        `loading` until they are there: its history is read from host from the next pass on),
+        the partial page becomes tail page 0 now, and the workspace is freed (complete pages once
+        their copy is done: they belong to ("handoff", req) meanwhile).
+
+            positions  0 ............ full | full .. n-1
+            workspace  pages[: full/ps]     pages[full/ps]  -> host pages 0 .. | tail page 0
+        """
         ps = self.page_size
         full = (n // ps) * ps
         pages = self.resident.latent_tables[req]
-        if full:
-            self._pages_to_host(req, pages[: full // ps], 0)
         st.tail_start = full
         self._set_tail(st)
         if n > full:  # the partial page becomes the first tail page (same in-page offsets)
             self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full // ps]])
-        self.pool.free(req, pages)
+        self.pool.free(req, pages[full // ps :])
         self.resident.latent_tables[req] = []
         st.decoding = True
+        moving = pages[: full // ps]
+        if not moving:
+            return
+        owner = ("handoff", req)
+        self.pool.transfer(req, owner, moving)
+        self.host.ensure(req, full)
+        self.sync_host_table(req)
+        host_rows, dev = self.host.rows, self.arena.latent
+        pairs = list(zip(moving, self.host.tables[req][: len(moving)]))
+
+        def copies() -> None:
+            for d, h, c in runs(pairs):
+                host_rows[h : h + c].copy_(dev[d : d + c], non_blocking=True)
+
+        self.handoffs.run(req, copies, on_done=lambda: self.pool.free(owner, moving))
 
     def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
         ps = self.page_size

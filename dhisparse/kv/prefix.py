@@ -8,8 +8,30 @@ prefix rows. Stored rows live on the host (pinned when CUDA is available).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+
+class PagedPrefix(NamedTuple):
+    """A stored prefix in the KV pools' page layout, so an import copies whole pages:
+    latent [NP, L, ps, d] (page j holds positions j*ps .. j*ps+ps-1 of every layer), index
+    [NI, F, ips, iD]; the last page is zero-padded. Host tensors (pinned with the store)."""
+
+    latent: torch.Tensor
+    index: torch.Tensor
+
+
+def to_pages(rows: torch.Tensor, per_page: int, pin: bool) -> torch.Tensor:
+    """rows [X, n, d] -> [cdiv(n, per_page), X, per_page, d] (zero padding past n)."""
+    X, n, d = rows.shape
+    full = n // per_page
+    out = torch.zeros((-(-n // per_page), X, per_page, d), dtype=rows.dtype, pin_memory=pin)
+    if full:
+        out[:full] = rows[:, : full * per_page].reshape(X, full, per_page, d).transpose(0, 1)
+    if n > full * per_page:
+        out[full, :, : n - full * per_page] = rows[:, full * per_page :]
+    return out
 
 
 @dataclass(frozen=True)
@@ -22,10 +44,20 @@ class StoredPrefix:
     latent: torch.Tensor
     index: torch.Tensor
     features: dict = field(default_factory=dict)
+    _paged: dict = field(default_factory=dict, compare=False, repr=False)  # (ps, ips) -> PagedPrefix
 
     @property
     def nbytes(self) -> int:
         return self.latent.numel() * self.latent.element_size() + self.index.numel() * self.index.element_size()
+
+    def paged(self, page_size: int, index_page_size: int) -> PagedPrefix:
+        """This prefix in page layout (built once per page geometry, then kept: a second host
+        copy of the prefix, pinned like the first)."""
+        key = (page_size, index_page_size)
+        if key not in self._paged:
+            pin = self.latent.is_pinned()
+            self._paged[key] = PagedPrefix(to_pages(self.latent, page_size, pin), to_pages(self.index, index_page_size, pin))
+        return self._paged[key]
 
 
 class PrefixStore:

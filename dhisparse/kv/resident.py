@@ -13,15 +13,17 @@ import torch
 
 from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows, table_locations
 from dhisparse.kv.context import ForwardBatch, GraphPass, IndexTable, ScratchRows
+from dhisparse.kv.loads import make_loads, runs
 from dhisparse.kv.pool import PoolUsage
 
 
 class ResidentKV:
-    def __init__(self, arena: KVArena) -> None:
+    def __init__(self, arena: KVArena, side_stream: bool = True) -> None:
         self.arena, self.pool = arena, arena.pool
         self.page_size, self.device = arena.page_size, arena.device
         self.latent_tables: dict[object, list[int]] = {}
         self.index_tables: dict[object, list[int]] = {}
+        self.loads = make_loads(arena.device, side_stream)  # prefix imports (kv/loads.py)
 
     # -- request lifecycle -----------------------------------------------------------------------
     def pages_for(self, n_tokens: int, prompt_len: int | None = None) -> int:
@@ -55,9 +57,14 @@ class ResidentKV:
         """Nothing to do: resident rows never move."""
 
     def free(self, req: object) -> None:
+        self.loads.settle(req)  # a retired request's import finishes before its pages are reused
         self.pool.release(req)
         self.latent_tables.pop(req, None)
         self.index_tables.pop(req, None)
+
+    def loading(self, req: object) -> bool:
+        """Whether req's KV is still being copied in (the scheduler does not run it yet)."""
+        return self.loads.loading(req)
 
     def usage(self) -> PoolUsage:
         return self.pool.usage()
@@ -83,6 +90,29 @@ class ResidentKV:
             scatter_rows(self.arena.latent_rows(layer), lat, latent[layer].to(self.device))
         for j, layer in enumerate(self.arena.layout.index_layers):
             scatter_rows(self.arena.index_rows(layer), idx, index[j].to(self.device))
+
+    def import_prefix(self, req: object, item, n: int) -> None:
+        """Import positions 0..n-1 of a stored prefix `item` (kv/prefix.py) into req's pages as
+        whole-page copies in the background (`loads`): req is `loading` until they are done. The
+        last page is copied whole; its positions >= n are written by req's prefill before any
+        read (attention and the indexer read positions < the request's length only).
+
+            prefix pages  0 1 2 ... j          (item.paged: [NP, L, ps, d])
+            req pages     t0 t1 t2 ... tj      (consecutive ones move as one copy)
+        """
+        self.ensure(req, n)
+        paged = item.paged(self.page_size, self.arena.index_page_size)
+        lat = self.latent_tables[req][: cdiv(n, self.page_size)]
+        idx = self.index_tables[req][: cdiv(n, self.arena.index_page_size)]
+        arena = self.arena
+
+        def copies() -> None:
+            for s, d, c in runs(list(enumerate(lat))):
+                arena.latent[d : d + c].copy_(paged.latent[s : s + c], non_blocking=True)
+            for s, d in enumerate(idx):  # an index page is a slice of its storage row: one copy a page
+                arena.index[d].copy_(paged.index[s], non_blocking=True)
+
+        self.loads.run(req, copies)
 
     def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD])."""

@@ -1,0 +1,135 @@
+"""Background loads: the page copies a request waits for before its next chunk runs (a prefix
+import host -> device at admission, the hand-off backup device -> host when its prompt is done).
+
+They run on a side stream, so the running batch keeps decoding while a new request's KV moves
+(what a decode node sees of a prefill/decode handoff: the KV arrives by DMA beside the decode
+kernels). Without them each admission of a 32K prompt stopped every running request for ~0.1 s
+of PCIe copies on the compute stream.
+
+    compute  ──k──k──[issue]──k──k──k──k──k──k──k──    the request runs again after `done`
+    side              └wait─copy─copy─…─copy─[done]
+
+Contract (I3 for loads): a request with a pending load is `loading`; the scheduler does not run it,
+and nothing else reads or writes the pages being copied until the load is done. The side stream
+waits for the compute stream at issue, so the copies see every row written before and no earlier
+reader of a reused page is still running. `on_done` callbacks (freeing the pages a hand-off read)
+run on the host once the load's event has fired. A request retired while loading is `settle`d:
+the compute stream waits for its loads, so pages it frees are reused only after the copies.
+
+`SyncLoads` (CPU, or `copy_stream=sync`) copies at issue and is never loading.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Copies = Callable[[], None]
+
+
+class SyncLoads:
+    """Copies run at issue on the current stream; nothing is ever pending."""
+
+    def run(self, req: object, copies: Copies, on_done: Callable[[], None] | None = None) -> None:
+        copies()
+        if on_done is not None:
+            on_done()
+
+    def loading(self, req: object) -> bool:
+        return False
+
+    def poll(self) -> None:
+        """Nothing pending."""
+
+    def settle(self, req: object) -> None:
+        """Nothing pending."""
+
+    @property
+    def pending(self) -> int:
+        return 0
+
+
+class StreamLoads:
+    """Copies on a side stream; a request is `loading` until its loads' events fired.
+
+    `stream` / `event` / `wait` are the CUDA primitives by default; tests pass fakes whose events
+    fire late, to check that nothing runs a loading request."""
+
+    def __init__(self, device: torch.device | None = None, stream=None, event: Callable | None = None,
+                 wait: Callable | None = None) -> None:
+        self.stream = stream if stream is not None else torch.cuda.Stream(device)
+        self._event = event or (lambda: torch.cuda.Event())
+        self._wait = wait or (lambda ev: torch.cuda.current_stream().wait_event(ev))
+        self._pending: dict[object, list[tuple[object, Callable[[], None] | None]]] = {}
+
+    def run(self, req: object, copies: Copies, on_done: Callable[[], None] | None = None) -> None:
+        """Issue `copies` (a function enqueuing asynchronous copies) on the side stream after
+        everything issued so far on the compute stream; `on_done` runs once they completed."""
+        self.stream.wait_stream(torch.cuda.current_stream() if self._is_cuda else None)
+        with self._context():
+            copies()
+        ev = self._event()
+        ev.record(self.stream)
+        self._pending.setdefault(req, []).append((ev, on_done))
+
+    @property
+    def _is_cuda(self) -> bool:
+        return isinstance(self.stream, torch.cuda.Stream)
+
+    def _context(self):
+        return torch.cuda.stream(self.stream) if self._is_cuda else self.stream.context()
+
+    def loading(self, req: object) -> bool:
+        """Whether req still has a load in flight (finishing those that completed)."""
+        if req not in self._pending:
+            return False
+        self._finish(req, force=False)
+        return req in self._pending
+
+    def poll(self) -> None:
+        """Finish every completed load (run its `on_done`)."""
+        for req in list(self._pending):
+            self._finish(req, force=False)
+
+    def settle(self, req: object) -> None:
+        """req is being retired: order the compute stream after its loads and finish them all."""
+        self._finish(req, force=True)
+
+    def _finish(self, req: object, force: bool) -> None:
+        left = []
+        for ev, on_done in self._pending.pop(req, []):
+            if force:
+                self._wait(ev)
+            elif not ev.query():
+                left.append((ev, on_done))
+                continue
+            if on_done is not None:
+                on_done()
+        if left:
+            self._pending[req] = left
+
+    @property
+    def pending(self) -> int:
+        """Requests with a load in flight."""
+        return len(self._pending)
+
+
+def make_loads(device: torch.device, side_stream: bool = True) -> SyncLoads | StreamLoads:
+    """Side-stream loads on CUDA (unless `side_stream` is off), synchronous ones elsewhere."""
+    return StreamLoads(device) if device.type == "cuda" and side_stream else SyncLoads()
+
+
+def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source index, destination page) pairs, in order -> (source start, destination start,
+    count) runs where both advance together: each run is one contiguous copy.
+
+        src 0 1 2 3 4     dst 7 8 9 3 4   ->  (0, 7, 3), (3, 3, 2)
+    """
+    out: list[tuple[int, int, int]] = []
+    for s, d in pairs:
+        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
