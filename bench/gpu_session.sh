@@ -98,6 +98,16 @@ case ",$STEPS," in *,serving32kc18,*)  # the 32K high-load point alone, without 
   run "serving at 32K, C18" timeout 330 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 25 --force \
       --out "$OUT/gpu_serving_32k_c18_h200.json" ;; esac
+case ",$STEPS," in *,serving32kload,*)  # 32K C18 with admission copies in stream order, then beside the batch (~6 min)
+  for L in compute side; do
+    run "serving at 32K, C18, load_stream=$L" timeout 280 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+        --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 25 --force \
+        --engine-arg load_stream=$L --out "$OUT/gpu_serving_32k_c18_load${L}_h200.json"
+  done ;; esac
+case ",$STEPS," in *,serving32k2k,*)  # 32K C18 with the paper's GLM output cap (2,048 tokens), 100-s windows (~7.5 min)
+  run "serving at 32K, C18, 2048-token outputs" timeout 510 python3 bench/gpu_serving.py --input-len 32768 --output-len 2048 \
+      --resident-fit 3 --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 100 \
+      --distinct-suffixes 18 --force --out "$OUT/gpu_serving_32k_c18_out2k_h200.json" ;; esac
 case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
   run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac

@@ -37,6 +37,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
                              "adaptive: host backups of optional pages started per step under memory pressure"),
     "--cuda-graphs": ("cuda_graphs", str, "auto (default), none, ffn, layer or step: piecewise CUDA graphs per token bucket of each layer's FFN block (ffn), and also its pre-attention piece and sparse attention (layer); step = layer plus one graph of the whole forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it"),
     "--copy-stream": ("copy_stream", str, "adaptive on CUDA: page copies on a 'side' stream (events) or the 'compute' stream"),
+    "--load-stream": ("load_stream", str, "CUDA: admission copies (prefix import, hisparse hand-off) on 'side' streams or the 'compute' stream"),
     "--speculative-algorithm": ("speculative_algorithm", str, "speculative decoding: dflash, dspark, ngram or oracle (benchmark tool); works with any preset"),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "K_max: target queries per request and round, anchor included"),
     "--speculative-draft-window-size": ("speculative_draft_window_size", int, "W: positions the drafter's KV ring keeps"),

@@ -49,9 +49,12 @@ class EngineConfig:
     step_graph_warmup [--step-graph-warmup]: with "step" graphs, capture the decode / verification
         graphs of every request bucket up to max_running_requests at engine start (full table
         width), instead of on first use while serving; costs start-up time per engine.
-    copy_stream [--copy-stream]: where page copies beside the batch run on CUDA (adaptive's backup /
-        repopulation, every preset's prefix imports and hisparse's hand-off backups): "side" (side
-        streams, completion by events; the batch keeps running) or "compute" (the compute stream).
+    copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
+        "side" (a side stream, completion by events) or "compute" (the compute stream).
+    load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
+        host -> device; hisparse's hand-off backup device -> host): "side" (side streams: the
+        batch keeps running, the request waits for its copies) or "compute" (in stream order on
+        the compute stream: the batch waits, the request does not).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per
@@ -86,6 +89,7 @@ class EngineConfig:
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32
     copy_stream: str = "side"
+    load_stream: str = "side"
     cuda_graphs: str = "auto"
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
@@ -121,8 +125,9 @@ class EngineConfig:
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
         if self.cuda_graphs not in ("auto", "none", "ffn", "layer", "step"):
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
-        if self.copy_stream not in ("side", "compute"):
-            raise ConfigValueError(f"copy_stream must be 'side' or 'compute', got {self.copy_stream!r}")
+        for name in ("copy_stream", "load_stream"):
+            if getattr(self, name) not in ("side", "compute"):
+                raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
             raise ConfigValueError("admission_reserve_pages, repopulate_pages and backup_ahead_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)

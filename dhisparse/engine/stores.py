@@ -21,9 +21,9 @@ log = logging.getLogger("dhisparse.engine")
 
 def build_store(cfg: EngineConfig, arena: KVArena, pool_bytes: int, max_model_len: int):
     mc = arena.cfg
-    side = cfg.copy_stream == "side"
+    side_loads = cfg.load_stream == "side"
     if cfg.base_preset == "resident":
-        return ResidentKV(arena, side_stream=side)
+        return ResidentKV(arena, side_loads=side_loads)
     hot = cfg.hot_cache_rows or 2 * mc.index_topk
     if hot < mc.index_topk:
         raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({mc.index_topk})")
@@ -31,13 +31,13 @@ def build_store(cfg: EngineConfig, arena: KVArena, pool_bytes: int, max_model_le
     host = HostStore(host_pages, mc.num_layers, cfg.page_size, mc.latent_dim, arena.dtype, pin=arena.device.type == "cuda")
     plan_fn = resolver_plan_fn(cfg, arena.device)
     kw = dict(plan_fn=plan_fn, debug=cfg.debug_checks, copy_fn=copy_fn_for(plan_fn),
-              max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1)
+              max_queries=cfg.speculative_num_draft_tokens if cfg.speculative else 1, side_loads=side_loads)
     args = (arena, host, hot, cfg.max_running_requests)
     if cfg.base_preset == "hisparse":
-        return HierarchicalKV(*args, **kw, max_len=max_model_len, side_stream=side)
+        return HierarchicalKV(*args, **kw, max_len=max_model_len)
     return AdaptiveKV(*args, **kw, reserve_pages=cfg.admission_reserve_pages, reclaim_order=cfg.reclaim_order,
                       repopulate_pages=cfg.repopulate_pages, backup_ahead_pages=cfg.backup_ahead_pages, max_len=max_model_len,
-                      side_stream=side)
+                      side_stream=cfg.copy_stream == "side")
 
 
 def resolver_plan_fn(cfg: EngineConfig, device: torch.device):

@@ -33,7 +33,7 @@ class AdaptiveKV(HierarchicalKV):
         """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/copies.py).
         backup_ahead_pages: host backups started per step under memory pressure (0: only when a
         reclaim needs them, on the admission path)."""
-        super().__init__(*args, max_len=max_len, side_stream=side_stream, **kw)
+        super().__init__(*args, max_len=max_len, **kw)
         S = self.hot_pos.shape[0]
         width = -(-max_len // self.page_size) * self.page_size  # whole pages
         self._opt_loc = torch.full((S, width), -1, dtype=torch.int64, device=self.device)

@@ -59,18 +59,18 @@ def _span(layers: list[int], producer: int) -> slice | None:
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
-                 side_stream: bool = True) -> None:
+                 side_loads: bool = True) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
         union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
-        side_stream: prefix imports and hand-off backups run beside the batch (kv/loads.py)."""
+        side_loads: prefix imports and hand-off backups run beside the batch (kv/loads.py)."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
-        self.resident = ResidentKV(arena, side_stream)  # index pages + prefill workspace (+ its imports)
-        self.handoffs = make_loads(arena.device, side_stream)  # hand-off backups device -> host
+        self.resident = ResidentKV(arena, side_loads)  # index pages + prefill workspace (+ its imports)
+        self.handoffs = make_loads(arena.device, side_loads)  # hand-off backups device -> host
         self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}

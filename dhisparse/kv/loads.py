@@ -16,7 +16,8 @@ reader of a reused page is still running. `on_done` callbacks (freeing the pages
 run on the host once the load's event has fired. A request retired while loading is `settle`d:
 the compute stream waits for its loads, so pages it frees are reused only after the copies.
 
-`SyncLoads` (CPU, or `copy_stream=sync`) copies at issue and is never loading.
+`SyncLoads` (CPU, or `load_stream=compute`) copies at issue, in stream order on the compute stream,
+and is never loading: the batch waits for the copies instead of the request.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ class StreamLoads:
         return len(self._pending)
 
 
-def make_loads(device: torch.device, side_stream: bool = True) -> SyncLoads | StreamLoads:
-    """Side-stream loads on CUDA (unless `side_stream` is off), synchronous ones elsewhere."""
-    return StreamLoads(device) if device.type == "cuda" and side_stream else SyncLoads()
+def make_loads(device: torch.device, side: bool = True) -> SyncLoads | StreamLoads:
+    """Side-stream loads on CUDA (unless `side` is off), in-order ones elsewhere."""
+    return StreamLoads(device) if device.type == "cuda" and side else SyncLoads()
 
 
 def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

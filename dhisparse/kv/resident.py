@@ -18,12 +18,12 @@ from dhisparse.kv.pool import PoolUsage
 
 
 class ResidentKV:
-    def __init__(self, arena: KVArena, side_stream: bool = True) -> None:
+    def __init__(self, arena: KVArena, side_loads: bool = True) -> None:
         self.arena, self.pool = arena, arena.pool
         self.page_size, self.device = arena.page_size, arena.device
         self.latent_tables: dict[object, list[int]] = {}
         self.index_tables: dict[object, list[int]] = {}
-        self.loads = make_loads(arena.device, side_stream)  # prefix imports (kv/loads.py)
+        self.loads = make_loads(arena.device, side_loads)  # prefix imports (kv/loads.py)
 
     # -- request lifecycle -----------------------------------------------------------------------
     def pages_for(self, n_tokens: int, prompt_len: int | None = None) -> int:
