@@ -286,3 +286,24 @@ def test_no_repopulation_while_an_admission_waits_for_memory(resident):
     assert [out[ids[i]] for i in range(len(jobs))] == [resident.generate([p], sp)[0].token_ids for p, sp in jobs]
     assert any("failed" in s for s in steps) and any("populate" in s for s in steps)
     assert not any("failed" in s and "populate" in s for s in steps)
+
+
+def test_kept_tail_pages_never_spend_the_requests_reservation():
+    """A completed tail page kept as optional history is replaced in the tail by a page beyond
+    the reservations: the request's own reservation still covers every required page it will
+    need (index pages as it grows), so a running request never meets an exhausted pool."""
+    llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, kv_pool_bytes=1 << 19, debug_checks=True)
+    eng, store = llm.engine, llm.engine.store
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(20 + 7 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=120, ignore_eos=True)
+    ids = [eng.add_request(p, sp) for p in prompts]
+    kept = 0
+    while eng.has_unfinished():
+        kept = max(kept, sum(len(store.pool.owned_by(("opt", r))) for r in ids))
+        eng.step()
+        for rid in ids:
+            if rid not in store.reqs or not store.reqs[rid].decoding:
+                continue
+            need = store.arena.index_pages_for(store.max_total[rid]) - len(store.resident.index_tables[rid])
+            assert store.pool._reserved.get(rid, 0) >= need, f"{rid}: reservation spent on kept tail pages"
+    assert kept > 0  # pages were kept (the path under test ran)

@@ -156,7 +156,8 @@ class AdaptiveKV(HierarchicalKV):
             done = st.tail_pages[0]
             self._pages_to_host(req, [done], st.tail_start)
             if self.res.can_keep():
-                st.tail_pages = st.tail_pages[1:] + self.pool.alloc(req, 1)
+                # the replacement is a spare page: req's reservation still covers its own growth
+                st.tail_pages = st.tail_pages[1:] + self.pool.alloc(req, 1, spare=True)
                 self.res.keep(req, st.tail_start // ps, done)
             else:
                 st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]

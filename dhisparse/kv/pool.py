@@ -70,9 +70,10 @@ class PagePool:
         self._reserved.pop(owner, None)
 
     # -- allocation ------------------------------------------------------------------------------
-    def alloc(self, owner: object, n: int) -> list[int]:
-        """Allocate n pages to owner, drawing on its reservation first."""
-        held = self._reserved.get(owner, 0)
+    def alloc(self, owner: object, n: int, spare: bool = False) -> list[int]:
+        """Allocate n pages to owner, drawing on its reservation first (with `spare`, only on
+        pages beyond every reservation: the reservation stays whole for what it was made for)."""
+        held = 0 if spare else self._reserved.get(owner, 0)
         from_res = min(held, n)
         if n - from_res > self.available:
             raise PoolExhausted(f"{self.name}: asked for {n} pages, {self.available} available")
