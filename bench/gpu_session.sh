@@ -108,6 +108,10 @@ case ",$STEPS," in *,serving32k2k,*)  # 32K C18 with the paper's GLM output cap 
   run "serving at 32K, C18, 2048-token outputs" timeout 510 python3 bench/gpu_serving.py --input-len 32768 --output-len 2048 \
       --resident-fit 3 --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 100 \
       --distinct-suffixes 18 --force --out "$OUT/gpu_serving_32k_c18_out2k_h200.json" ;; esac
+case ",$STEPS," in *,serving32k2ks,*)  # serving32k2k with 30-s windows: the ramp and steady decode, no second wave (~3.5 min)
+  run "serving at 32K, C18, 2048-token outputs, 30-s window" timeout 330 python3 bench/gpu_serving.py --input-len 32768 \
+      --output-len 2048 --resident-fit 3 --host-pool-gib 92 --concurrency 18 --presets hisparse,adaptive,adaptive+spec \
+      --duration 30 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_32k_c18_out2k30_h200.json" ;; esac
 case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
   run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac

@@ -52,9 +52,11 @@ class EngineConfig:
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
     load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
-        host -> device; hisparse's hand-off backup device -> host): "side" (side streams: the
-        batch keeps running, the request waits for its copies) or "compute" (in stream order on
-        the compute stream: the batch waits, the request does not).
+        host -> device; hisparse's hand-off backup device -> host): "compute" (default: in stream
+        order on the compute stream; the batch waits, the request does not) or "side" (side
+        streams: the batch keeps running, the request waits for its copies). At 32K C18 on the
+        H200, where memory lets one admission through at a time, "compute" gave more output
+        (bench/results/gpu_serving_32k_c18_load*_s9_h200.json).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per
@@ -89,7 +91,7 @@ class EngineConfig:
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32
     copy_stream: str = "side"
-    load_stream: str = "side"
+    load_stream: str = "compute"
     cuda_graphs: str = "auto"
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None

@@ -59,7 +59,7 @@ def _span(layers: list[int], producer: int) -> slice | None:
 class HierarchicalKV:
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
-                 side_loads: bool = True) -> None:
+                 side_loads: bool = False) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for

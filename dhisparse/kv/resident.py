@@ -18,7 +18,7 @@ from dhisparse.kv.pool import PoolUsage
 
 
 class ResidentKV:
-    def __init__(self, arena: KVArena, side_loads: bool = True) -> None:
+    def __init__(self, arena: KVArena, side_loads: bool = False) -> None:
         self.arena, self.pool = arena, arena.pool
         self.page_size, self.device = arena.page_size, arena.device
         self.latent_tables: dict[object, list[int]] = {}
