@@ -247,3 +247,16 @@ def test_phase_clock_splits_a_step_and_removes_its_wrappers():
     assert ph["before_launch"] + ph["overlap"] + ph["blocked"] + ph["after_sync"] <= wall_ms * 1.01
     assert not {"_forward", "_step", "_sample"} & set(vars(eng)) and "schedule" not in vars(eng.scheduler)
     assert (torch.Tensor.tolist, torch.Tensor.item) == before
+
+
+def test_mla_split_bench_quick_reports_ratios_against_the_unsplit_kernel(tmp_path):
+    import json
+
+    from bench import mla_split_bench
+
+    out = tmp_path / "mla.json"
+    assert mla_split_bench.main(["--quick", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 0), (2, 16), (3, 0), (3, 16)]
+    assert all(r["vs_unsplit"] == 1.0 for r in runs if r["split_rows"] == 0)
+    assert all(r["max_abs_diff_vs_unsplit"] < 1e-4 for r in runs)

@@ -203,3 +203,46 @@ def test_engine_staging_tokens_match_with_triton_forced(monkeypatch):
     assert got == want == [ref[tuple(p)] for p in prompts]
     assert llm.engine.stats().as_dict()["resolver_overflow"] > 0
     assert any(isinstance(r, tuple) and not r[0].is_contiguous() for r in calls)  # (arena layer view, staging)
+
+
+@pytest.mark.parametrize("T,H,C,R,k,split", [(3, 5, 48, 6, 37, 16), (2, 4, 32, 8, 70, 16), (4, 17, 40, 8, 33, 32),
+                                              (1, 3, 32, 8, 16, 16), (2, 2, 32, 8, 100, 48)])
+def test_split_rows_match_the_reference(T, H, C, R, k, split):
+    """Split k locations over several programs + the combine: the reference's result, including a
+    token with no valid row (zeros), one whose only valid rows sit in one chunk, and k <= split
+    (no split at all); one and two row spaces."""
+    P, per = 7, 4
+    rows = torch.randn(P, per, C + R).to(DEV)
+    stage = torch.randn(1, 40, C + R).to(DEV)
+    q, qp, loc = _inputs(T, H, C, R, k, P * per, seed=k)
+    loc[0] = -1
+    if T > 1:
+        loc[1, : min(k, split)] = -1  # the first chunk has nothing valid
+    plan = plan_sparse_mla(H, C, R, split_rows=split)
+    assert plan.split_rows % plan.block_k == 0 and plan.split_rows >= split
+    want = sparse_mla_reference(q, qp, rows, loc, 0.37)
+    got = run_sparse_mla(plan, q, qp, rows, loc, 0.37)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[0].abs().max() == 0
+    loc2 = torch.where(torch.rand(loc.shape, device=loc.device) < 0.5, loc, SPACE + (loc.clamp(min=0) % 40))
+    loc2[loc < 0] = -1
+    torch.testing.assert_close(run_sparse_mla(plan, q, qp, (rows, stage), loc2, 0.37),
+                               sparse_mla_reference(q, qp, (rows, stage), loc2, 0.37), rtol=1e-5, atol=1e-5)
+
+
+def test_split_rows_do_not_depend_on_the_batch():
+    """A token's output is bitwise the same alone and inside a larger batch (verification passes
+    must reproduce decoding)."""
+    C, R, H, k = 32, 8, 4, 64
+    rows = torch.randn(6, 4, C + R).to(DEV)
+    q, qp, loc = _inputs(5, H, C, R, k, 24)
+    plan = plan_sparse_mla(H, C, R, split_rows=16)
+    full = run_sparse_mla(plan, q, qp, rows, loc, 0.5)
+    for t in range(5):
+        one = run_sparse_mla(plan, q[t : t + 1], qp[t : t + 1], rows, loc[t : t + 1], 0.5)
+        assert torch.equal(one[0], full[t])
+
+
+def test_split_rows_must_not_be_negative():
+    with pytest.raises(ValueError, match="split_rows"):
+        plan_sparse_mla(4, 32, 8, split_rows=-1)

@@ -11,7 +11,18 @@ Grid (T, cdiv(H, BLOCK_H)): one program per (token, head block). It walks the to
 in blocks of BLOCK_K, gathers each block's rows once for all BLOCK_H heads (every MLA head reads the
 same latent rows) and keeps an online softmax (running max / sum in fp32). Rows are read through
 base pointers and (page, row) strides, so strided views such as `KVArena.latent[:, layer]` and the
-staging arena are read in place. Plan / run:
+staging arena are read in place.
+
+Split rows (plan.split_rows = n > 0, flash-decoding): a decode pass has one program per token, 31
+at 8K C36 on 132 SMs. With a split, program (t, hb, j) walks only locations j*n .. j*n+n-1 and
+writes its partial (unnormalised acc [BLOCK_H, C], running max m, sum l) to a workspace; a combine
+kernel merges the S = cdiv(k, n) partials of each token in a fixed order:
+
+    M = max_j m_j      out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j      (0 if no valid row)
+
+S depends on k only, never on the batch, so a token's arithmetic is the same in any pass
+(verification reproduces decoding). Off by default (DHISPARSE_MLA_SPLIT_ROWS, 0 = no split)
+until measured on the GPU. Plan / run:
 
     plan = plan_sparse_mla(H, C, R)                         # block sizes, warps (host only)
     out = run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale)
@@ -122,9 +133,83 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
              mask=hm[:, None] & cm[None, :])
 
 
+@triton.jit
+def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1_ptr,
+                            sq_t, sq_h, sp_t, sp_h, sl_t,
+                            H, K, S, CHUNK, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                            C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                            SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
+    heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    j = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = heads < H
+    cc = tl.arange(0, BC)
+    rr = tl.arange(0, BR)
+    cm = cc < C
+    rm = rr < R
+    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    qpe = tl.load(qpe_ptr + t * sp_t + heads[:, None] * sp_h + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    qpe = qpe.to(q.dtype)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BC], tl.float32)
+    lp = loc_ptr + t * sl_t
+    lo = j * CHUNK
+    hi = tl.minimum(K, lo + CHUNK)
+    if INTERP:
+        k0 = lo
+        while k0 < hi:
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(lo, hi, BLOCK_K):
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+    row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
+    tl.store(acc_ptr + row[:, None] * C + cc[None, :], acc, mask=hm[:, None] & cm[None, :])
+    tl.store(ml_ptr + row * 2, m_i, mask=hm)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
+
+
+@triton.jit
+def sparse_mla_combine_kernel(acc_ptr, ml_ptr, out_ptr, so_t, so_h, H,
+                              S: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, hb): merge the S partials of token t (fixed order j = 0 .. S-1) into out."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = heads < H
+    cc = tl.arange(0, BC)
+    cm = cc < C
+    M = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for j in tl.static_range(S):
+        M = tl.maximum(M, tl.load(ml_ptr + ((t * S + j) * H + heads) * 2, mask=hm, other=float("-inf")))
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    num = tl.zeros([BLOCK_H, BC], tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(S):
+        row = (t * S + j) * H + heads
+        m = tl.load(ml_ptr + row * 2, mask=hm, other=float("-inf"))
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - M_safe))
+        den += w * tl.load(ml_ptr + row * 2 + 1, mask=hm, other=0.0)
+        num += w[:, None] * tl.load(acc_ptr + row[:, None] * C + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    o = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & cm[None, :])
+
+
 @dataclass(frozen=True)
 class SparseMLAPlan:
-    """Launch shape for (H, C, R): heads per program, locations per block, warps, stages."""
+    """Launch shape for (H, C, R): heads per program, locations per block, warps, stages, and
+    split_rows: locations per program when a token's k locations are split (0: one program walks
+    all of them; else a multiple of block_k)."""
 
     H: int
     C: int
@@ -133,6 +218,7 @@ class SparseMLAPlan:
     block_k: int
     num_warps: int
     num_stages: int
+    split_rows: int = 0
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -140,16 +226,20 @@ def _p2(n: int, lo: int = 16) -> int:
 
 
 def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 2) -> SparseMLAPlan:
+                    num_warps: int | None = None, num_stages: int = 2, split_rows: int | None = None) -> SparseMLAPlan:
     """Pick block sizes (tl.dot needs every dim >= 16; smaller H, C, R are padded and masked).
 
     Defaults keep the fp32 accumulator [block_h, C] plus one row tile [block_k, C] in registers:
-    16 heads x 32 rows at C = 512 with 8 warps; up to 64 heads for small C."""
+    16 heads x 32 rows at C = 512 with 8 warps; up to 64 heads for small C. split_rows (default
+    DHISPARSE_MLA_SPLIT_ROWS, 0 = off) is rounded up to a multiple of block_k."""
     big = C > 256
     bh = block_h or min(_p2(H), 16 if big else 64)
-    bk = block_k or (32 if big else 16)
+    bk = _p2(block_k or (32 if big else 16))
     nw = num_warps or (8 if big else 4)
-    return SparseMLAPlan(H, C, R, _p2(bh), _p2(bk), nw, num_stages)
+    n = int(os.environ.get("DHISPARSE_MLA_SPLIT_ROWS", "0")) if split_rows is None else split_rows
+    if n < 0:
+        raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
+    return SparseMLAPlan(H, C, R, _p2(bh), bk, nw, num_stages, -(-n // bk) * bk)
 
 
 def _space(r: torch.Tensor) -> tuple[int, int, int]:
@@ -188,6 +278,8 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     s1 = _space(spaces[1]) if len(spaces) == 2 else s0
     r1 = spaces[1] if len(spaces) == 2 else spaces[0]
     ieee = q_abs.dtype == torch.float32 or _interpreting()
+    if plan.split_rows and k > plan.split_rows:
+        return _run_split(plan, q_abs, q_pe, spaces[0], r1, s0, s1, loc, k, scale, out, ieee, len(spaces) == 2)
     grid = (T, triton.cdiv(H, plan.block_h))
     sparse_mla_kernel[grid](
         q_abs, q_pe, out, loc, spaces[0], r1,
@@ -196,6 +288,28 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    return out
+
+
+def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
+               two: bool) -> torch.Tensor:
+    """The split-rows launch (module docstring): partials over S = cdiv(k, split_rows) chunks, then
+    the combine. Workspaces acc [T, S, H, C] and ml [T, S, H, 2] fp32."""
+    T, H, C = q_abs.shape
+    R = q_pe.shape[-1]
+    S = triton.cdiv(k, plan.split_rows)
+    acc = torch.empty((T, S, H, C), dtype=torch.float32, device=q_abs.device)
+    ml = torch.empty((T, S, H, 2), dtype=torch.float32, device=q_abs.device)
+    hb = triton.cdiv(H, plan.block_h)
+    sparse_mla_split_kernel[(T, hb, S)](
+        q_abs, q_pe, acc, ml, loc, r0, r1,
+        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), loc.stride(0),
+        H, k, S, plan.split_rows, *s0, *s1, float(scale) * LOG2E,
+        C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
+        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,
+                                       S=S, C=C, BC=_p2(C), BLOCK_H=plan.block_h, num_warps=4)
     return out
 
 
