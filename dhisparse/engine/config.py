@@ -56,7 +56,7 @@ class EngineConfig:
         order on the compute stream; the batch waits, the request does not) or "side" (side
         streams: the batch keeps running, the request waits for its copies). At 32K C18 on the
         H200, where memory lets one admission through at a time, "compute" gave more output
-        (bench/results/gpu_serving_32k_c18_load*_s9_h200.json).
+        (bench/results/gpu_serving_32k_c18_load*_s9c_h200.json).
     speculative_algorithm [--speculative-algorithm]: dflash, dspark, ngram or oracle; turns
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per

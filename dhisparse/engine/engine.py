@@ -183,7 +183,7 @@ class Engine:
         self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
         item, n = self.prefixes.match(req.prompt_ids)
         if item is not None and n > 0:
-            if hasattr(self.store, "import_prefix"):  # whole pages, beside the running batch (kv/loads.py)
+            if hasattr(self.store, "import_prefix"):  # whole pages (kv/loads.py: in stream order or on a side stream)
                 self.store.import_prefix(req.request_id, item, n)
             else:
                 self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
@@ -315,7 +315,9 @@ class Engine:
         n = len(req.prompt_ids)
         latent, index = self.store.read_rows(req.request_id, n)
         feats = self.spec.take_features(req.request_id) if self.spec is not None else None
-        self.prefixes.add(req.prompt_ids, latent, index, feats)
+        item = self.prefixes.add(req.prompt_ids, latent, index, feats)
+        if hasattr(self.store, "import_prefix"):  # its page layout now, not on the first import
+            item.paged(self.store.page_size, self.store.arena.index_page_size)
         self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:

@@ -167,7 +167,7 @@ class HierarchicalKV:
         self.resident.write_rows(req, latent, index, start)
 
     def import_prefix(self, req: object, item, n: int) -> None:
-        """A stored prefix into req's prefill workspace, in the background (ResidentKV.import_prefix)."""
+        """A stored prefix into req's prefill workspace (ResidentKV.import_prefix)."""
         self.resident.import_prefix(req, item, n)
 
     def loading(self, req: object) -> bool:
@@ -255,10 +255,11 @@ class HierarchicalKV:
             self.host.rows[hp].copy_(self.arena.latent[p], non_blocking=True)
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
-        """The prompt is done: its complete workspace pages go to host in the background (req is
-        `loading` until they are there: its history is read from host from the next pass on),
-        the partial page becomes tail page 0 now, and the workspace is freed (complete pages once
-        their copy is done: they belong to ("handoff", req) meanwhile).
+        """The prompt is done: its complete workspace pages go to host (`handoffs`: in stream order,
+        or on a side stream with req `loading` until they are there, since its history is read
+        from host from the next pass on), the partial page becomes tail page 0 now, and the
+        workspace is freed (complete pages once their copy is done: they belong to
+        ("handoff", req) meanwhile).
 
             positions  0 ............ full | full .. n-1
             workspace  pages[: full/ps]     pages[full/ps]  -> host pages 0 .. | tail page 0

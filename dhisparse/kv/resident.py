@@ -93,7 +93,8 @@ class ResidentKV:
 
     def import_prefix(self, req: object, item, n: int) -> None:
         """Import positions 0..n-1 of a stored prefix `item` (kv/prefix.py) into req's pages as
-        whole-page copies in the background (`loads`): req is `loading` until they are done. The
+        whole-page copies through `loads` (in stream order, or on a side stream with req `loading`
+        until they are done). The
         last page is copied whole; its positions >= n are written by req's prefill before any
         read (attention and the indexer read positions < the request's length only).
 
