@@ -13,7 +13,6 @@ in the same run, plus the largest difference from the unsplit output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -92,13 +91,9 @@ def main(argv=None) -> int:
                          "vs_unsplit": ms / base_ms if base_ms else None, "max_abs_diff_vs_unsplit": diff})
             print(f"T={T:4d} split_rows={plan.split_rows:4d}  {ms * 1e3:8.1f} us  "
                   f"x{runs[-1]['vs_unsplit'] or float('nan'):.3f} of unsplit  diff {diff}", flush=True)
-    doc = {"kind": "mla_split_bench", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
-           "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype),
-           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs}
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"[done] {ns.out}")
+    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
+    print(f"[done] {R.write_json(R.new_result('mla_split_bench', ns.argv, config, runs), ns.out)}")
     return 0
 
 

@@ -91,19 +91,16 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, per0, p
 
 
 @triton.jit
-def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
-                      sq_t, sq_h, sp_t, sp_h, so_t, so_h, sl_t,
-                      H, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
-                      C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
-    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e).
+def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t, heads, lo, hi,
+                  H, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                  C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                  SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """Token t's queries of `heads` over its locations lo .. hi-1 (lp at its row): the online-softmax
+    state (m [BLOCK_H], l [BLOCK_H], unnormalised acc [BLOCK_H, BC], fp32).
 
     INTERP: the interpreter cannot run `range` over a runtime bound, so it walks k with `while`;
     compiled code uses `range` (software-pipelined over num_stages)."""
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
     cc = tl.arange(0, BC)
     rr = tl.arange(0, BR)
@@ -117,20 +114,36 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BC], tl.float32)
-    lp = loc_ptr + t * sl_t
     if INTERP:
-        k0 = 0
-        while k0 < K:
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1,
+        k0 = lo
+        while k0 < hi:
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
                                           rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
             k0 += BLOCK_K
     else:
-        for k0 in range(0, K, BLOCK_K):
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1,
+        for k0 in range(lo, hi, BLOCK_K):
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
                                           rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
+                      sq_t, sq_h, sp_t, sp_h, so_t, so_h, sl_t,
+                      H, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                      C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
+                                  0, K, H, per0, ps0, rs0, per1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
+                                  TWO, SPACE_BITS, IEEE, INTERP)
+    cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=hm[:, None] & cm[None, :])
+             mask=(heads < H)[:, None] & (cc < C)[None, :])
 
 
 @triton.jit
@@ -143,37 +156,16 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
     """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
     heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.program_id(2)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    lo = j * CHUNK
+    m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
+                                  lo, tl.minimum(K, lo + CHUNK), H, per0, ps0, rs0, per1, ps1, rs1, qk_scale, C, R, BC,
+                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP)
     hm = heads < H
     cc = tl.arange(0, BC)
-    rr = tl.arange(0, BR)
-    cm = cc < C
-    rm = rr < R
-    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-    qpe = tl.load(qpe_ptr + t * sp_t + heads[:, None] * sp_h + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
-    if IEEE:
-        q = q.to(tl.float32)
-    qpe = qpe.to(q.dtype)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BC], tl.float32)
-    lp = loc_ptr + t * sl_t
-    lo = j * CHUNK
-    hi = tl.minimum(K, lo + CHUNK)
-    if INTERP:
-        k0 = lo
-        while k0 < hi:
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
-            k0 += BLOCK_K
-    else:
-        for k0 in range(lo, hi, BLOCK_K):
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
     row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
-    tl.store(acc_ptr + row[:, None] * C + cc[None, :], acc, mask=hm[:, None] & cm[None, :])
+    tl.store(acc_ptr + row[:, None] * C + cc[None, :], acc, mask=hm[:, None] & (cc < C)[None, :])
     tl.store(ml_ptr + row * 2, m_i, mask=hm)
     tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
 
