@@ -11,11 +11,10 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.loads import StreamLoads, SyncLoads, runs
+from dhisparse.kv.loads import StreamLoads, SyncLoads
 from dhisparse.kv.prefix import to_pages
 from kv_check import checked
 
@@ -51,16 +50,6 @@ def late_loads(delay: int, log: list | None = None) -> StreamLoads:
             log.append(ev)
 
     return StreamLoads(stream=FakeStream(), event=lambda: LateEvent(delay), wait=wait)
-
-
-@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=20))
-@settings(max_examples=200, deadline=None)
-def test_runs_cover_every_pair_once_and_are_maximal(pairs):
-    out = runs(pairs)
-    flat = [(s + i, d + i) for s, d, c in out for i in range(c)]
-    assert flat == pairs  # in order, each pair once
-    for (s0, d0, c0), (s1, d1, _) in zip(out, out[1:]):
-        assert not (s1 == s0 + c0 and d1 == d0 + c0)  # two mergeable runs never stay apart
 
 
 def test_stream_loads_wait_for_their_event_and_run_on_done_once():

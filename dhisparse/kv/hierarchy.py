@@ -28,7 +28,8 @@ from dhisparse.kv.arena import SPACE, KVArena, cdiv
 from dhisparse.kv.census import Census
 from dhisparse.kv.context import ForwardBatch
 from dhisparse.kv.host import HostStore
-from dhisparse.kv.loads import make_loads, runs
+from dhisparse.kv.copies import page_runs
+from dhisparse.kv.loads import make_loads
 from dhisparse.kv.pool import PoolUsage
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.kv.resolver import ResolverState, plan_reference, run_copies
@@ -282,10 +283,11 @@ class HierarchicalKV:
         self.host.ensure(req, full)
         self.sync_host_table(req)
         host_rows, dev = self.host.rows, self.arena.latent
-        pairs = list(zip(moving, self.host.tables[req][: len(moving)]))
+        pairs = [("handoff", h, d) for d, h in zip(moving, self.host.tables[req])]
 
         def copies() -> None:
-            for d, h, c in runs(pairs):
+            for run in page_runs(pairs):
+                h, d, c = run.host, run.device, run.count
                 host_rows[h : h + c].copy_(dev[d : d + c], non_blocking=True)
 
         self.handoffs.run(req, copies, on_done=lambda: self.pool.free(owner, moving))

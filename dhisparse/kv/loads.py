@@ -120,17 +120,3 @@ def make_loads(device: torch.device, side: bool = True) -> SyncLoads | StreamLoa
     """Side-stream loads on CUDA (unless `side` is off), in-order ones elsewhere."""
     return StreamLoads(device) if device.type == "cuda" and side else SyncLoads()
 
-
-def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(source index, destination page) pairs, in order -> (source start, destination start,
-    count) runs where both advance together: each run is one contiguous copy.
-
-        src 0 1 2 3 4     dst 7 8 9 3 4   ->  (0, 7, 3), (3, 3, 2)
-    """
-    out: list[tuple[int, int, int]] = []
-    for s, d in pairs:
-        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((s, d, 1))
-    return out

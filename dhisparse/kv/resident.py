@@ -13,7 +13,8 @@ import torch
 
 from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows, table_locations
 from dhisparse.kv.context import ForwardBatch, GraphPass, IndexTable, ScratchRows
-from dhisparse.kv.loads import make_loads, runs
+from dhisparse.kv.copies import page_runs
+from dhisparse.kv.loads import make_loads
 from dhisparse.kv.pool import PoolUsage
 
 
@@ -108,7 +109,8 @@ class ResidentKV:
         arena = self.arena
 
         def copies() -> None:
-            for s, d, c in runs(list(enumerate(lat))):
+            for run in page_runs([("import", j, d) for j, d in enumerate(lat)]):  # host = the prefix's page j
+                s, d, c = run.host, run.device, run.count
                 arena.latent[d : d + c].copy_(paged.latent[s : s + c], non_blocking=True)
             for s, d in enumerate(idx):  # an index page is a slice of its storage row: one copy a page
                 arena.index[d].copy_(paged.index[s], non_blocking=True)
