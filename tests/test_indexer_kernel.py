@@ -150,3 +150,32 @@ def test_dense_table_and_dispatch():
         index_keys = dense.index_keys
 
     assert torch.equal(indexer_topk(proj, batch, KeysOnly(), LAYER, 8), want)
+
+
+@pytest.mark.parametrize("K,starts,lens_cut", [(2, [60, 20, 7], 0), (3, [9, 0, 40], 5), (4, [1, 33], 0),
+                                               (5, [0, 12, 70, 3], 2)])
+def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut):
+    """Grouped scoring (one key read for a request's K queries): same visibility, same scores
+    (1e-5), same top-k as the torch path; a padded token (position -1) sees nothing; a request
+    whose keys end before its queries' positions (lens_cut) is cut at its length."""
+    batch, proj = make_pass([(K, s) for s in starts])
+    assert batch.tokens_per_request == K
+    lens = [max(1, n - lens_cut) for n in batch.seq_lens.tolist()]
+    table, _ = make_table(lens)
+    pos = batch.positions.clone()
+    pos[K - 1] = -1  # the first request's last token is padding
+    args = (proj.q, proj.w, pos, batch.req_idx, table)
+    s_torch, s_grp = indexer_scores_torch(*args), indexer_scores_triton(*args, group=K)
+    assert torch.isinf(s_grp[K - 1]).all()
+    assert torch.equal(torch.isinf(s_torch), torch.isinf(s_grp))
+    fin = ~torch.isinf(s_torch)
+    torch.testing.assert_close(s_grp[fin], s_torch[fin], rtol=1e-5, atol=1e-5)
+    assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())
+
+
+def test_grouped_scoring_rejects_a_ragged_pass():
+    batch, proj = make_pass([(3, 10), (2, 4)])
+    assert batch.tokens_per_request == 0
+    table, _ = make_table(batch.seq_lens.tolist())
+    with pytest.raises(ValueError, match="multiple of group"):
+        indexer_scores_triton(proj.q, proj.w, batch.positions, batch.req_idx, table, group=2)

@@ -246,3 +246,33 @@ def test_split_rows_do_not_depend_on_the_batch():
 def test_split_rows_must_not_be_negative():
     with pytest.raises(ValueError, match="split_rows"):
         plan_sparse_mla(4, 32, 8, split_rows=-1)
+
+
+@cpu_model
+def test_speculation_with_grouped_indexer_scoring_stays_exact(monkeypatch):
+    """hisparse + oracle speculation with every kernel in Triton (interpreter) and verification
+    queries scored K per key read (kernels/indexer.py grouped scoring): tokens equal resident's,
+    verification passes ran grouped and decode passes per token. (Split-row attention cannot
+    split the tiny model's k = 16 locations below its 16-row blocks: its tests are above.)"""
+    from dhisparse import SamplingParams
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+    from dhisparse.engine.llm import LLM
+    from dhisparse.kernels import indexer as ix
+    from dhisparse.layers import indexer as layer_ix
+
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(40 + 9 * i)] for i in range(2)]
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, LLM("tiny").generate(prompts, sp))}
+    monkeypatch.setenv("DHISPARSE_TRITON_KERNELS", "1")
+    monkeypatch.setattr(layer_ix, "GROUPED", True)
+    groups = []
+    orig = ix.indexer_scores_triton
+    monkeypatch.setattr(ix, "indexer_scores_triton", lambda *a, **k: groups.append(k.get("group", 1)) or orig(*a, **k))
+    llm = LLM.__new__(LLM)
+    llm.engine = Engine(EngineConfig(preset="hisparse", hot_cache_rows=16, page_size=4, speculative_algorithm="oracle",
+                                     speculative_num_draft_tokens=3, speculative_oracle_tokens_per_round=2.0),
+                        oracle_reference=ref)
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == [ref[tuple(p)] for p in prompts]
+    assert 3 in groups and 1 in groups

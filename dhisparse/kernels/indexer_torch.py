@@ -53,11 +53,12 @@ def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def topk_in_chunks(score_fn, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
-                   table: IndexTable, topk: int) -> torch.Tensor:
+                   table: IndexTable, topk: int, group: int = 1) -> torch.Tensor:
     """Selection [T, topk] int64 of every token, scoring tokens in chunks with `score_fn` (a
-    scores function of this module's signature) so that at most SCORE_ELEMS fp32 scores are live."""
+    scores function of this module's signature) so that at most SCORE_ELEMS fp32 scores are live.
+    Chunks hold whole groups of `group` tokens."""
     T, Lmax = q.shape[0], table.locs.shape[1]
-    step = max(1, SCORE_ELEMS // max(Lmax, 1))
+    step = max(group, SCORE_ELEMS // max(Lmax, 1) // group * group)
     if T <= step:  # one chunk (every decode / verification pass): no output buffer to fill and copy
         return topk_of_scores(score_fn(q, w, positions, req_idx, table), topk)
     out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)

@@ -21,6 +21,7 @@ implementations of this one protocol; the model code does not change between pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import torch
@@ -56,6 +57,14 @@ class ForwardBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.query_start) - 1
+
+    @cached_property
+    def tokens_per_request(self) -> int:
+        """K when every request runs exactly K consecutive tokens (a decode or verification pass,
+        padded ones included), else 0."""
+        qs, N = self.query_start, self.num_reqs
+        K = qs[-1] // N if N else 0
+        return K if K and all(qs[r] == r * K for r in range(N + 1)) else 0
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int]], device: torch.device | str = "cpu") -> "ForwardBatch":

@@ -10,6 +10,7 @@ The plain-PyTorch per-request scorer here is the ground truth for the batched pa
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -93,13 +94,22 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
 
     Contexts with `index_table(layer)` are scored in one batched pass: the Triton kernel on CUDA
     (unless DHISPARSE_TORCH_KERNELS=1), the batched PyTorch path otherwise. Other contexts fall
-    back to the per-request reference over `index_keys`. Triton is imported only on CUDA.
+    back to the per-request reference over `index_keys`. Triton is imported only on CUDA. With
+    DHISPARSE_INDEXER_GROUP=1, a pass whose requests each run K >= 2 tokens is scored K queries
+    per key read (`kernels/indexer.py`, grouped scoring).
     """
     table_of = getattr(kv, "index_table", None)
     if table_of is None:
         return indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: kv.index_keys(layer, r), topk)
     if use_triton(proj.q):
-        from dhisparse.kernels.indexer import indexer_topk_triton as fn
-    else:
-        from dhisparse.kernels.indexer_torch import indexer_topk_torch as fn
-    return fn(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
+        from dhisparse.kernels.indexer import indexer_topk_triton
+
+        K = batch.tokens_per_request if GROUPED else 0
+        return indexer_topk_triton(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk,
+                                   group=K if K > 1 else 1)
+    from dhisparse.kernels.indexer_torch import indexer_topk_torch
+
+    return indexer_topk_torch(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
+
+
+GROUPED = os.environ.get("DHISPARSE_INDEXER_GROUP", "0") == "1"  # kernels/indexer.py: grouped scoring
