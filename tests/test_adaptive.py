@@ -231,14 +231,16 @@ def test_batched_copies_merge_adjacent_pages_and_stay_exact(resident, monkeypatc
     (`AdaptiveKV.copy_pages`); under the delayed, out-of-order fake stream the tokens stay equal
     to resident serving, and runs longer than one page do occur (so the merged path is tested)."""
     counts = []
-    real = adaptive_mod.page_runs
+    from dhisparse.kv import hierarchy as hierarchy_mod  # AdaptiveKV.copy_pages -> HierarchicalKV._copy_runs
+
+    real = hierarchy_mod.page_runs
 
     def recording(pairs):
         runs = real(pairs)
         counts.extend(r.count for r in runs)
         return runs
 
-    monkeypatch.setattr(adaptive_mod, "page_runs", recording)
+    monkeypatch.setattr(hierarchy_mod, "page_runs", recording)
     test_adaptive_exact_under_random_load(resident, 0, "delayed", monkeypatch)
     assert counts and max(counts) > 1
 

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from dhisparse.kv.copies import CopyItem, copy_engine_for, page_runs
+from dhisparse.kv.copies import CopyItem, copy_engine_for
 from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
 from dhisparse.kv.residency import ResidencyManager, opt_owner
 from dhisparse.kv.resolver import ResolverState
@@ -105,13 +105,7 @@ class AdaptiveKV(HierarchicalKV):
             table = self.host.tables.get(req)
             if table is not None:
                 pairs.append((kind, table[j], page))
-        for run in page_runs(pairs):
-            host = self.host.rows[run.host : run.host + run.count]
-            dev = self.arena.latent[run.device : run.device + run.count]
-            if run.kind == "backup":
-                host.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(host, non_blocking=True)
+        self._copy_runs(pairs)
 
     def progress(self) -> None:
         for kind, req, j in self.copies.poll():

@@ -241,19 +241,36 @@ class HierarchicalKV:
     def _pages_to_host(self, req: object, dev_pages: list[int], start: int) -> None:
         """Back up whole device pages (every layer's rows) into req's host pages for positions
         start .. start + len(dev_pages) * ps (start page aligned). Device and host pages share the
-        layout [L, ps, d], so each page is one copy, asynchronous on CUDA (pinned host memory) and
-        ordered before any later kernel that reuses the device page (I3 by stream order).
+        layout [L, ps, d], so each run of pages consecutive on both sides is one copy, asynchronous
+        on CUDA (pinned host memory) and ordered before any later kernel that reuses the device
+        page (I3 by stream order).
 
             positions  | start ............ | +ps .............. | ...
             device     dev_pages[0]          dev_pages[1]
             host       host.tables[req][start / ps], ...
         """
+        host_pages = self._host_pages(req, start, len(dev_pages))
+        self._copy_runs([("backup", h, d) for d, h in zip(dev_pages, host_pages)])
+
+    def _host_pages(self, req: object, start: int, count: int) -> list[int]:
+        """req's host pages for positions start .. start + count * ps (start page aligned),
+        allocated if new and mirrored into the resolver's device table."""
         ps = self.page_size
-        end = start + len(dev_pages) * ps
-        self.host.ensure(req, end)
+        self.host.ensure(req, start + count * ps)
         self.sync_host_table(req)
-        for p, hp in zip(dev_pages, self.host.tables[req][start // ps : end // ps]):
-            self.host.rows[hp].copy_(self.arena.latent[p], non_blocking=True)
+        return self.host.tables[req][start // ps : start // ps + count]
+
+    def _copy_runs(self, pairs: list[tuple[str, int, int]]) -> None:
+        """(kind, host page, device page) whole-page copies, one per run of pages consecutive on
+        both sides (`page_runs`): 'backup' device -> host, otherwise host -> device; asynchronous
+        on CUDA (pinned host memory), in order on the current stream."""
+        for run in page_runs(pairs):
+            host = self.host.rows[run.host : run.host + run.count]
+            dev = self.arena.latent[run.device : run.device + run.count]
+            if run.kind == "backup":
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
         """The prompt is done: its complete workspace pages go to host (`handoffs`: in stream order,
@@ -280,17 +297,8 @@ class HierarchicalKV:
             return
         owner = ("handoff", req)
         self.pool.transfer(req, owner, moving)
-        self.host.ensure(req, full)
-        self.sync_host_table(req)
-        host_rows, dev = self.host.rows, self.arena.latent
-        pairs = [("handoff", h, d) for d, h in zip(moving, self.host.tables[req])]
-
-        def copies() -> None:
-            for run in page_runs(pairs):
-                h, d, c = run.host, run.device, run.count
-                host_rows[h : h + c].copy_(dev[d : d + c], non_blocking=True)
-
-        self.handoffs.run(req, copies, on_done=lambda: self.pool.free(owner, moving))
+        pairs = [("backup", h, d) for d, h in zip(moving, self._host_pages(req, 0, len(moving)))]
+        self.handoffs.run(req, lambda: self._copy_runs(pairs), on_done=lambda: self.pool.free(owner, moving))
 
     def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
         ps = self.page_size
