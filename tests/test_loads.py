@@ -7,8 +7,6 @@ held until their copy is done, a retired request's loads are settled, and tokens
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -21,35 +19,32 @@ from kv_check import checked
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-class LateEvent:
-    """Fires after `delay` queries (or when waited for)."""
+class LateStreams:
+    """Fake `Streams`: a side "copy" runs at once (its data is visible), its event fires only
+    after `delay` queries, or when the compute stream is made to wait for it."""
 
-    def __init__(self, delay: int) -> None:
-        self.left, self.waited = delay, False
+    def __init__(self, delay: int, log: list | None = None) -> None:
+        self.delay, self.log = delay, log
 
-    def record(self, stream) -> None:
-        pass
+    def fence(self) -> None:
+        return None
 
-    def query(self) -> bool:
-        self.left -= 1
-        return self.left < 0 or self.waited
+    def on_side(self, after, fn) -> list:
+        fn()
+        return [self.delay, False]  # [queries left, waited for]
 
+    def finished(self, ev: list) -> bool:
+        ev[0] -= 1
+        return ev[0] < 0 or ev[1]
 
-class FakeStream:
-    def wait_stream(self, other) -> None:
-        pass
-
-    def context(self):
-        return contextlib.nullcontext()
+    def wait(self, ev: list) -> None:
+        ev[1] = True
+        if self.log is not None:
+            self.log.append(ev)
 
 
 def late_loads(delay: int, log: list | None = None) -> StreamLoads:
-    def wait(ev):
-        ev.waited = True
-        if log is not None:
-            log.append(ev)
-
-    return StreamLoads(stream=FakeStream(), event=lambda: LateEvent(delay), wait=wait)
+    return StreamLoads(streams=LateStreams(delay, log))
 
 
 def test_stream_loads_wait_for_their_event_and_run_on_done_once():

@@ -97,6 +97,9 @@ class Streams(Protocol):
     def finished(self, event: object) -> bool:
         """Whether the event has fired (never blocks)."""
 
+    def wait(self, event: object) -> None:
+        """Order the compute stream's later work after the event (the host does not block)."""
+
 
 class CudaStreams:
     """Streams over torch.cuda: one side stream per engine."""
@@ -121,6 +124,9 @@ class CudaStreams:
 
     def finished(self, event: torch.cuda.Event) -> bool:
         return event.query()
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        self.compute.wait_event(event)
 
 
 class StreamCopyEngine:

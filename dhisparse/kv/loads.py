@@ -1,10 +1,13 @@
 """Background loads: the page copies a request waits for before its next chunk runs (a prefix
 import host -> device at admission, the hand-off backup device -> host when its prompt is done).
 
-They run on a side stream, so the running batch keeps decoding while a new request's KV moves
-(what a decode node sees of a prefill/decode handoff: the KV arrives by DMA beside the decode
-kernels). Without them each admission of a 32K prompt stopped every running request for ~0.1 s
-of PCIe copies on the compute stream.
+`StreamLoads` (`--load-stream side`) runs them on a side stream, so the running batch keeps
+decoding while a new request's KV moves (what a decode node sees of a prefill/decode handoff: the
+KV arrives by DMA beside the decode kernels) and the request waits for its copies instead.
+`SyncLoads` (the default) runs them in stream order on the compute stream: each 32K admission
+stops the batch for ~0.1 s of PCIe copies, but the request runs in the same step. At 32K C18 on
+the H200, where memory lets one admission through at a time, stream order gave more output
+(bench/results/gpu_serving_32k_c18_load*_s9c_h200.json).
 
     compute  ──k──k──[issue]──k──k──k──k──k──k──k──    the request runs again after `done`
     side              └wait─copy─copy─…─copy─[done]
@@ -16,8 +19,8 @@ reader of a reused page is still running. `on_done` callbacks (freeing the pages
 run on the host once the load's event has fired. A request retired while loading is `settle`d:
 the compute stream waits for its loads, so pages it frees are reused only after the copies.
 
-`SyncLoads` (CPU, or `load_stream=compute`) copies at issue, in stream order on the compute stream,
-and is never loading: the batch waits for the copies instead of the request.
+`SyncLoads` (CPU, or `load_stream=compute`) copies at issue and is never loading. `StreamLoads`
+uses the residency copies' stream plumbing (`copies.Streams`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from dhisparse.kv.copies import CudaStreams, Streams
 
 Copies = Callable[[], None]
 
@@ -54,32 +59,18 @@ class SyncLoads:
 class StreamLoads:
     """Copies on a side stream; a request is `loading` until its loads' events fired.
 
-    `stream` / `event` / `wait` are the CUDA primitives by default; tests pass fakes whose events
-    fire late, to check that nothing runs a loading request."""
+    `streams` is the residency copies' `Streams` (kv/copies.py): `CudaStreams` by default, a fake
+    whose events fire late in tests."""
 
-    def __init__(self, device: torch.device | None = None, stream=None, event: Callable | None = None,
-                 wait: Callable | None = None) -> None:
-        self.stream = stream if stream is not None else torch.cuda.Stream(device)
-        self._event = event or (lambda: torch.cuda.Event())
-        self._wait = wait or (lambda ev: torch.cuda.current_stream().wait_event(ev))
+    def __init__(self, device: torch.device | None = None, streams: Streams | None = None) -> None:
+        self.streams = streams if streams is not None else CudaStreams(device)
         self._pending: dict[object, list[tuple[object, Callable[[], None] | None]]] = {}
 
     def run(self, req: object, copies: Copies, on_done: Callable[[], None] | None = None) -> None:
         """Issue `copies` (a function enqueuing asynchronous copies) on the side stream after
         everything issued so far on the compute stream; `on_done` runs once they completed."""
-        self.stream.wait_stream(torch.cuda.current_stream() if self._is_cuda else None)
-        with self._context():
-            copies()
-        ev = self._event()
-        ev.record(self.stream)
+        ev = self.streams.on_side(self.streams.fence(), copies)
         self._pending.setdefault(req, []).append((ev, on_done))
-
-    @property
-    def _is_cuda(self) -> bool:
-        return isinstance(self.stream, torch.cuda.Stream)
-
-    def _context(self):
-        return torch.cuda.stream(self.stream) if self._is_cuda else self.stream.context()
 
     def loading(self, req: object) -> bool:
         """Whether req still has a load in flight (finishing those that completed)."""
@@ -101,8 +92,8 @@ class StreamLoads:
         left = []
         for ev, on_done in self._pending.pop(req, []):
             if force:
-                self._wait(ev)
-            elif not ev.query():
+                self.streams.wait(ev)
+            elif not self.streams.finished(ev):
                 left.append((ev, on_done))
                 continue
             if on_done is not None:
