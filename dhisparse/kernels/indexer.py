@@ -146,7 +146,5 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tenso
                         table: IndexTable, topk: int, group: int = 1) -> torch.Tensor:
     """Selection [T, topk] int64 of every token of the pass, scored by the Triton kernel (grouped
     when group > 1: see the module docstring)."""
-    if group > 1:
-        return topk_in_chunks(functools.partial(indexer_scores_triton, group=group), q, w, positions, req_idx,
-                              table, topk, group=group)
-    return topk_in_chunks(indexer_scores_triton, q, w, positions, req_idx, table, topk)
+    score = functools.partial(indexer_scores_triton, group=group)
+    return topk_in_chunks(score, q, w, positions, req_idx, table, topk, group=group)

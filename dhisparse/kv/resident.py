@@ -95,9 +95,9 @@ class ResidentKV:
     def import_prefix(self, req: object, item, n: int) -> None:
         """Import positions 0..n-1 of a stored prefix `item` (kv/prefix.py) into req's pages as
         whole-page copies through `loads` (in stream order, or on a side stream with req `loading`
-        until they are done). The
-        last page is copied whole; its positions >= n are written by req's prefill before any
-        read (attention and the indexer read positions < the request's length only).
+        until they are done). The last page is copied whole; its positions >= n are written by
+        req's prefill before any read (attention and the indexer read positions < the request's
+        length only).
 
             prefix pages  0 1 2 ... j          (item.paged: [NP, L, ps, d])
             req pages     t0 t1 t2 ... tj      (consecutive ones move as one copy)

@@ -104,9 +104,8 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
     if use_triton(proj.q):
         from dhisparse.kernels.indexer import indexer_topk_triton
 
-        K = batch.tokens_per_request if GROUPED else 0
-        return indexer_topk_triton(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk,
-                                   group=K if K > 1 else 1)
+        group = max(1, batch.tokens_per_request) if GROUPED else 1
+        return indexer_topk_triton(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk, group=group)
     from dhisparse.kernels.indexer_torch import indexer_topk_torch
 
     return indexer_topk_torch(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
