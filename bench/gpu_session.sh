@@ -4,8 +4,8 @@
 #   bash bench/gpu_call.sh bash bench/gpu_session.sh [steps]    (carry [".whl", ".tcache"])
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
-#        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlasplit,specprofile32ksplit,
-#        specprofile32kgroup,specprofile8ksplit,exactfast,serving32kload,serving32k2k,serving32k2ks
+#        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
+#        specprofile32kfast,specprofile8kfast,exactfast,serving32kload,serving32k2k,serving32k2ks
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -60,20 +60,20 @@ case ",$STEPS," in *,specprofile8ko,*)  # the same at 8K C36 (specprofile's pool
   run "decode-step profile, 8K serving pools, C36, full-width rounds" timeout 240 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle --kv-pool-gib 9.1 \
       --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_8k_c36_oracle_h200.json" ;; esac
-case ",$STEPS," in *,mlasplit,*)  # sparse-MLA attention with split rows vs one program per token, one layer (~1 min)
-  run "sparse-MLA split rows" timeout 150 python3 bench/mla_split_bench.py --out "$OUT/mla_split_h200.json" ;; esac
+case ",$STEPS," in *,mlatune,*)  # sparse-MLA launch configurations (split rows, block_k, warps, stages) under CUDA graphs (~4 min)
+  run "sparse-MLA launch configurations" timeout 300 python3 bench/mla_tune_bench.py --out "$OUT/mla_tune_h200.json" ;; esac
 case ",$STEPS," in *,specprofile32ksplit,*)  # specprofile32k with attention split into 128-row chunks (~4 min)
   run "decode-step profile, 32K C18, split rows 128" timeout 330 env DHISPARSE_MLA_SPLIT_ROWS=128 python3 bench/step_profile.py \
       --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \
       --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_split128_h200.json" ;; esac
-case ",$STEPS," in *,specprofile8ksplit,*)  # specprofile8ko with attention split into 128-row chunks and grouped indexer scoring (~2.5 min)
+case ",$STEPS," in *,specprofile8kfast,*)  # specprofile8ko with attention split into 128-row chunks and grouped indexer scoring (~2.5 min)
   run "decode-step profile, 8K C36, split rows 128 + grouped indexer" timeout 240 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 \
       python3 bench/step_profile.py --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \
       --kv-pool-gib 9.1 --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_8k_c36_fast_h200.json" ;; esac
-case ",$STEPS," in *,specprofile32kgroup,*)  # specprofile32k with grouped indexer scoring for verification passes (~4 min)
-  run "decode-step profile, 32K C18, grouped indexer" timeout 330 env DHISPARSE_INDEXER_GROUP=1 python3 bench/step_profile.py \
+case ",$STEPS," in *,specprofile32kfast,*)  # specprofile32ksplit plus grouped indexer scoring for verification passes (~4 min)
+  run "decode-step profile, 32K C18, split rows 128 + grouped indexer" timeout 330 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 python3 bench/step_profile.py \
       --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \
-      --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_group_h200.json" ;; esac
+      --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_fast_h200.json" ;; esac
 case ",$STEPS," in *,exactfast,*)  # the exactness suite with split-row attention and grouped indexer scoring on (~4 min)
   run "exactness on CUDA, split rows + grouped indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \

@@ -249,14 +249,14 @@ def test_phase_clock_splits_a_step_and_removes_its_wrappers():
     assert (torch.Tensor.tolist, torch.Tensor.item) == before
 
 
-def test_mla_split_bench_quick_reports_ratios_against_the_unsplit_kernel(tmp_path):
+def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     import json
 
-    from bench import mla_split_bench
+    from bench import mla_tune_bench
 
     out = tmp_path / "mla.json"
-    assert mla_split_bench.main(["--quick", "--out", str(out)]) == 0
+    assert mla_tune_bench.main(["--quick", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 0), (2, 16), (3, 0), (3, 16)]
-    assert all(r["vs_unsplit"] == 1.0 for r in runs if r["split_rows"] == 0)
-    assert all(r["max_abs_diff_vs_unsplit"] < 1e-4 for r in runs)
+    assert [r["vs_default"] for r in runs if r["split_rows"] == 0] == [1.0, 1.0]
+    assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in runs)

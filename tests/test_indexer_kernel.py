@@ -179,3 +179,24 @@ def test_grouped_scoring_rejects_a_ragged_pass():
     table, _ = make_table(batch.seq_lens.tolist())
     with pytest.raises(ValueError, match="multiple of group"):
         indexer_scores_triton(proj.q, proj.w, batch.positions, batch.req_idx, table, group=2)
+
+
+def test_prefill_sized_groups_use_the_per_token_kernel(monkeypatch):
+    """A prefill chunk is one request's many tokens (tokens_per_request = the chunk): its group is
+    above MAX_GROUP and must go to the per-token kernel (the grouped kernel's query tile would pass
+    Triton's block limit on the GPU: 8K prefill hit 2^23 elements)."""
+    import dhisparse.kernels.indexer as ik
+
+    K = ik.MAX_GROUP + 1
+    batch, proj = make_pass([(K, 30)])
+    table, _ = make_table(batch.seq_lens.tolist())
+    args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
+    want = indexer_scores_triton(*args)
+
+    class NoGroup:
+        def __getitem__(self, grid):
+            raise AssertionError("grouped kernel launched for a prefill-sized group")
+
+    monkeypatch.setattr(ik, "indexer_score_group_kernel", NoGroup())
+    assert torch.equal(indexer_scores_triton(*args, group=K), want)
+    assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())

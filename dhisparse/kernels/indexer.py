@@ -17,7 +17,10 @@ verification round), program (g, j) scores tokens g*G .. g*G+G-1, all of one req
 block j, reading the block once for the G queries (the per-token kernel reads it G times: at 32K C18
 a K = 4 round spent 4.72 ms in scoring against 1.34 ms for a decode step). Off by default
 (DHISPARSE_INDEXER_GROUP=1 turns it on for such passes) until the GPU shows that grouped and
-per-token scores select the same rows: a verification round must reproduce decoding.
+per-token scores select the same rows: a verification round must reproduce decoding. Only
+verification-sized groups (2 .. MAX_GROUP tokens) are grouped: a prefill chunk is one request's
+thousands of tokens, whose query tile would exceed Triton's block limit, and the per-token kernel
+already reads each key block once per token there.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import triton.language as tl
 from dhisparse.kv.context import IndexTable
 from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the kernel's reference)
     GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_in_chunks, topk_of_scores)
+
+MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification width); larger: per token
 
 
 
@@ -115,7 +120,8 @@ def _pow2(n: int, lo: int = 16) -> int:
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                           table: IndexTable, block_s: int = 64, group: int = 1) -> torch.Tensor:
     """q [T, iH, iD], w [T, iH], positions / req_idx [T] int64, table -> scores [T, Lmax] fp32.
-    group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel)."""
+    group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
+    when G <= MAX_GROUP, the per-token kernel above it)."""
     T, H, D = q.shape
     rows, locs, lens = table
     Lmax = locs.shape[1]
@@ -125,9 +131,9 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     assert rows.shape[-1] == D, (rows.shape, q.shape)
     ieee = not (q.dtype == rows.dtype and q.dtype in (torch.bfloat16, torch.float16))
     locs = locs.contiguous()
-    if group > 1:
-        if T % group:
-            raise ValueError(f"grouped indexer scoring needs T ({T}) to be a multiple of group ({group})")
+    if group > 1 and T % group:
+        raise ValueError(f"grouped indexer scoring needs T ({T}) to be a multiple of group ({group})")
+    if 1 < group <= MAX_GROUP:
         qg = triton.next_power_of_2(group)
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
@@ -145,6 +151,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                         table: IndexTable, topk: int, group: int = 1) -> torch.Tensor:
     """Selection [T, topk] int64 of every token of the pass, scored by the Triton kernel (grouped
-    when group > 1: see the module docstring)."""
+    when 1 < group <= MAX_GROUP: see the module docstring)."""
+    group = group if group <= MAX_GROUP else 1
     score = functools.partial(indexer_scores_triton, group=group)
     return topk_in_chunks(score, q, w, positions, req_idx, table, topk, group=group)

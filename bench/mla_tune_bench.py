@@ -1,0 +1,138 @@
+"""Sparse-MLA attention launch configurations against the shipped default plan, one layer.
+
+    python3 bench/mla_tune_bench.py --out $OUT/mla_tune_h200.json      # H200 (~2 min, mostly compiles)
+    python3 bench/mla_tune_bench.py --quick --out /tmp/mla_tune.json    # CPU smoke (interpreter)
+
+For each pass size T (a decode pass has one token per request, a verification pass K per request)
+and each configuration (split_rows, block_k, num_warps, num_stages) one layer's attention at the
+scaled GLM's shape (16 heads, latent 512 + rope 64, k = 512 random locations in a paged row space)
+is timed. On CUDA, --graph launches are captured in one CUDA graph and replayed (the engine replays
+its steps from graphs, so Python launch cost is not part of the kernel's time); the time is the
+median replay over --reps, divided by --graph. Every row reports the ratio against the default plan
+(`plan_sparse_mla(H, C, R)`, first in the list) measured in the same run at the same T, and the
+largest difference from that plan's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dhisparse.bench import results as R  # noqa: E402
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--tokens", default="18,36,72,144", help="pass sizes T")
+    a("--splits", default="0,64,128", help="split_rows values (0 = one program walks all k)")
+    a("--block-k", default="16,32,64"); a("--warps", default="4,8"); a("--stages", default="1,2,3")
+    a("--heads", type=int, default=16); a("--latent", type=int, default=512); a("--rope", type=int, default=64)
+    a("--topk", type=int, default=512); a("--pages", type=int, default=4096); a("--page-size", type=int, default=64)
+    a("--reps", type=int, default=20); a("--warmup", type=int, default=3); a("--graph", type=int, default=20)
+    a("--quick", action="store_true", help="tiny shapes on CPU under the interpreter")
+    a("--out", default="bench/results/mla_tune.json")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.tokens, ns.splits, ns.block_k, ns.warps, ns.stages = "2,3", "0,16", "16", "4", "2"
+        ns.heads, ns.latent, ns.rope, ns.topk = 4, 32, 8, 40
+        ns.pages, ns.page_size, ns.reps, ns.warmup, ns.graph = 8, 4, 2, 1, 1
+    ns.argv = ["bench/mla_tune_bench.py"] + list(sys.argv[1:] if argv is None else argv)
+    return ns
+
+
+def timed(fn, ns, cuda: bool) -> float:
+    """Median milliseconds of one `fn()`: on CUDA from replays of a graph of ns.graph calls."""
+    for _ in range(ns.warmup):
+        fn()
+    if not cuda:
+        out = []
+        for _ in range(ns.reps):
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ns.graph):
+            fn()
+    graph.replay()
+    out = []
+    for _ in range(ns.reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / ns.graph)
+    return statistics.median(out)
+
+
+def plans(ns):
+    """The default plan first, then every swept configuration that differs from it."""
+    from dhisparse.kernels.sparse_mla import plan_sparse_mla
+
+    H, C, Rr = ns.heads, ns.latent, ns.rope
+    default = plan_sparse_mla(H, C, Rr)
+    out = [default]
+    for n, bk, nw, st in itertools.product(ints(ns.splits), ints(ns.block_k), ints(ns.warps), ints(ns.stages)):
+        if n and n % bk:
+            continue
+        plan = plan_sparse_mla(H, C, Rr, block_k=bk, num_warps=nw, num_stages=st, split_rows=n)
+        if plan not in out:
+            out.append(plan)
+    return out
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    if ns.quick:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from dhisparse.kernels.sparse_mla import run_sparse_mla
+
+    cuda = torch.cuda.is_available() and not ns.quick
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    H, C, Rr = ns.heads, ns.latent, ns.rope
+    rows = torch.randn(ns.pages, ns.page_size, C + Rr, generator=g).to(dev, dtype)
+    runs = []
+    for T in ints(ns.tokens):
+        q = torch.randn(T, H, C, generator=g).to(dev, dtype)
+        qp = torch.randn(T, H, Rr, generator=g).to(dev, dtype)
+        loc = torch.randint(0, ns.pages * ns.page_size, (T, ns.topk), generator=g).to(dev)
+        base_ms = base_out = None
+        for plan in plans(ns):
+            out = torch.empty(T, H, C, device=dev, dtype=dtype)
+            run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, out=out)
+            ms = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, out=out), ns, cuda)
+            if base_ms is None:
+                base_ms, base_out = ms, out.clone()
+            diff = float((out.float() - base_out.float()).abs().max())
+            cfg = {"split_rows": plan.split_rows, "block_k": plan.block_k, "num_warps": plan.num_warps,
+                   "num_stages": plan.num_stages}
+            runs.append({"tokens": T, **cfg, "ms": ms, "vs_default": ms / base_ms, "max_abs_diff_vs_default": diff})
+            print(f"T={T:4d} {cfg}  {ms * 1e3:8.1f} us  x{ms / base_ms:.3f} of default  diff {diff:.2g}", flush=True)
+    for T in ints(ns.tokens):
+        best = min((r for r in runs if r["tokens"] == T), key=lambda r: r["ms"])
+        print(f"best at T={T}: {best}")
+    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
+    print(f"[done] {R.write_json(R.new_result('mla_tune_bench', ns.argv, config, runs), ns.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
