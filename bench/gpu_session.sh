@@ -61,7 +61,7 @@ case ",$STEPS," in *,specprofile8ko,*)  # the same at 8K C36 (specprofile's pool
       --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle --kv-pool-gib 9.1 \
       --host-pool-gib 32 --cuda-graphs step --out "$OUT/step_profile_8k_c36_oracle_h200.json" ;; esac
 case ",$STEPS," in *,mlatune,*)  # sparse-MLA launch configurations (split rows, block_k, warps, stages) under CUDA graphs (~4 min)
-  run "sparse-MLA launch configurations" timeout 300 python3 bench/mla_tune_bench.py --out "$OUT/mla_tune_h200.json" ;; esac
+  run "sparse-MLA launch configurations" timeout 250 python3 bench/mla_tune_bench.py --out "$OUT/mla_tune_h200.json" ;; esac
 case ",$STEPS," in *,specprofile32ksplit,*)  # specprofile32k with attention split into 128-row chunks (~4 min)
   run "decode-step profile, 32K C18, split rows 128" timeout 330 env DHISPARSE_MLA_SPLIT_ROWS=128 python3 bench/step_profile.py \
       --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \

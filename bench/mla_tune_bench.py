@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     H, C, Rr = ns.heads, ns.latent, ns.rope
     rows = torch.randn(ns.pages, ns.page_size, C + Rr, generator=g).to(dev, dtype)
-    runs = []
+    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
+    runs, path = [], None
     for T in ints(ns.tokens):
         q = torch.randn(T, H, C, generator=g).to(dev, dtype)
         qp = torch.randn(T, H, Rr, generator=g).to(dev, dtype)
@@ -125,12 +127,10 @@ def main(argv=None) -> int:
                    "num_stages": plan.num_stages}
             runs.append({"tokens": T, **cfg, "ms": ms, "vs_default": ms / base_ms, "max_abs_diff_vs_default": diff})
             print(f"T={T:4d} {cfg}  {ms * 1e3:8.1f} us  x{ms / base_ms:.3f} of default  diff {diff:.2g}", flush=True)
-    for T in ints(ns.tokens):
         best = min((r for r in runs if r["tokens"] == T), key=lambda r: r["ms"])
-        print(f"best at T={T}: {best}")
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
-    print(f"[done] {R.write_json(R.new_result('mla_tune_bench', ns.argv, config, runs), ns.out)}")
+        print(f"best at T={T}: {best}", flush=True)
+        path = R.write_json(R.new_result("mla_tune_bench", ns.argv, config, runs), ns.out)  # after every T
+    print(f"[done] {path}")
     return 0
 
 
