@@ -5,7 +5,7 @@
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
-#        specprofile32kfast,specprofile8kfast,exactfast,serving32kload,serving32k2k,serving32k2ks
+#        specprofile32kfast,specprofile8kfast,exactplain,serving32kload,serving32k2k,serving32k2ks
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -74,10 +74,10 @@ case ",$STEPS," in *,specprofile32kfast,*)  # specprofile32ksplit plus grouped i
   run "decode-step profile, 32K C18, split rows 128 + grouped indexer" timeout 330 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 python3 bench/step_profile.py \
       --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \
       --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_fast_h200.json" ;; esac
-case ",$STEPS," in *,exactfast,*)  # the exactness suite with split-row attention and grouped indexer scoring on (~4 min)
-  run "exactness on CUDA, split rows + grouped indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 \
+case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
+  run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \
-      tests/test_engine.py tests/test_graphs.py tests/test_step_graphs.py tests/test_sparse_mla_kernel.py tests/test_indexer_kernel.py ;; esac
+      tests/test_engine.py tests/test_graphs.py tests/test_step_graphs.py tests/test_loads.py ;; esac
 case ",$STEPS," in *,specprofile2,*)  # specprofile's two residency presets alone (~2 min)
   run "decode-step profile, serving pools, C36, adaptive presets" timeout 170 python3 bench/step_profile.py \
       --concurrency 36 --steps 6 --warmup 3 --presets adaptive,adaptive+spec --kv-pool-gib 9.1 \

@@ -257,6 +257,7 @@ def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     out = tmp_path / "mla.json"
     assert mla_tune_bench.main(["--quick", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 0), (2, 16), (3, 0), (3, 16)]
-    assert [r["vs_default"] for r in runs if r["split_rows"] == 0] == [1.0, 1.0]
+    # the shipped default plan (split 128: above the quick k = 40, so unsplit) first, then the sweep
+    assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 128), (2, 0), (2, 16), (3, 128), (3, 0), (3, 16)]
+    assert [r["vs_default"] for r in runs if r["split_rows"] == 128] == [1.0, 1.0]
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in runs)

@@ -173,6 +173,21 @@ def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut):
     assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [2, 4, 5])
+def test_grouped_scores_equal_the_per_token_kernels_bit_for_bit(K, dtype):
+    """A verification round (grouped) must select what decoding (per token) selects: the two
+    kernels' scores are bitwise equal, in the engine's bf16 on the GPU. (The interpreter's bf16
+    tl.dot is not the GPU's: bf16 runs on CUDA only.)"""
+    if dtype == torch.bfloat16 and DEV != "cuda":
+        pytest.skip("bf16 kernel arithmetic is checked on the GPU")
+    batch, proj = make_pass([(K, s) for s in (0, 37, 90, 5)], dtype)
+    table, _ = make_table(batch.seq_lens.tolist(), dtype)
+    args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
+    per_token, grouped = indexer_scores_triton(*args), indexer_scores_triton(*args, group=K)
+    assert torch.equal(per_token, grouped)
+
+
 def test_grouped_scoring_rejects_a_ragged_pass():
     batch, proj = make_pass([(3, 10), (2, 4)])
     assert batch.tokens_per_request == 0

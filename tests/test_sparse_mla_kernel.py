@@ -243,6 +243,26 @@ def test_split_rows_do_not_depend_on_the_batch():
         assert torch.equal(one[0], full[t])
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="the engine's shape and bf16 on the GPU")
+def test_default_plan_is_batch_invariant_at_the_scaled_models_shape():
+    """The shipped plan (split rows on) at the scaled GLM's shape in bf16: a decode pass of 18
+    tokens and a 72-token verification pass give each token bitwise the output it gets alone."""
+    H, C, R, k = 16, 512, 64, 512
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 64, C + R, generator=g).to(DEV, torch.bfloat16)
+    q = torch.randn(72, H, C, generator=g).to(DEV, torch.bfloat16)
+    qp = torch.randn(72, H, R, generator=g).to(DEV, torch.bfloat16)
+    loc = torch.randint(0, 64 * 64, (72, k), generator=g).to(DEV)
+    loc[5, 300:] = -1
+    plan = plan_sparse_mla(H, C, R)
+    assert 0 < plan.split_rows < k
+    full = run_sparse_mla(plan, q, qp, rows, loc, C**-0.5)
+    decode = run_sparse_mla(plan, q[::4], qp[::4], rows, loc[::4], C**-0.5)
+    assert torch.equal(decode, full[::4])
+    for t in (0, 5, 71):
+        assert torch.equal(run_sparse_mla(plan, q[t : t + 1], qp[t : t + 1], rows, loc[t : t + 1], C**-0.5)[0], full[t])
+
+
 def test_split_rows_must_not_be_negative():
     with pytest.raises(ValueError, match="split_rows"):
         plan_sparse_mla(4, 32, 8, split_rows=-1)

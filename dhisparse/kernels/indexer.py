@@ -15,12 +15,14 @@ equals `indexer_topk_reference` token for token. Two implementations, same signa
 Grouped scoring (group = G > 1): in a pass where every request runs G consecutive tokens (a
 verification round), program (g, j) scores tokens g*G .. g*G+G-1, all of one request, against key
 block j, reading the block once for the G queries (the per-token kernel reads it G times: at 32K C18
-a K = 4 round spent 4.72 ms in scoring against 1.34 ms for a decode step). Off by default
-(DHISPARSE_INDEXER_GROUP=1 turns it on for such passes) until the GPU shows that grouped and
-per-token scores select the same rows: a verification round must reproduce decoding. Only
-verification-sized groups (2 .. MAX_GROUP tokens) are grouped: a prefill chunk is one request's
-thousands of tokens, whose query tile would exceed Triton's block limit, and the per-token kernel
-already reads each key block once per token there.
+a K = 4 round spent 4.72 ms in scoring against 1.34 ms for a decode step; grouped, 1.90 ms). On by
+default (the layer's GROUPED; DHISPARSE_INDEXER_GROUP=0 turns it off). A verification round must
+reproduce decoding, so grouped and per-token scores must select the same rows: each score is the
+same dot product over iD in the same order, and tests/test_indexer_kernel.py checks that the two
+kernels' scores are bitwise equal (on the GPU in bf16, where it matters). Only verification-sized
+groups (2 .. MAX_GROUP tokens) are grouped: a prefill chunk is one request's thousands of tokens,
+whose query tile would exceed Triton's block limit, and the per-token kernel already reads each key
+block once per token there.
 """
 
 from __future__ import annotations
@@ -76,41 +78,45 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, r
                                QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                                IEEE: tl.constexpr):
     """Program (g, j) writes out[g*G + i, j*BS : (j+1)*BS] for i < G: the G tokens of one request
-    (QG = G rounded up to a power of two; rows m = i*BH + h of the query tile)."""
+    (QG = G rounded up to a power of two). The key block is loaded once; each token's scores are
+    then the per-token kernel's operations on the same tiles ([BH, BD] x [BD, BS], sum over heads),
+    so the two kernels compute every score the same way."""
     g = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     s = j * BS + tl.arange(0, BS)
     t0 = g * G
     r = tl.load(req_ptr + t0).to(tl.int64)
     i = tl.arange(0, QG)
-    tv = i < G
-    pos = tl.load(pos_ptr + t0 + i, mask=tv, other=-1)
-    lim = tl.where(tv, tl.minimum(tl.load(len_ptr + r), pos + 1), 0)  # [QG] visible positions
-    lim_max = tl.max(lim, 0)
-    res = tl.full([QG, BS], float("-inf"), tl.float32)
+    pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
+    lim_max = tl.max(tl.where(i < G, tl.minimum(tl.load(len_ptr + r), pos + 1), 0), 0)
     if j * BS < lim_max:
         sm = s < lim_max
         loc = tl.load(loc_ptr + r * Lmax + s, mask=sm, other=0).to(tl.int64)
         ok = sm & (loc >= 0)
         base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
-        m = tl.arange(0, QG * BH)
-        mi, mh = m // BH, m % BH
-        mt = t0 + mi
-        qm = (mi < G) & (mh < H)
+        h = tl.arange(0, BH)
         d = tl.arange(0, BD)
-        dm = d < D
-        q = tl.load(q_ptr + mt[:, None] * qs0 + mh[:, None] * qs1 + d[None, :] * qs2, mask=qm[:, None] & dm[None, :], other=0.0)
+        hm, dm = h < H, d < D
         k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=dm[:, None] & ok[None, :], other=0.0)  # [BD, BS]
         if IEEE:
-            logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [QG*BH, BS]
-        else:
-            logit = tl.dot(q, k)
-        logit = tl.maximum(logit * scale, 0.0)
-        wv = tl.load(w_ptr + mt * ws0 + mh * ws1, mask=qm, other=0.0).to(tl.float32)
-        score = tl.sum(tl.reshape(logit * wv[:, None], (QG, BH, BS)), axis=1)  # [QG, BS]
-        vis = (s[None, :] < lim[:, None]) & ok[None, :]
-        res = tl.where(vis, score, float("-inf"))
-    tl.store(out_ptr + (t0 + i)[:, None] * Lmax + s[None, :], res, mask=tv[:, None] & (s < Lmax)[None, :])
+            k = k.to(tl.float32)
+        for u in tl.static_range(QG):
+            t = t0 + u
+            if u < G:
+                lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)
+                q = tl.load(q_ptr + t * qs0 + h[:, None] * qs1 + d[None, :] * qs2, mask=hm[:, None] & dm[None, :], other=0.0)
+                if IEEE:
+                    logit = tl.dot(q.to(tl.float32), k, input_precision="ieee")  # [BH, BS]
+                else:
+                    logit = tl.dot(q, k)
+                logit = tl.maximum(logit * scale, 0.0)
+                wv = tl.load(w_ptr + t * ws0 + h * ws1, mask=hm, other=0.0).to(tl.float32)
+                res = tl.where(ok & (s < lim), tl.sum(logit * wv[:, None], axis=0), float("-inf"))
+                tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
+    else:
+        for u in tl.static_range(QG):
+            if u < G:
+                tl.store(out_ptr + (t0 + u) * Lmax + s, tl.full([BS], float("-inf"), tl.float32), mask=s < Lmax)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -138,7 +144,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, rows.shape[1], *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
-            QG=qg, BH=max(_pow2(H, 1), 16 // qg), BD=_pow2(D), BS=block_s, IEEE=ieee)
+            QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](

@@ -94,9 +94,9 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
 
     Contexts with `index_table(layer)` are scored in one batched pass: the Triton kernel on CUDA
     (unless DHISPARSE_TORCH_KERNELS=1), the batched PyTorch path otherwise. Other contexts fall
-    back to the per-request reference over `index_keys`. Triton is imported only on CUDA. With
-    DHISPARSE_INDEXER_GROUP=1, a pass whose requests each run K >= 2 tokens is scored K queries
-    per key read (`kernels/indexer.py`, grouped scoring).
+    back to the per-request reference over `index_keys`. Triton is imported only on CUDA. A pass
+    whose requests each run 2 <= K <= 16 tokens (a verification round) is scored K queries per key
+    read (`kernels/indexer.py`, grouped scoring; DHISPARSE_INDEXER_GROUP=0 turns it off).
     """
     table_of = getattr(kv, "index_table", None)
     if table_of is None:
@@ -111,4 +111,4 @@ def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, t
     return indexer_topk_torch(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
 
 
-GROUPED = os.environ.get("DHISPARSE_INDEXER_GROUP", "0") == "1"  # kernels/indexer.py: grouped scoring
+GROUPED = os.environ.get("DHISPARSE_INDEXER_GROUP", "1") == "1"  # kernels/indexer.py: grouped scoring
