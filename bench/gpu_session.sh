@@ -5,7 +5,7 @@
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
-#        specprofile32kfast,specprofile8kfast,exactplain,serving32kload,serving32k2k,serving32k2ks
+#        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -66,6 +66,10 @@ case ",$STEPS," in *,specprofile32ksplit,*)  # specprofile32k with attention spl
   run "decode-step profile, 32K C18, split rows 128" timeout 330 env DHISPARSE_MLA_SPLIT_ROWS=128 python3 bench/step_profile.py \
       --input-len 32768 --concurrency 18 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \
       --kv-pool-gib 8.805 --host-pool-gib 92 --cuda-graphs step --out "$OUT/step_profile_32k_c18_split128_h200.json" ;; esac
+case ",$STEPS," in *,attnreplay32k,*)  # attention timed on the engine's own inputs at 32K C18, eager steps (~4 min)
+  run "attention replay, 32K C18" timeout 330 python3 bench/step_profile.py --input-len 32768 --concurrency 18 \
+      --steps 2 --warmup 2 --presets hisparse,adaptive+spec --drafter oracle --kv-pool-gib 8.805 --host-pool-gib 92 \
+      --cuda-graphs none --attention-replay 3 --out "$OUT/attention_replay_32k_c18_h200.json" ;; esac
 case ",$STEPS," in *,specprofile8kfast,*)  # specprofile8ko with attention split into 128-row chunks and grouped indexer scoring (~2.5 min)
   run "decode-step profile, 8K C36, split rows 128 + grouped indexer" timeout 240 env DHISPARSE_MLA_SPLIT_ROWS=128 DHISPARSE_INDEXER_GROUP=1 \
       python3 bench/step_profile.py --concurrency 36 --steps 6 --warmup 3 --presets hisparse,adaptive+spec --drafter oracle \

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench import attention_replay  # noqa: E402
 from bench.host_phases import phase_steps  # noqa: E402
 from bench.kernel_families import family, family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
@@ -62,6 +63,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--out", default="bench/results/step_profile.json")
     a("--quick", action="store_true")
     a("--verbose", action="store_true", help="time every step on the way to decode; cProfile that phase")
+    a("--attention-replay", type=int, default=0, metavar="N",
+      help="time the sparse-MLA kernel on N recorded attention calls of one eager step (bench/attention_replay.py; "
+           "needs --cuda-graphs none)")
     a("--sync-report", action="store_true", help="CUDA: list the call sites that synchronise during two steps")
     a("--isolate", action=argparse.BooleanOptionalAction, default=None,
       help="each preset / graph mode in its own process (default on CUDA: a finished torch.profiler session "
@@ -275,6 +279,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     host, host_cum = host_profile(engine, ns)
     kern = kernel_profile(engine, ns)
     syncs = sync_report(engine, ns) if ns.sync_report else {}
+    replayed = attention_replay.replay(engine.step, preset, ns.spec_width, ns.attention_replay) if ns.attention_replay else []
     st = engine.stats().as_dict()
     del engine
     release_memory()
@@ -282,7 +287,7 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     hosts.sort()
     res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "host_unprofiled_ms_median": hosts[len(hosts) // 2], "host_unprofiled_share": hosts[len(hosts) // 2] / walls[len(walls) // 2],
-           "host_phases_ms": phases, "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
+           "host_phases_ms": phases, "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "attention_replay": replayed, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:
         res["host_ms"] = max(0.0, kern["profiled_wall_ms_per_step"] - kern["busy_ms"])
         res["host_share"] = res["host_ms"] / kern["profiled_wall_ms_per_step"]

@@ -261,3 +261,37 @@ def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 128), (2, 0), (2, 16), (3, 128), (3, 0), (3, 16)]
     assert [r["vs_default"] for r in runs if r["split_rows"] == 128] == [1.0, 1.0]
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in runs)
+
+
+def test_attention_replay_describes_and_varies_the_recorded_locations():
+    """describe: empty / staging shares and distinct locations per request; variants keep each
+    token's valid locations (sorted: same set, ascending, -1 last; one_space: staging folded into
+    the first space)."""
+    import torch
+
+    from bench.attention_replay import describe, variants
+    from dhisparse.kv.arena import SPACE
+
+    loc = torch.tensor([[5, 3, -1], [3, 5, SPACE + 1], [7, -1, -1], [7, 8, 9]])
+    d = describe(loc, per_request=2)
+    assert (d["T"], d["k"]) == (4, 3) and d["empty_share"] == 3 / 12 and d["staging_share"] == 1 / 9
+    assert d["distinct_share_per_request"] == (3 + 3) / 9  # {3, 5, S+1} and {7, 8, 9}
+    rows = (torch.zeros(2, 4, 8), torch.zeros(1, 4, 8))
+    v = variants(None, None, rows, loc)
+    assert v["sorted"][1].tolist() == [[3, 5, -1], [3, 5, SPACE + 1], [7, -1, -1], [7, 8, 9]]
+    assert v["one_space"][0] is rows[0] and v["one_space"][1][1].tolist() == [3, 5, 1]
+    assert v["random"][1].shape == loc.shape and int(v["random"][1].max()) < 8
+
+
+def test_step_profile_attention_replay_on_cpu(tmp_path, monkeypatch):
+    import json
+
+    from bench import step_profile
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "sp.json"
+    assert step_profile.main(["--quick", "--presets", "adaptive+spec", "--drafter", "oracle", "--cuda-graphs", "none",
+                              "--attention-replay", "1", "--out", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["runs"][0]["attention_replay"]
+    assert rec["T"] == 4 * 4 and 0 < rec["distinct_share_per_request"] <= 1
+    assert {"engine", "sorted", "one_space", "random"} <= set(rec["ms"]) and all(v > 0 for v in rec["ms"].values())
