@@ -40,6 +40,36 @@ from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the k
 MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification width); larger: per token
 
 
+@triton.jit
+def _key_block(k_ptr, lp, s, lim, D, ips, ks0, ks1, ks2, BD: tl.constexpr):
+    """Index keys of positions s [BS] below lim of one request (lp: its row of locations):
+    (k [BD, BS], zero where not loaded; ok [BS], the positions that hold a key)."""
+    sm = s < lim
+    loc = tl.load(lp + s, mask=sm, other=0).to(tl.int64)
+    ok = sm & (loc >= 0)
+    base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
+    d = tl.arange(0, BD)
+    k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=(d < D)[:, None] & ok[None, :], other=0.0)
+    return k, ok
+
+
+@triton.jit
+def _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
+                  BH: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+    """sum_h w[t, h] * relu(q[t, h] . k[:, s] * scale) for the key block k [BD, BS] -> [BS] fp32.
+    Both kernels score every token through this one function (grouped scores equal per-token ones)."""
+    h = tl.arange(0, BH)
+    d = tl.arange(0, BD)
+    hm = h < H
+    q = tl.load(q_ptr + t * qs0 + h[:, None] * qs1 + d[None, :] * qs2, mask=hm[:, None] & (d < D)[None, :], other=0.0)
+    if IEEE:
+        logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [BH, BS]
+    else:
+        logit = tl.dot(q, k)  # same 16-bit dtype: exact products, fp32 accumulation
+    logit = tl.maximum(logit * scale, 0.0)
+    wv = tl.load(w_ptr + t * ws0 + h * ws1, mask=hm, other=0.0).to(tl.float32)
+    return tl.sum(logit * wv[:, None], axis=0)
+
 
 @triton.jit
 def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
@@ -53,22 +83,9 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
     lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
     res = tl.full([BS], float("-inf"), tl.float32)
     if j * BS < lim:
-        sm = s < lim
-        loc = tl.load(loc_ptr + r * Lmax + s, mask=sm, other=0).to(tl.int64)
-        sm = sm & (loc >= 0)
-        base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
-        h = tl.arange(0, BH)
-        d = tl.arange(0, BD)
-        hm, dm = h < H, d < D
-        q = tl.load(q_ptr + t * qs0 + h[:, None] * qs1 + d[None, :] * qs2, mask=hm[:, None] & dm[None, :], other=0.0)
-        k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=dm[:, None] & sm[None, :], other=0.0)  # [BD, BS]
-        if IEEE:
-            logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [BH, BS]
-        else:
-            logit = tl.dot(q, k)  # same 16-bit dtype: exact products, fp32 accumulation
-        logit = tl.maximum(logit * scale, 0.0)
-        wv = tl.load(w_ptr + t * ws0 + h * ws1, mask=hm, other=0.0).to(tl.float32)
-        res = tl.where(sm, tl.sum(logit * wv[:, None], axis=0), float("-inf"))
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, ips, ks0, ks1, ks2, BD)
+        sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
+        res = tl.where(ok, sc, float("-inf"))
     tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
 
 
@@ -77,42 +94,26 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, r
                                Lmax, H, D, G, ips, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
                                QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                                IEEE: tl.constexpr):
-    """Program (g, j) writes out[g*G + i, j*BS : (j+1)*BS] for i < G: the G tokens of one request
-    (QG = G rounded up to a power of two). The key block is loaded once; each token's scores are
-    then the per-token kernel's operations on the same tiles ([BH, BD] x [BD, BS], sum over heads),
-    so the two kernels compute every score the same way."""
+    """Program (g, j) writes out[g*G + u, j*BS : (j+1)*BS] for u < G: the G tokens of one request
+    (QG = G rounded up to a power of two). The key block is loaded once, up to the furthest of
+    the G tokens' limits; each token is then scored by `_token_scores`, as in the per-token kernel
+    (a key column's score does not depend on the other columns loaded with it)."""
     g = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     s = j * BS + tl.arange(0, BS)
     t0 = g * G
     r = tl.load(req_ptr + t0).to(tl.int64)
+    n = tl.load(len_ptr + r)
     i = tl.arange(0, QG)
     pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
-    lim_max = tl.max(tl.where(i < G, tl.minimum(tl.load(len_ptr + r), pos + 1), 0), 0)
+    lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
     if j * BS < lim_max:
-        sm = s < lim_max
-        loc = tl.load(loc_ptr + r * Lmax + s, mask=sm, other=0).to(tl.int64)
-        ok = sm & (loc >= 0)
-        base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
-        h = tl.arange(0, BH)
-        d = tl.arange(0, BD)
-        hm, dm = h < H, d < D
-        k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=dm[:, None] & ok[None, :], other=0.0)  # [BD, BS]
-        if IEEE:
-            k = k.to(tl.float32)
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, ips, ks0, ks1, ks2, BD)
         for u in tl.static_range(QG):
-            t = t0 + u
             if u < G:
-                lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)
-                q = tl.load(q_ptr + t * qs0 + h[:, None] * qs1 + d[None, :] * qs2, mask=hm[:, None] & dm[None, :], other=0.0)
-                if IEEE:
-                    logit = tl.dot(q.to(tl.float32), k, input_precision="ieee")  # [BH, BS]
-                else:
-                    logit = tl.dot(q, k)
-                logit = tl.maximum(logit * scale, 0.0)
-                wv = tl.load(w_ptr + t * ws0 + h * ws1, mask=hm, other=0.0).to(tl.float32)
-                res = tl.where(ok & (s < lim), tl.sum(logit * wv[:, None], axis=0), float("-inf"))
-                tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
+                lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
+                sc = _token_scores(q_ptr, w_ptr, t0 + u, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
+                tl.store(out_ptr + (t0 + u) * Lmax + s, tl.where(ok & (s < lim), sc, float("-inf")), mask=s < Lmax)
     else:
         for u in tl.static_range(QG):
             if u < G:
