@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import types
 
 import torch
 
 from bench import mla_tune_bench as tune
 from dhisparse.kv.arena import SPACE
+
+# (splits, block_k, warps, stages) of the plans timed besides the shipped one: on CUDA a smaller
+# grid than mla_tune_bench's; on CPU (the interpreter) one configuration
+SWEEP = {True: ([0, 128], [16, 32, 64], [4, 8], [1, 2]), False: ([0], [16], [4], [2])}
 
 
 @contextlib.contextmanager
@@ -87,7 +90,7 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
     cuda = calls[0][0].is_cuda
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("attention replay times the Triton kernel: run on CUDA, or set TRITON_INTERPRET=1 on CPU")
-    timing = tune.parse(["--reps", "10", "--warmup", "2", "--graph", "10"] + (["--quick"] if not cuda else []))
+    timing = tune.Timing(warmup=2, reps=10, graph=10) if cuda else tune.Timing(warmup=1, reps=2, graph=1)
     per_request = spec_width if preset.endswith("+spec") else 1
     out = []
     for i, (q, qp, rows, loc, scale) in enumerate(calls):
@@ -97,7 +100,7 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
         for name, (r, lc) in variants(q, qp, rows, loc).items():
             o = torch.empty_like(q)
             rec["ms"][name] = tune.timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, out=o), timing, cuda)
-        for plan in tune.plans(sweep(H, C, R, cuda)):
+        for plan in tune.plans(H, C, R, *SWEEP[cuda]):
             if plan == shipped:
                 continue
             o = torch.empty_like(q)
@@ -108,11 +111,3 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
         print(f"    attention replay call {i}: T={rec['T']} staging {rec['staging_share']:.2f} "
               + " ".join(f"{k} {1e3 * v:.1f}us" for k, v in list(rec["ms"].items())[:4]) + f"; best {best}", flush=True)
     return out
-
-
-def sweep(H: int, C: int, R: int, cuda: bool) -> types.SimpleNamespace:
-    """Arguments of `mla_tune_bench.plans` at this shape: a smaller grid than the bench's (on CPU,
-    one configuration besides the shipped plan)."""
-    if not cuda:
-        return types.SimpleNamespace(heads=H, latent=C, rope=R, splits="0", block_k="16", warps="4", stages="2")
-    return types.SimpleNamespace(heads=H, latent=C, rope=R, splits="0,128", block_k="16,32,64", warps="4,8", stages="1,2")

@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,13 +54,21 @@ def parse(argv=None) -> argparse.Namespace:
     return ns
 
 
-def timed(fn, ns, cuda: bool) -> float:
-    """Median milliseconds of one `fn()`: on CUDA from replays of a graph of ns.graph calls."""
-    for _ in range(ns.warmup):
+class Timing(NamedTuple):
+    """How `timed` measures: warm-up calls, timed repetitions, calls per captured CUDA graph."""
+
+    warmup: int
+    reps: int
+    graph: int
+
+
+def timed(fn, tm: Timing, cuda: bool) -> float:
+    """Median milliseconds of one `fn()`: on CUDA from replays of a graph of tm.graph calls."""
+    for _ in range(tm.warmup):
         fn()
     if not cuda:
         out = []
-        for _ in range(ns.reps):
+        for _ in range(tm.reps):
             t = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t) * 1e3)
@@ -67,31 +76,30 @@ def timed(fn, ns, cuda: bool) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(ns.graph):
+        for _ in range(tm.graph):
             fn()
     graph.replay()
     out = []
-    for _ in range(ns.reps):
+    for _ in range(tm.reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         graph.replay()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b) / ns.graph)
+        out.append(a.elapsed_time(b) / tm.graph)
     return statistics.median(out)
 
 
-def plans(ns):
-    """The default plan first, then every swept configuration that differs from it."""
+def plans(H: int, C: int, R: int, splits: list[int], block_ks: list[int], warps: list[int], stages: list[int]):
+    """The default plan for (H, C, R) first, then every swept configuration that differs from it."""
     from dhisparse.kernels.sparse_mla import plan_sparse_mla
 
-    H, C, Rr = ns.heads, ns.latent, ns.rope
-    default = plan_sparse_mla(H, C, Rr)
+    default = plan_sparse_mla(H, C, R)
     out = [default]
-    for n, bk, nw, st in itertools.product(ints(ns.splits), ints(ns.block_k), ints(ns.warps), ints(ns.stages)):
+    for n, bk, nw, st in itertools.product(splits, block_ks, warps, stages):
         if n and n % bk:
             continue
-        plan = plan_sparse_mla(H, C, Rr, block_k=bk, num_warps=nw, num_stages=st, split_rows=n)
+        plan = plan_sparse_mla(H, C, R, block_k=bk, num_warps=nw, num_stages=st, split_rows=n)
         if plan not in out:
             out.append(plan)
     return out
@@ -111,15 +119,16 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
     runs, path = [], None
+    tm = Timing(ns.warmup, ns.reps, ns.graph)
     for T in ints(ns.tokens):
         q = torch.randn(T, H, C, generator=g).to(dev, dtype)
         qp = torch.randn(T, H, Rr, generator=g).to(dev, dtype)
         loc = torch.randint(0, ns.pages * ns.page_size, (T, ns.topk), generator=g).to(dev)
         base_ms = base_out = None
-        for plan in plans(ns):
+        for plan in plans(H, C, Rr, ints(ns.splits), ints(ns.block_k), ints(ns.warps), ints(ns.stages)):
             out = torch.empty(T, H, C, device=dev, dtype=dtype)
             run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, out=out)
-            ms = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, out=out), ns, cuda)
+            ms = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, out=out), tm, cuda)
             if base_ms is None:
                 base_ms, base_out = ms, out.clone()
             diff = float((out.float() - base_out.float()).abs().max())
