@@ -41,13 +41,13 @@ MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification wid
 
 
 @triton.jit
-def _key_block(k_ptr, lp, s, lim, D, ips, ks0, ks1, ks2, BD: tl.constexpr):
+def _key_block(k_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, BD: tl.constexpr):
     """Index keys of positions s [BS] below lim of one request (lp: its row of locations):
     (k [BD, BS], zero where not loaded; ok [BS], the positions that hold a key)."""
     sm = s < lim
     loc = tl.load(lp + s, mask=sm, other=0).to(tl.int64)
     ok = sm & (loc >= 0)
-    base = (loc // ips) * ks0 + (loc % ips) * ks1  # [BS]
+    base = (loc // IPS) * ks0 + (loc % IPS) * ks1  # [BS]; IPS constexpr: a shift, not an int64 division
     d = tl.arange(0, BD)
     k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=(d < D)[:, None] & ok[None, :], other=0.0)
     return k, ok
@@ -73,8 +73,8 @@ def _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
 
 @triton.jit
 def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
-                         Lmax, H, D, ips, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
-                         BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+                         Lmax, H, D, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
+                         IPS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
     """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax])."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -83,7 +83,7 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
     lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
     res = tl.full([BS], float("-inf"), tl.float32)
     if j * BS < lim:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, ips, ks0, ks1, ks2, BD)
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, BD)
         sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
         res = tl.where(ok, sc, float("-inf"))
     tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
@@ -91,8 +91,8 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
 
 @triton.jit
 def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
-                               Lmax, H, D, G, ips, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
-                               QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                               Lmax, H, D, G, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
+                               IPS: tl.constexpr, QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                                IEEE: tl.constexpr):
     """Program (g, j) writes out[g*G + u, j*BS : (j+1)*BS] for u < G: the G tokens of one request
     (QG = G rounded up to a power of two). The key block is loaded once, up to the furthest of
@@ -108,7 +108,7 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, r
     pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
     lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
     if j * BS < lim_max:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, ips, ks0, ks1, ks2, BD)
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, BD)
         for u in tl.static_range(QG):
             if u < G:
                 lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
@@ -144,14 +144,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         qg = triton.next_power_of_2(group)
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
-            Lmax, H, D, group, rows.shape[1], *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
-            QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
+            Lmax, H, D, group, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
+            IPS=rows.shape[1], QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
         q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
-        Lmax, H, D, rows.shape[1], *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
-        BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
+        Lmax, H, D, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
+        IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
     return out
 
 

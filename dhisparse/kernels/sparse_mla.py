@@ -11,7 +11,8 @@ Grid (T, cdiv(H, BLOCK_H)): one program per (token, head block). It walks the to
 in blocks of BLOCK_K, gathers each block's rows once for all BLOCK_H heads (every MLA head reads the
 same latent rows) and keeps an online softmax (running max / sum in fp32). Rows are read through
 base pointers and (page, row) strides, so strided views such as `KVArena.latent[:, layer]` and the
-staging arena are read in place.
+staging arena are read in place. Rows per page are compile-time constants (PER0 / PER1): a
+location's page and slot then cost a shift and a mask, not an int64 division by a runtime value.
 
 Split rows (plan.split_rows = n > 0, flash-decoding): a decode pass has one program per token, 31
 at 8K C36 on 132 SMs. With a split, program (t, hb, j) walks only locations j*n .. j*n+n-1 and
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,9 +58,9 @@ DEFAULT_SPLIT_ROWS = 128  # locations per program (module docstring); DHISPARSE_
 
 
 @triton.jit
-def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
-                  cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                  SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
+def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
+                  PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
     """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
     cdt = q.dtype
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -67,11 +69,11 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, per0, p
     if TWO:
         space = loc >> SPACE_BITS
         flat = loc & ((1 << SPACE_BITS) - 1)
-        off0 = (flat // per0) * ps0 + (flat % per0) * rs0
-        off1 = (flat // per1) * ps1 + (flat % per1) * rs1
+        off0 = (flat // PER0) * ps0 + (flat % PER0) * rs0
+        off1 = (flat // PER1) * ps1 + (flat % PER1) * rs1
         base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
     else:
-        base = r0_ptr + (loc // per0) * ps0 + (loc % per0) * rs0
+        base = r0_ptr + (loc // PER0) * ps0 + (loc % PER0) * rs0
     c = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(cdt)
     kpe = tl.load(base[:, None] + C + rr[None, :], mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
     if IEEE:
@@ -95,7 +97,7 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, per0, p
 
 @triton.jit
 def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t, heads, lo, hi,
-                  H, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                  H, PER0: tl.constexpr, ps0, rs0, PER1: tl.constexpr, ps1, rs1, qk_scale,
                   C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                   SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
@@ -120,12 +122,12 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
     if INTERP:
         k0 = lo
         while k0 < hi:
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
                                           rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
             k0 += BLOCK_K
     else:
         for k0 in range(lo, hi, BLOCK_K):
-            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, per0, ps0, rs0, per1, ps1,
+            m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
                                           rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
     return m_i, l_i, acc
 
@@ -133,7 +135,7 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
 @triton.jit
 def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       sq_t, sq_h, sp_t, sp_h, so_t, so_h, sl_t,
-                      H, K, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                      H, K, ps0, rs0, ps1, rs1, qk_scale, PER0: tl.constexpr, PER1: tl.constexpr,
                       C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                       SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
@@ -141,7 +143,7 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
-                                  0, K, H, per0, ps0, rs0, per1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
+                                  0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
                                   TWO, SPACE_BITS, IEEE, INTERP)
     cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
@@ -152,7 +154,7 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
 @triton.jit
 def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1_ptr,
                             sq_t, sq_h, sp_t, sp_h, sl_t,
-                            H, K, S, CHUNK, per0, ps0, rs0, per1, ps1, rs1, qk_scale,
+                            H, K, S, CHUNK, ps0, rs0, ps1, rs1, qk_scale, PER0: tl.constexpr, PER1: tl.constexpr,
                             C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                             SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
@@ -163,7 +165,7 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
     j = tl.program_id(2)
     lo = j * CHUNK
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
-                                  lo, tl.minimum(K, lo + CHUNK), H, per0, ps0, rs0, per1, ps1, rs1, qk_scale, C, R, BC,
+                                  lo, tl.minimum(K, lo + CHUNK), H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC,
                                   BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP)
     hm = heads < H
     cc = tl.arange(0, BC)
@@ -237,11 +239,21 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     return SparseMLAPlan(H, C, R, _p2(bh), bk, nw, num_stages, -(-n // bk) * bk)
 
 
-def _space(r: torch.Tensor) -> tuple[int, int, int]:
-    """(per_page, page stride, row stride) of a [P, per_page, W] row space with unit last stride."""
+class RowSpace(NamedTuple):
+    """A [P, per_page, W] row space: rows per page (a compile-time constant of the kernels, so a
+    location's page and slot cost a shift and a mask for a power-of-two page, not an int64
+    division), page stride and row stride in elements."""
+
+    per: int
+    ps: int
+    rs: int
+
+
+def _space(r: torch.Tensor) -> RowSpace:
+    """The RowSpace of a [P, per_page, W] row space with unit last stride."""
     if r.dim() != 3 or r.stride(-1) != 1:
         raise ValueError(f"row space must be [P, per_page, W] with unit last stride, got {tuple(r.shape)} {r.stride()}")
-    return r.shape[1], r.stride(0), r.stride(1)
+    return RowSpace(r.shape[1], r.stride(0), r.stride(1))
 
 
 def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
@@ -279,7 +291,7 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     sparse_mla_kernel[grid](
         q_abs, q_pe, out, loc, spaces[0], r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), loc.stride(0),
-        H, k, *s0, *s1, float(scale) * LOG2E,
+        H, k, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
@@ -299,7 +311,7 @@ def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, sc
     sparse_mla_split_kernel[(T, hb, S)](
         q_abs, q_pe, acc, ml, loc, r0, r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), loc.stride(0),
-        H, k, S, plan.split_rows, *s0, *s1, float(scale) * LOG2E,
+        H, k, S, plan.split_rows, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
