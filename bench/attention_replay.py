@@ -1,7 +1,11 @@
 """Sparse-MLA attention replayed on a live engine's inputs (`step_profile.py --attention-replay`).
 
 The one-layer bench (`mla_tune_bench.py`) draws random rows from one row space. In the engine a
-72-token verification pass took 89 us a layer against the bench's 54 us at the same T. This replays
+72-token verification pass took 89 us a layer against the bench's 54 us at the same T. The replay
+found the cause (attention_replay_32k_c18_s11c_h200.json): the round reads two row spaces (arena
+and staging), and the kernel divided each location by the two spaces' runtime rows-per-page in
+int64; one space took 51 us on the same locations. With rows per page compile-time constants the
+round's pass takes 43 us a layer (..._s11d_h200.json). This replays
 the engine's own inputs: one eager step is run with `MLAttention.sparse` recording its arguments
 (q_abs [T, H, C], q_pe [T, H, R], the row spaces, loc [T, k]) for the first `layers` calls, then each
 recorded call is timed from CUDA-graph replays (as `mla_tune_bench.timed`) under:
