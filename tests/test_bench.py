@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from dhisparse.bench.loadstep import default_arms, unavailable_arms
-from dhisparse.bench.plots import fit_bandwidth, plot_loadstep, plot_resolver, plot_serving
+from dhisparse.bench.plots import fit_bandwidth, plot_loadstep, plot_resolver, plot_results, plot_serving
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample, percentile, summarize
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.bench.workload import Phase, Phases, Workload
@@ -126,6 +126,23 @@ def test_plots_on_synthetic_data(tmp_path):
         {"name": "C1 after", "start_s": 20, "end_s": 30}]}
     off = dict(run, preset="hisparse", series=[dict(r, coverage=0.0) for r in series])
     assert_png(plot_loadstep({"kind": "loadstep", "runs": [run, off]}, tmp_path / "l.png"))
+
+
+def test_series_plot_needs_a_series_and_draws_one_column_per_concurrency(tmp_path):
+    from dhisparse.bench.plot_series import has_series, plot_series
+
+    res = _bench_result(["hisparse", "adaptive+spec"])
+    assert not has_series(res)  # the synthetic runs carry no per-interval rows
+    for run in res["runs"]:
+        c = run["concurrency"]
+        run["series"] = [{"t": float(t), "output_tok_s": 50.0 * c if t > 3 else 0.0,
+                          "decoding": c if t > 3 else t} for t in range(1, 12)]
+    assert has_series(res)
+    assert_png(plot_series(res, tmp_path / "series.png", {"hisparse": "tab:blue"}))
+    written = plot_results([res], tmp_path / "all")  # the CLI's entry point draws it beside serving.png
+    assert [p.name for p in written] == ["serving.png", "series.png"]
+    with pytest.raises(ValueError, match="no runs"):
+        plot_series({"runs": []}, tmp_path / "none.png", {})
 
 
 def test_resolver_plot_and_bandwidth_fit(tmp_path):

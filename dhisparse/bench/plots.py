@@ -9,6 +9,8 @@
 * `plot_budget` (`plot_budget.py`): Fig. 9 - output and host-fetched share against the
   hot-cache budget B, from bench results of one concurrency at different B.
 * `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
+* `plot_series` (`plot_series.py`): a serving run over time - output tok/s and requests decoding
+  per interval, one line per preset (admission waves against steady decoding).
 * `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
   direct path dotted; Fig. 8c - bars at B_ref with and without host misses; p10-p90 error bars.
 """
@@ -288,10 +290,12 @@ def _save(fig, out: str | Path) -> Path:
 def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     """Every figure the given result files support: serving curves from all bench results
     together (or, for bench results of one concurrency at different hot-cache sizes, the budget
-    sweep), one load-step figure per loadstep result, one step-profile figure (Fig. 10) per
-    step_profile result with kernel data, one resolver figure per resolver file."""
+    sweep), one over-time figure per bench result with per-interval series, one load-step figure
+    per loadstep result, one step-profile figure (Fig. 10) per step_profile result with kernel
+    data, one resolver figure per resolver file."""
     from dhisparse.bench.plot_budget import is_budget_sweep, plot_budget
     from dhisparse.bench.plot_profile import plot_profile, step_bars
+    from dhisparse.bench.plot_series import has_series, plot_series
 
     out_dir = Path(out_dir)
     written = []
@@ -300,6 +304,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
         written.append(plot_budget(bench, out_dir / "budget.png", STYLE))
     elif bench:
         written.append(plot_serving(bench, out_dir / "serving.png"))
+    for k, r in enumerate(x for x in bench if has_series(x)):
+        written.append(plot_series(r, out_dir / f"series{'' if k == 0 else k}.png", STYLE))
     for k, r in enumerate(x for x in results if x.get("kind") == "loadstep"):
         written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
     for k, r in enumerate(x for x in results if x.get("kind") == "step_profile" and step_bars(x)):

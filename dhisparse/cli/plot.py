@@ -11,10 +11,12 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("plot", help="PNG figures from bench / loadstep / resolver result JSON",
                        formatter_class=HelpFormatter,
-                       description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs output; "
-                                   "all files on one figure); loadstep -> loadstep.png (slots, coverage, host-fetched "
-                                   "share vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} "
-                                   "-> resolver.png.")
+                       description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs "
+                                   "output; all files on one figure) and series.png per file (output and requests "
+                                   "decoding over time); loadstep -> loadstep.png (slots, coverage, host-fetched share "
+                                   "vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel "
+                                   "family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} -> "
+                                   "resolver.png.")
     p.add_argument("results", nargs="+", help="result JSON files")
     p.add_argument("--out", default="figures", help="output folder")
     p.set_defaults(func=run)
