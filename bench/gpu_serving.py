@@ -7,7 +7,8 @@ Sizing (printed, and written under config.sizing): the KV pool holds `--resident
 histories under `resident` (pages from KVArena.page_bytes and the stores' per-request page counts)
 plus the whole-step graphs' scratch page;
 max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
-the host pool's histories). Every preset runs with the same pool and slot settings. Prompts are the
+the host pool's histories: the prefix's complete pages once, which every request borrows, plus each
+request's own pages). Every preset runs with the same pool and slot settings. Prompts are the
 prepared prefix + one of `--distinct-suffixes` short suffixes (cycled), so the oracle drafter's
 reference (a short non-speculative greedy run of those prompts) covers every request. The oracle is
 calibrated to --spec-tokens-per-round at width --spec-width (a MEASUREMENT TOOL: label it oracle).
@@ -115,18 +116,23 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     # + the page an engine with whole-step graphs keeps for padding (StepGraphs.SCRATCH_PAGES): without
     # it `resident` would hold resident_fit - 1 histories
     pool_pages = ns.resident_fit * resident + StepGraphs.SCRATCH_PAGES
-    host_per_req = math.ceil(total / ps) * page_bytes  # HostStore.admit reserves the whole history
+    # the prefix's complete pages sit on host once and every request borrows them (kv/prefix_pages.py):
+    # HostStore.admit reserves the rest of its history
+    shared = ns.input_len // ps * page_bytes
+    host_per_req = (math.ceil(total / ps) - ns.input_len // ps) * page_bytes
     target = int(ns.admit_factor * ns.resident_fit)
     host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/pinned.py)
-    want = min(target, pool_pages // hier) * host_per_req
+    want = shared + min(target, pool_pages // hier) * host_per_req
     host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(want, host_cap_bytes)
-    slots = max(1, min(target, pool_pages // hier, host_bytes // host_per_req))
-    host_bytes = max(host_bytes, host_per_req)
+    host_slots = max(0, host_bytes - shared) // host_per_req
+    slots = max(1, min(target, pool_pages // hier, host_slots))
+    host_bytes = max(host_bytes, shared + host_per_req)
     return dict(page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
                 hierarchy_required_pages_per_request=hier, hierarchy_admission_transient_pages=arena.latent_pages_for(ns.input_len + 8),
                 hot_cache_rows=B, kv_pool_pages=pool_pages, kv_pool_bytes=pool_pages * page_bytes,
                 resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
-                host_bytes_per_request=host_per_req, host_pool_bytes=host_bytes, host_slots=host_bytes // host_per_req,
+                host_bytes_per_request=host_per_req, host_shared_prefix_bytes=shared, host_pool_bytes=host_bytes,
+                host_slots=max(0, host_bytes - shared) // host_per_req,
                 host_mem_available=mem_available(), max_running_requests=slots)
 
 

@@ -124,15 +124,14 @@ def test_late_loads_keep_tokens_exact(preset):
 
 
 def test_handoff_pages_are_held_until_their_copy_is_done():
-    prefix = [3 + (5 * j) % 97 for j in range(45)]
-    llm = LLM("tiny", preset="hisparse", hot_cache_rows=16, page_size=8)
-    llm.prepare_prefix(prefix)
+    prompt = [3 + (5 * j) % 97 for j in range(45)] + [9]
+    llm = LLM("tiny", preset="hisparse", hot_cache_rows=16, page_size=8)  # no stored prefix: nothing borrowed
     eng, store = llm.engine, llm.engine.store
     store.handoffs = late_loads(delay=50)
-    rid = eng.add_request(prefix + [9], SamplingParams(max_tokens=4, ignore_eos=True))
-    eng.step()  # import (synchronous here) + the suffix's prefill + the hand-off
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()  # the prompt's prefill + the hand-off
     held = store.pool.owned_by(("handoff", rid))
-    assert len(held) == 45 // 8  # complete prompt pages wait for their backup
+    assert len(held) == 46 // 8  # complete prompt pages wait for their backup
     assert store.loading(rid)
     assert eng.step() == []  # nothing else to run: the request waits for its history on host
     store.handoffs.settle(rid)

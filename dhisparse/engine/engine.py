@@ -57,6 +57,9 @@ class Engine:
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self._matches: dict[str, tuple] = {}  # request id -> its stored prefix match, until admitted
+        if hasattr(self.store, "prefix_match"):  # its admission reserves no host page it will borrow
+            self.store.prefix_match = self._prefix_match
         self._steps = self._generated = self._prefilled = self._peak = self._decoding = self._admitted = 0
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
@@ -167,9 +170,17 @@ class Engine:
         self._finish(req, "abort")
         return True
 
+    def _prefix_match(self, request_id: str) -> tuple:
+        """(stored prefix or None, rows to import) for a waiting request, matched once."""
+        m = self._matches.get(request_id)
+        if m is None:
+            m = self._matches[request_id] = self.prefixes.match(self.requests[request_id].prompt_ids)
+        return m
+
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
+        self._matches.pop(req.request_id, None)
         if self.spec is not None:
             self.spec.release(req.request_id)
 
@@ -181,7 +192,8 @@ class Engine:
             self.spec.admit(req.request_id)
         self._admitted += 1
         self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
-        item, n = self.prefixes.match(req.prompt_ids)
+        item, n = self._prefix_match(req.request_id)
+        self._matches.pop(req.request_id, None)
         if item is not None and n > 0:
             if hasattr(self.store, "import_prefix"):  # whole pages (kv/loads.py: in stream order or on a side stream)
                 self.store.import_prefix(req.request_id, item, n)

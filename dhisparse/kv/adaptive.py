@@ -215,7 +215,8 @@ class AdaptiveKV(HierarchicalKV):
         self.host.ensure(req, n)
         self.sync_host_table(req)
         st.decoding = True
-        self.res.register(req, full, keep, set(), self.max_total.get(req, n) - n)
+        backed = set(range(self.host.borrowed_pages(req)))  # borrowed shared prefix pages: on host already
+        self.res.register(req, full, keep, backed, self.max_total.get(req, n) - n)
 
     def resolver_state(self, group: int) -> ResolverState:
         st = super().resolver_state(group)

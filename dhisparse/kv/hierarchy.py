@@ -31,6 +31,7 @@ from dhisparse.kv.host import HostStore
 from dhisparse.kv.copies import page_runs
 from dhisparse.kv.loads import make_loads
 from dhisparse.kv.pool import PoolUsage
+from dhisparse.kv.prefix_pages import PrefixPages
 from dhisparse.kv.resident import ResidentKV
 from dhisparse.kv.resolver import ResolverState, plan_reference, run_copies
 from dhisparse.kv.slot_tables import SlotTable
@@ -72,6 +73,8 @@ class HierarchicalKV:
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
         self.resident = ResidentKV(arena, side_loads)  # index pages + prefill workspace (+ its imports)
         self.handoffs = make_loads(arena.device, side_loads)  # hand-off backups device -> host
+        self.prefix_pages = PrefixPages(host, arena.page_size, arena.index_page_size)  # shared prefix host pages
+        self.prefix_match = None  # set by the engine: req -> (stored prefix or None, rows it imports)
         self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
@@ -121,7 +124,7 @@ class HierarchicalKV:
             return False
         if not self.pool.reserve(req, self.pages_for(max_total, prompt_len)):
             return False
-        if not self.host.admit(req, max_total):
+        if not self.host.admit(req, max_total, self._borrowable(req)):
             self.pool.unreserve(req)
             log.info("request %s waits: host pool cannot hold %d tokens", req, max_total)
             return False
@@ -168,8 +171,15 @@ class HierarchicalKV:
         self.resident.write_rows(req, latent, index, start)
 
     def import_prefix(self, req: object, item, n: int) -> None:
-        """A stored prefix into req's prefill workspace (ResidentKV.import_prefix)."""
+        """A stored prefix into req's prefill workspace (ResidentKV.import_prefix); its complete
+        imported pages borrow the prefix's shared host pages (kv/prefix_pages.py)."""
         self.resident.import_prefix(req, item, n)
+        self.prefix_pages.borrow(req, item, n)
+
+    def _borrowable(self, req: object) -> int:
+        """Host pages req will borrow from its shared prefix (its host reservation skips them)."""
+        item, n = self.prefix_match(req) if self.prefix_match is not None else (None, 0)
+        return self.prefix_pages.borrowable(item, n) if item is not None else 0
 
     def loading(self, req: object) -> bool:
         """Whether req waits for its prefix import or its hand-off backup (kv/loads.py)."""
@@ -268,6 +278,8 @@ class HierarchicalKV:
             host = self.host.rows[run.host : run.host + run.count]
             dev = self.arena.latent[run.device : run.device + run.count]
             if run.kind == "backup":
+                if any(self.host.is_shared(h) for h in range(run.host, run.host + run.count)):
+                    raise RuntimeError(f"a backup would write shared host pages {run.host}..{run.host + run.count - 1}")
                 host.copy_(dev, non_blocking=True)
             else:
                 dev.copy_(host, non_blocking=True)
@@ -277,10 +289,11 @@ class HierarchicalKV:
         or on a side stream with req `loading` until they are there, since its history is read
         from host from the next pass on), the partial page becomes tail page 0 now, and the
         workspace is freed (complete pages once their copy is done: they belong to
-        ("handoff", req) meanwhile).
+        ("handoff", req) meanwhile). Pages whose host copy is a borrowed shared prefix page are
+        freed at once, with no copy.
 
-            positions  0 ............ full | full .. n-1
-            workspace  pages[: full/ps]     pages[full/ps]  -> host pages 0 .. | tail page 0
+            positions  0 ..... b*ps | b*ps ..... full | full .. n-1
+            workspace  freed now    | pages[b : full/ps] -> host | pages[full/ps] -> tail page 0
         """
         ps = self.page_size
         full = (n // ps) * ps
@@ -292,12 +305,15 @@ class HierarchicalKV:
         self.pool.free(req, pages[full // ps :])
         self.resident.latent_tables[req] = []
         st.decoding = True
-        moving = pages[: full // ps]
+        host_pages = self._host_pages(req, 0, full // ps)  # borrowed ones first, then req's own
+        b = self.host.borrowed_pages(req)
+        self.pool.free(req, pages[:b])  # already on host (read by this step's kernels: stream order)
+        moving = pages[b : full // ps]
         if not moving:
             return
         owner = ("handoff", req)
         self.pool.transfer(req, owner, moving)
-        pairs = [("backup", h, d) for d, h in zip(moving, self._host_pages(req, 0, len(moving)))]
+        pairs = [("backup", h, d) for d, h in zip(moving, host_pages[b:])]
         self.handoffs.run(req, lambda: self._copy_runs(pairs), on_done=lambda: self.pool.free(owner, moving))
 
     def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:

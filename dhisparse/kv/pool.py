@@ -69,6 +69,14 @@ class PagePool:
     def unreserve(self, owner: object) -> None:
         self._reserved.pop(owner, None)
 
+    def shrink_reservation(self, owner: object, n: int) -> int:
+        """Give back up to n pages of owner's reservation (it will not need them); returns how many."""
+        held = self._reserved.get(owner, 0)
+        n = min(max(n, 0), held)
+        if n:
+            self._reserved[owner] = held - n
+        return n
+
     # -- allocation ------------------------------------------------------------------------------
     def alloc(self, owner: object, n: int, spare: bool = False) -> list[int]:
         """Allocate n pages to owner, drawing on its reservation first (with `spare`, only on

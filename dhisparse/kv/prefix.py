@@ -2,7 +2,9 @@
 
 The paper's closed-loop benchmark gives every request the same long input from a prepared prefix,
 with independent decode KV per request: each admitted request imports a *private copy* of the
-prefix rows. Stored rows live on the host (pinned when CUDA is available).
+prefix rows into its device pages. Stored rows live on the host (pinned when CUDA is available);
+under the hierarchy the prefix's complete pages are also written to the host store once and
+borrowed by every importer as its host copy (kv/prefix_pages.py).
 """
 
 from __future__ import annotations
