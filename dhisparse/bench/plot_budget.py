@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dhisparse.bench.plots import save_figure  # noqa: E402
+
 
 def budget_of(result: dict) -> int | None:
     """The run's hot-cache rows B (None: not recorded)."""
@@ -54,8 +56,4 @@ def plot_budget(results: list[dict], out: str | Path, colors: dict[str, str]) ->
     axes[0].legend()
     c = results[0]["runs"][0]["concurrency"]
     fig.suptitle(f"Hot-cache budget sweep at C{c} (Fig. 9)")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

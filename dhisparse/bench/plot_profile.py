@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dhisparse.bench.plots import save_figure  # noqa: E402
+
 FAMILY_COLORS = {"gemm": "tab:blue", "attention": "tab:orange", "indexer": "tab:purple", "elementwise": "tab:olive",
                  "cache copy": "tab:red", "resolver": "tab:brown", "other": "tab:pink"}
 OVERLAP, IDLE = "several families at once", "no kernel running"
@@ -64,8 +66,4 @@ def plot_profile(result: dict, out: str | Path, title: str | None = None) -> Pat
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or f"Where a decode step goes: {result.get('config', {}).get('model', '')}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

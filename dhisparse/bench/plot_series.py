@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dhisparse.bench.plots import save_figure  # noqa: E402
 from dhisparse.engine.series import column  # noqa: E402
 
 PANELS = (("output_tok_s", "(a) output tok/s per interval", "tok/s"),
@@ -54,11 +55,7 @@ def plot_series(result: dict, out: str | Path, colors: dict[str, str], title: st
         axes[0, j].legend(fontsize=8, loc="lower right")
         axes[-1, j].set_xlabel("time in the window (s)")
     fig.suptitle(title or _title(result))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def _title(result: dict) -> str:

@@ -65,7 +65,7 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
                 _label_points(ax, pts)
     _decorate_serving(axes, cs)
     fig.suptitle(title or _serving_title(results))
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def _label_points(ax, pts: list[tuple[float, float, int]]) -> None:
@@ -140,7 +140,7 @@ def plot_loadstep(result: dict, out: str | Path, title: str | None = None) -> Pa
     unavailable = (result.get("config") or {}).get("unavailable_arms") or []
     sub = f" (unavailable arms: {', '.join(unavailable)})" if unavailable else ""
     fig.suptitle((title or "load step: residency under changing load") + sub)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def _loadstep_panel(ax, runs: list[dict], keys: tuple[str, ...], share: bool) -> None:
@@ -202,7 +202,7 @@ def plot_resolver(records: list[dict], out: str | Path, title: str | None = None
     for ax, size in zip(axes[0], sizes):
         _resolver_panel(ax, [r for r in records if r.get("row_bytes") == size], size)
     fig.suptitle(title or "resolver time vs unique host-miss bytes")
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def _resolver_panel(ax, records: list[dict], size) -> None:
@@ -258,7 +258,7 @@ def plot_fig8bc(fig8: dict, out: str | Path, title: str | None = None) -> Path:
     glm = " ".join(f"GLM {k}: direct {v['direct']['time_ms'] * 1e3:.1f} µs vs scan {v['scan']['time_ms'] * 1e3:.1f} µs;"
                    for k, v in fig8.get("glm", {}).items())
     fig.suptitle(title or f"resolver cost (median, p10-p90).  {glm}".rstrip(";"), fontsize=10)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def _fig8c(ax, c: dict, sh: dict) -> None:
@@ -279,7 +279,8 @@ def _fig8c(ax, c: dict, sh: dict) -> None:
     ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
 
 
-def _save(fig, out: str | Path) -> Path:
+def save_figure(fig, out: str | Path) -> Path:
+    """Write `fig` to `out` (folders made, 120 dpi) and close it; every figure module saves here."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
