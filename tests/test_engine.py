@@ -50,6 +50,10 @@ def test_prefix_import_matches_full_prefill():
     # a prompt equal to the prefix imports all but its last token
     again = fresh.generate([prefix], GREEDY)[0]
     assert again.metrics.imported_len == len(prefix) - 1
+    # preparing it again keeps the stored prefix: no second prefill
+    item, steps = fresh.engine.prefixes.get(prefix), fresh.engine.stats().steps
+    assert fresh.prepare_prefix(prefix) == len(prefix)
+    assert fresh.engine.prefixes.get(prefix) is item and fresh.engine.stats().steps == steps
 
 
 def test_requests_wait_when_pool_is_small():

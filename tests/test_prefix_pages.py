@@ -166,18 +166,49 @@ def test_no_room_to_share_falls_back_to_private_copies(caplog):
     llm.engine.store.check_integrity()
 
 
-def test_a_prefix_prepared_again_retires_the_old_shared_pages():
-    """Preparing a stored prefix again replaces its item (its bytes may differ): new importers
-    borrow the new item's pages; the old ones are freed once nobody borrows them, so a host pool
-    with room for one shared copy keeps serving."""
+def test_a_prefix_exported_again_retires_the_old_shared_pages():
+    """Exporting a stored prefix again (an export request: prepare_prefix keeps a stored prefix)
+    replaces its item, whose bytes may differ: new importers borrow the new item's pages; the old
+    ones are freed once nobody borrows them, so a host pool with room for one shared copy keeps
+    serving."""
     page = LLM("tiny", preset="hisparse", page_size=16).engine.store.host.page_nbytes
     ref = [o.token_ids for o in LLM("tiny").generate(_reqs(3), GREEDY)]
     llm = checked(LLM("tiny", preset="hisparse", hot_cache_rows=16, page_size=16, host_pool_bytes=12 * page,
                       debug_checks=True))
+    eng = llm.engine
     llm.prepare_prefix(PREFIX)
-    llm.prepare_prefix(PREFIX)  # imports the first item (and borrows its pages), exports a second
+    first = eng.prefixes.get(PREFIX)
+    rid = eng.add_request(PREFIX, SamplingParams(max_tokens=1), export_prefix=True)  # imports (borrows) the first
+    while rid in eng.requests:
+        eng.step()
+    assert eng.prefixes.get(PREFIX) is not first
     assert [o.token_ids for o in llm.generate(_reqs(3), GREEDY)] == ref
-    host = llm.engine.store.host
+    host = eng.store.host
     assert len(host.shared) == 1 and not host.borrowed
     host.check_integrity()
     assert host.pool.available == host.pool.num_pages - 100 // 16
+
+
+def test_preparing_a_stored_prefix_again_keeps_it_without_features():
+    llm = LLM("tiny", preset="hisparse", hot_cache_rows=16, page_size=16)
+    llm.prepare_prefix(PREFIX)
+    item = llm.engine.prefixes.get(PREFIX)
+    assert llm.prepare_prefix(PREFIX) == len(PREFIX) and llm.engine.prefixes.get(PREFIX) is item
+
+
+def test_a_prefix_without_the_drafters_features_is_prefilled_not_imported():
+    """A prefix stored by an engine without a feature-reading drafter lacks DFlash's features: a
+    DFlash engine prefills such prompts in full (no import, nothing borrowed), and preparing the
+    prefix there prefills it again with features; later prompts then import it. Tokens exact."""
+    ref = [o.token_ids for o in LLM("tiny").generate(_reqs(2), GREEDY)]
+    plain = LLM("tiny", preset="hisparse", hot_cache_rows=16, page_size=16)
+    plain.prepare_prefix(PREFIX)
+    llm = LLM("tiny", preset="adaptive+spec", hot_cache_rows=16, page_size=16, debug_checks=True)
+    llm.engine.prefixes = plain.engine.prefixes  # shared, as bench/gpu_serving.py shares them
+    assert not llm.engine.spec.serves(llm.engine.prefixes.get(PREFIX))
+    outs = llm.generate(_reqs(2), GREEDY)
+    assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == 0 for o in outs)
+    llm.prepare_prefix(PREFIX)
+    assert llm.engine.spec.serves(llm.engine.prefixes.get(PREFIX))
+    outs = llm.generate(_reqs(2), GREEDY)
+    assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == len(PREFIX) for o in outs)

@@ -171,10 +171,14 @@ class Engine:
         return True
 
     def _prefix_match(self, request_id: str) -> tuple:
-        """(stored prefix or None, rows to import) for a waiting request, matched once."""
+        """(stored prefix or None, rows to import) for a waiting request, matched once. A prefix
+        without the features this engine's drafter reads is not imported (the prompt is prefilled)."""
         m = self._matches.get(request_id)
         if m is None:
-            m = self._matches[request_id] = self.prefixes.match(self.requests[request_id].prompt_ids)
+            m = self.prefixes.match(self.requests[request_id].prompt_ids)
+            if m[0] is not None and self.spec is not None and not self.spec.serves(m[0]):
+                m = (None, 0)
+            self._matches[request_id] = m
         return m
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -333,13 +337,20 @@ class Engine:
         self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
-        """Prefill `prompt` once and keep its KV for later requests to import; returns its length."""
+        """Prefill `prompt` once and keep its KV for later requests to import; returns its length.
+        A prefix already stored is kept as it is (no second prefill), unless it lacks hidden
+        features this engine's drafter reads (`SpecRuntime.serves`): then it is prefilled again,
+        in full, and replaced."""
         if not getattr(self.store, "supports_prefix", True):
             raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
-        rid = self.add_request(prompt, SamplingParams(max_tokens=1), export_prefix=True)
+        ids = self.encode_prompt(prompt)
+        stored = self.prefixes.get(ids)
+        if stored is not None and (self.spec is None or self.spec.serves(stored)):
+            return len(ids)
+        rid = self.add_request(ids, SamplingParams(max_tokens=1), export_prefix=True)
         while rid in self.requests:
             self._held_outputs.extend(self.step())  # other requests' outputs wait for the next step()
-        return len(self.encode_prompt(prompt))
+        return len(ids)
 
     @property
     def _fixed_pages(self) -> int:

@@ -102,6 +102,15 @@ class SpecRuntime:
             kept[l] = torch.cat([kept[l], captured[l][a:b]]) if l in kept else captured[l][a:b]
             kept[l] = kept[l][-self.cfg.draft_window_size :]
 
+    def serves(self, item) -> bool:
+        """Whether a stored prefix carries the hidden features this drafter reads when a request
+        imports it (`observe_import`): every captured layer, for its last min(length, W) positions.
+        A prefix that does not is prefilled instead of imported."""
+        if not self.capture:
+            return True
+        need = min(len(item.token_ids), self.cfg.draft_window_size)
+        return all(l in item.features and item.features[l].shape[0] >= need for l in self.capture)
+
     def take_features(self, request_id: str) -> dict:
         return self._kept.pop(request_id, {})
 

@@ -78,6 +78,10 @@ class PrefixStore:
         self._items[item.token_ids] = item
         return item
 
+    def get(self, token_ids: list[int]) -> StoredPrefix | None:
+        """The stored prefix of exactly these tokens, if any."""
+        return self._items.get(tuple(token_ids))
+
     def match(self, prompt: list[int]) -> tuple[StoredPrefix | None, int]:
         """Longest stored prefix of `prompt` and how many of its rows to import. At most
         len(prompt) - 1 rows are imported so the last prompt token still runs and yields logits."""
