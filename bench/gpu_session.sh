@@ -22,7 +22,7 @@ case ",$STEPS," in *,kernels,*)
       tests/test_indexer_kernel.py tests/test_resolver_kernel.py ;; esac
 case ",$STEPS," in *,exact,*)
   run "exactness on CUDA" timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py \
-      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py tests/test_step_graphs.py tests/test_loads.py \
+      tests/test_adaptive.py tests/test_spec_engine.py tests/test_engine.py tests/test_graphs.py tests/test_uva.py tests/test_step_graphs.py tests/test_loads.py tests/test_prefix_pages.py \
       -v --durations=15 ;; esac
 case ",$STEPS," in *,profile,*)
   run "decode-step profile" timeout 270 python3 bench/step_profile.py --concurrency 24 --steps 6 --warmup 3 \
