@@ -102,7 +102,7 @@ class HostStore:
         freed = self.pool.shrink_reservation(req, count - prepaid)
         if share is not None:
             self.share(key, *share)
-        count = min(count, len(self.shared.get(key, [])))
+        count = self.borrowable(key, count)
         self._adjust(req, prepaid + freed - count)  # reservation: the pages req still has to own
         if count < 1:
             return 0
