@@ -5,7 +5,8 @@
 # steps: any of locality,kernels,exact,profile,profile4,graphs,stepgraphs,resolver,serving,realdraft,budget,loadstep,
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
-#        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks
+#        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
+#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -138,6 +139,26 @@ case ",$STEPS," in *,serving32k2ks,*)  # serving32k2k with 30-s windows: the ram
 case ",$STEPS," in *,serving32kmid,*)  # the rest of the 32K concurrency sweep
   run "serving at 32K, C27 and C9" timeout 570 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
       --host-pool-gib 92 --concurrency 27,9 --duration 25 --force --out "$OUT/gpu_serving_32k_mid_h200.json" ;; esac
+case ",$STEPS," in *,sweep32khi,*)  # 32K sweep, upper half, 8-GiB host pool (the prefix's pages are shared: 2.9 GB once) (~6 min)
+  run "serving at 32K, C27 and C18, four presets" timeout 540 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 8 --concurrency 27,18 --duration 25 --force --out "$OUT/gpu_serving_32k_hi_h200.json" ;; esac
+case ",$STEPS," in *,sweep32klo,*)  # 32K sweep, lower half: C9 and C2 (every history fits under adaptive) (~6 min)
+  run "serving at 32K, C9 and C2, four presets" timeout 540 python3 bench/gpu_serving.py --input-len 32768 --resident-fit 3 \
+      --host-pool-gib 8 --concurrency 9,2 --duration 25 --force --out "$OUT/gpu_serving_32k_lo_h200.json" ;; esac
+case ",$STEPS," in *,serving100k,*)  # 100K prompts, 3 resident histories, 30 slots: the high-load point C18 (~8 min)
+  run "serving at 100K, C18" timeout 560 python3 bench/gpu_serving.py --input-len 102400 --resident-fit 3 \
+      --host-pool-gib 16 --concurrency 18 --presets hisparse,adaptive,adaptive+spec --duration 25 --distinct-suffixes 18 --force \
+      --out "$OUT/gpu_serving_100k_c18_h200.json" ;; esac
+case ",$STEPS," in *,serving100klo,*)  # 100K low load: C2, four presets (~6 min)
+  run "serving at 100K, C2" timeout 560 python3 bench/gpu_serving.py --input-len 102400 --resident-fit 3 \
+      --host-pool-gib 16 --concurrency 2 --duration 25 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_c2_h200.json" ;; esac
+case ",$STEPS," in *,serving100k2k,*)  # 100K C18 with 2,048-token outputs, 30-s window (~4 min)
+  run "serving at 100K, C18, 2048-token outputs, 30-s window" timeout 400 python3 bench/gpu_serving.py --input-len 102400 \
+      --output-len 2048 --resident-fit 3 --host-pool-gib 16 --concurrency 18 --presets hisparse,adaptive,adaptive+spec \
+      --duration 30 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_c18_out2k30_h200.json" ;; esac
+case ",$STEPS," in *,serving100kmid,*)  # the rest of a 100K curve: C27 and C9, four presets (~7 min)
+  run "serving at 100K, C27 and C9" timeout 480 python3 bench/gpu_serving.py --input-len 102400 --resident-fit 3 \
+      --host-pool-gib 16 --concurrency 27,9 --duration 20 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_mid_h200.json" ;; esac
 case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: more host backups ahead of reclaim (~2 min)
   run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
       --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \
