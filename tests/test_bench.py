@@ -128,6 +128,22 @@ def test_plots_on_synthetic_data(tmp_path):
     assert_png(plot_loadstep({"kind": "loadstep", "runs": [run, off]}, tmp_path / "l.png"))
 
 
+def test_pieces_of_one_sweep_join_into_one_line_per_preset():
+    from dhisparse.bench.plots import _lines
+
+    full = _bench_result(["hisparse", "adaptive"])
+    lo = dict(full, label="lo", runs=[r for r in full["runs"] if r["concurrency"] < 16])
+    hi = dict(full, label="hi", runs=[r for r in full["runs"] if r["concurrency"] >= 16])
+    hi["config"] = dict(full["config"], workload=dict(full["config"]["workload"], duration_s=20.0))
+    joined = _lines([lo, hi])
+    assert sorted(joined) == ["adaptive", "hisparse"]
+    assert [r["concurrency"] for r in joined["hisparse"]] == [1, 4, 16, 64]
+    # the same point twice, or another workload: one line per file
+    assert len(_lines([full, dict(full, label="again")])) == 4
+    other = dict(hi, config=dict(full["config"], workload={"input_len": 32768, "output_len": 2048}))
+    assert "hisparse [hi]" in _lines([lo, other])
+
+
 def test_series_plot_needs_a_series_and_draws_one_column_per_concurrency(tmp_path):
     from dhisparse.bench.plot_series import has_series, plot_series
 

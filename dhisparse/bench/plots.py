@@ -36,9 +36,21 @@ def _color(name: str, i: int) -> str:
     return STYLE.get(name.split(" ")[0], f"C{i % 10}")
 
 
+def _one_curve(results: list[dict]) -> bool:
+    """Whether several result files are pieces of one sweep: same model and workload (the window
+    may differ), and no
+    (preset, concurrency) point measured twice. Their runs then join into one line per preset."""
+    keys = {(res.get("config", {}).get("engine", {}).get("model"),
+             tuple(sorted((k, v) for k, v in res.get("config", {}).get("workload", {}).items()
+                          if k != "duration_s"))) for res in results}
+    points = [(r["preset"], r["concurrency"]) for res in results for r in res["runs"]]
+    return len(keys) == 1 and len(points) == len(set(points))
+
+
 def _lines(results: list[dict]) -> dict[str, list[dict]]:
-    """Runs of every bench result grouped by line label, sorted by concurrency."""
-    multi = len(results) > 1
+    """Runs of every bench result grouped by line label, sorted by concurrency. Files that are
+    pieces of one sweep (`_one_curve`) share labels; otherwise each file's label is appended."""
+    multi = len(results) > 1 and not _one_curve(results)
     lines: dict[str, list[dict]] = defaultdict(list)
     for k, res in enumerate(results):
         for r in res["runs"]:
