@@ -328,3 +328,45 @@ def test_step_profile_attention_replay_on_cpu(tmp_path, monkeypatch):
     (rec,) = json.loads(out.read_text())["runs"][0]["attention_replay"]
     assert rec["T"] == 4 * 4 and 0 < rec["distinct_share_per_request"] <= 1
     assert {"engine", "sorted", "one_space", "random"} <= set(rec["ms"]) and all(v > 0 for v in rec["ms"].values())
+
+
+class _WarmEngine:
+    """Engine stand-in for the warm-up: finishes each request in one step; its drafter drafts
+    only once a request asks for at least `drafts_from` tokens (n-gram lookup needs a repeat)."""
+
+    class _Out:
+        def __init__(self, rid):
+            self.request_id, self.finished = rid, True
+
+    def __init__(self, speculative: bool, drafts_from: int):
+        from types import SimpleNamespace
+
+        from dhisparse.engine.speculative import SpecCounters
+        from dhisparse.models.tiny import tiny_config
+        from dhisparse.models.tokenizer import ByteTokenizer
+
+        self.tokenizer, self.model_config = ByteTokenizer(), tiny_config()
+        self.spec = SimpleNamespace(counters=SpecCounters()) if speculative else None
+        self.drafts_from, self.asked, self.pending = drafts_from, [], []
+
+    def add_request(self, ids, params):
+        self.asked.append(params.max_tokens)
+        self.pending.append(f"r{len(self.asked)}")
+        return self.pending[-1]
+
+    def step(self):
+        if self.spec is not None and self.asked[-1] >= self.drafts_from:
+            self.spec.counters.drafted_at = [1]
+        done, self.pending = self.pending, []
+        return [self._Out(r) for r in done]
+
+
+@pytest.mark.parametrize("speculative,drafts_from,batches", [(False, 1, [4]), (True, 1, [4]), (True, 16, [4, 16]),
+                                                              (True, 10**6, [4, 16, 64])])
+def test_warmup_runs_until_a_round_verified_drafts(speculative, drafts_from, batches):
+    from dhisparse.bench.inproc import InProcessLoop
+
+    eng = _WarmEngine(speculative, drafts_from)
+    loop = InProcessLoop(eng, Workload(input_len=8, output_len=100, duration_s=1.0), Phases.constant(3, 1.0))
+    loop.warmup()
+    assert eng.asked == [b for b in batches for _ in range(3)]  # one request per client per batch
