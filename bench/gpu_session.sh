@@ -6,7 +6,7 @@
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
-#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid
+#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048lo,k2048mid
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -159,6 +159,19 @@ case ",$STEPS," in *,serving100k2k,*)  # 100K C18 with 2,048-token outputs, 30-s
 case ",$STEPS," in *,serving100kmid,*)  # the rest of a 100K curve: C27 and C9, four presets (~7 min)
   run "serving at 100K, C27 and C9" timeout 480 python3 bench/gpu_serving.py --input-len 102400 --resident-fit 3 \
       --host-pool-gib 16 --concurrency 27,9 --duration 20 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_mid_h200.json" ;; esac
+case ",$STEPS," in *,k2048hi,*)  # the paper's GLM setting: k 2,048, B 4,096, 100K, C18, 2,048-token outputs, 30-s window (~5 min)
+  run "serving at 100K, k 2048, C18, 2048-token outputs" timeout 330 python3 bench/gpu_serving.py --model glm52-scaled \
+      --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 --concurrency 18 \
+      --presets hisparse,adaptive,adaptive+spec --duration 30 --distinct-suffixes 18 --force \
+      --out "$OUT/gpu_serving_100k_k2048_c18_out2k30_h200.json" ;; esac
+case ",$STEPS," in *,k2048lo,*)  # k 2,048 at low load: C2, where every history fits under adaptive (~3.5 min)
+  run "serving at 100K, k 2048, C2" timeout 220 python3 bench/gpu_serving.py --model glm52-scaled --input-len 102400 \
+      --resident-fit 3 --host-pool-gib 16 --concurrency 2 --presets hisparse,adaptive,resident --duration 20 \
+      --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_k2048_c2_h200.json" ;; esac
+case ",$STEPS," in *,k2048mid,*)  # k 2,048, C27 and C9, 256-token outputs (~7 min)
+  run "serving at 100K, k 2048, C27 and C9" timeout 480 python3 bench/gpu_serving.py --model glm52-scaled \
+      --input-len 102400 --resident-fit 3 --host-pool-gib 16 --concurrency 27,9 --presets hisparse,adaptive,adaptive+spec \
+      --duration 20 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_k2048_mid_h200.json" ;; esac
 case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: more host backups ahead of reclaim (~2 min)
   run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
       --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \
