@@ -6,7 +6,7 @@
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
-#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048lo,k2048mid
+#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -164,6 +164,11 @@ case ",$STEPS," in *,k2048hi,*)  # the paper's GLM setting: k 2,048, B 4,096, 10
       --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 --concurrency 18 \
       --presets hisparse,adaptive,adaptive+spec --duration 30 --distinct-suffixes 18 --force \
       --out "$OUT/gpu_serving_100k_k2048_c18_out2k30_h200.json" ;; esac
+case ",$STEPS," in *,k2048curve,*)  # k 2,048, 100K, C18 and C9 with 2,048-token outputs, one oracle reference (~7 min)
+  run "serving at 100K, k 2048, C18 and C9, 2048-token outputs" timeout 540 python3 bench/gpu_serving.py --model glm52-scaled \
+      --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 --concurrency 18,9 \
+      --presets hisparse,adaptive,adaptive+spec --duration 30 --distinct-suffixes 18 --force \
+      --out "$OUT/gpu_serving_100k_k2048_out2k30_h200.json" ;; esac
 case ",$STEPS," in *,k2048lo,*)  # k 2,048 at low load: C2, where every history fits under adaptive (~3.5 min)
   run "serving at 100K, k 2048, C2" timeout 220 python3 bench/gpu_serving.py --model glm52-scaled --input-len 102400 \
       --resident-fit 3 --host-pool-gib 16 --concurrency 2 --presets hisparse,adaptive,resident --duration 20 \
