@@ -336,7 +336,7 @@ class _WarmEngine:
 
     class _Out:
         def __init__(self, rid):
-            self.request_id, self.finished = rid, True
+            self.request_id, self.finished, self.new_token_ids = rid, True, [0]
 
     def __init__(self, speculative: bool, drafts_from: int):
         from types import SimpleNamespace

@@ -14,6 +14,7 @@ from typing import Callable
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text
 from dhisparse.engine.series import SeriesRecorder
+from dhisparse.engine.warmup import warm_up
 from dhisparse.engine.params import SamplingParams
 
 Progress = Callable[[float, int], None]  # (elapsed s, completed requests)
@@ -97,30 +98,12 @@ class InProcessLoop:
             return self.issued >= self.workload.num_requests and not self.live
         return now >= self.phases.total_s
 
-    WARMUP_TOKENS = (4, 16, 64)
-
     def warmup(self) -> None:
-        """Short requests, one per client, run to completion before the clock starts. A
-        speculative engine repeats the batch with longer outputs (WARMUP_TOKENS) until a round
-        has verified drafts: a drafter that finds nothing to draft in 4 tokens (n-gram lookup)
-        would otherwise leave the verification passes -- and, on a cold Triton cache, their
-        kernel compiles -- to the timed window."""
-        for rnd, tokens in enumerate(self.WARMUP_TOKENS):
-            if rnd and not self._needs_drafted_round():
-                return
-            self._warm_batch(min(tokens, self.workload.output_len), rnd)
-
-    def _needs_drafted_round(self) -> bool:
-        spec = getattr(self.engine, "spec", None)
-        return spec is not None and not any(spec.counters.drafted_at)
-
-    def _warm_batch(self, max_tokens: int, rnd: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        n = self.phases.max_concurrency
-        rids = {self.engine.add_request(self._prompt(-1 - k - rnd * n), params) for k in range(n)}
-        deadline = time.perf_counter() + self.workload.timeout_s
-        while rids and time.perf_counter() < deadline:
-            rids -= {o.request_id for o in self.engine.step() if o.finished}
+        """Short requests, one per client, run to completion before the clock starts
+        (`dhisparse.engine.warmup.warm_up`: a speculative engine repeats them with longer outputs
+        until a round has verified drafts, so no first compile lands in the timed window)."""
+        warm_up(self.engine, lambda i: self._prompt(-1 - i), self.phases.max_concurrency,
+                max_tokens=self.workload.output_len, timeout_s=self.workload.timeout_s)
 
     def run(self) -> RunTrace:
         self.engine.prepare_prefix(self.prefix)

@@ -24,6 +24,10 @@ def add_parser(sub) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0, help="longest wait in seconds for in-flight requests at shutdown")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="abort a request running longer (seconds)")
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    g.add_argument("--skip-server-warmup", action="store_true",
+                   help="open the port at once, without first running short warm-up requests (the first real "
+                        "requests then pay the kernel compiles and graph captures)")
+    g.add_argument("--warmup-timeout", type=float, default=600.0, help="longest warm-up in seconds (what is left is aborted)")
     p.set_defaults(func=run)
 
 
@@ -43,6 +47,14 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535; got {ns.port}")
     config = server_config(ns)
     engine = Engine(engine_config(ns))
+    if not ns.skip_server_warmup:
+        from dhisparse.engine.warmup import warm_up_server
+
+        if ns.warmup_timeout <= 0:
+            raise ValueError(f"--warmup-timeout must be > 0 seconds; got {ns.warmup_timeout}")
+        rep = warm_up_server(engine, timeout_s=ns.warmup_timeout)
+        spec = "" if rep.drafted is None else f", speculative rounds verified drafts: {rep.drafted}"
+        print(f"dhisparse: warm-up ran {rep.requests} requests, {rep.tokens} tokens in {rep.seconds:.1f} s{spec}", flush=True)
     print(f"dhisparse: serving {config.served_model_name or engine.config.model!r} "
           f"(preset {engine.config.preset}) on http://{ns.host}:{ns.port}/v1", flush=True)
     serve(engine, config, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
