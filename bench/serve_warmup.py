@@ -64,7 +64,10 @@ def one(args, port: int, skip: bool, prompt: str, max_tokens: int) -> dict:
             second = completion_s(port, prompt[::-1], max_tokens)
         finally:
             proc.terminate()
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return {"warmup": not skip, "start_s": start_s, "first_completion_s": first, "second_completion_s": second,
             "start_plus_first_s": start_s + first}
 

@@ -45,13 +45,13 @@ def run(ns: argparse.Namespace) -> int:
 
     if not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in 0..65535; got {ns.port}")
+    if ns.warmup_timeout <= 0:
+        raise ValueError(f"--warmup-timeout must be > 0 seconds; got {ns.warmup_timeout}")
     config = server_config(ns)
     engine = Engine(engine_config(ns))
     if not ns.skip_server_warmup:
         from dhisparse.engine.warmup import warm_up_server
 
-        if ns.warmup_timeout <= 0:
-            raise ValueError(f"--warmup-timeout must be > 0 seconds; got {ns.warmup_timeout}")
         rep = warm_up_server(engine, timeout_s=ns.warmup_timeout)
         spec = "" if rep.drafted is None else f", speculative rounds verified drafts: {rep.drafted}"
         print(f"dhisparse: warm-up ran {rep.requests} requests, {rep.tokens} tokens in {rep.seconds:.1f} s{spec}", flush=True)

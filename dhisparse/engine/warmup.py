@@ -53,7 +53,7 @@ def warm_up(engine, prompt_for: Callable[[int], list[int] | str], batch: int, ma
     t0, deadline = time.perf_counter(), time.perf_counter() + timeout_s
     requests = tokens = 0
     for rnd, n_tok in enumerate(WARMUP_TOKENS):
-        if rnd and not (drafted(engine) is False):
+        if rnd and drafted(engine) is not False:  # no speculation, or a round already verified drafts
             break
         params = SamplingParams(max_tokens=min(n_tok, max_tokens or n_tok), ignore_eos=True)
         rids = {engine.add_request(prompt_for(rnd * batch + k), params) for k in range(batch)}
