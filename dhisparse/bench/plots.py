@@ -38,8 +38,8 @@ def _color(name: str, i: int) -> str:
 
 def _one_curve(results: list[dict]) -> bool:
     """Whether several result files are pieces of one sweep: same model and workload (the window
-    may differ), and no
-    (preset, concurrency) point measured twice. Their runs then join into one line per preset."""
+    may differ), and no (preset, concurrency) point measured twice. Their runs then join into one
+    line per preset."""
     keys = {(res.get("config", {}).get("engine", {}).get("model"),
              tuple(sorted((k, v) for k, v in res.get("config", {}).get("workload", {}).items()
                           if k != "duration_s"))) for res in results}
