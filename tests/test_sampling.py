@@ -203,3 +203,31 @@ def test_batch_mismatch_errors():
         processed_probs(_logits(2), [SamplingParams()])
     with pytest.raises(ValueError, match="generators"):
         Sampler().sample(_logits(2), [SamplingParams(temperature=1.0)] * 2, [None])
+
+
+# --- numerically extreme temperatures (issue 24, item 1) ---------------------------------------
+
+EXTREME_TEMPERATURES = [5e-324, 1e-300, 1e-39, 1e-38, 1e-37, 1e-6, 1e-5, 1.5e-5, 1e-3, 1e10, 1e300]
+
+
+@pytest.mark.parametrize("temperature", EXTREME_TEMPERATURES)
+def test_any_accepted_temperature_samples_a_valid_token(temperature):
+    """Every finite temperature SamplingParams accepts gives a finite distribution and a token:
+    before the fix, T = 1e-39 made logits / T overflow to inf, softmax NaN, and multinomial raised
+    (which killed the serving engine)."""
+    logits = _logits(3, 40, seed=2) * 20.0
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(3)]
+    probs = processed_probs(logits, params)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    out = Sampler().sample(logits, params, [make_generator(p.seed) for p in params])
+    assert ((out.tokens >= 0) & (out.tokens < 40)).all()
+    if temperature < 1e-3:  # the limit T -> 0 is the argmax (tiny T rows are greedy or near-one-hot)
+        assert out.tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_temperatures_below_eps_are_greedy():
+    from dhisparse.engine.params import GREEDY_EPS
+
+    assert SamplingParams(temperature=GREEDY_EPS / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_EPS).greedy

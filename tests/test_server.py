@@ -178,3 +178,22 @@ def test_metrics_exports_engine_stats_and_histograms(server, engine):
     for key, value in engine.stats().as_dict().items():
         if isinstance(value, (int, float)):
             assert f"dhisparse_engine_{key}{{" in text, key
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-324])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tiny_temperature_does_not_kill_the_engine(server, client, temperature, stream):
+    """Issue 24 item 1: a denormal temperature used to make multinomial raise on the engine
+    thread, which failed every stream and turned /health to 503 until restart."""
+    for route in ("completions", "chat"):
+        if route == "completions":
+            body = {"prompt": "hi", "max_tokens": 4, "temperature": temperature, "stream": stream}
+            r = post(server, "/v1/completions", body)
+        else:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "temperature": temperature, "stream": stream}
+            r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+    out = client.completions.create(model="tiny", prompt="hello", **GREEDY)
+    assert out.choices[0].finish_reason == "length"

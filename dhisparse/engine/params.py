@@ -10,13 +10,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+GREEDY_EPS = 1e-5
+"""Temperatures below this sample greedily (vLLM's rule): 1/T would overflow fp32 logits long
+before T reaches the smallest positive double, and the limit T -> 0 is the argmax anyway."""
+
+MAX_TEMPERATURE = 3.0e38
+"""Temperatures are clamped to this (the largest finite fp32 is 3.4e38) before dividing logits."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next tokens and when it stops.
 
     max_tokens      number of generated tokens after which the request finishes ("length")
-    temperature     0 means greedy (argmax); > 0 scales logits by 1/temperature
+    temperature     0 means greedy (argmax); > 0 scales logits by 1/temperature; any finite
+                    value below GREEDY_EPS (1e-5) is greedy too
     top_k           keep the k most likely tokens; 0 or -1 disables it
     top_p           nucleus sampling: keep the smallest prefix of mass >= top_p; 1.0 disables it
     seed            per-request RNG seed; None draws a fresh nondeterministic seed
@@ -82,8 +90,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the request takes the argmax (temperature == 0)."""
-        return self.temperature == 0.0
+        """True when the request takes the argmax (temperature < GREEDY_EPS, 0 included)."""
+        return self.temperature < GREEDY_EPS
 
     @property
     def top_k_enabled(self) -> bool:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.engine.params import MAX_TEMPERATURE, SamplingParams
 
 
 class SampleOutput(NamedTuple):
@@ -49,7 +49,7 @@ def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None
 
 def _row_settings(params: Sequence[SamplingParams], vocab: int, device) -> tuple[torch.Tensor, ...]:
     """Per-row temperature [N,1], top-k [N,1] (disabled -> V) and top-p [N,1] tensors."""
-    temp = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    temp = [1.0 if p.greedy else min(p.temperature, MAX_TEMPERATURE) for p in params]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     as_col = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True).unsqueeze(1)  # noqa: E731
@@ -60,15 +60,18 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """The distribution each row samples from.
 
     logits [N, V] fp32 -> probs [N, V] fp32, each row summing to 1.
-    Sampled rows: softmax(logits / T) restricted to the top-k ranks, then to the shortest rank
+    Sampled rows: softmax((logits - max) / T) restricted to the top-k ranks, then to the shortest rank
     prefix whose mass reaches top_p (mass measured after top-k), renormalised.
-    Greedy rows (temperature 0): one-hot at argmax(logits).
+    Greedy rows (temperature < GREEDY_EPS): one-hot at argmax(logits).
+    Numerics: logits are shifted by their row max before the division, so the top logit is 0 and
+    every other is <= 0 whatever T (>= GREEDY_EPS, <= MAX_TEMPERATURE) is: no inf - inf, no NaN.
     """
     _check_batch(logits, params)
     n, vocab = logits.shape
     logits = logits.float()
     temp, top_k, top_p = _row_settings(params, vocab, logits.device)
-    sorted_logits, order = torch.sort(logits / temp, dim=-1, descending=True, stable=True)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    sorted_logits, order = torch.sort(shifted / temp, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
     sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
