@@ -28,7 +28,7 @@ import os
 import torch
 
 from bench import mla_tune_bench as tune
-from dhisparse.kv.arena import SPACE
+from dhisparse.core.rows import SPACE
 
 # (splits, block_k, warps, stages) of the plans timed besides the shipped one: on CUDA a smaller
 # grid than mla_tune_bench's; on CPU (the interpreter) one configuration

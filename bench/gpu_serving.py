@@ -32,9 +32,9 @@ from dhisparse.bench.inproc import InProcessLoop  # noqa: E402
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
-from dhisparse.engine.params import SamplingParams  # noqa: E402
+from dhisparse.core.params import SamplingParams  # noqa: E402
 from dhisparse.engine.step_graphs import StepGraphs  # noqa: E402
-from dhisparse.kv.arena import KVArena  # noqa: E402
+from dhisparse.kv.memory.arena import KVArena  # noqa: E402
 
 GIB = float(1 << 30)
 BUDGET_S = 9 * 60
@@ -116,12 +116,12 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     # + the page an engine with whole-step graphs keeps for padding (StepGraphs.SCRATCH_PAGES): without
     # it `resident` would hold resident_fit - 1 histories
     pool_pages = ns.resident_fit * resident + StepGraphs.SCRATCH_PAGES
-    # the prefix's complete pages sit on host once and every request borrows them (kv/prefix_pages.py):
+    # the prefix's complete pages sit on host once and every request borrows them (kv/hier/prefix_pages.py):
     # HostStore.admit reserves the rest of its history
     shared = ns.input_len // ps * page_bytes
     host_per_req = (math.ceil(total / ps) - ns.input_len // ps) * page_bytes
     target = int(ns.admit_factor * ns.resident_fit)
-    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/pinned.py)
+    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/memory/pinned.py)
     want = shared + min(target, pool_pages // hier) * host_per_req
     host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(want, host_cap_bytes)
     host_slots = max(0, host_bytes - shared) // host_per_req
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
 
     loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
     print(f"[model] {ns.model} built in {time.perf_counter() - t0:.1f} s", flush=True)
-    from dhisparse.kv.prefix import PrefixStore
+    from dhisparse.kv.memory.prefix_store import PrefixStore
 
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
     reference = oracle_reference(ns, sz, loaded, prefixes) if uses_oracle(ns) else None

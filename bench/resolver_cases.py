@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.kernels.resolver import launch_copies, plan_triton
-from dhisparse.kv.resolver import ResolverState, plan_reference
+from dhisparse.kernels.resolver_ref import ResolverState, plan_reference
 
 _DTYPE = {656: torch.float16, 1152: torch.bfloat16}
 

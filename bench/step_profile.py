@@ -36,7 +36,7 @@ from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
-from dhisparse.engine.params import SamplingParams  # noqa: E402
+from dhisparse.core.params import SamplingParams  # noqa: E402
 
 QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=160, concurrency=4, steps=4, warmup=2,
              kv_pool_gib=0.05, host_pool_gib=0.05, page_size=16, hot_cache_rows=None, max_batched_tokens=1024)
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
 
     faulthandler.enable()  # (no periodic dump_traceback_later: dumping a running thread crashed once)
     from dhisparse.bench.sweep import load_shared_model
-    from dhisparse.kv.prefix import PrefixStore
+    from dhisparse.kv.memory.prefix_store import PrefixStore
 
     t0 = time.perf_counter()
     modes = [m.strip() for m in ns.cuda_graphs.split(",") if m.strip()]

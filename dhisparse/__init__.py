@@ -1,7 +1,7 @@
 """dhisparse: serving long-context sparse-attention LLMs over a load-adaptive KV hierarchy."""
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig"]
 __version__ = "0.1.0"

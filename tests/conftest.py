@@ -37,6 +37,17 @@ def hf_checkpoints(tmp_path_factory) -> HFCheckpoints:
 
 
 @pytest.fixture(autouse=True)
+def _default_kernel_settings():
+    """Engines configure the process's kernel choice at build (kernels/backend.py); each test
+    starts from the default and leaves it so."""
+    from dhisparse.kernels import backend
+
+    backend.configure(backend.KernelSettings())
+    yield
+    backend.configure(backend.KernelSettings())
+
+
+@pytest.fixture(autouse=True)
 def _release_cuda_memory():
     """On CUDA, engines of a finished test are collected before the next test sizes its pools."""
     yield

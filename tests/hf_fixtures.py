@@ -116,8 +116,8 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
 
 def prefill_logits(lm, ids: list[int]) -> torch.Tensor:
     """Our model's fp32 logits [len(ids), vocab] for one prompt, through DenseKV."""
-    from dhisparse.kv.context import ForwardBatch
-    from dhisparse.kv.dense import DenseKV
+    from dhisparse.core.batch import ForwardBatch
+    from dhisparse.kv.resident.dense import DenseKV
 
     kv = DenseKV(lm.config)
     batch = ForwardBatch.build([(list(ids), 0)])
@@ -127,8 +127,8 @@ def prefill_logits(lm, ids: list[int]) -> torch.Tensor:
 def greedy_ours(lm, prompt: list[int], n: int, ban: tuple[int, ...] = ()) -> list[int]:
     """Greedy decode with our model and DenseKV: prefill, then one token per pass. `ban` ids are
     never chosen (mirrors transformers' min_new_tokens suppressing EOS)."""
-    from dhisparse.kv.context import ForwardBatch
-    from dhisparse.kv.dense import DenseKV
+    from dhisparse.core.batch import ForwardBatch
+    from dhisparse.kv.resident.dense import DenseKV
 
     kv = DenseKV(lm.config)
     batch = ForwardBatch.build([(list(prompt), 0)])

@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse.kv.arena import gather_rows
-from dhisparse.kv.dense import DenseKV
+from dhisparse.core.batch import KVContext
+from dhisparse.core.rows import gather_rows
+from dhisparse.kv.resident.dense import DenseKV
 
 if TYPE_CHECKING:
     from dhisparse.engine.llm import LLM
 
 
-class CheckedContext:
+class CheckedContext(KVContext):
     """Wraps a pass's KVContext; mirrors every stored row into a DenseKV and asserts that each
     location `locate` returns holds exactly the selected row of the right request (I2)."""
 

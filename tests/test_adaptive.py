@@ -9,8 +9,8 @@ import pytest
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv import adaptive as adaptive_mod
-from dhisparse.kv.copies import StreamCopyEngine
+from dhisparse.kv.hier import adaptive as adaptive_mod
+from dhisparse.kv.memory.copies import StreamCopyEngine
 
 
 def make_prompt(rng: random.Random, n: int) -> list[int]:
@@ -120,7 +120,7 @@ def test_completed_decode_pages_stay_resident_and_resolve_without_any_resolver_w
     """While pages are spare, completed tail pages stay on the device as published optional history
     (backed up to host as well), so after many decoded pages every request is still fully covered:
     the pass takes the host-known all-direct path (no resolver call, no direct check, no copy)."""
-    from dhisparse.kv import hier_context
+    from dhisparse.kv.hier import context as hier_context
 
     llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, debug_checks=True)
     store = llm.engine.store
@@ -231,7 +231,7 @@ def test_batched_copies_merge_adjacent_pages_and_stay_exact(resident, monkeypatc
     (`AdaptiveKV.copy_pages`); under the delayed, out-of-order fake stream the tokens stay equal
     to resident serving, and runs longer than one page do occur (so the merged path is tested)."""
     counts = []
-    from dhisparse.kv import hierarchy as hierarchy_mod  # AdaptiveKV.copy_pages -> HierarchicalKV._copy_runs
+    from dhisparse.kv.hier import hierarchy as hierarchy_mod  # AdaptiveKV.copy_pages -> HierarchicalKV._copy_runs
 
     real = hierarchy_mod.page_runs
 
@@ -250,7 +250,7 @@ def test_host_counted_direct_passes_equal_the_device_census(prompt_lens, monkeyp
     """An all-direct decode pass is counted on the host (min(k, n) selected rows a request, one
     wholly direct call a group); the totals equal the per-group device counters'. Histories
     shorter and longer than k (tiny: k = 16) both occur."""
-    from dhisparse.kv import hier_context
+    from dhisparse.kv.hier import context as hier_context
 
     prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate(prompt_lens)]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -303,7 +303,7 @@ def test_attention_replay_describes_and_varies_the_recorded_locations():
     import torch
 
     from bench.attention_replay import describe, variants
-    from dhisparse.kv.arena import SPACE
+    from dhisparse.core.rows import SPACE
 
     loc = torch.tensor([[5, 3, -1], [3, 5, SPACE + 1], [7, -1, -1], [7, 8, 9]])
     d = describe(loc, per_request=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhisparse.models.config import ConfigError, ModelConfig
+from dhisparse.core.config import ConfigError, ModelConfig
 from hf_fixtures import glm_config, v32_config
 
 YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,

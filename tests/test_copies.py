@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from dhisparse.kv.copies import Done, PageRun, StreamCopyEngine, SyncCopyEngine, page_runs
+from dhisparse.kv.memory.copies import Done, PageRun, StreamCopyEngine, SyncCopyEngine, page_runs
 
 
 class ManualStreams:

@@ -1,5 +1,5 @@
 """The hierarchy's device-side tables against the host page tables they stand for: the slot tables
-(`kv/slot_tables.py`: host pages and index pages, synced incrementally), `index_locations` and
+(`kv/memory/slot_tables.py`: host pages and index pages, synced incrementally), `index_locations` and
 `decode_locations`, through prefill, decode and slot reuse."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.arena import table_locations
+from dhisparse.core.rows import table_locations
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 PROMPTS = [[3 + (7 * i + 5 * j + i * j) % 110 for j in range(9 + 11 * i)] for i in range(5)]
@@ -68,7 +68,7 @@ def test_device_tables_mirror_the_host_tables_across_slot_reuse(preset):
 
 def test_a_reused_slot_gets_its_new_owner_pages(monkeypatch):
     """Mutation check of the free-time reset: without it a reused slot keeps the old owner's pages."""
-    from dhisparse.kv.hierarchy import HierarchicalKV
+    from dhisparse.kv.hier.hierarchy import HierarchicalKV
 
     orig_free = HierarchicalKV.free
 
@@ -111,7 +111,7 @@ def test_host_table_mirrors_the_host_pages():
 def test_slot_table_rows_follow_their_lists(ops):
     """Any sequence of appends (slot, n pages) and frees: after each sync every slot's row starts
     with its list and holds -1 after it; a freed slot's row is all -1."""
-    from dhisparse.kv.slot_tables import SlotTable
+    from dhisparse.kv.memory.slot_tables import SlotTable
 
     table, lists, page = SlotTable(4, "cpu"), {s: [] for s in range(4)}, 100
     for slot, n, free in ops:

@@ -8,7 +8,7 @@ import torch
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.hierarchy import HierarchicalKV
+from dhisparse.kv.hier.hierarchy import HierarchicalKV
 from kv_check import checked
 
 GREEDY = SamplingParams(max_tokens=36, ignore_eos=True)
@@ -52,7 +52,7 @@ def test_debug_rejects_positions_outside_the_request():
     eng.step()  # prefill + handoff
     store: HierarchicalKV = eng.store
     req = next(iter(store.reqs))
-    from dhisparse.kv.context import ForwardBatch
+    from dhisparse.core.batch import ForwardBatch
 
     n = eng.requests[req].num_computed
     batch = ForwardBatch.build([([5], n)])

@@ -13,14 +13,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hf_fixtures import glm_config  # noqa: E402
 
+from dhisparse.core.batch import KVContext
 from dhisparse.kernels.indexer import (  # noqa: E402
     indexer_scores_torch, indexer_scores_triton, indexer_topk_torch, indexer_topk_triton)
-from dhisparse.kv.arena import KVArena, gather_rows  # noqa: E402
-from dhisparse.kv.context import ForwardBatch, IndexTable  # noqa: E402
-from dhisparse.kv.dense import DenseKV  # noqa: E402
-from dhisparse.kv.resident import PagedContext  # noqa: E402
+from dhisparse.core.rows import gather_rows
+from dhisparse.kv.memory.arena import KVArena  # noqa: E402
+from dhisparse.core.batch import ForwardBatch, IndexTable  # noqa: E402
+from dhisparse.kv.resident.dense import DenseKV  # noqa: E402
+from dhisparse.kv.resident.store import PagedContext  # noqa: E402
 from dhisparse.layers.indexer import IndexerProjection, indexer_topk, indexer_topk_reference  # noqa: E402
-from dhisparse.models.config import ModelConfig  # noqa: E402
+from dhisparse.core.config import ModelConfig  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = ModelConfig.from_hf(glm_config(index_n_heads=16))
@@ -146,7 +148,7 @@ def test_dense_table_and_dispatch():
     want = indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: dense.index_keys(LAYER, r), 8)
     assert torch.equal(indexer_topk(proj, batch, dense, LAYER, 8), want)
 
-    class KeysOnly:  # a context without index_table: the per-request fallback
+    class KeysOnly(KVContext):  # a context whose index_table is the default None: the per-request fallback
         index_keys = dense.index_keys
 
     assert torch.equal(indexer_topk(proj, batch, KeysOnly(), LAYER, 8), want)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dhisparse.models.config import ConfigError
+from dhisparse.core.config import ConfigError
 from dhisparse.models.loader import ModelLoadError, load_checkpoint
 from hf_fixtures import (
     checkpoint_state, copy_checkpoint, greedy_hf, greedy_ours, load_hf, prefill_logits, save_sharded, save_single,

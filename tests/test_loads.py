@@ -1,4 +1,4 @@
-"""Background loads (kv/loads.py): prefix imports and hand-off backups beside the batch.
+"""Background loads (kv/memory/loads.py): prefix imports and hand-off backups beside the batch.
 
 On CPU the copies are synchronous; here a fake stream whose events fire late stands in for the
 side stream, so the contract is tested: a loading request is never scheduled, hand-off pages stay
@@ -12,8 +12,8 @@ import torch
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.loads import StreamLoads, SyncLoads
-from dhisparse.kv.prefix import to_pages
+from dhisparse.kv.memory.loads import StreamLoads, SyncLoads
+from dhisparse.kv.memory.prefix_store import to_pages
 from kv_check import checked
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)

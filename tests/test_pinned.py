@@ -1,4 +1,4 @@
-"""Exact-size pinned host pools (kv/pinned.py), on CPU with a recording stand-in for cudart.
+"""Exact-size pinned host pools (kv/memory/pinned.py), on CPU with a recording stand-in for cudart.
 
 The GPU half (a registered pool is pinned, copies asynchronously and reads zero-copy) is in
 tests/test_uva.py."""
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhisparse.kv import pinned
-from dhisparse.kv.host import HostStore
+from dhisparse.kv.memory import pinned
+from dhisparse.kv.memory.host import HostStore
 
 
 class FakeCudart:

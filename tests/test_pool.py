@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhisparse.kv.pool import PagePool, PoolExhausted
+from dhisparse.kv.memory.pool import PagePool, PoolExhausted
 
 
 def test_reserve_alloc_release():

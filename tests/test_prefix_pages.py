@@ -1,4 +1,4 @@
-"""Shared prefix host pages (kv/prefix_pages.py, HostStore.share / borrow): a request importing a
+"""Shared prefix host pages (kv/hier/prefix_pages.py, HostStore.share / borrow): a request importing a
 stored prefix borrows the prefix's host pages instead of backing its imported rows up again.
 
 Checked: the host store's bookkeeping (unit and property-based), that a hisparse importer hands
@@ -16,8 +16,8 @@ from hypothesis import strategies as hs
 
 from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.prefix_pages import PrefixPages
+from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.hier.prefix_pages import PrefixPages
 from kv_check import checked
 
 PREFIX = [3 + (5 * j) % 97 for j in range(100)]  # 6 complete pages of 16, and a partial one

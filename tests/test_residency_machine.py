@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from dhisparse.kv.pool import PagePool
-from dhisparse.kv.residency import ResidencyManager
+from dhisparse.kv.memory.pool import PagePool
+from dhisparse.kv.hier.residency import ResidencyManager
 
 CAPACITY, RESERVE = 24, 2
 

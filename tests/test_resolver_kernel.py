@@ -21,7 +21,7 @@ from test_resolver_reference import (  # noqa: E402
     W, assert_rows_right, clone_state, dev_rows_for, host_rows_for, make_state, sel_of)
 
 from dhisparse.kernels.resolver import launch_copies, plan_triton, run_copies_triton  # noqa: E402
-from dhisparse.kv.resolver import plan_reference, run_copies  # noqa: E402
+from dhisparse.kernels.resolver_ref import plan_reference, run_copies  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

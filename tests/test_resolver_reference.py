@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from dhisparse.kv.resolver import ResolverState, plan_reference, run_copies
+from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
 
 W = 4  # row width of the test row spaces
 HOST_PS = 4  # host rows per host page

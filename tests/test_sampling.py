@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhisparse.engine.params import SamplingParams
-from dhisparse.engine.sampling import Sampler, make_generator, processed_probs
+from dhisparse.core.params import SamplingParams
+from dhisparse.core.sampling import Sampler, make_generator, processed_probs
 
 V = 32
 
@@ -227,7 +227,7 @@ def test_any_accepted_temperature_samples_a_valid_token(temperature):
 
 
 def test_temperatures_below_eps_are_greedy():
-    from dhisparse.engine.params import GREEDY_EPS
+    from dhisparse.core.params import GREEDY_EPS
 
     assert SamplingParams(temperature=GREEDY_EPS / 2).greedy
     assert not SamplingParams(temperature=GREEDY_EPS).greedy

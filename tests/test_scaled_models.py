@@ -49,7 +49,7 @@ def test_reduced_build_runs_finite_on_cpu():
     assert torch.equal(lm.model.lm_head.weight, again.model.lm_head.weight)
     from dhisparse.engine.config import EngineConfig
     from dhisparse.engine.engine import Engine
-    from dhisparse.engine.params import SamplingParams
+    from dhisparse.core.params import SamplingParams
     from dhisparse.models.tokenizer import ByteTokenizer
     import dataclasses
 
@@ -73,7 +73,7 @@ def test_greedy_continuation_has_a_wide_margin():
 
     from dhisparse.engine.config import EngineConfig
     from dhisparse.engine.engine import Engine
-    from dhisparse.engine.params import SamplingParams
+    from dhisparse.core.params import SamplingParams
     from dhisparse.models.tokenizer import ByteTokenizer
 
     lm = dataclasses.replace(build_scaled("glm52-scaled-k512", num_layers=4, dtype=torch.float32), tokenizer=ByteTokenizer())

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import dhisparse.kernels.sparse_mla as sm
+from dhisparse.kernels import backend as kernel_backend
+from dhisparse.kernels.backend import KernelSettings
 from dhisparse.kernels.sparse_mla import plan_sparse_mla, run_sparse_mla, sparse_mla, sparse_mla_triton
-from dhisparse.kv.arena import SPACE, KVArena
+from dhisparse.core.rows import SPACE
+from dhisparse.kv.memory.arena import KVArena
 from dhisparse.layers.attention import sparse_mla_reference
 from dhisparse.models.tiny import build_tiny
 
@@ -128,7 +131,7 @@ def test_dispatcher_backend(monkeypatch):
     torch.testing.assert_close(sparse_mla(q, qp, rows, loc, 0.3), sparse_mla_reference(q, qp, rows, loc, 0.3))
     if torch.cuda.is_available():
         assert sm.backend(q.cuda()) == "triton"
-        monkeypatch.setenv("DHISPARSE_TORCH_KERNELS", "1")
+        kernel_backend.configure(KernelSettings("torch"))  # the conftest restores the default
         assert sm.backend(q.cuda()) == "torch"
 
 
@@ -141,14 +144,15 @@ def _force_triton(monkeypatch) -> list:
         calls.append(rows)
         return orig(q_abs, q_pe, rows, loc, scale)
 
-    monkeypatch.setattr(sm, "backend", lambda q: "triton")
+    kernel_backend.configure(KernelSettings("triton"))  # the conftest restores the default
+    monkeypatch.setenv("DHISPARSE_TRITON_KERNELS", "1")  # engines built after this read it
     monkeypatch.setattr(sm, "sparse_mla_triton", traced)
     return calls
 
 
 def _model_logits(lm, prompt, steps):
-    from dhisparse.kv.context import ForwardBatch
-    from dhisparse.kv.dense import DenseKV
+    from dhisparse.core.batch import ForwardBatch
+    from dhisparse.kv.resident.dense import DenseKV
 
     kv = DenseKV(lm.config)
     outs = []
@@ -279,13 +283,12 @@ def test_speculation_with_grouped_indexer_scoring_stays_exact(monkeypatch):
     from dhisparse.engine.engine import Engine
     from dhisparse.engine.llm import LLM
     from dhisparse.kernels import indexer as ix
-    from dhisparse.layers import indexer as layer_ix
 
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(40 + 9 * i)] for i in range(2)]
     ref = {tuple(p): o.token_ids for p, o in zip(prompts, LLM("tiny").generate(prompts, sp))}
     monkeypatch.setenv("DHISPARSE_TRITON_KERNELS", "1")
-    monkeypatch.setattr(layer_ix, "GROUPED", True)
+    monkeypatch.setenv("DHISPARSE_INDEXER_GROUP", "1")
     groups = []
     orig = ix.indexer_scores_triton
     monkeypatch.setattr(ix, "indexer_scores_triton", lambda *a, **k: groups.append(k.get("group", 1)) or orig(*a, **k))

@@ -10,7 +10,7 @@ import torch
 
 from spec_loop import FakeTarget, one_thread, speculative_greedy  # noqa: F401
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 from dhisparse.models.tiny import build_tiny
 from dhisparse.spec.dflash import DFlashDrafter
 from dhisparse.spec.dflash_config import DFlashConfigError, default_target_layer_ids

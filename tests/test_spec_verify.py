@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chi2
 from spec_loop import one_thread  # noqa: F401
 
-from dhisparse.engine.params import SamplingParams
-from dhisparse.engine.sampling import processed_probs
+from dhisparse.core.params import SamplingParams
+from dhisparse.core.sampling import processed_probs
 from dhisparse.spec.verify import commit_rows, verify_batch, verify_greedy, verify_request, verify_sampled
 
 

@@ -273,7 +273,7 @@ def test_a_failed_capture_leaves_its_passes_to_the_eager_path(reference, caplog)
 def test_census_in_place_accumulation_equals_the_pending_path():
     """Under a step-graph capture the census adds each call into one device accumulator (the ops a
     graph replays); folded, it gives the totals of the pending-list path, calls included."""
-    from dhisparse.kv.census import Census
+    from dhisparse.kv.hier.census import Census
 
     g = torch.Generator().manual_seed(3)
     calls = [(torch.randint(0, 50, (6,), generator=g), torch.randint(0, 999, (), generator=g)) for _ in range(7)]

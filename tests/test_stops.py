@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 from dhisparse.engine.stops import StopChecker, StopUpdate
 
 EOS = 99

@@ -55,9 +55,9 @@ def test_pinned_view_reads_host_bytes_and_is_released():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cudaHostRegister)")
 def test_exact_size_pinned_pool_is_pinned_copies_and_reads_zero_copy():
-    """A pool from kv/pinned.py behaves as a torch pinned tensor: is_pinned, asynchronous copies
+    """A pool from kv/memory/pinned.py behaves as a torch pinned tensor: is_pinned, asynchronous copies
     both ways, and a zero-copy view that reads and writes the same bytes."""
-    from dhisparse.kv import pinned
+    from dhisparse.kv.memory import pinned
 
     uva.clear_cache()
     rows = pinned.pinned_zeros((37, 3, 16, 24), torch.bfloat16)  # not a power of two in bytes

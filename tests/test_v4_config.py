@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dhisparse.models.config import ConfigError
-from dhisparse.models.v4_config import CSA, HCA, SLIDING, V4Config
+from dhisparse.core.config import ConfigError
+from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from v4_fixtures import upstream_v4_config, v4_config
 
 

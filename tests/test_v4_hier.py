@@ -116,7 +116,7 @@ def test_v4_hier_store_bad_settings(loaded):
 def test_v4_host_counted_direct_passes_equal_the_device_census(loaded, reference, monkeypatch):
     """V4's row hierarchy under `adaptive` counts its all-direct passes like the GLM path: the
     host count equals the per-group device counters."""
-    from dhisparse.kv import hier_context
+    from dhisparse.kv.hier import context as hier_context
 
     stats = {}
     for host in (False, True):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.core.batch import ForwardBatch
 from dhisparse.models.v4_loader import load_v4_checkpoint
 from v4_fixtures import (
     build_v4_hf, chunked_logits, greedy_hf, greedy_v4, load_v4_hf, new_state, one_thread, prompt_ids, save_upstream,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dhisparse import SamplingParams
-from dhisparse.models.config import ConfigError
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.config import ConfigError
+from dhisparse.core.v4_config import V4Config
 from dhisparse.models.v4_loader import load_v4_checkpoint
 from dhisparse.spec.dspark import VerifyCost
 from v4_engine_util import V41_LAYERS, SourceCheck, engine, generate, loaded_v41, tiny_v41

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.v4_rows import DenseRowStore
-from dhisparse.kv.v4_state import StateError
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.v4.rows import DenseRowStore
+from dhisparse.kv.v4.state import StateError
 from dhisparse.layers.v4_attention import all_complete_rows
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.v4_config import V4Config
 from v4_fixtures import build_v4_hf, new_state, one_thread, prompt_ids, step, v4_config
 
 pytest.importorskip("transformers")

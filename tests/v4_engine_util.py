@@ -20,12 +20,12 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
-from dhisparse.kv.arena import gather_rows
-from dhisparse.kv.v4_hier_pass import V4HierPass
-from dhisparse.kv.v4_state import V4RequestState
+from dhisparse.core.rows import gather_rows
+from dhisparse.kv.v4.hier_pass import V4HierPass
+from dhisparse.kv.v4.state import V4RequestState
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.tokenizer import ByteTokenizer
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.v4_config import V4Config
 from dhisparse.models.v4_scaled import build_v4_random
 from v4_fixtures import CSA, HCA, SWA, V4_TINY
 

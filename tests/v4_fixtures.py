@@ -151,7 +151,7 @@ def save_upstream(model, folder: str | Path, config: dict) -> Path:
 # ---- running our model ----------------------------------------------------------------------------
 def new_state(lm, rid=0, auto_commit: bool = True):
     """(V4Cache, V4RequestState) for our model."""
-    from dhisparse.kv.v4_pass import V4Cache
+    from dhisparse.kv.v4.passes import V4Cache
 
     cache = V4Cache(lm.config)
     return cache, cache.new_request(rid, auto_commit=auto_commit)
@@ -159,7 +159,7 @@ def new_state(lm, rid=0, auto_commit: bool = True):
 
 def step(lm, cache, state, ids: list[int]) -> torch.Tensor:
     """Run `ids` at the state's next positions -> fp32 logits [len(ids), vocab]."""
-    from dhisparse.kv.context import ForwardBatch
+    from dhisparse.core.batch import ForwardBatch
 
     batch = ForwardBatch.build([(list(ids), state.length)])
     return lm.logits(lm(batch, cache.begin(batch, [state])).hidden)

@@ -15,7 +15,7 @@ from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.warmup import warm_up
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 Progress = Callable[[float, int], None]  # (elapsed s, completed requests)
 

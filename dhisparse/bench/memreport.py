@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from dhisparse.kv.adaptive import AdaptiveKV
-from dhisparse.kv.arena import KVArena
-from dhisparse.kv.hierarchy import HierarchicalKV
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.resident import ResidentKV
-from dhisparse.models.config import ModelConfig
+from dhisparse.kv.hier.adaptive import AdaptiveKV
+from dhisparse.kv.memory.arena import KVArena
+from dhisparse.kv.hier.hierarchy import HierarchicalKV
+from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.resident.store import ResidentKV
+from dhisparse.core.config import ModelConfig
 
 GIB = float(1 << 30)
 

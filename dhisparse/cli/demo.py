@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
 
 def sample_text(engine, max_tokens: int = 40, timeout_s: float = 60.0) -> str:
     """Greedy continuation of SAMPLE_PROMPT (bounded in time)."""
-    from dhisparse.engine.params import SamplingParams
+    from dhisparse.core.params import SamplingParams
 
     rid = engine.add_request(SAMPLE_PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     deadline = time.perf_counter() + timeout_s

@@ -7,7 +7,7 @@ import json
 import time
 
 from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 
 def add_parser(sub) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
+from dhisparse.spec.config import SpecConfig
+
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
 AVAILABLE_PRESETS = PRESETS
 
@@ -68,6 +71,11 @@ class EngineConfig:
         beyond, capped by K_max) or online.
     speculative_oracle_tokens_per_round [--speculative-oracle-tokens-per-round]: oracle calibration.
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
+    kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
+        tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).
+    mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
+        0 = off). indexer_group [--indexer-group]: grouped indexer scoring of verification rounds.
+        The environment overrides of kernels/backend.py apply on top, read when the engine is built.
     cpu_threads [--cpu-threads]: torch intra-op threads when running on CPU (default 1: the
         tensors of one step are small, and thread hand-offs cost more than they gain).
     seed [--seed]: seed of the built-in model's random weights.
@@ -101,6 +109,9 @@ class EngineConfig:
     speculative_policy: str = "fixed"
     speculative_oracle_tokens_per_round: float | None = None
     resolver: str = "auto"
+    kernel_backend: str = "auto"
+    mla_split_rows: int = DEFAULT_SPLIT_ROWS
+    indexer_group: bool = True
     cpu_threads: int | None = None
     seed: int = 0
     debug_checks: bool = False
@@ -135,6 +146,7 @@ class EngineConfig:
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
+        self.kernel_settings()  # validates the kernel settings (the message names the setting)
         for name in ("hot_cache_rows", "host_pool_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
@@ -154,12 +166,17 @@ class EngineConfig:
         """The SpecConfig of this engine (None without speculation)."""
         if not self.speculative:
             return None
-        from dhisparse.spec.config import SpecConfig
-
         return SpecConfig(algorithm=self.speculative_algorithm or "dflash", num_draft_tokens=self.speculative_num_draft_tokens,
                           draft_window_size=self.speculative_draft_window_size, page_size=self.page_size,
                           draft_model_path=self.speculative_draft_model_path, policy=self.speculative_policy,
                           oracle_tokens_per_round=self.speculative_oracle_tokens_per_round, seed=self.seed)
+
+    def kernel_settings(self) -> KernelSettings:
+        """The kernel choice of this engine, before the environment overrides (`with_env`)."""
+        try:
+            return KernelSettings(self.kernel_backend, self.mla_split_rows, self.indexer_group)
+        except ValueError as e:
+            raise ConfigValueError(str(e)) from None
 
     @classmethod
     def from_kwargs(cls, **kw: object) -> "EngineConfig":

@@ -13,21 +13,22 @@ import time
 import torch
 
 from dhisparse.engine.config import EngineConfig
+from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, release_memory, resolve_device
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
-from dhisparse.engine.sampling import Sampler, make_generator
+from dhisparse.core.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.speculative import SpecRuntime
 from dhisparse.engine.stats import EngineStats, store_counters
 from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.prefix import PrefixStore
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.memory.prefix_store import PrefixStore
 from dhisparse.engine.v4_stores import build_v4_store
-from dhisparse.models.v4_config import V4Config
-from dhisparse.kv.arena import KVArena
+from dhisparse.core.v4_config import V4Config
+from dhisparse.kv.memory.arena import KVArena
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.dsa import ModelOutput
@@ -45,6 +46,7 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or 1)
+        kernel_backend.configure(config.kernel_settings().with_env())  # env overrides read here, not at import
         dtype = DTYPES[config.dtype] if config.dtype else None
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
@@ -199,7 +201,7 @@ class Engine:
         item, n = self._prefix_match(req.request_id)
         self._matches.pop(req.request_id, None)
         if item is not None and n > 0:
-            if hasattr(self.store, "import_prefix"):  # whole pages (kv/loads.py: in stream order or on a side stream)
+            if hasattr(self.store, "import_prefix"):  # whole pages (kv/memory/loads.py: in stream order or on a side stream)
                 self.store.import_prefix(req.request_id, item, n)
             else:
                 self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])

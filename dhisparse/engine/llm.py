@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import RequestOutput
 
 Prompt = str | Sequence[int]

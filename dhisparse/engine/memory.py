@@ -23,7 +23,7 @@ def resolve_device(name: str) -> torch.device:
 def release_memory() -> None:
     """Collect unreachable engines (their stores hold reference cycles) and return cached CUDA
     blocks, so the next engine sees what is free. A freed host pool's pinned registration stays
-    (kv/pinned.py) and the next pool that fits reuses it without pinning again (pinning tens of
+    (kv/memory/pinned.py) and the next pool that fits reuses it without pinning again (pinning tens of
     GiB takes ~1 s per GiB)."""
     gc.collect()
     if torch.cuda.is_available():

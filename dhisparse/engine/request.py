@@ -9,7 +9,7 @@ from enum import Enum
 
 import torch
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 _ids = itertools.count()
 

@@ -72,7 +72,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         """Admit what fits and return this step's chunks (decodes first). A request whose KV is
         still being copied (the store's `loading`: a prefix import or a hand-off backup in the
-        background, kv/loads.py) sits this step out."""
+        background, kv/memory/loads.py) sits this step out."""
         self._admit()
         budget = self.token_budget
         loading = getattr(self.store, "loading", None)

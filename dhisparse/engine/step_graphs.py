@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
+from dhisparse.core.batch import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.graphs import graph_buckets
 

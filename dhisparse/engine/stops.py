@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 
 class Detokenizer(Protocol):

@@ -10,11 +10,11 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.memory import host_pool_bytes
-from dhisparse.kv.adaptive import AdaptiveKV
-from dhisparse.kv.arena import KVArena
-from dhisparse.kv.hierarchy import HierarchicalKV
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.resident import ResidentKV
+from dhisparse.kv.hier.adaptive import AdaptiveKV
+from dhisparse.kv.memory.arena import KVArena
+from dhisparse.kv.hier.hierarchy import HierarchicalKV
+from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.resident.store import ResidentKV
 
 log = logging.getLogger("dhisparse.engine")
 
@@ -42,7 +42,7 @@ def build_store(cfg: EngineConfig, arena: KVArena, pool_bytes: int, max_model_le
 
 def resolver_plan_fn(cfg: EngineConfig, device: torch.device):
     """The resolver plan: Triton when asked for, or on CUDA under "auto"; PyTorch otherwise."""
-    from dhisparse.kv.resolver import plan_reference
+    from dhisparse.kernels.resolver_ref import plan_reference
 
     if not (cfg.resolver == "triton" or (cfg.resolver == "auto" and device.type == "cuda")):
         return plan_reference
@@ -57,7 +57,7 @@ def resolver_plan_fn(cfg: EngineConfig, device: torch.device):
 
 
 def copy_fn_for(plan_fn):
-    from dhisparse.kv.resolver import plan_reference, run_copies
+    from dhisparse.kernels.resolver_ref import plan_reference, run_copies
 
     if plan_fn is plan_reference:
         return run_copies

@@ -1,5 +1,5 @@
 """Build the KV store of a DeepSeek-V4 model for a preset: `resident` (`V4ResidentStore`) or the
-row hierarchy of its CSA compressed rows (`hisparse` / `adaptive`, `kv/v4_hier.py`) with the
+row hierarchy of its CSA compressed rows (`hisparse` / `adaptive`, `kv/v4/hier.py`) with the
 same hot-cache, host-pool, resolver and staging settings as the GLM presets."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.memory import host_pool_bytes
 from dhisparse.engine.stores import copy_fn_for, resolver_plan_fn
-from dhisparse.kv.arena import KVArena
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.v4_hier import V4AdaptiveKV, V4HierarchicalKV, V4HierStore, rows_model_config
-from dhisparse.kv.v4_store import V4ResidentStore, v4_bytes
-from dhisparse.models.v4_config import V4Config
+from dhisparse.kv.memory.arena import KVArena
+from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.v4.hier import V4AdaptiveKV, V4HierarchicalKV, V4HierStore, rows_model_config
+from dhisparse.kv.v4.store import V4ResidentStore, v4_bytes
+from dhisparse.core.v4_config import V4Config
 
 
 class V4Store(NamedTuple):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 WARMUP_TOKENS = (4, 16, 64)
 

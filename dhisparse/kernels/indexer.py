@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dhisparse.kv.context import IndexTable
+from dhisparse.core.batch import IndexTable
 from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the kernel's reference)
     GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_in_chunks, topk_of_scores)
 

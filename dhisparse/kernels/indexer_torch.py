@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import gather_rows
-from dhisparse.kv.context import IndexTable
+from dhisparse.core.rows import gather_rows
+from dhisparse.core.batch import IndexTable
 
 SCORE_ELEMS = 1 << 27  # fp32 scores [chunk, Lmax] materialised per Triton launch (512 MiB)
 GATHER_ELEMS = 1 << 24  # elements of gathered keys / logits per chunk of the torch path

@@ -1,6 +1,6 @@
 """Triton resolver: `plan_triton` (fused plan kernel) and `run_copies_triton` (fused gather-copy).
 
-Same semantics as `dhisparse.kv.resolver.plan_reference` / `run_copies`, bit for bit, in outputs
+Same semantics as `dhisparse.kernels.resolver_ref.plan_reference` / `run_copies`, bit for bit, in outputs
 and in state mutations (hot_pos, hot_stamp). On CPU the kernels run under TRITON_INTERPRET=1.
 
 Plan / run like FlashInfer:
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.kernels.gather import gather_rows_padded
-from dhisparse.kv.arena import row_bytes
+from dhisparse.core.rows import row_bytes
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
-from dhisparse.kv.resolver import ResolveCounters, ResolvePlan, ResolverState
+from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
 
 __all__ = ["TritonResolvePlan", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
 

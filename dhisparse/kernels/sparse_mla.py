@@ -43,18 +43,18 @@ from typing import NamedTuple
 
 import torch
 
-from dhisparse.kernels.dispatch import use_triton
+from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, on_configure, settings, use_triton  # noqa: F401
+from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
 import triton
 import triton.language as tl
 
-from dhisparse.kv.arena import SPACE
+from dhisparse.core.rows import SPACE
 
 __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "backend"]
 
 SPACE_BITS = SPACE.bit_length() - 1
 assert SPACE == 1 << SPACE_BITS
 LOG2E = 1.4426950408889634
-DEFAULT_SPLIT_ROWS = 128  # locations per program (module docstring); DHISPARSE_MLA_SPLIT_ROWS overrides
 
 
 @triton.jit
@@ -228,12 +228,12 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
 
     Defaults keep the fp32 accumulator [block_h, C] plus one row tile [block_k, C] in registers:
     16 heads x 32 rows at C = 512 with 8 warps; up to 64 heads for small C. split_rows (default
-    DHISPARSE_MLA_SPLIT_ROWS, else DEFAULT_SPLIT_ROWS; 0 = off) is rounded up to a multiple of block_k."""
+    KernelSettings.mla_split_rows, DEFAULT_SPLIT_ROWS unless configured; 0 = off) is rounded up to a multiple of block_k."""
     big = C > 256
     bh = block_h or min(_p2(H), 16 if big else 64)
     bk = _p2(block_k or (32 if big else 16))
     nw = num_warps or (8 if big else 4)
-    n = int(os.environ.get("DHISPARSE_MLA_SPLIT_ROWS", DEFAULT_SPLIT_ROWS)) if split_rows is None else split_rows
+    n = settings().mla_split_rows if split_rows is None else split_rows
     if n < 0:
         raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
     return SparseMLAPlan(H, C, R, _p2(bh), bk, nw, num_stages, -(-n // bk) * bk)
@@ -325,6 +325,7 @@ def _interpreting() -> bool:
 
 
 _PLANS: dict[tuple[int, int, int], SparseMLAPlan] = {}
+on_configure(_PLANS.clear)  # a new split setting takes effect at the next engine build
 
 
 def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
@@ -337,7 +338,7 @@ def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.
 
 
 def backend(q: torch.Tensor) -> str:
-    """'triton' for CUDA tensors (see kernels/dispatch.py for the overrides), else 'torch'."""
+    """'triton' for CUDA tensors (kernels/backend.py: KernelSettings.backend), else 'torch'."""
     return "triton" if use_triton(q) else "torch"
 
 
@@ -345,6 +346,4 @@ def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor,
     """Dispatcher: same contract as `sparse_mla_reference`."""
     if backend(q_abs) == "triton":
         return sparse_mla_triton(q_abs, q_pe, rows, loc, scale)
-    from dhisparse.layers.attention import sparse_mla_reference  # attention imports this module
-
     return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)

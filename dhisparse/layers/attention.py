@@ -14,53 +14,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dhisparse.kv.arena import gather_rows
-from dhisparse.kv.context import ForwardBatch, KVContext
+from dhisparse.core.rows import gather_rows
+from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference  # noqa: F401  (re-exported for tests)
+from dhisparse.kernels.dispatch import sparse_mla
+from dhisparse.core.batch import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, IndexerProjection, indexer_topk
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, rope_fused, softmax_mscale
-from dhisparse.models.config import ModelConfig
-
-
-def sparse_mla_reference(
-    q_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, loc: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
-) -> torch.Tensor:
-    """Sparse latent attention, plain PyTorch.
-
-    q_abs [T, H, C], q_pe [T, H, R], rows [P, per_page, C + R] (a paged row space; flat
-    location l is rows[l // per_page, l % per_page]) or a tuple of such spaces (see
-    `gather_rows`), loc [T, k] (-1 = skip) -> [T, H, C].
-    A token with no valid location gets zeros (only padding tokens can have none).
-    """
-    T, H, C = q_abs.shape
-    out = q_abs.new_zeros(T, H, C)
-    if T == 0:
-        return out
-    k = loc.shape[1]
-    width = (rows if isinstance(rows, torch.Tensor) else rows[0]).shape[-1]
-    step = max(1, chunk_elems // max(1, k * width))
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        lc = loc[a:b]
-        valid = lc >= 0
-        g = gather_rows(rows, lc.clamp(min=0))  # [S, k, C+R]
-        c, kpe = g[..., :C], g[..., C:]
-        logit = torch.einsum("shc,skc->shk", q_abs[a:b].float(), c.float())
-        logit = logit + torch.einsum("shr,skr->shk", q_pe[a:b].float(), kpe.float())
-        logit = (logit * scale).masked_fill(~valid[:, None, :], float("-inf"))
-        p = torch.softmax(logit, dim=-1).nan_to_num(0.0)
-        out[a:b] = torch.einsum("shk,skc->shc", p, c.float()).to(out.dtype)
-    return out
-
-
-def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dispatch to the kernels' dispatcher (Triton on CUDA), or to the reference when Triton is not
-    installed (it is optional on CPU)."""
-    try:
-        from dhisparse.kernels import sparse_mla as kernels
-    except ImportError:
-        return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
-    return kernels.sparse_mla(q_abs, q_pe, rows, loc, scale)
+from dhisparse.core.config import ModelConfig
 
 
 class Located(NamedTuple):

@@ -10,17 +10,16 @@ The plain-PyTorch per-request scorer here is the ground truth for the batched pa
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
-from dhisparse.kernels.dispatch import use_triton
 from torch import nn
 
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kernels.dispatch import indexer_topk_batched
 from dhisparse.layers.rope import RopeTables, rope_fused
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 
 
 class IndexerProjection(NamedTuple):
@@ -92,23 +91,12 @@ def indexer_topk_reference(
 def indexer_topk(proj: IndexerProjection, batch: ForwardBatch, kv, layer: int, topk: int) -> torch.Tensor:
     """Selection [T, topk] int64 of every token of `batch` (same as `indexer_topk_reference`).
 
-    Contexts with `index_table(layer)` are scored in one batched pass: the Triton kernel on CUDA
-    (unless DHISPARSE_TORCH_KERNELS=1), the batched PyTorch path otherwise. Other contexts fall
-    back to the per-request reference over `index_keys`. Triton is imported only on CUDA. A pass
-    whose requests each run 2 <= K <= 16 tokens (a verification round) is scored K queries per key
-    read (`kernels/indexer.py`, grouped scoring; DHISPARSE_INDEXER_GROUP=0 turns it off).
+    Contexts that offer an `index_table(layer)` (not None) are scored in one batched pass
+    (`kernels/dispatch.py`: the Triton kernel on CUDA, the batched PyTorch path otherwise; a
+    verification round of 2 <= K <= 16 tokens a request is scored K queries per key read). Other
+    contexts fall back to the per-request reference over `index_keys`.
     """
-    table_of = getattr(kv, "index_table", None)
-    if table_of is None:
+    table = kv.index_table(layer)
+    if table is None:
         return indexer_topk_reference(proj, batch.positions, batch.query_start, lambda r: kv.index_keys(layer, r), topk)
-    if use_triton(proj.q):
-        from dhisparse.kernels.indexer import indexer_topk_triton
-
-        group = max(1, batch.tokens_per_request) if GROUPED else 1
-        return indexer_topk_triton(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk, group=group)
-    from dhisparse.kernels.indexer_torch import indexer_topk_torch
-
-    return indexer_topk_torch(proj.q, proj.w, batch.positions, batch.req_idx, table_of(layer), topk)
-
-
-GROUPED = os.environ.get("DHISPARSE_INDEXER_GROUP", "1") == "1"  # kernels/indexer.py: grouped scoring
+    return indexer_topk_batched(proj.q, proj.w, batch.positions, batch.req_idx, table, topk, batch.tokens_per_request)

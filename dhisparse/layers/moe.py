@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 
 
 class MLP(nn.Module):

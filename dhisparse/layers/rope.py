@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dhisparse.models.config import RopeConfig
+from dhisparse.core.config import RopeConfig
 
 
 def _yarn_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

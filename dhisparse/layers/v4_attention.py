@@ -11,7 +11,7 @@
 Attention gathers rows through (rows, loc) row spaces (`RowSpace`) and never builds a dense mask;
 loc -1 entries are dropped. Sliding layers use the "main" rope, CSA / HCA layers the "compress" one.
 
-Cross-layer sources (`models/v4_sources.py`): a "full" CSA layer emits its source's rows and index
+Cross-layer sources (`core/v4_sources.py`): a "full" CSA layer emits its source's rows and index
 keys and selects with its own indexer; a "reindex" layer has only an indexer query
 (`self_attn.reindexer.{q_b_proj, scorer.weights_proj}`) and selects over its source's index keys;
 a "reuse" layer takes the pass's latest located selection on its source (`ctx.reuse`).
@@ -24,13 +24,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dhisparse.kv.arena import gather_rows
-from dhisparse.kv.v4_pass import RowSpace
+from dhisparse.core.rows import gather_rows
+from dhisparse.kv.v4.passes import RowSpace
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.layers.v4_compressor import Compressor, Indexer, Reindexer
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing, unweighted_rms_norm
-from dhisparse.models.v4_config import CSA, SLIDING, V4Config
-from dhisparse.models.v4_sources import FULL, REINDEX
+from dhisparse.core.v4_config import CSA, SLIDING, V4Config
+from dhisparse.core.v4_sources import FULL, REINDEX
 
 
 class RopeTables(NamedTuple):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhisparse.kv.v4_pass import PendingWindows
+from dhisparse.kv.v4.passes import PendingWindows
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing
 

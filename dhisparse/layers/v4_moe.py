@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dhisparse.layers.moe import Experts, Routing
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.v4_config import V4Config
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -14,13 +14,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from dhisparse.kv.context import ForwardBatch, KVContext
+from dhisparse.core.batch import ForwardBatch, KVContext
 from dhisparse.layers.attention import MLAttention
 from dhisparse.layers.moe import MLP, MoE
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, RotaryEmbedding
 from dhisparse.models.base import CausalLMHead
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 from dhisparse.models.graphs import spaces_key
 
 

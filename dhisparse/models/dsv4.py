@@ -6,7 +6,7 @@ loader maps the upstream and HF-saved spellings onto it (`models/v4_loader.py`).
 
 The forward runs over a flattened `ForwardBatch` (any mix of prefill chunks, single decode tokens
 and K-token verification runs) and reads / writes all attention state through a `V4Pass`
-(`kv/v4_pass.py`) built from per-request `V4RequestState`s; the modules hold no state.
+(`kv/v4/passes.py`) built from per-request `V4RequestState`s; the modules hold no state.
 
     ids [T] -> embed -> streams [T, N, D] (N = hc_mult copies)
     per layer:  streams = hc(attn(input_layernorm(collapse)))  then  hc(moe(post_attention_layernorm(collapse)))
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhisparse.kv.context import ForwardBatch
+from dhisparse.core.batch import ForwardBatch
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.layers.v4_attention import RopeTables, V4Attention
 from dhisparse.layers.v4_hyper import HyperConnection, HyperHead, hc_expand
@@ -26,7 +26,7 @@ from dhisparse.layers.v4_moe import V4MoE
 from dhisparse.layers.v4_ops import V4RMSNorm
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.base import CausalLMHead
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.v4_config import V4Config
 
 
 class V4DecoderLayer(nn.Module):

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.layers.rope import RotaryEmbedding
 

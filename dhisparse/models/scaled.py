@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 

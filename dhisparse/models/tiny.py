@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
 from dhisparse.models.loader import LoadedModel, ModelLoadError, dequantize_fp8, resolve_dtype, shard_files
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.v4_config import V4Config
 
 _TOP = {
     "embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",

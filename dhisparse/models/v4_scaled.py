@@ -1,5 +1,5 @@
 """DeepSeek-V4.1-style models with seeded random weights: the scaled benchmark model and tiny test
-models of the cross-layer source extension (`models/v4_sources.py`).
+models of the cross-layer source extension (`core/v4_sources.py`).
 
 `v41-scaled` keeps the KV structure the paper measures on DeepSeek-V4.1-Flash: k = 512 selected
 compressed rows (CSA, m = 4) of head_dim 512 (1 KiB in bf16), index keys of 128, a sliding
@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from dhisparse.models.v4_config import CSA, HCA, SLIDING, V4Config
-from dhisparse.models.v4_sources import FULL, REINDEX, REUSE
+from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
+from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
 
 BYTE_VOCAB = 259
 

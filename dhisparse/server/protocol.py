@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 
 class ApiError(Exception):

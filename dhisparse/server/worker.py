@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import RequestOutput
 
 log = logging.getLogger("dhisparse.server")

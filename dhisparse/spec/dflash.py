@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from dhisparse.engine.sampling import make_generator, processed_probs
+from dhisparse.core.sampling import make_generator, processed_probs
 from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel

@@ -23,7 +23,7 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from dhisparse.engine.params import SamplingParams
+from dhisparse.core.params import SamplingParams
 
 Features = Mapping[int, torch.Tensor]  # target layer -> [rows, hidden]
 

@@ -23,8 +23,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from dhisparse.engine.params import SamplingParams
-from dhisparse.engine.sampling import processed_probs
+from dhisparse.core.params import SamplingParams
+from dhisparse.core.sampling import processed_probs
 
 
 class Acceptance(NamedTuple):

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from dhisparse.kv.copies import CudaStreams, Streams
+from dhisparse.kv.memory.copies import CudaStreams, Streams
 
 Copies = Callable[[], None]
 
@@ -59,7 +59,7 @@ class SyncLoads:
 class StreamLoads:
     """Copies on a side stream; a request is `loading` until its loads' events fired.
 
-    `streams` is the residency copies' `Streams` (kv/copies.py): `CudaStreams` by default, a fake
+    `streams` is the residency copies' `Streams` (kv/memory/copies.py): `CudaStreams` by default, a fake
     whose events fire late in tests."""
 
     def __init__(self, device: torch.device | None = None, streams: Streams | None = None) -> None:

@@ -4,7 +4,7 @@ The paper's closed-loop benchmark gives every request the same long input from a
 with independent decode KV per request: each admitted request imports a *private copy* of the
 prefix rows into its device pages. Stored rows live on the host (pinned when CUDA is available);
 under the hierarchy the prefix's complete pages are also written to the host store once and
-borrowed by every importer as its host copy (kv/prefix_pages.py).
+borrowed by every importer as its host copy (kv/hier/prefix_pages.py).
 """
 
 from __future__ import annotations

@@ -6,18 +6,18 @@ pages for its sliding windows and raw tails plus the compressed rows its prompt 
 produce, so admission waits instead of overcommitting. States are committed after each pass up to
 the positions the engine keeps, and rolled back exactly when a pass restarts below their length.
 
-Prefix import / export are not built for V4 yet; the hierarchical presets live in `kv/v4_hier.py`.
+Prefix import / export are not built for V4 yet; the hierarchical presets live in `kv/v4/hier.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import cdiv
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.pool import PagePool, PoolUsage
-from dhisparse.kv.v4_pass import V4Cache, V4Pass
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.rows import cdiv
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.memory.pool import PagePool, PoolUsage
+from dhisparse.kv.v4.passes import V4Cache, V4Pass
+from dhisparse.core.v4_config import V4Config
 
 
 def v4_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:

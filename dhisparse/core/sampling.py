@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from dhisparse.engine.params import MAX_TEMPERATURE, SamplingParams
+from dhisparse.core.params import MAX_TEMPERATURE, SamplingParams
 
 
 class SampleOutput(NamedTuple):

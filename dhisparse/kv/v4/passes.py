@@ -28,10 +28,10 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.v4_rows import DenseRowStore, RowStore
-from dhisparse.kv.v4_state import StateError, V4RequestState
-from dhisparse.models.v4_config import V4Config
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.v4.rows import DenseRowStore, RowStore
+from dhisparse.kv.v4.state import StateError, V4RequestState
+from dhisparse.core.v4_config import V4Config
 
 
 class RowSpace(NamedTuple):

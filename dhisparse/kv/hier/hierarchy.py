@@ -24,20 +24,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse.kv.arena import SPACE, KVArena, cdiv
-from dhisparse.kv.census import Census
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.host import HostStore
-from dhisparse.kv.copies import page_runs
-from dhisparse.kv.loads import make_loads
-from dhisparse.kv.pool import PoolUsage
-from dhisparse.kv.prefix_pages import PrefixPages
-from dhisparse.kv.resident import ResidentKV
-from dhisparse.kv.resolver import ResolverState, plan_reference, run_copies
-from dhisparse.kv.slot_tables import SlotTable
+from dhisparse.core.rows import SPACE, cdiv
+
+from dhisparse.kv.memory.arena import KVArena
+from dhisparse.kv.hier.census import Census
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.memory.copies import page_runs
+from dhisparse.kv.memory.loads import make_loads
+from dhisparse.kv.memory.pool import PoolUsage
+from dhisparse.kv.hier.prefix_pages import PrefixPages
+from dhisparse.kv.resident.store import ResidentKV
+from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
+from dhisparse.kv.memory.slot_tables import SlotTable
 
 if TYPE_CHECKING:  # hier_context imports this module
-    from dhisparse.kv.hier_context import HierContext
+    from dhisparse.kv.hier.context import HierContext
 
 log = logging.getLogger("dhisparse.kv")
 
@@ -67,7 +69,7 @@ class HierarchicalKV:
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
         union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
-        side_loads: prefix imports and hand-off backups run beside the batch (kv/loads.py)."""
+        side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py)."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
@@ -172,7 +174,7 @@ class HierarchicalKV:
 
     def import_prefix(self, req: object, item, n: int) -> None:
         """A stored prefix into req's prefill workspace (ResidentKV.import_prefix); its complete
-        imported pages borrow the prefix's shared host pages (kv/prefix_pages.py)."""
+        imported pages borrow the prefix's shared host pages (kv/hier/prefix_pages.py)."""
         self.resident.import_prefix(req, item, n)
         self.prefix_pages.borrow(req, item, n)
 
@@ -182,7 +184,7 @@ class HierarchicalKV:
         return self.prefix_pages.borrowable(item, n) if item is not None else 0
 
     def loading(self, req: object) -> bool:
-        """Whether req waits for its prefix import or its hand-off backup (kv/loads.py)."""
+        """Whether req waits for its prefix import or its hand-off backup (kv/memory/loads.py)."""
         return self.resident.loading(req) or self.handoffs.loading(req)
 
     def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,12 +193,12 @@ class HierarchicalKV:
     # -- passes --------------------------------------------------------------------------------
     def graph_context(self) -> type:
         """The context class of this store's passes (its step graphs' `graph_templates`)."""
-        from dhisparse.kv.hier_context import HierContext
+        from dhisparse.kv.hier.context import HierContext
 
         return HierContext
 
     def context(self, batch: ForwardBatch, reqs: list[object]) -> "HierContext":
-        from dhisparse.kv.hier_context import HierContext
+        from dhisparse.kv.hier.context import HierContext
 
         self.now += 1
         if self.deferred:

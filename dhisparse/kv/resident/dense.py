@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.context import ForwardBatch, IndexTable
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.batch import ForwardBatch, IndexTable, KVContext
+from dhisparse.core.config import ModelConfig
 
 
-class DenseKV:
+class DenseKV(KVContext):
     """Holds latent rows [L_r, latent_dim] and index keys [L_r, iD] per (request slot, layer)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:

@@ -19,10 +19,10 @@ import logging
 
 import torch
 
-from dhisparse.kv.copies import CopyItem, copy_engine_for
-from dhisparse.kv.hierarchy import HierarchicalKV, ReqKV
-from dhisparse.kv.residency import ResidencyManager, opt_owner
-from dhisparse.kv.resolver import ResolverState
+from dhisparse.kv.memory.copies import CopyItem, copy_engine_for
+from dhisparse.kv.hier.hierarchy import HierarchicalKV, ReqKV
+from dhisparse.kv.hier.residency import ResidencyManager, opt_owner
+from dhisparse.kernels.resolver_ref import ResolverState
 
 log = logging.getLogger("dhisparse.kv")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("dhisparse.kv")
 class AdaptiveKV(HierarchicalKV):
     def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4,
                  max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32, **kw) -> None:
-        """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/copies.py).
+        """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/memory/copies.py).
         backup_ahead_pages: host backups started per step under memory pressure (0: only when a
         reclaim needs them, on the admission path)."""
         super().__init__(*args, max_len=max_len, **kw)

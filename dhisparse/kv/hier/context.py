@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import SPACE, row_bytes, table_locations
-from dhisparse.kv.resident import PagedContext
-from dhisparse.kv.context import ForwardBatch, GraphPass, ScratchRows
-from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
-from dhisparse.kv.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
+from dhisparse.core.rows import SPACE, row_bytes, table_locations
+from dhisparse.kv.resident.store import PagedContext
+from dhisparse.core.batch import ForwardBatch, GraphPass, ScratchRows
+from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
+from dhisparse.kv.hier.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
 
 def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

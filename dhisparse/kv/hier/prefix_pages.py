@@ -1,7 +1,7 @@
 """A stored prefix's rows as shared host pages, borrowed by the requests that import it.
 
 Under the hierarchy every committed row needs a host copy (I1). A request that imports a stored
-prefix (kv/prefix.py) used to get that copy by backing its imported rows up again at the hand-off
+prefix (kv/memory/prefix_store.py) used to get that copy by backing its imported rows up again at the hand-off
 (hisparse) or at reclaim (adaptive): the same bytes, 2.9 GB per 32K admission of the scaled GLM
 model, copied device -> host once per request. Instead the prefix's complete pages are written to
 host pages once (`HostStore.share`, from the prefix's page layout: the very bytes every import
@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from dhisparse.kv.host import HostStore
+from dhisparse.kv.memory.host import HostStore
 
 log = logging.getLogger("dhisparse.kv")
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import KVArena, cdiv, gather_rows, scatter_rows, table_locations
-from dhisparse.kv.context import ForwardBatch, GraphPass, IndexTable, ScratchRows
-from dhisparse.kv.copies import page_runs
-from dhisparse.kv.loads import make_loads
-from dhisparse.kv.pool import PoolUsage
+from dhisparse.core.rows import cdiv, gather_rows, scatter_rows, table_locations
+
+from dhisparse.kv.memory.arena import KVArena
+from dhisparse.core.batch import ForwardBatch, GraphPass, IndexTable, KVContext, ScratchRows
+from dhisparse.kv.memory.copies import page_runs
+from dhisparse.kv.memory.loads import make_loads
+from dhisparse.kv.memory.pool import PoolUsage
 
 
 class ResidentKV:
@@ -24,7 +26,7 @@ class ResidentKV:
         self.page_size, self.device = arena.page_size, arena.device
         self.latent_tables: dict[object, list[int]] = {}
         self.index_tables: dict[object, list[int]] = {}
-        self.loads = make_loads(arena.device, side_loads)  # prefix imports (kv/loads.py)
+        self.loads = make_loads(arena.device, side_loads)  # prefix imports (kv/memory/loads.py)
 
     # -- request lifecycle -----------------------------------------------------------------------
     def pages_for(self, n_tokens: int, prompt_len: int | None = None) -> int:
@@ -93,7 +95,7 @@ class ResidentKV:
             scatter_rows(self.arena.index_rows(layer), idx, index[j].to(self.device))
 
     def import_prefix(self, req: object, item, n: int) -> None:
-        """Import positions 0..n-1 of a stored prefix `item` (kv/prefix.py) into req's pages as
+        """Import positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req's pages as
         whole-page copies through `loads` (in stream order, or on a side stream with req `loading`
         until they are done). The last page is copied whole; its positions >= n are written by
         req's prefill before any read (attention and the indexer read positions < the request's
@@ -153,7 +155,7 @@ class _LazyTable:
         setattr(ctx, self.attr, value)
 
 
-class PagedContext:
+class PagedContext(KVContext):
     """Shared part of the paged KVContexts: per-request location tables lat_of / idx_of [N, Lmax]
     (-1 where a position has no device row), writes at the batch's positions, index-key reads.
     A subclass either sets the tables or builds them on first use (`_build_tables`), so a pass

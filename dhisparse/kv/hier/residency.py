@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Protocol
 
-from dhisparse.kv.pool import PagePool
+from dhisparse.kv.memory.pool import PagePool
 
 
 class PageState(Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.resolver import ResolveCounters
+from dhisparse.kernels.resolver_ref import ResolveCounters
 
 
 class Census:

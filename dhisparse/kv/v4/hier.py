@@ -30,17 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kv.adaptive import AdaptiveKV
-from dhisparse.kv.arena import cdiv
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.hierarchy import HierarchicalKV
-from dhisparse.kv.pool import PoolUsage
-from dhisparse.kv.v4_pass import V4Cache
-from dhisparse.kv.v4_rows import DenseRowStore
-from dhisparse.kv.v4_store import v4_bytes
-from dhisparse.kv.v4_tiered import TieredRows
-from dhisparse.models.config import ModelConfig
-from dhisparse.models.v4_config import V4Config
+from dhisparse.kv.hier.adaptive import AdaptiveKV
+from dhisparse.core.rows import cdiv
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.hier.hierarchy import HierarchicalKV
+from dhisparse.kv.memory.pool import PoolUsage
+from dhisparse.kv.v4.passes import V4Cache
+from dhisparse.kv.v4.rows import DenseRowStore
+from dhisparse.kv.v4.store import v4_bytes
+from dhisparse.kv.v4.tiered import TieredRows
+from dhisparse.core.config import ModelConfig
+from dhisparse.core.v4_config import V4Config
 
 
 def rows_model_config(cfg: V4Config) -> ModelConfig:
@@ -169,7 +169,7 @@ class V4HierStore:
     def context(self, batch: ForwardBatch, reqs: list[object]):
         """Roll back uncommitted positions (rejected drafts), then open the row hierarchy's pass
         over the compressed rows this token pass can emit."""
-        from dhisparse.kv.v4_hier_pass import V4HierPass
+        from dhisparse.kv.v4.hier_pass import V4HierPass
 
         states = [self.states[r] for r in reqs]
         chunks = []

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.arena import scatter_rows
-from dhisparse.kv.context import ForwardBatch
-from dhisparse.kv.staging import direct_plan, stage_overflow
-from dhisparse.kv.resolver import ResolvePlan
-from dhisparse.kv.v4_pass import RowSpace, V4Pass
-from dhisparse.kv.v4_state import StateError
+from dhisparse.core.rows import scatter_rows
+from dhisparse.core.batch import ForwardBatch
+from dhisparse.kv.hier.staging import direct_plan, stage_overflow
+from dhisparse.kernels.resolver_ref import ResolvePlan
+from dhisparse.kv.v4.passes import RowSpace, V4Pass
+from dhisparse.kv.v4.state import StateError
 
 
 class V4HierPass(V4Pass):

@@ -6,7 +6,7 @@ Per request and layer a `V4RequestState` holds three `TokenTail`s (recent rows b
     kv_raw   raw main-compressor inputs [*, 2w] = [kv | gate]     CSA / HCA layers (w = 2d CSA, d HCA)
     idx_raw  raw indexer-compressor inputs [*, 2w]                CSA layers (w = 2 * index_head_dim)
 
-and its emitted compressed rows live in a `RowStore` (`kv/v4_rows.py`) shared by all requests.
+and its emitted compressed rows live in a `RowStore` (`kv/v4/rows.py`) shared by all requests.
 Compressor windows (m = 4 shown) and what the tails keep after `commit(c)`:
 
     position  0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14
@@ -29,8 +29,8 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from dhisparse.kv.v4_rows import RowStore
-from dhisparse.models.v4_config import CSA, SLIDING, V4Config
+from dhisparse.kv.v4.rows import RowStore
+from dhisparse.core.v4_config import CSA, SLIDING, V4Config
 
 
 class StateError(ValueError):

@@ -5,8 +5,8 @@ request's tokens contiguous and in position order. The model asks a `KVContext` 
 
 1. `store` the rows its layer produced for those tokens (latent MLA rows, index keys),
 2. hand back a request's `index_keys` for the whole history (the indexer scores all of it),
-   and, optionally, an `index_table(layer)` of every request at once (`IndexTable`) so the
-   indexer can score the whole batch in one pass; contexts without it use `index_keys`,
+   and `index_table(layer)`: every request's keys at once (`IndexTable`) so the indexer can
+   score the whole batch in one pass, or None (the default) and the indexer uses `index_keys`,
 3. `locate` the selected positions: turn a selection `[T, k]` of token positions (-1 = none)
    into locations `[T, k]` in a row space `[R, latent_dim]` that attention gathers from.
 
@@ -115,9 +115,11 @@ class KVContext(Protocol):
         """[seq_lens[req], index_head_dim] index keys of request `req`, this pass included."""
         ...
 
-    # Optional (looked up with getattr by `indexer_topk`):
-    #   def index_table(self, layer: int) -> IndexTable
-    # every request's index keys at once; row s of request r is index_keys(layer, r)[s].
+    def index_table(self, layer: int) -> IndexTable | None:
+        """Every request's index keys at once (row s of request r is index_keys(layer, r)[s]), or
+        None when the context has no batched view (the default): `indexer_topk` then scores
+        request by request over `index_keys`."""
+        return None
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.

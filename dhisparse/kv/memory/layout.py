@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dhisparse.models.config import ModelConfig
+from dhisparse.core.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from dhisparse.models.config import ConfigError
+from dhisparse.core.config import ConfigError
 
 FULL, REINDEX, REUSE = "full", "reindex", "reuse"
 SELECTION_TYPES = (FULL, REINDEX, REUSE)

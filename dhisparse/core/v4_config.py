@@ -12,7 +12,7 @@
                           a flat rope_parameters / rope_scaling (YaRN) + rope_theta + compress_rope_theta
 
     cross-layer sources   kv_source_layer_ids [int], selection_types ["full" | "reindex" | "reuse"]
-                          (our DeepSeek-V4.1-style extension, `models/v4_sources.py`; absent =
+                          (our DeepSeek-V4.1-style extension, `core/v4_sources.py`; absent =
                           every CSA layer is its own Full source = transformers' V4)
 
 Semantics follow transformers' `DeepseekV4Config.__post_init__`: the sliding-only layers use the
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dhisparse.models.config import ConfigError, RopeConfig
-from dhisparse.models.v4_sources import FULL, REUSE, LayerSources, check_sources, parse_sources
+from dhisparse.core.config import ConfigError, RopeConfig
+from dhisparse.core.v4_sources import FULL, REUSE, LayerSources, check_sources, parse_sources
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kv.arena import SPACE
-from dhisparse.kv.resolver import ResolveCounters, ResolvePlan
+from dhisparse.core.rows import SPACE
+from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
 
 
 @dataclass

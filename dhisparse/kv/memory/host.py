@@ -22,16 +22,16 @@ from typing import Callable
 
 import torch
 
-from dhisparse.kv.arena import cdiv
-from dhisparse.kv.pinned import pinned_zeros
-from dhisparse.kv.pool import PagePool
+from dhisparse.core.rows import cdiv
+from dhisparse.kv.memory.pinned import pinned_zeros
+from dhisparse.kv.memory.pool import PagePool
 
 
 class HostStore:
     def __init__(self, num_pages: int, num_layers: int, page_size: int, width: int, dtype: torch.dtype, pin: bool, device: str = "cpu") -> None:
         self.page_size = page_size
         shape = (num_pages, num_layers, page_size, width)
-        # pinned at its exact size (kv/pinned.py): torch's pinned allocator would round up to 2^n
+        # pinned at its exact size (kv/memory/pinned.py): torch's pinned allocator would round up to 2^n
         self.rows = pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype, device=device)
         self.pool = PagePool(num_pages, "host pages")
         self.tables: dict[object, list[int]] = {}

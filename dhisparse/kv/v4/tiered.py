@@ -1,7 +1,7 @@
 """`TieredRows`: the `RowStore` of the hierarchical V4 presets.
 
 Rows of tiered (source layer, kind) keys - CSA sources' compressed KV rows and index keys - are
-written by the pass straight into the row hierarchy (`kv/v4_hier_pass.py`), so this store only
+written by the pass straight into the row hierarchy (`kv/v4/hier_pass.py`), so this store only
 counts them per request (what `V4RequestState` needs for its causality checks and exact
 rollback: `truncate` cuts the count, the next pass overwrites the dropped tail rows). Every other
 key (HCA rows) is delegated to a `DenseRowStore`: required device state.
@@ -13,8 +13,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from dhisparse.kv.v4_rows import DenseRowStore
-from dhisparse.kv.v4_state import StateError
+from dhisparse.kv.v4.rows import DenseRowStore
+from dhisparse.kv.v4.state import StateError
 
 
 class TieredRows:

@@ -1,0 +1,83 @@
+"""Which implementation a kernel dispatcher runs, set once when an engine is built.
+
+`KernelSettings` is the process's kernel choice: `backend` "auto" runs Triton for CUDA tensors and
+the plain-PyTorch references elsewhere, "torch" the references everywhere, "triton" the kernels on
+CPU too (they then need TRITON_INTERPRET=1: tests and op counts of the GPU path run this way).
+`mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off) and `indexer_group`
+turns grouped verification scoring on (`kernels/indexer.py`).
+
+The engine calls `configure(EngineConfig.kernel_settings())` at build. Nothing is read from the
+environment at import; the documented environment overrides are applied by
+`KernelSettings.from_env` at that same engine build:
+
+  DHISPARSE_TORCH_KERNELS=1    backend "torch"
+  DHISPARSE_TRITON_KERNELS=1   backend "triton"
+  DHISPARSE_MLA_SPLIT_ROWS=n   mla_split_rows n
+  DHISPARSE_INDEXER_GROUP=0|1  indexer_group
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_SPLIT_ROWS = 128
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """backend: auto | torch | triton; mla_split_rows >= 0; indexer_group: grouped verification scoring."""
+
+    backend: str = "auto"
+    mla_split_rows: int = DEFAULT_SPLIT_ROWS
+    indexer_group: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.mla_split_rows < 0:
+            raise ValueError(f"mla_split_rows must be >= 0 (0: no split), got {self.mla_split_rows}")
+
+    def with_env(self) -> "KernelSettings":
+        """These settings with the documented environment overrides applied (module docstring)."""
+        s, env = self, os.environ
+        if env.get("DHISPARSE_TORCH_KERNELS", "0") == "1":
+            s = replace(s, backend="torch")
+        elif env.get("DHISPARSE_TRITON_KERNELS", "0") == "1":
+            s = replace(s, backend="triton")
+        if "DHISPARSE_MLA_SPLIT_ROWS" in env:
+            s = replace(s, mla_split_rows=int(env["DHISPARSE_MLA_SPLIT_ROWS"]))
+        if "DHISPARSE_INDEXER_GROUP" in env:
+            s = replace(s, indexer_group=env["DHISPARSE_INDEXER_GROUP"] == "1")
+        return s
+
+
+_active = KernelSettings()
+_listeners: list = []
+
+
+def configure(settings: KernelSettings) -> None:
+    """Make `settings` the process's kernel choice (the engine calls this at build)."""
+    global _active
+    _active = settings
+    for fn in _listeners:
+        fn()
+
+
+def on_configure(fn) -> None:
+    """Register `fn()` to run after every `configure` (plan caches that depend on the settings)."""
+    _listeners.append(fn)
+
+
+def settings() -> KernelSettings:
+    return _active
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the dispatcher should run its Triton kernel for tensors like `t`."""
+    if _active.backend == "torch":
+        return False
+    return _active.backend == "triton" or t.is_cuda
