@@ -13,7 +13,7 @@ from dhisparse.engine.memory import host_pool_bytes
 from dhisparse.engine.stores import copy_fn_for, resolver_plan_fn
 from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.host import HostStore
-from dhisparse.kv.v4.hier import V4AdaptiveKV, V4HierarchicalKV, V4HierStore, rows_model_config
+from dhisparse.kv.v4.hier import V4AdaptiveKV, V4HierarchicalKV, V4HierStore, v4_row_geometry
 from dhisparse.kv.v4.store import V4ResidentStore, v4_bytes
 from dhisparse.core.v4_config import V4Config
 
@@ -34,7 +34,7 @@ def build_v4_store(cfg: EngineConfig, mc: V4Config, pool_bytes: int, device: tor
         page_bytes = v4_bytes(mc, cfg.page_size, dtype.itemsize)
         pages = _pages(pool_bytes, page_bytes)
         return V4Store(V4ResidentStore(mc, pages * page_bytes, page_bytes, device, dtype), page_bytes, pages)
-    rows_cfg = rows_model_config(mc)
+    rows_cfg = v4_row_geometry(mc)
     page_bytes = KVArena.page_bytes(rows_cfg, cfg.page_size, dtype.itemsize)
     pages = _pages(pool_bytes, page_bytes)
     arena = KVArena(rows_cfg, pages, cfg.page_size, device, dtype)

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.memory.layout import KVLayout
+from dhisparse.kv.memory.layout import KVLayout, RowGeometry
 from dhisparse.kv.memory.pool import PagePool
 from dhisparse.core.config import ModelConfig
 from dhisparse.core.rows import cdiv, scatter_rows
 
 
 class KVArena:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        self.cfg, self.page_size, self.device, self.dtype = cfg, page_size, torch.device(device), dtype
+    def __init__(self, geometry: RowGeometry | ModelConfig, num_pages: int, page_size: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        """geometry: the rows' geometry (a ModelConfig is read as `RowGeometry.of_model`)."""
+        self.cfg = cfg = RowGeometry.of(geometry)
+        self.page_size, self.device, self.dtype = page_size, torch.device(device), dtype
         self.layout = KVLayout.from_model(cfg)
         L, d = cfg.num_layers, cfg.latent_dim
         F, di = len(self.layout.index_layers), cfg.index_head_dim
@@ -38,7 +41,7 @@ class KVArena:
         self.pool = PagePool(num_pages, "kv pages")
 
     @staticmethod
-    def page_bytes(cfg: ModelConfig, page_size: int, elem_bytes: int) -> int:
+    def page_bytes(cfg: RowGeometry | ModelConfig, page_size: int, elem_bytes: int) -> int:
         return cfg.num_layers * page_size * cfg.latent_dim * elem_bytes
 
     @property

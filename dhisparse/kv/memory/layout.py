@@ -50,12 +50,51 @@ class TokenBytes(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RowGeometry:
+    """What the page arena and the hierarchy need to know of a model: its row-producing "layers"
+    (GLM / V3.2: the decoder layers; DeepSeek-V4: the CSA sources), the row widths, which
+    layers produce index keys and a selection, and the selection size.
+
+    num_layers     arena layers L (every one has a latent row per position)
+    latent_dim     elements of one latent row (MLA: kv_lora + rope; V4: head_dim)
+    index_head_dim elements of one index key
+    index_topk     k, positions one selection holds
+    indexer_full   per layer: produces index keys and its own selection (else it reuses the
+                   selection of the nearest earlier full layer: GLM `shared`)
+    """
+
+    num_layers: int
+    latent_dim: int
+    index_head_dim: int
+    index_topk: int
+    indexer_full: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.indexer_full) != self.num_layers or (self.num_layers and not self.indexer_full[0]):
+            raise ValueError("indexer_full needs one entry per layer, and layer 0 must be full")
+
+    @classmethod
+    def of_model(cls, cfg: ModelConfig) -> "RowGeometry":
+        """The geometry of a GLM-5.x / DeepSeek-V3.2 model: one arena layer per decoder layer."""
+        return cls(cfg.num_layers, cfg.latent_dim, cfg.index_head_dim, cfg.index_topk, tuple(cfg.indexer_full))
+
+    @classmethod
+    def of(cls, geometry: "RowGeometry | ModelConfig") -> "RowGeometry":
+        return geometry if isinstance(geometry, RowGeometry) else cls.of_model(geometry)
+
+    def producer_of(self, layer: int) -> int:
+        """The layer whose selection `layer` attends with (itself when it is full)."""
+        return max(i for i in range(layer + 1) if self.indexer_full[i])
+
+
+@dataclass(frozen=True)
 class KVLayout:
     sources: tuple[KVSource, ...]
     layers: tuple[LayerPlan, ...]
 
     @classmethod
-    def from_model(cls, cfg: ModelConfig) -> "KVLayout":
+    def from_model(cls, cfg: "RowGeometry | ModelConfig") -> "KVLayout":
+        cfg = RowGeometry.of(cfg)
         sources: list[KVSource] = []
         plans: list[LayerPlan] = []
         for i in range(cfg.num_layers):

@@ -15,7 +15,7 @@ What is tiered and what stays on device, per request:
         per layer than CSA rows (v41-scaled at 500K tokens: 16 HCA layers = 64 MB against 512 MB
         of CSA rows in its 4 sources). Sizes: `v4_dense_bytes`.
 
-The GLM hierarchy is reused unchanged over a *row space*: `rows_model_config` describes the CSA
+The GLM hierarchy is reused unchanged over a *row space*: `v4_row_geometry` describes the CSA
 sources as the "layers" of a `KVArena` (row width head_dim, index keys index_head_dim, every
 source its own index producer), and a "position" of that arena is a compressed row id w. So the
 hot cache, tail, host backing, staging, handoff (workspace -> host / optional history), residency
@@ -39,24 +39,18 @@ from dhisparse.kv.v4.passes import V4Cache
 from dhisparse.kv.v4.rows import DenseRowStore
 from dhisparse.kv.v4.store import v4_bytes
 from dhisparse.kv.v4.tiered import TieredRows
-from dhisparse.core.config import ModelConfig
+from dhisparse.kv.memory.layout import RowGeometry
 from dhisparse.core.v4_config import V4Config
 
 
-def rows_model_config(cfg: V4Config) -> ModelConfig:
-    """The row-space model of V4's CSA sources: one arena "layer" per source (latent width
-    head_dim, index keys index_head_dim, each its own index producer, top-k index_topk)."""
+def v4_row_geometry(cfg: V4Config) -> RowGeometry:
+    """The row geometry of V4's CSA sources: one arena "layer" per source (latent width head_dim,
+    index keys index_head_dim, each its own index producer, top-k index_topk)."""
     G = len(cfg.csa_sources)
     if G == 0:
         raise ValueError("the hierarchical presets tier CSA compressed rows, but this deepseek_v4 model has no "
                          "compressed_sparse_attention layer; use --preset resident")
-    return ModelConfig(
-        architecture="deepseek_v4_rows", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=0, num_layers=G, num_heads=1, q_lora_rank=0, kv_lora_rank=cfg.head_dim,
-        qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, index_n_heads=cfg.index_n_heads,
-        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, indexer_full=(True,) * G,
-        indexer_rope_interleave=False, mlp_moe=(False,) * G,
-    )
+    return RowGeometry(G, cfg.head_dim, cfg.index_head_dim, cfg.index_topk, (True,) * G)
 
 
 def v4_dense_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
