@@ -68,13 +68,13 @@ def _small_default_pools_on_cuda():
     if not torch.cuda.is_available():
         yield
         return
-    from dhisparse.engine import engine as engine_mod, stores, v4_stores
+    from dhisparse.engine import engine as engine_mod
+    from dhisparse.kv import build as store_build
 
-    kv, host = engine_mod.kv_pool_bytes, stores.host_pool_bytes
+    kv, host = engine_mod.kv_pool_bytes, store_build.host_pool_bytes
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "kv_pool_bytes",
                    lambda setting, fraction, device: kv(setting if setting is not None else CUDA_TEST_POOL_BYTES, fraction, device))
         capped = lambda setting, device_pool: host(setting if setting is not None else CUDA_TEST_POOL_BYTES, device_pool)  # noqa: E731
-        mp.setattr(stores, "host_pool_bytes", capped)
-        mp.setattr(v4_stores, "host_pool_bytes", capped)
+        mp.setattr(store_build, "host_pool_bytes", capped)
         yield

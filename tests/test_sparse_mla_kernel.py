@@ -13,7 +13,7 @@ from dhisparse.kernels.backend import KernelSettings
 from dhisparse.kernels.sparse_mla import plan_sparse_mla, run_sparse_mla, sparse_mla, sparse_mla_triton
 from dhisparse.core.rows import SPACE
 from dhisparse.kv.memory.arena import KVArena
-from dhisparse.layers.attention import sparse_mla_reference
+from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
 from dhisparse.models.tiny import build_tiny
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,6 +4,7 @@ the deferred resolver: Triton, interpreted on CPU."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 import pytest
 import torch
 
@@ -233,7 +234,7 @@ def test_a_mixed_step_splits_only_onto_a_captured_graph():
     decodes, a mixed step stays one (eager) pass."""
     from types import SimpleNamespace as NS
 
-    g = StepGraphs(None, None, EagerRunner(), (1, 2, 4, 8, 12, 16), 100, None, max_k=4)
+    g = StepGraphs(None, SimpleNamespace(replayable=True), EagerRunner(), (1, 2, 4, 8, 12, 16), 100, None, max_k=4)
     dec = [NS(decodes=True, tokens=[1]) for _ in range(3)]
     pre = [NS(decodes=False, tokens=[1] * 9)]
     assert g.split(dec + pre) == [dec + pre]

@@ -1,4 +1,4 @@
-"""What a run records (per request, per step, per interval) and the DESIGN.md §7 summary.
+"""What a run records (per request, per step, per interval) and the docs/design.md §7 summary.
 
 Times are seconds from the run's start. `summarize` turns a `RunTrace` into `RunMetrics`:
 output tok/s, TTFT mean / p99, post-wave TTFT (requests after the first C), TPOT mean / p99,
@@ -67,7 +67,7 @@ class RunTrace:
 
 @dataclass(frozen=True)
 class RunMetrics:
-    """DESIGN.md §7 metrics of one run; latencies in ms; None where undefined."""
+    """docs/design.md §7 metrics of one run; latencies in ms; None where undefined."""
 
     concurrency: int
     duration_s: float

@@ -1,5 +1,6 @@
 """Command line: `dhisparse {demo,generate,serve,bench,loadstep,plot}`; `dhisparse COMMAND --help`
-explains each flag."""
+explains each flag. (One module per command; the package may import every room, and each command
+imports what it runs only when it runs, so this help stays fast.)"""
 
 from __future__ import annotations
 

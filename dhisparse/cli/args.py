@@ -45,6 +45,8 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--speculative-policy": ("speculative_policy", str, "verification width policy: fixed, static (by load) or online"),
     "--speculative-oracle-tokens-per-round": ("speculative_oracle_tokens_per_round", float, "oracle drafter calibration, e.g. 2.88"),
     "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
+    "--kernel-backend": ("kernel_backend", str, "attention / indexer kernels: auto (Triton on CUDA), torch or triton"),
+    "--mla-split-rows": ("mla_split_rows", int, "sparse-MLA locations per program (flash-decoding split; 0 = off)"),
     "--cpu-threads": ("cpu_threads", int, "torch intra-op threads on CPU (default 1)"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }

@@ -121,6 +121,11 @@ class KVContext(Protocol):
         request by request over `index_keys`."""
         return None
 
+    def graph_pass(self) -> "GraphPass | None":
+        """What a whole-step CUDA graph needs to replay this pass (`GraphPass`), or None (the
+        default): the pass runs eagerly."""
+        return None
+
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.
 

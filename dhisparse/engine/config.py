@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
+from dhisparse.kv.build import StoreSettings
 from dhisparse.spec.config import SpecConfig
 
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
@@ -170,6 +171,16 @@ class EngineConfig:
                           draft_window_size=self.speculative_draft_window_size, page_size=self.page_size,
                           draft_model_path=self.speculative_draft_model_path, policy=self.speculative_policy,
                           oracle_tokens_per_round=self.speculative_oracle_tokens_per_round, seed=self.seed)
+
+    def store_settings(self) -> StoreSettings:
+        """The KV store settings of this engine (kv/build.py)."""
+        return StoreSettings(
+            preset=self.base_preset, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows,
+            host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
+            load_stream=self.load_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
+            repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
+            max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,
+            debug=self.debug_checks)
 
     def kernel_settings(self) -> KernelSettings:
         """The kernel choice of this engine, before the environment overrides (`with_env`)."""

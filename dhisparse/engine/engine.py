@@ -22,13 +22,10 @@ from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.speculative import SpecRuntime
 from dhisparse.engine.stats import EngineStats, store_counters
-from dhisparse.engine.stores import build_store
 from dhisparse.engine.stops import StopChecker
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.memory.prefix_store import PrefixStore
-from dhisparse.engine.v4_stores import build_v4_store
-from dhisparse.core.v4_config import V4Config
-from dhisparse.kv.memory.arena import KVArena
+from dhisparse.kv.build import build_store
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.dsa import ModelOutput
@@ -49,6 +46,9 @@ class Engine:
         kernel_backend.configure(config.kernel_settings().with_env())  # env overrides read here, not at import
         dtype = DTYPES[config.dtype] if config.dtype else None
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
+        if self.loaded.model.device.type != self.device.type:  # a model loaded elsewhere (e.g. a CPU test fixture)
+            log.info("moving the model from %s to %s", self.loaded.model.device, self.device)
+            self.loaded.model.to(self.device)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self._set_graphs(config.cuda_graphs)
@@ -60,8 +60,7 @@ class Engine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._matches: dict[str, tuple] = {}  # request id -> its stored prefix match, until admitted
-        if hasattr(self.store, "prefix_match"):  # its admission reserves no host page it will borrow
-            self.store.prefix_match = self._prefix_match
+        self.store.set_prefix_match(self._prefix_match)  # the hierarchy's admission reserves no host page it will borrow
         self._steps = self._generated = self._prefilled = self._peak = self._decoding = self._admitted = 0
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
@@ -74,11 +73,11 @@ class Engine:
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
 
     def _set_graphs(self, mode: str) -> None:
-        experts = getattr(self.model_config, "n_routed_experts", 0) or 0
+        experts = self.model_config.n_routed_experts
         if mode == "auto":
-            mode = auto_graph_mode(self.device, hasattr(self.model, "graphs"), experts)
+            mode = auto_graph_mode(self.device, self.model.supports_cuda_graphs, experts)
         self.graph_mode = mode
-        if not hasattr(self.model, "graphs"):
+        if not self.model.supports_cuda_graphs:
             if mode != "none":
                 raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
             return
@@ -86,7 +85,7 @@ class Engine:
 
     def _capture_graphs(self, config: EngineConfig) -> None:
         """Graph pieces for every decode / verification batch size, captured before serving."""
-        if getattr(self.model, "graphs", None) is None:
+        if self.model.graphs is None:
             return
         t0 = time.perf_counter()
         per_request = config.speculative_num_draft_tokens if config.speculative else 1
@@ -103,25 +102,17 @@ class Engine:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena
         (speculative verification over the hierarchy) also the (rows, stage) pair."""
         rows = self.arena.latent_rows(layer)
-        stage = getattr(self.store, "stage", None)
+        stage = self.store.staging_rows()
         return [rows] if stage is None else [rows, (rows, stage)]
 
     def _build_kv(self, config: EngineConfig):
-        """The KV store of the preset and its pool size in pages."""
-        kv_dtype, mc = self.model.dtype, self.model_config
+        """The KV store of the preset and its pool size in pages (kv/build.py)."""
         if self.device.type == "cuda":
             release_memory()  # an earlier engine not yet collected must not hold its pools (or shrink ours)
         pool = kv_pool_bytes(config.kv_pool_bytes, config.kv_pool_fraction, self.device)
-        if isinstance(mc, V4Config):
-            self.arena = None
-            store, self.page_bytes, pages = build_v4_store(config, mc, pool, self.device, kv_dtype, self.max_model_len)
-            return store, pages
-        self.page_bytes = KVArena.page_bytes(mc, config.page_size, kv_dtype.itemsize)
-        pages = pool // self.page_bytes
-        if pages < 1:
-            raise ValueError(f"kv_pool_bytes is smaller than one page ({self.page_bytes} bytes); raise --kv-pool-bytes")
-        self.arena = KVArena(mc, pages, config.page_size, self.device, kv_dtype)
-        return build_store(config, self.arena, pages * self.page_bytes, self.max_model_len), pages
+        built = build_store(config.store_settings(), self.model_config, pool, self.device, self.model.dtype, self.max_model_len)
+        self.arena, self.page_bytes = built.arena, built.page_bytes
+        return built.store, built.pages
 
     # -- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -201,10 +192,7 @@ class Engine:
         item, n = self._prefix_match(req.request_id)
         self._matches.pop(req.request_id, None)
         if item is not None and n > 0:
-            if hasattr(self.store, "import_prefix"):  # whole pages (kv/memory/loads.py: in stream order or on a side stream)
-                self.store.import_prefix(req.request_id, item, n)
-            else:
-                self.store.write_rows(req.request_id, item.latent[:, :n], item.index[:, :n])
+            self.store.import_prefix(req.request_id, item, n)  # whole pages where the store has a page layout
             req.num_computed = req.imported_len = n
             if self.spec is not None:
                 self.spec.observe_import(req.request_id, item, n)
@@ -334,8 +322,9 @@ class Engine:
         latent, index = self.store.read_rows(req.request_id, n)
         feats = self.spec.take_features(req.request_id) if self.spec is not None else None
         item = self.prefixes.add(req.prompt_ids, latent, index, feats)
-        if hasattr(self.store, "import_prefix"):  # its page layout now, not on the first import
-            item.paged(self.store.page_size, self.store.arena.index_page_size)
+        layout = self.store.prefix_layout()
+        if layout is not None:  # its page layout now, not on the first import
+            item.paged(*layout)
         self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
@@ -343,7 +332,7 @@ class Engine:
         A prefix already stored is kept as it is (no second prefill), unless it lacks hidden
         features this engine's drafter reads (`SpecRuntime.serves`): then it is prefilled again,
         in full, and replaced."""
-        if not getattr(self.store, "supports_prefix", True):
+        if not self.store.supports_prefix:
             raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
         ids = self.encode_prompt(prompt)
         stored = self.prefixes.get(ids)
@@ -366,7 +355,7 @@ class Engine:
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
                            store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})
-                           | graph_counters(getattr(self.model, "graphs", None))
+                           | graph_counters(self.model.graphs)
                            | (self.step_graphs.counters() if self.step_graphs is not None else {}))
 
 class _Detok:

@@ -41,22 +41,6 @@ def kv_pool_bytes(setting: int | None, fraction: float, device: torch.device) ->
     return CPU_DEFAULT_POOL_BYTES
 
 
-def host_pool_bytes(setting: int | None, device_pool: int) -> int:
-    """Host backing bytes: the setting, else 4 x the device pool capped at half of the host's
-    available memory."""
-    if setting is not None:
-        return setting
-    avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return min(4 * device_pool, avail // 2) if avail else 4 * device_pool
-
-
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

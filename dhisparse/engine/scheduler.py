@@ -12,16 +12,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
+from dhisparse.core.contracts import KVStore
 from dhisparse.engine.request import Request, Status
 
 log = logging.getLogger("dhisparse.scheduler")
-
-
-class AdmittingStore(Protocol):
-    def admit(self, req: object, max_tokens_total: int, prompt_len: int | None = None) -> bool: ...
-    def free(self, req: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,7 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, store: AdmittingStore, max_running: int, token_budget: int, on_admit=None) -> None:
+    def __init__(self, store: KVStore, max_running: int, token_budget: int, on_admit=None) -> None:
         self.store, self.max_running, self.token_budget = store, max_running, token_budget
         self.on_admit = on_admit
         self.waiting: deque[Request] = deque()
@@ -75,8 +70,7 @@ class Scheduler:
         background, kv/memory/loads.py) sits this step out."""
         self._admit()
         budget = self.token_budget
-        loading = getattr(self.store, "loading", None)
-        ready = [r for r in self.running if not loading(r.request_id)] if loading is not None else self.running
+        ready = [r for r in self.running if not self.store.loading(r.request_id)]
         chunks: list[Chunk] = []
         for req in ready:
             if not req.in_prefill and budget > 0:

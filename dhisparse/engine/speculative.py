@@ -58,7 +58,7 @@ class SpecRuntime:
         self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests, cost=self.cost)
         self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost) if cfg.policy == "online" else None
         self._step_width = 0
-        self.capture = tuple(getattr(self.drafter, "capture_layers", ()))
+        self.capture = tuple(self.drafter.capture_layers)
         self.schedule = static_schedule(cfg)
         self.counters = SpecCounters()
         self.proposals: dict[str, DraftProposal] = {}

@@ -41,7 +41,7 @@ class EngineStats:
 
 def store_counters(store, spec_counters: dict) -> dict:
     """Resolver census, residency and speculative counters of an engine's store."""
-    census = getattr(store, "census", None)
+    census = store.resolver_census()
     if census is None:
         return dict(spec_counters)
     sel = max(census.selected, 1)
@@ -62,7 +62,7 @@ def store_counters(store, spec_counters: dict) -> dict:
 
 
 def residency_counters(store) -> dict:
-    res = getattr(store, "res", None)
+    res = store.residency()
     if res is None:
         return {}
     ready, eligible = res.coverage()

@@ -132,18 +132,18 @@ class StepGraphs:
     def store_replays(self) -> bool:
         """Whether the store's decode passes can replay at all (the hierarchy needs the deferred,
         sync-free resolver and no debug checks: `HierarchicalKV.replayable`)."""
-        return getattr(self.kv, "replayable", True)
+        return self.kv.replayable
 
     @classmethod
     def for_engine(cls, engine, runner) -> "StepGraphs | None":
         """An engine's step graphs (None for stores without step-graph contexts: DeepSeek-V4).
         Takes one arena page as the scratch rows of padded requests and tokens."""
         arena = engine.arena
-        if arena is None or not hasattr(engine.model, "graphs"):
+        if arena is None or engine.store.graph_context() is None or not engine.model.supports_cuda_graphs:
             return None
         page = arena.pool.alloc("step-graph-scratch", cls.SCRATCH_PAGES)[0]
         scratch = ScratchRows(page * arena.page_size, page * arena.index_page_size)
-        experts = getattr(engine.model_config, "n_routed_experts", 0) or 0
+        experts = engine.model_config.n_routed_experts
         cfg = engine.config
         max_k = cfg.speculative_num_draft_tokens if cfg.speculative else 1
         return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch, max_k)
@@ -154,7 +154,7 @@ class StepGraphs:
         replays them, `_reuse`), one per variant of the store's context (`graph_templates`).
         Returns the number captured; a capture that fails leaves that key to the eager path."""
         ctx_cls = self.kv.graph_context()
-        fp = getattr(self.kv, "graph_fingerprint", tuple)()
+        fp = self.kv.graph_fingerprint()
         t0, n = time.perf_counter(), 0
         for K in sorted({1, self.max_k}):
             buckets = sorted({b for b in (self.bucket(N, K) for N in range(1, max_reqs + 1)) if b is not None})
@@ -199,8 +199,7 @@ class StepGraphs:
         return next((b // K for b in self.token_buckets if b % K == 0 and b // K >= N), None)
 
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput | None:
-        make = getattr(ctx, "graph_pass", None)
-        gp = make() if make is not None else None
+        gp = ctx.graph_pass()
         N, T = batch.num_reqs, batch.num_tokens
         ragged = gp is not None and T != N * gp.K
         if ragged and gp.K > self.max_k:
@@ -210,10 +209,8 @@ class StepGraphs:
         if Nb is None or Wb is None:
             self.eager += 1
             return None
-        fp = getattr(self.kv, "graph_fingerprint", tuple)()
-        prepare = getattr(self.kv, "prepare_replay", None)
-        if prepare is not None:
-            prepare()
+        fp = self.kv.graph_fingerprint()
+        self.kv.prepare_replay()
         family = (type(ctx).__name__, gp.K, gp.variant, tuple(capture_layers), fp)
         key = self._reuse(family, N, Nb, Wb) or (family, Nb, Wb)
         if key in self.failed:
@@ -278,7 +275,7 @@ class StepGraphs:
         req_idx = torch.arange(Nb * K, device=dev) // K
         batch = ForwardBatch(entry.ids, entry.positions, req_idx, entry.seq_lens,
                              list(range(0, Nb * K + 1, K)), [0] * Nb)
-        census = getattr(self.kv, "census", None)
+        census = self.kv.resolver_census()
         shape = GraphPass(gp.K, gp.variant, {}, Wb)  # not the capturing pass's own tensors: the graph outlives them
 
         def step() -> ModelOutput:

@@ -35,7 +35,7 @@ class WarmupReport(NamedTuple):
 
 def drafted(engine) -> bool | None:
     """Whether any round of the engine's speculation verified a draft; None without speculation."""
-    spec = getattr(engine, "spec", None)
+    spec = engine.spec
     return None if spec is None else any(spec.counters.drafted_at)
 
 

@@ -61,6 +61,7 @@ class TritonResolvePlan(ResolvePlan):
 
     @property
     def deferred(self) -> bool:
+        """`ResolvePlan.deferred`: the counters (and compact copy plan) are not read yet."""
         return self.counters is None
 
     def materialize(self) -> "TritonResolvePlan":

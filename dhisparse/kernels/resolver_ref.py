@@ -24,7 +24,7 @@ State (one group g = one selection producer; all layers of a group share the slo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -44,8 +44,11 @@ class ResolveCounters(NamedTuple):
 @dataclass
 class ResolvePlan:
     """loc [N, K, k] device locations; copy_src [M] host locations, copy_dst [M] device locations
-    (sorted by host location within each request)."""
+    (sorted by host location within each request). deferred: the plan's copy plan and counters
+    are still on the device (a `TritonResolvePlan` from `plan_triton(defer=True)`); a reference
+    plan never is."""
 
+    deferred: ClassVar[bool] = False
     loc: torch.Tensor
     copy_src: torch.Tensor
     copy_dst: torch.Tensor

@@ -1,6 +1,6 @@
 """Triton sparse latent attention (MLA, absorbed form) for decode and verification queries.
 
-Same semantics as `dhisparse.layers.attention.sparse_mla_reference`:
+Same semantics as `dhisparse.kernels.sparse_mla_ref.sparse_mla_reference`:
 
     q_abs [T, H, C], q_pe [T, H, R], rows (paged row space [P, per_page, C + R], or a tuple of two:
     location = space * SPACE + flat), loc [T, k] int64 (-1 = skip), scale  ->  out [T, H, C]

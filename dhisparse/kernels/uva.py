@@ -2,7 +2,7 @@
 
 Pinned host tensors already have device-visible addresses under unified virtual addressing, but
 Triton refuses CPU tensors. `host_view(t)` returns a CUDA tensor aliasing the same bytes (same
-shape, strides, dtype); kernels reading it fetch over PCIe with SM-issued loads (DESIGN.md §5).
+shape, strides, dtype); kernels reading it fetch over PCIe with SM-issued loads (docs/design.md §5).
 
 Two routes, first that works: CuPy `UnownedMemory` + `MemoryPointer` + `torch.from_dlpack`, then
 torch's `_construct_storage_from_data_pointer`. One view of each pinned storage is cached while

@@ -14,8 +14,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dhisparse.core.rows import gather_rows
-from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference  # noqa: F401  (re-exported for tests)
 from dhisparse.kernels.dispatch import sparse_mla
 from dhisparse.core.batch import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, IndexerProjection, indexer_topk

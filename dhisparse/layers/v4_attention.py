@@ -8,7 +8,7 @@
     o = RoPE^-1(o) at the query position (V carried the keys' rotation)
     out = o_b_proj(concat_g o_a_proj_g(o viewed as G groups of H*D/G))                      [T, hidden]
 
-Attention gathers rows through (rows, loc) row spaces (`RowSpace`) and never builds a dense mask;
+Attention gathers rows through (rows, loc) row spaces (`LocatedRows`) and never builds a dense mask;
 loc -1 entries are dropped. Sliding layers use the "main" rope, CSA / HCA layers the "compress" one.
 
 Cross-layer sources (`core/v4_sources.py`): a "full" CSA layer emits its source's rows and index
@@ -25,15 +25,15 @@ import torch
 from torch import nn
 
 from dhisparse.core.rows import gather_rows
-from dhisparse.kv.v4.passes import RowSpace
+from dhisparse.kv.v4.passes import LocatedRows
 from dhisparse.layers.rope import RotaryEmbedding
-from dhisparse.layers.v4_compressor import Compressor, Indexer, Reindexer
+from dhisparse.layers.v4_compressor import Compressor, Reindexer, V4Indexer
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing, unweighted_rms_norm
 from dhisparse.core.v4_config import CSA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX
 
 
-class RopeTables(NamedTuple):
+class V4RopeTables(NamedTuple):
     """cos/sin [T, r/2] at the pass's positions for both ropes, and the compress rope itself
     (compressed rows are rotated at their window start w*m)."""
 
@@ -43,7 +43,7 @@ class RopeTables(NamedTuple):
 
 
 def v4_sparse_attention(
-    q: torch.Tensor, spaces: list[RowSpace], sinks: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
+    q: torch.Tensor, spaces: list[LocatedRows], sinks: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
 ) -> torch.Tensor:
     """q [T, H, D]; spaces: row spaces whose loc [T, k_i] are concatenated per token (-1 = drop;
     rows may be a tuple of paged spaces addressed with `arena.SPACE` tags, e.g. + staging);
@@ -107,11 +107,11 @@ class V4Attention(nn.Module):
         if self.kind != SLIDING and self.selection == FULL:
             self.compressor = Compressor(hid, D, self.m, self.kind == CSA, cfg.rms_norm_eps)
             if self.kind == CSA:
-                self.compressor.indexer = Indexer(*idx_args, cfg.rms_norm_eps)
+                self.compressor.indexer = V4Indexer(*idx_args, cfg.rms_norm_eps)
         elif self.selection == REINDEX:
             self.reindexer = Reindexer(*idx_args)
 
-    def forward(self, x: torch.Tensor, ropes: RopeTables, batch, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ropes: V4RopeTables, batch, ctx) -> torch.Tensor:
         """x [T, hidden] (normed block input) of a ForwardBatch, ctx a V4Pass -> [T, hidden]."""
         c, T = self.cfg, x.shape[0]
         cos, sin = ropes.main if self.kind == SLIDING else ropes.compress
@@ -127,7 +127,7 @@ class V4Attention(nn.Module):
         o = self.o_a_proj(o.reshape(T, c.o_groups, -1)).reshape(T, -1)
         return self.o_b_proj(o)
 
-    def _compressed(self, x, q_lat, ropes: RopeTables, batch, ctx) -> RowSpace:
+    def _compressed(self, x, q_lat, ropes: V4RopeTables, batch, ctx) -> LocatedRows:
         """Emit this pass's compressed rows (producers), select per token, locate the selection
         on the source (a "reuse" layer takes the source's latest located selection instead)."""
         if self.selection not in (FULL, REINDEX):

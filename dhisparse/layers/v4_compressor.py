@@ -80,7 +80,7 @@ class IndexerScorer(nn.Module):
 
 
 def _select(self, x, q_lat, positions, keys, cos, sin, chunk: int = 256) -> torch.Tensor:
-    """Shared by `Indexer` and `Reindexer` (see `Indexer.select`)."""
+    """Shared by `V4Indexer` and `Reindexer` (see `V4Indexer.select`)."""
     S, N = x.shape[0], keys.shape[0]
     out = torch.full((S, self.topk), -1, dtype=torch.int64, device=x.device)
     kk = min(self.topk, N)
@@ -102,7 +102,7 @@ def _select(self, x, q_lat, positions, keys, cos, sin, chunk: int = 256) -> torc
     return out
 
 
-class Indexer(Compressor):
+class V4Indexer(Compressor):
     """CSA lightning indexer: an overlapping compressor at index_head_dim, q_b_proj, scorer."""
 
     def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, m: int, topk: int, eps: float):
@@ -122,7 +122,7 @@ class Indexer(Compressor):
 
 class Reindexer(nn.Module):
     """The indexer query of a "reindex" layer (no compressor: it scores a shared source's keys):
-    q_b_proj [iH * iD, q_lora] and scorer.weights_proj [iH, hidden]; `select` as `Indexer.select`."""
+    q_b_proj [iH * iD, q_lora] and scorer.weights_proj [iH, hidden]; `select` as `V4Indexer.select`."""
 
     def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, m: int, topk: int) -> None:
         super().__init__()
@@ -130,4 +130,4 @@ class Reindexer(nn.Module):
         self.q_b_proj = nn.Linear(q_lora, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden, n_heads)
 
-    select = Indexer.select
+    select = V4Indexer.select

@@ -8,6 +8,11 @@ from torch import nn
 
 
 class CausalLMHead(nn.Module):
+    supports_cuda_graphs = False
+    """Whether the model replays its layers' pure pieces from CUDA graphs (models/graphs.py)."""
+    graphs = None
+    """The model's `PiecewiseGraphs` when it supports them and they are on, else None."""
+
     def _init_head(self, hidden_size: int, vocab_size: int, tie: bool) -> None:
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         if tie:

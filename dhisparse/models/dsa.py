@@ -88,6 +88,8 @@ class DsaModel(nn.Module):
 class DsaForCausalLM(CausalLMHead):
     """The target model. `forward(batch, kv)` -> ModelOutput; `logits(hidden)` -> fp32 logits."""
 
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

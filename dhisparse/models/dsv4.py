@@ -20,7 +20,7 @@ from torch import nn
 
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.layers.rope import RotaryEmbedding
-from dhisparse.layers.v4_attention import RopeTables, V4Attention
+from dhisparse.layers.v4_attention import V4Attention, V4RopeTables
 from dhisparse.layers.v4_hyper import HyperConnection, HyperHead, hc_expand
 from dhisparse.layers.v4_moe import V4MoE
 from dhisparse.layers.v4_ops import V4RMSNorm
@@ -40,7 +40,7 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(*args)
         self.ffn_hc = HyperConnection(*args)
 
-    def forward(self, streams: torch.Tensor, ropes: RopeTables, batch: ForwardBatch, ctx) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, ropes: V4RopeTables, batch: ForwardBatch, ctx) -> torch.Tensor:
         """streams [T, N, D] -> [T, N, D]."""
         w = self.attn_hc(streams)
         streams = hc_expand(w, streams, self.self_attn(self.input_layernorm(w.collapsed), ropes, batch, ctx))
@@ -84,8 +84,8 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         """
         m = self.model
         h = m.embed_tokens(batch.input_ids)
-        ropes = RopeTables(m.rope_main(batch.positions, h.dtype), m.rope_compress(batch.positions, h.dtype),
-                           m.rope_compress)
+        ropes = V4RopeTables(m.rope_main(batch.positions, h.dtype), m.rope_compress(batch.positions, h.dtype),
+                             m.rope_compress)
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):

@@ -37,6 +37,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from dhisparse.layers.moe import DENSE_MAX_EXPERTS, DENSE_ROWS
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 FFN = Callable[..., torch.Tensor]
@@ -204,8 +206,6 @@ def spaces_key(rows) -> tuple:
 
 def graph_buckets(n_experts: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """Buckets whose FFN runs without a host sync (MoE: the dense expert path, T * E <= DENSE_ROWS)."""
-    from dhisparse.layers.moe import DENSE_MAX_EXPERTS, DENSE_ROWS
-
     if n_experts > DENSE_MAX_EXPERTS:
         raise ValueError(f"cuda_graphs 'ffn' needs the sync-free dense expert path (<= {DENSE_MAX_EXPERTS} "
                          f"routed experts); this model has {n_experts}: use --cuda-graphs none")
@@ -220,8 +220,6 @@ GRAPH_MODES = ("none", "ffn", "layer", "step")
 def auto_graph_mode(device: torch.device, model_has_pieces: bool, n_experts: int) -> str:
     """What --cuda-graphs auto means: 'step' on CUDA for a model with graph pieces whose FFN runs
     sync-free (<= DENSE_MAX_EXPERTS routed experts), else 'none'."""
-    from dhisparse.layers.moe import DENSE_MAX_EXPERTS
-
     ok = device.type == "cuda" and model_has_pieces and n_experts <= DENSE_MAX_EXPERTS
     return "step" if ok else "none"
 

@@ -14,8 +14,11 @@ from typing import Callable
 import torch
 
 from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
+from dhisparse.models.scaled import build_scaled, scaled_config
 from dhisparse.models.tiny import build_tiny, tiny_config
 from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer
+from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
+from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +32,6 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
     """Loader of a scaled benchmark model (dhisparse.models.scaled); default dtype bfloat16."""
 
     def load(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
-        from dhisparse.models.scaled import build_scaled, scaled_config
-
         target = resolve_dtype(dtype, scaled_config(name, 1))  # None -> the config's bfloat16
         return dataclasses.replace(build_scaled(name, seed, target, device), tokenizer=ByteTokenizer())
 
@@ -39,8 +40,6 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
 
 def _v41(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
     """`v41-scaled`: DeepSeek-V4.1-shaped random model (models/v4_scaled.py); default bfloat16."""
-    from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
-
     target = resolve_dtype(dtype, v41_scaled_config())  # None -> the config's bfloat16
     return dataclasses.replace(build_v41_scaled(seed, target, device), tokenizer=ByteTokenizer())
 
@@ -68,8 +67,6 @@ def load_model(
             f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}) nor an existing folder; "
             "pass a built-in name or a folder holding config.json and *.safetensors"
         )
-    from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
-
     loaded = (load_v4_checkpoint if is_v4_folder(folder) else load_checkpoint)(folder, dtype=dtype, device=device)
     tok = load_tokenizer(folder)
     if tok.vocab_size > loaded.config.vocab_size:

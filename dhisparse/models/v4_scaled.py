@@ -27,6 +27,9 @@ import torch
 
 from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
+from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
+from dhisparse.models.loader import LoadedModel
+from dhisparse.models.v4_loader import _FP32
 
 BYTE_VOCAB = 259
 
@@ -71,9 +74,6 @@ def _std(name: str, shape: torch.Size, layers: int) -> float:
 def build_v4_random(cfg: V4Config, seed: int = 0, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu"):
     """A DeepseekV4ForCausalLM of `cfg` with seeded random weights (see the module docstring)."""
-    from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
-    from dhisparse.models.v4_loader import _FP32
-
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.device(device):
         model = DeepseekV4ForCausalLM(cfg)
@@ -110,7 +110,5 @@ def build_v4_random(cfg: V4Config, seed: int = 0, dtype: torch.dtype = torch.flo
 def build_v41_scaled(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                      groups: int = 4):
     """LoadedModel of `v41-scaled` (random weights); `groups` < 4 keeps fewer shared sources."""
-    from dhisparse.models.loader import LoadedModel
-
     cfg = v41_scaled_config(groups)
     return LoadedModel(build_v4_random(cfg, seed, dtype, device), cfg, {})

@@ -1,5 +1,7 @@
-"""Speculative decoding: drafters (DFlash block model, DSpark scheduling, n-gram, oracle), the
-draft KV ring (eq. 9-10), acceptance / commit (eq. 7-8) and width policies (eq. 13)."""
+"""Speculative decoding: the `Drafter` contract (`drafter.py`) and the drafters (DFlash block
+model, DSpark scheduling, n-gram, the benchmark-only oracle), the draft KV ring (eq. 9-10),
+acceptance / commit (eq. 7-8), width policies (eq. 13) and `build_drafter` (`factory.py`). May
+import `core`, `kernels`, `kv`, `layers` and `models`; the engine drives it."""
 
 from dhisparse.spec.config import SpecConfig, SpecConfigError
 from dhisparse.spec.drafter import DraftProposal, DraftRequest, Drafter

@@ -28,6 +28,8 @@ log = logging.getLogger("dhisparse.kv")
 
 
 class AdaptiveKV(HierarchicalKV):
+    can_cover = True
+
     def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4,
                  max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32, **kw) -> None:
         """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/memory/copies.py).
@@ -135,28 +137,32 @@ class AdaptiveKV(HierarchicalKV):
         self._blocked_at = -1
         return True
 
+    def _host_backed(self, req: object, st: ReqKV, j: int) -> bool:
+        """Complete pages before the tail that are not optional history were backed up when they
+        left the tail (or retired only after their backup, I1); optional pages once `backed`."""
+        r = self.res.reqs.get(req)
+        if r is not None and j in r.pages and j not in r.backed:
+            return False
+        return super()._host_backed(req, st, j)
+
+    def residency(self) -> ResidencyManager:
+        return self.res
+
     def covers(self, reqs: list[object]) -> bool:
         """Every complete history page of every request in `reqs` is published (host-side check):
         any selection then resolves from the tail and the ready map, with no resolver call."""
         ps = self.page_size
         return all(len(self._published.get(q, ())) * ps >= self.reqs[q].tail_start for q in reqs)
 
-    def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
-        """Completed tail pages go to host as under hisparse; while a pool page beyond the reserve
-        is free, the completed page also stays on the device as published optional history (a fresh
-        page takes its place in the tail), so low-load decoding keeps resolving directly."""
-        ps = self.page_size
-        while n - st.tail_start >= ps:
-            done = st.tail_pages[0]
-            self._pages_to_host(req, [done], st.tail_start)
-            if self.res.can_keep():
-                # the replacement is a spare page: req's reservation still covers its own growth
-                st.tail_pages = st.tail_pages[1:] + self.pool.alloc(req, 1, spare=True)
-                self.res.keep(req, st.tail_start // ps, done)
-            else:
-                st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]
-            st.tail_start += ps
-            self._set_tail(st)
+    def _next_tail_page(self, req: object, st: ReqKV, done: int) -> int:
+        """While a pool page beyond the reserve is free, the completed page (backed up to host as
+        under hisparse) also stays on the device as published optional history and a fresh spare
+        page takes its place in the tail, so low-load decoding keeps resolving directly."""
+        if not self.res.can_keep():
+            return done
+        fresh = self.pool.alloc(req, 1, spare=True)[0]  # a spare page: req's reservation still covers its own growth
+        self.res.keep(req, st.tail_start // self.page_size, done)
+        return fresh
 
     def free(self, req: object) -> None:
         st = self.reqs.get(req)
@@ -200,23 +206,13 @@ class AdaptiveKV(HierarchicalKV):
             if req in self.max_total:
                 self.res.set_remaining(req, self.max_total[req] - n)
 
-    def _handoff(self, req: object, st: ReqKV, n: int) -> None:
-        """Resident-first: keep complete prompt pages as optional history (no host copy yet)."""
-        ps = self.page_size
-        full = n // ps
-        pages = self.resident.latent_tables[req]
-        keep = {j: pages[j] for j in range(full)}
-        st.tail_start = full * ps
-        self._set_tail(st)
-        if n > full * ps:  # the partial page becomes the first tail page (same in-page offsets)
-            self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full]])
-        self.pool.free(req, pages[full:])
-        self.resident.latent_tables[req] = []
+    def _place_prompt_pages(self, req: object, pages: list[int], n: int) -> None:
+        """Resident-first: the complete prompt pages stay on device as optional history (no host
+        copy yet; borrowed shared prefix pages count as backed up)."""
         self.host.ensure(req, n)
         self.sync_host_table(req)
-        st.decoding = True
         backed = set(range(self.host.borrowed_pages(req)))  # borrowed shared prefix pages: on host already
-        self.res.register(req, full, keep, backed, self.max_total.get(req, n) - n)
+        self.res.register(req, len(pages), dict(enumerate(pages)), backed, self.max_total.get(req, n) - n)
 
     def resolver_state(self, group: int) -> ResolverState:
         st = super().resolver_state(group)

@@ -1,12 +1,27 @@
-"""KVContext of one pass over a HierarchicalKV.
+"""KVContext of one pass over a HierarchicalKV, and the resolver step it shares with V4.
 
 Requests still prefilling read and write their transient workspace exactly like resident
 serving. Decoding requests write new rows to their tail and read history through the resolver:
 the producer layer of a selection plans (scan + copies for its own bytes), follower layers replay
 the plan's copies for their bytes.
+
+The resolver step of one selection group is a set of functions shared by `HierContext` (GLM:
+a group is a producer layer and its followers) and `V4HierPass` (DeepSeek-V4: a group is one
+CSA source, its own arena layer, with no followers):
+
+    decode_tokens / DecodeTokens   where the decoding requests' tokens sit in the flattened batch
+    per_request                    selection [T, k] -> [Nd, K, k] (index ops, -1 padded)
+    locate_group                   -> locations [T, k] and the group's (plan, staged):
+        resolve_group                the resolver call: deferred Triton plan + sync-free staging,
+                                     or the reference path (call-level direct exit, host staging)
+        DirectPlan                   an all-direct pass (no resolver call, device census or none)
+    copy_group                     a layer's host -> device copies of the plan (+ census)
+    restage                        re-copy a group's staged rows into the shared staging arena
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -16,12 +31,170 @@ from dhisparse.core.batch import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
 from dhisparse.kv.hier.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
+try:  # Triton is optional: only a deferred (Triton) plan launches its copies here
+    from dhisparse.kernels.resolver import launch_copies
+except ImportError:  # no Triton on this machine: plans are never deferred
+    launch_copies = None
 
-def launch_copies(plan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-    """The Triton copy launch of a deferred plan (imported lazily: Triton is optional)."""
-    from dhisparse.kernels.resolver import launch_copies as launch
 
-    launch(plan, host_rows, dev_rows)
+# -- the resolver step of one selection group (shared by HierContext and V4HierPass) ----------------
+class DecodeTokens(NamedTuple):
+    """Where decoding requests' tokens sit in a flattened batch: token tok[m] of the batch is
+    query j[m] of decoding request i[m] (an index into the pass's decode_rows); n decoding
+    requests, each with at most K tokens; dense: every token of the batch belongs to a decoding
+    request and each has exactly K (then [T, k] <-> [n, K, k] is a view). tok / i / j [M] int64
+    on the device.
+
+        batch tokens   | prefill r0 ......... | dec r1: q0 q1 q2 | dec r2: q0 | ...
+        per request    [n, K, k]: row i = decode_rows[i], column j = its j-th query
+    """
+
+    tok: torch.Tensor
+    i: torch.Tensor
+    j: torch.Tensor
+    n: int
+    K: int
+    dense: bool
+
+
+def decode_token_lists(qs: list[int], decode_rows: list[int]) -> tuple[list[int], list[int], list[int], int, bool]:
+    """Host lists (tok, i, j) of `DecodeTokens`, and its K and dense, for a batch with query
+    starts `qs` whose decoding requests are the batch rows `decode_rows`."""
+    tok, ii, jj = [], [], []
+    for i, r in enumerate(decode_rows):
+        n = qs[r + 1] - qs[r]
+        tok.extend(range(qs[r], qs[r + 1]))
+        ii.extend([i] * n)
+        jj.extend(range(n))
+    K = max((qs[r + 1] - qs[r] for r in decode_rows), default=1)
+    return tok, ii, jj, K, len(tok) == qs[-1] == len(decode_rows) * K
+
+
+def decode_tokens(qs: list[int], decode_rows: list[int], device) -> DecodeTokens:
+    """`DecodeTokens` of a batch (one host -> device copy)."""
+    tok, ii, jj, K, dense = decode_token_lists(qs, decode_rows)
+    T = len(tok)
+    m = torch.tensor(tok + ii + jj, dtype=torch.int64).to(device, non_blocking=True)
+    return DecodeTokens(m[:T], m[T : 2 * T], m[2 * T :], len(decode_rows), K, dense)
+
+
+def per_request(selection: torch.Tensor, dt: DecodeTokens) -> torch.Tensor:
+    """[n, K, k] selections of the decoding requests (their missing queries -1) from a batch's
+    selection [T, k] (positions, -1 padded): a view when dense, one indexed copy otherwise."""
+    if dt.dense:
+        return selection.view(dt.n, dt.K, selection.shape[1])
+    out = selection.new_full((dt.n, dt.K, selection.shape[1]), -1)
+    out[dt.i, dt.j] = selection[dt.tok]
+    return out
+
+
+def direct_counts(sel: torch.Tensor, dt: DecodeTokens) -> torch.Tensor:
+    """[6] census counters of an all-direct call on selection [T, k]: selected entries and
+    distinct rows (per request) of the decoding tokens; nothing from the hot cache or host."""
+    s = sel if dt.dense else sel[dt.tok]
+    selected = (s >= 0).sum()
+    if dt.K == 1:  # one query per request: a top-k selection holds distinct positions
+        return torch.cat([selected.expand(2), selected.new_zeros(4)])
+    keys = torch.where(s >= 0, dt.i[:, None] * SPACE + s, -1).reshape(-1).sort().values
+    distinct = ((keys[1:] != keys[:-1]) & (keys[1:] >= 0)).sum() + (keys[:1] >= 0).sum()
+    return torch.cat([torch.stack([selected, distinct]), selected.new_zeros(4)])
+
+
+def resolve_group(kv, g: int, per_req: torch.Tensor,
+                  slots_t: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None]:
+    """The resolver call of selection group g of hierarchy `kv`: per_req [Nd, K, k] positions of
+    the decoding requests' queries (-1 padded, each request's K queries resolved as one union);
+    slots_t [Nd] int64 on the device, their slots. Returns (plan, staged): plan.loc [Nd, K, k]
+    locations (SPACE-encoded staging rows where staged), staged: the copy plan of union rows that
+    found no hot-cache victim (None when none can exist / none did).
+
+    With a deferrable (Triton) resolver nothing here waits for the device: the kernel takes the
+    direct path per request, the counters stay on the device, and rows of a verification union
+    that found no hot-cache victim are staged by device ops (`stage_overflow_deferred`). With the
+    reference resolver the call-level direct path (`direct_plan`) and staging read the plan on
+    the host."""
+    if kv.deferred:
+        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True)
+        if per_req.shape[1] * per_req.shape[2] <= kv.B:
+            return plan, None
+        return plan, stage_overflow_deferred(plan, per_req, slots_t, kv)
+    plan = direct_plan(per_req, slots_t, kv)
+    if plan is None:
+        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now)
+    else:
+        kv.census.direct_calls += 1
+    return stage_overflow(plan, per_req, slots_t, kv)
+
+
+def locate_group(kv, g: int, selection: torch.Tensor, dt: DecodeTokens, slots_t: torch.Tensor, lat_of: torch.Tensor,
+                 req_idx: torch.Tensor, all_direct: bool, count_direct: bool = True):
+    """Resolve selection group g's selection [T, k] (positions, -1 padding) of a batch:
+    prefilling requests' tokens read lat_of [N, W] (their workspace rows); decoding requests'
+    tokens (dt, slots slots_t [Nd]) go through one resolver call (`resolve_group`), unless the
+    pass is `all_direct` (every decoding request's history published: lat_of already holds every
+    location, no resolver call; `count_direct`: the call's census is counted on the device, else
+    the caller counted it on the host). req_idx [T]: each token's batch row.
+
+    Returns (loc [T, k], plan, staged); plan is None when no request decodes, a `DirectPlan` when
+    all-direct. Pass (plan, staged) to `copy_group` for every layer of the group."""
+    plan = staged = None
+    if dt.n and not all_direct:
+        plan, staged = resolve_group(kv, g, per_request(selection, dt), slots_t)
+        if dt.dense:  # every token decodes: the plan's locations are the pass's
+            return plan.loc.reshape(selection.shape), plan, staged
+    loc = lat_of[req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
+    if dt.n and all_direct:  # lat_of already holds every location (decode_locations, direct)
+        plan = DirectPlan(direct_counts(selection, dt) if count_direct else None)
+    elif dt.n:
+        loc[dt.tok] = plan.loc[dt.i, dt.j]
+    return loc, plan, staged
+
+
+def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
+               zero: torch.Tensor | None = None) -> None:
+    """Layer `layer`'s host -> device copies of its group's (plan, staged) from `locate_group`
+    into its row space `rows` [P, ps, W] (and staged rows into the staging arena); census update
+    (by the producer: the call's counters and every layer's bytes). A deferred plan's copies for
+    a whole group of consecutive layers are launched once, by the producer: followers would copy
+    the same rows into their own row spaces, and nothing reads a follower's victim rows before
+    the follower itself runs in this pass. Staged rows share one buffer across layers, so each
+    layer still stages its own. zero: a 0-d int64 device tensor (the bytes of a direct call)."""
+    if isinstance(plan, DirectPlan):
+        if producer and plan.counts is not None:  # None: counted on the host for the whole pass
+            kv.census.add_device(plan.counts, zero if zero is not None else plan.counts.new_zeros(()))  # nothing copied
+        return
+    if plan.deferred:
+        span = kv.group_span[kv.group_of[layer]]
+        if span is None:
+            launch_copies(plan, kv.host.layer_rows(layer), rows)
+        elif producer:  # one layered launch copies the rows of every layer of the group
+            launch_copies(plan, kv.host.rows[:, span], kv.arena.latent[:, span])
+        if staged is not None:
+            launch_copies(staged, kv.host.layer_rows(layer), kv.stage)
+        if producer:  # every layer of the group copies the same rows: count them all here, once
+            copied, counts = plan.copy_n.sum(), plan.counts
+            if staged is not None:
+                copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
+            kv.census.add_device(counts, copied * (row_bytes(rows) * kv.group_size[kv.group_of[layer]]))
+        return
+    host = kv.host.layer_rows(layer)
+    nbytes = kv.copy_fn(plan, host, rows)
+    nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
+    if producer:
+        kv.census.add(plan.counters, nbytes)
+    else:
+        kv.census.bytes_moved += nbytes
+
+
+def restage(kv, layer: int, staged) -> "int | torch.Tensor":
+    """Copy layer `layer`'s staged rows (`staged` from `locate_group`) into the staging arena
+    again (another group's call refilled it since; no resolver call). Returns the bytes copied:
+    an int (reference plans) or a 0-d device tensor (a deferred `StagePlan`: no sync)."""
+    host = kv.host.layer_rows(layer)
+    if isinstance(staged, StagePlan):
+        launch_copies(staged, host, kv.stage)
+        return staged.copy_n.sum().to(torch.int64) * row_bytes(kv.stage)
+    return kv.copy_fn(staged, host, kv.stage)
 
 
 def decode_locations(kv, slots_t: torch.Tensor, lens_t: torch.Tensor, W: int, direct: bool) -> torch.Tensor:
@@ -50,8 +223,8 @@ class HierContext(PagedContext):
         self.decode_rows = [r for r, st in enumerate(states) if st.decoding]
         self.slots = [states[r].slot for r in self.decode_rows]
         self._decode_map(batch.query_start, [st.slot for st in states], kv.device)
-        covers = getattr(kv, "covers", None)  # adaptive: every decoding request's history is published
-        self.all_direct = bool(self.decode_rows) and covers is not None and covers([reqs[r] for r in self.decode_rows])
+        # adaptive: every decoding request's history is published (False in the base hierarchy)
+        self.all_direct = bool(self.decode_rows) and kv.covers([reqs[r] for r in self.decode_rows])
         if self.host_counted:
             self._count_direct_pass()
         self._finish_tables()
@@ -67,7 +240,7 @@ class HierContext(PagedContext):
         every layer group once (not V4's row passes: `host_census = False`): its census is known
         on the host (`_count_direct_pass`), so no layer group adds device counters (in a step
         graph that is ~9 tiny kernels per group)."""
-        return self.HOST_CENSUS and self.all_direct and self.K == 1 and getattr(self.kv, "host_census", True)
+        return self.HOST_CENSUS and self.all_direct and self.K == 1 and self.kv.host_census
 
     def _count_direct_pass(self) -> None:
         """The census of every group's call in this pass, from host lengths: a decoding request of
@@ -113,7 +286,7 @@ class HierContext(PagedContext):
         if not kv.replayable:
             return []
         slots = (torch.empty(0, dtype=torch.int64, device=kv.device), 0)
-        direct = (False, True) if hasattr(kv, "covers") else (False,)
+        direct = (False, True) if kv.can_cover else (False,)
         return [GraphPass(K, ("hier", d), {"slots_t": slots}) for d in direct]
 
     @classmethod
@@ -129,6 +302,7 @@ class HierContext(PagedContext):
         ctx.K, ctx.dense, ctx.all_direct = K, True, gp.variant[1]
         ctx.dec_tok = torch.arange(N * K, device=dev)
         ctx.dec_i, ctx.dec_j = ctx.dec_tok // K, ctx.dec_tok % K
+        ctx.tokens = DecodeTokens(ctx.dec_tok, ctx.dec_i, ctx.dec_j, N, K, True)
         ctx.dec_rows_t = torch.arange(N, device=dev)
         ctx.idx_of = kv.index_locations(ctx.slots_t, batch.seq_lens, gp.width)
         ctx.lat_of = decode_locations(kv, ctx.slots_t, batch.seq_lens, gp.width, ctx.all_direct)
@@ -138,27 +312,16 @@ class HierContext(PagedContext):
         return ctx
 
     def _decode_map(self, qs: list[int], all_slots: list[int], device) -> None:
-        """Where decoding requests' tokens sit: token dec_tok[m] of the flattened batch is query
-        dec_j[m] of decoding request dec_i[m] (index into decode_rows); plus every request's slot
-        and the decoding requests' batch rows. One host->device copy per pass; every layer then
-        moves selections and locations with one indexed op each.
-
-            batch tokens   | prefill r0 ......... | dec r1: q0 q1 q2 | dec r2: q0 | ...
-            per request    [Nd, K, k]: row i = decode_rows[i], column j = its j-th query
-        """
-        tok, ii, jj = [], [], []
-        for i, r in enumerate(self.decode_rows):
-            n = qs[r + 1] - qs[r]
-            tok.extend(range(qs[r], qs[r + 1]))
-            ii.extend([i] * n)
-            jj.extend(range(n))
-        self.K = max((qs[r + 1] - qs[r] for r in self.decode_rows), default=1)
-        # dense: every token of the pass belongs to a decoding request and each has K of them, so
-        # [T, k] <-> [Nd, K, k] is a view (steady-state decode and verification passes)
-        self.dense = len(tok) == qs[-1] == len(self.decode_rows) * self.K
+        """Where decoding requests' tokens sit (`tokens`, a `DecodeTokens`: token dec_tok[m] of
+        the flattened batch is query dec_j[m] of decoding request dec_i[m], an index into
+        decode_rows), plus every request's slot and the decoding requests' batch rows. One
+        host->device copy per pass; every layer then moves selections and locations with one
+        indexed op each (`per_request`, `locate_group`)."""
+        tok, ii, jj, self.K, self.dense = decode_token_lists(qs, self.decode_rows)
         T, N, Nd = len(tok), len(all_slots), len(self.decode_rows)
         m = torch.tensor(tok + ii + jj + all_slots + self.slots + self.decode_rows, dtype=torch.int64).to(device, non_blocking=True)
         self.dec_tok, self.dec_i, self.dec_j = m[:T], m[T : 2 * T], m[2 * T : 3 * T]
+        self.tokens = DecodeTokens(self.dec_tok, self.dec_i, self.dec_j, Nd, self.K, self.dense)
         self.all_slots_t = m[3 * T : 3 * T + N]
         self.slots_t = m[3 * T + N : 3 * T + N + Nd]
         self.dec_rows_t = m[3 * T + N + Nd :]  # [Nd] batch rows of the decoding requests
@@ -170,14 +333,6 @@ class HierContext(PagedContext):
             t = int(bad.any(1).nonzero()[0])
             raise ValueError(f"selection of token {t} holds position(s) outside its request's history "
                              f"[0, {int(lens[t])}): {selection[t][bad[t]].tolist()[:4]}")
-
-    def _per_request(self, selection: torch.Tensor) -> torch.Tensor:
-        """[Nd, K, k] selections of decoding requests (their tokens padded with -1)."""
-        if self.dense:
-            return selection.view(len(self.decode_rows), self.K, selection.shape[1])
-        out = selection.new_full((len(self.decode_rows), self.K, selection.shape[1]), -1)
-        out[self.dec_i, self.dec_j] = selection[self.dec_tok]
-        return out
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and locations of `selection` [T, k] (positions, -1 padding) for `layer`."""
@@ -195,88 +350,20 @@ class HierContext(PagedContext):
         if not self.decode_rows:
             return rows, loc
         plan, staged = self.plans[g]
-        self._copy(layer, plan, staged, rows, producer=layer == kv.groups[g])
+        copy_group(kv, layer, plan, staged, rows, layer == kv.groups[g], self._zero)
         return ((rows, kv.stage) if staged is not None else rows), loc
 
     def _locate_new(self, g: int, layer: int, selection: torch.Tensor) -> torch.Tensor:
-        """Locations [T, k] of a new selection: workspace rows for prefilling requests, the resolver's
-        plan (run by the group's producer layer) for decoding ones. Locations are layer-independent
-        (every layer's row space has the same page layout), so the group's followers reuse them."""
+        """Locations [T, k] of a new selection (`locate_group`): workspace rows for prefilling
+        requests, the resolver's plan (run by the group's producer layer) for decoding ones.
+        Locations are layer-independent (every layer's row space has the same page layout), so
+        the group's followers reuse them."""
         kv = self.kv
         if self.decode_rows and layer != kv.groups[g]:
             raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
         # positions past a request's length are errors (the indexer masks them; `_check` in debug)
-        if self.decode_rows and not self.all_direct:
-            self.plans[g] = self._plan(g, self._per_request(selection))
-            if self.dense:  # every token decodes: the plan's locations are the pass's
-                return self.plans[g][0].loc.reshape(selection.shape)
-        loc = self.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
-        if self.all_direct:  # lat_of already holds every location (decode_locations, direct)
-            self.plans[g] = (DirectPlan(None if self.host_counted else self._direct_counts(selection)), None)
-        elif self.decode_rows:
-            loc[self.dec_tok] = self.plans[g][0].loc[self.dec_i, self.dec_j]
+        loc, plan, staged = locate_group(kv, g, selection, self.tokens, self.slots_t, self.lat_of, self.batch.req_idx,
+                                         self.all_direct, count_direct=not self.host_counted)
+        if plan is not None:
+            self.plans[g] = (plan, staged)
         return loc
-
-    def _direct_counts(self, sel: torch.Tensor) -> torch.Tensor:
-        """[6] census counters of an all-direct call: selected entries and distinct rows (per
-        request) of the decoding tokens; nothing from the hot cache or host."""
-        s = sel if self.dense else sel[self.dec_tok]
-        selected = (s >= 0).sum()
-        if self.K == 1:  # one query per request: a top-k selection holds distinct positions
-            return torch.cat([selected.expand(2), selected.new_zeros(4)])
-        keys = torch.where(s >= 0, self.dec_i[:, None] * SPACE + s, -1).reshape(-1).sort().values
-        distinct = ((keys[1:] != keys[:-1]) & (keys[1:] >= 0)).sum() + (keys[:1] >= 0).sum()
-        return torch.cat([torch.stack([selected, distinct]), selected.new_zeros(4)])
-
-    def _plan(self, g: int, per_req: torch.Tensor) -> tuple[ResolvePlan | DirectPlan, ResolvePlan | StagePlan | None]:
-        """The producer layer's resolver call (not made at all in an all-direct pass, see
-        `_locate_new`). With a deferrable (Triton) resolver nothing here
-        waits for the device: the kernel takes the direct path per request, the counters stay on
-        the device, and rows of a verification union that found no hot-cache victim are staged by
-        device ops (`stage_overflow_deferred`). With the reference resolver the call-level direct
-        path and staging read the plan on the host."""
-        kv = self.kv
-        if kv.deferred:
-            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now_t, defer=True)
-            if per_req.shape[1] * per_req.shape[2] <= kv.B:
-                return plan, None
-            return plan, stage_overflow_deferred(plan, per_req, self.slots_t, kv)
-        plan = direct_plan(per_req, self.slots_t, kv)
-        if plan is None:
-            plan = kv.plan_fn(per_req, self.slots_t, kv.resolver_state(g), kv.now)
-        else:
-            kv.census.direct_calls += 1
-        return stage_overflow(plan, per_req, self.slots_t, kv)
-
-    def _copy(self, layer: int, plan: ResolvePlan, staged: ResolvePlan | None, rows: torch.Tensor, producer: bool) -> None:
-        """This layer's host -> device copies of the plan (and of staged rows); census update.
-        A deferred plan's copies for a whole group of consecutive layers are launched once, by
-        the producer: followers would copy the same rows into their own row spaces, and nothing
-        reads a follower's victim rows before the follower itself runs in this pass. Staged rows
-        share one buffer across layers, so each layer still stages its own."""
-        kv = self.kv
-        if isinstance(plan, DirectPlan):
-            if producer and plan.counts is not None:  # None: counted on the host for the whole pass
-                kv.census.add_device(plan.counts, self._zero)  # nothing copied
-            return
-        if getattr(plan, "deferred", False):
-            span = kv.group_span[kv.group_of[layer]]
-            if span is None:
-                launch_copies(plan, kv.host.layer_rows(layer), rows)
-            elif producer:  # one layered launch copies the rows of every layer of the group
-                launch_copies(plan, kv.host.rows[:, span], self.arena.latent[:, span])
-            if staged is not None:
-                launch_copies(staged, kv.host.layer_rows(layer), kv.stage)
-            if producer:  # every layer of the group copies the same rows: count them all here, once
-                copied, counts = plan.copy_n.sum(), plan.counts
-                if staged is not None:
-                    copied, counts = copied + staged.copy_n.sum(), counts + staged.counts
-                kv.census.add_device(counts, copied * (row_bytes(rows) * kv.group_size[kv.group_of[layer]]))
-            return
-        host = kv.host.layer_rows(layer)
-        nbytes = kv.copy_fn(plan, host, rows)
-        nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
-        if producer:
-            kv.census.add(plan.counters, nbytes)
-        else:
-            kv.census.bytes_moved += nbytes

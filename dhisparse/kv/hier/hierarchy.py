@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse.core.rows import SPACE, cdiv
-
-from dhisparse.kv.memory.arena import KVArena
-from dhisparse.kv.hier.census import Census
 from dhisparse.core.batch import ForwardBatch
+from dhisparse.core.contracts import KVStore, PrefixMatch, RowPlace
+from dhisparse.core.rows import SPACE, cdiv
+from dhisparse.kv.hier.census import Census
+from dhisparse.kv.hier.context import HierContext
+from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.host import HostStore
 from dhisparse.kv.memory.copies import page_runs
 from dhisparse.kv.memory.loads import make_loads
@@ -37,9 +37,6 @@ from dhisparse.kv.hier.prefix_pages import PrefixPages
 from dhisparse.kv.resident.store import ResidentKV
 from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
 from dhisparse.kv.memory.slot_tables import SlotTable
-
-if TYPE_CHECKING:  # hier_context imports this module
-    from dhisparse.kv.hier.context import HierContext
 
 log = logging.getLogger("dhisparse.kv")
 
@@ -60,16 +57,31 @@ def _span(layers: list[int], producer: int) -> slice | None:
     return slice(layers[0], layers[-1] + 1) if ok else None
 
 
-class HierarchicalKV:
+class HierarchicalKV(KVStore):
+    """The `hisparse` store (module docstring). Subclasses (AdaptiveKV) extend it through the
+    declared hooks `_next_tail_page` (a completed tail page's successor) and `_place_prompt_pages`
+    (where a finished prompt's complete pages go), and the abilities below."""
+
+    can_cover = False
+    """Whether `covers` can ever be True (adaptive's ready map): step graphs capture an
+    all-direct variant only then."""
+    host_census = True
+    """Whether an all-direct pass of one query a request may be counted on the host (False for
+    DeepSeek-V4's row passes, which are not one call per layer group)."""
+    opt_loc: torch.Tensor | None = None
+    """[S, W] ready map of published optional rows (adaptive), None without residency."""
+
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
-                 side_loads: bool = False) -> None:
+                 side_loads: bool = False, deferred: bool = False) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
         union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
-        side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py)."""
+        side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py).
+        deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
+        resolver: kv/build.py's `Resolver`)."""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
@@ -99,7 +111,7 @@ class HierarchicalKV:
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
-        self.deferred = getattr(plan_fn, "deferrable", False)  # plan(defer=True) never waits for the device
+        self.deferred = deferred  # plan(defer=True) never waits for the device
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
         """One staging arena (chi = 1: layers run one after another, so the next layer reuses it
@@ -167,6 +179,9 @@ class HierarchicalKV:
                 pages = self.host.tables[req]
                 assert len(pages) * self.host.page_size >= st.tail_start
                 assert self.host_table[st.slot, : len(pages)].tolist() == pages
+                for p in {0, st.tail_start // 2, st.tail_start - 1} if st.tail_start else ():
+                    place = self.row_place(req, p)
+                    assert place.host >= 0 or place.tier == "optional", f"I1: row {p} of {req!r} has no host copy ({place})"
 
     # -- prefix import / export (prefill workspace) --------------------------------------------
     def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
@@ -177,6 +192,71 @@ class HierarchicalKV:
         imported pages borrow the prefix's shared host pages (kv/hier/prefix_pages.py)."""
         self.resident.import_prefix(req, item, n)
         self.prefix_pages.borrow(req, item, n)
+
+    def prefix_layout(self) -> tuple[int, int]:
+        return self.resident.prefix_layout()
+
+    def set_prefix_match(self, match: PrefixMatch) -> None:
+        """Admission reserves no host page for the complete pages a request will borrow."""
+        self.prefix_match = match
+
+    def staging_rows(self) -> torch.Tensor | None:
+        return self.stage
+
+    def resolver_census(self) -> Census:
+        return self.census
+
+    def covers(self, reqs: list[object]) -> bool:
+        """Whether every complete history page of `reqs` is on the device (published): then every
+        selection resolves from the tail and the ready map with no resolver call. Never under
+        hisparse (AdaptiveKV)."""
+        return False
+
+    def row_place(self, req: object, position: int, layer: int = 0) -> RowPlace:
+        """Where row `position` of req lives for `layer` (the one answer the debug checks and tests
+        use). A prefilling request's rows are in its workspace. A decoding request's row is read
+        from the first tier that holds it, in the resolver's order:
+
+            positions  0 ................................ tail_start ........ n-1
+            tail                                          |<- tail_loc[slot] ->|
+            optional   opt_loc[slot, p] >= 0 (adaptive: published pages)
+            hot        hot_pos[slot, group] == p -> hot_loc[slot, that entry]
+            host       host.tables[req][p // ps] * ps + p % ps   (every p < tail_start: I1)
+
+        `host` is reported whenever the row has a host copy, whatever tier attention reads.
+        Staged rows exist only inside one verification pass (`place_of` of that pass's locations).
+        """
+        st, ps = self.reqs[req], self.page_size
+        pages = self.host.tables.get(req, [])
+        backed = position // ps < len(pages) and self._host_backed(req, st, position // ps)
+        host = pages[position // ps] * ps + position % ps if backed else -1
+        if not st.decoding:
+            table = self.resident.latent_tables[req]
+            if position // ps >= len(table):
+                return RowPlace("none", host=host)
+            return RowPlace("workspace", table[position // ps] * ps + position % ps, host)
+        if position >= st.tail_start:
+            j = position - st.tail_start
+            if j >= self.tail_loc.shape[1]:
+                return RowPlace("none", host=host)
+            return RowPlace("tail", int(self.tail_loc[st.slot, j]), host)
+        if self.opt_loc is not None and int(self.opt_loc[st.slot, position]) >= 0:
+            return RowPlace("optional", int(self.opt_loc[st.slot, position]), host)
+        g = self.group_of[layer]
+        hit = (self.hot_pos[st.slot, g] == position).nonzero()
+        if hit.numel():
+            return RowPlace("hot", int(self.hot_loc[st.slot, int(hit[0, 0])]), host)
+        return RowPlace("host" if host >= 0 else "none", -1, host)
+
+    def _host_backed(self, req: object, st: ReqKV, j: int) -> bool:
+        """Hook: whether page index j of decoding req has its host copy (issued in stream order).
+        hisparse: every complete page before the tail (the hand-off and tail backups)."""
+        return st.decoding and (j + 1) * self.page_size <= st.tail_start
+
+    def place_of(self, location: int) -> str:
+        """The device tier a location of a located selection names: "staging" for the staging
+        arena's second row space (location >= SPACE), else "device"."""
+        return "staging" if location >= SPACE else "device"
 
     def _borrowable(self, req: object) -> int:
         """Host pages req will borrow from its shared prefix (its host reservation skips them)."""
@@ -193,13 +273,9 @@ class HierarchicalKV:
     # -- passes --------------------------------------------------------------------------------
     def graph_context(self) -> type:
         """The context class of this store's passes (its step graphs' `graph_templates`)."""
-        from dhisparse.kv.hier.context import HierContext
-
         return HierContext
 
-    def context(self, batch: ForwardBatch, reqs: list[object]) -> "HierContext":
-        from dhisparse.kv.hier.context import HierContext
-
+    def context(self, batch: ForwardBatch, reqs: list[object]) -> HierContext:
         self.now += 1
         if self.deferred:
             self.now_t.fill_(self.now)  # no sync; a replayed step graph reads the stamp from here
@@ -287,30 +363,39 @@ class HierarchicalKV:
                 dev.copy_(host, non_blocking=True)
 
     def _handoff(self, req: object, st: ReqKV, n: int) -> None:
-        """The prompt is done: its complete workspace pages go to host (`handoffs`: in stream order,
-        or on a side stream with req `loading` until they are there, since its history is read
-        from host from the next pass on), the partial page becomes tail page 0 now, and the
-        workspace is freed (complete pages once their copy is done: they belong to
+        """The prompt is done: the partial page becomes tail page 0 now, the workspace pages past
+        the complete ones are freed, and the complete pages go where `_place_prompt_pages` puts
+        them (hisparse: to host; adaptive: kept as optional history).
+
+            positions  0 ............ full | full .. n-1
+            workspace  pages[: full/ps]    | pages[full/ps] -> tail page 0 (same in-page offsets)
+        """
+        ps = self.page_size
+        full = n // ps
+        pages = self.resident.latent_tables[req]
+        st.tail_start = full * ps
+        self._set_tail(st)
+        if n > full * ps:
+            self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full]])
+        self.pool.free(req, pages[full:])
+        self.resident.latent_tables[req] = []
+        st.decoding = True
+        self._place_prompt_pages(req, pages[:full], n)
+
+    def _place_prompt_pages(self, req: object, pages: list[int], n: int) -> None:
+        """Hook: hisparse's hand-off of a finished prompt's complete workspace pages `pages`
+        (positions 0 .. len(pages) * ps). They go to host (`handoffs`: in stream order, or on a
+        side stream with req `loading` until they are there, since its history is read from host
+        from the next pass on) and are freed once their copy is done (they belong to
         ("handoff", req) meanwhile). Pages whose host copy is a borrowed shared prefix page are
         freed at once, with no copy.
 
-            positions  0 ..... b*ps | b*ps ..... full | full .. n-1
-            workspace  freed now    | pages[b : full/ps] -> host | pages[full/ps] -> tail page 0
+            pages      [0 .. b)  borrowed: freed now | [b .. full) -> host, then freed
         """
-        ps = self.page_size
-        full = (n // ps) * ps
-        pages = self.resident.latent_tables[req]
-        st.tail_start = full
-        self._set_tail(st)
-        if n > full:  # the partial page becomes the first tail page (same in-page offsets)
-            self.arena.latent[st.tail_pages[0]].copy_(self.arena.latent[pages[full // ps]])
-        self.pool.free(req, pages[full // ps :])
-        self.resident.latent_tables[req] = []
-        st.decoding = True
-        host_pages = self._host_pages(req, 0, full // ps)  # borrowed ones first, then req's own
+        host_pages = self._host_pages(req, 0, len(pages))  # borrowed ones first, then req's own
         b = self.host.borrowed_pages(req)
         self.pool.free(req, pages[:b])  # already on host (read by this step's kernels: stream order)
-        moving = pages[b : full // ps]
+        moving = pages[b:]
         if not moving:
             return
         owner = ("handoff", req)
@@ -319,12 +404,23 @@ class HierarchicalKV:
         self.handoffs.run(req, lambda: self._copy_runs(pairs), on_done=lambda: self.pool.free(owner, moving))
 
     def _backup_tail(self, req: object, st: ReqKV, n: int) -> None:
+        """Completed tail pages go to host, one page at a time; `_next_tail_page` says what takes
+        the completed page's place at the tail's end.
+
+            tail   [done | t1 | ...]  ->  [t1 | ... | next]      tail_start += ps
+        """
         ps = self.page_size
         while n - st.tail_start >= ps:
-            self._pages_to_host(req, st.tail_pages[:1], st.tail_start)
-            st.tail_pages = st.tail_pages[1:] + st.tail_pages[:1]
+            done = st.tail_pages[0]
+            self._pages_to_host(req, [done], st.tail_start)
+            st.tail_pages = st.tail_pages[1:] + [self._next_tail_page(req, st, done)]
             st.tail_start += ps
             self._set_tail(st)
+
+    def _next_tail_page(self, req: object, st: ReqKV, done: int) -> int:
+        """Hook: the page that takes completed tail page `done`'s place (positions st.tail_start ..
+        + ps, already backed up). hisparse recycles it."""
+        return done
 
     def sync_host_table(self, req: object) -> None:
         """Mirror req's host page list into the device table the resolver reads (pages added since

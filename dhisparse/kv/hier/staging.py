@@ -41,7 +41,7 @@ def direct_plan(sel: torch.Tensor, slots: torch.Tensor, kv) -> ResolvePlan | Non
     pos = sel.clamp(min=0)
     start = kv.tail_start[s]
     tail = kv.tail_loc[s, (pos - start).clamp(0, kv.tail_loc.shape[1] - 1)]
-    opt_map = getattr(kv, "opt_loc", None)
+    opt_map = kv.opt_loc  # the ready optional map (adaptive), None in the base hierarchy
     opt = opt_map[s, pos.clamp(max=opt_map.shape[1] - 1)] if opt_map is not None else torch.full_like(pos, -1)
     loc = torch.where(pos >= start, tail, opt)
     if not bool(((loc >= 0) | ~valid).all()):

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.core.rows import cdiv, gather_rows, scatter_rows, table_locations
-
-from dhisparse.kv.memory.arena import KVArena
 from dhisparse.core.batch import ForwardBatch, GraphPass, IndexTable, KVContext, ScratchRows
+from dhisparse.core.contracts import KVStore, RowPlace
+from dhisparse.core.rows import cdiv, gather_rows, scatter_rows, table_locations
+from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.copies import page_runs
 from dhisparse.kv.memory.loads import make_loads
 from dhisparse.kv.memory.pool import PoolUsage
 
 
-class ResidentKV:
+class ResidentKV(KVStore):
     def __init__(self, arena: KVArena, side_loads: bool = False) -> None:
         self.arena, self.pool = arena, arena.pool
         self.page_size, self.device = arena.page_size, arena.device
@@ -29,12 +29,12 @@ class ResidentKV:
         self.loads = make_loads(arena.device, side_loads)  # prefix imports (kv/memory/loads.py)
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def pages_for(self, n_tokens: int, prompt_len: int | None = None) -> int:
-        return self.arena.latent_pages_for(n_tokens) + self.arena.index_pages_for(n_tokens)
+    def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
+        return self.arena.latent_pages_for(max_total) + self.arena.index_pages_for(max_total)
 
-    def admit(self, req: object, max_tokens_total: int, prompt_len: int | None = None) -> bool:
+    def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
         """Reserve pages for the request's whole life; False (nothing reserved) if it must wait."""
-        if not self.pool.reserve(req, self.pages_for(max_tokens_total)):
+        if not self.pool.reserve(req, self.pages_for(max_total)):
             return False
         self.latent_tables[req], self.index_tables[req] = [], []
         return True
@@ -94,6 +94,10 @@ class ResidentKV:
         for j, layer in enumerate(self.arena.layout.index_layers):
             scatter_rows(self.arena.index_rows(layer), idx, index[j].to(self.device))
 
+    def prefix_layout(self) -> tuple[int, int]:
+        """Stored prefixes are imported as whole pages of this layout (`import_prefix`)."""
+        return self.page_size, self.arena.index_page_size
+
     def import_prefix(self, req: object, item, n: int) -> None:
         """Import positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req's pages as
         whole-page copies through `loads` (in stream order, or on a side stream with req `loading`
@@ -126,6 +130,13 @@ class ResidentKV:
         latent = torch.stack([gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)])
         index = torch.stack([gather_rows(a.index_rows(l), idx) for l in a.layout.index_layers])
         return latent, index
+
+    def row_place(self, req: object, position: int, layer: int = 0) -> RowPlace:
+        """Every written position of an admitted request is on its latent pages (tier resident)."""
+        table = self.latent_tables[req]
+        if not 0 <= position < len(table) * self.page_size:
+            return RowPlace("none")
+        return RowPlace("resident", table[position // self.page_size] * self.page_size + position % self.page_size)
 
     def context(self, batch: ForwardBatch, reqs: list[object]) -> "ResidentContext":
         for r, req in enumerate(reqs):

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.kv.hier.adaptive import AdaptiveKV
+from dhisparse.core.contracts import KVStore
 from dhisparse.core.rows import cdiv
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.hier.hierarchy import HierarchicalKV
 from dhisparse.kv.memory.pool import PoolUsage
+from dhisparse.kv.v4.hier_pass import V4HierPass
 from dhisparse.kv.v4.passes import V4Cache
 from dhisparse.kv.v4.rows import DenseRowStore
 from dhisparse.kv.v4.store import v4_bytes
@@ -69,7 +71,10 @@ class _V4Rows:
     """Mixin over HierarchicalKV / AdaptiveKV (which work in row units): every request also
     holds pages for its required V4 state, allocated at admission under `state_owner(req)`.
     Row passes are not one call per layer group with min(k, n) rows a request, so an all-direct
-    pass is counted per call on the device (`HierContext.host_counted`)."""
+    pass is counted per call on the device (`HierContext.host_counted`).
+
+    Keywords are the GLM stores' (`HierarchicalKV`: side_loads, hand-off backups beside the batch;
+    `AdaptiveKV`: side_stream, residency copies on a side stream) plus v4, the model config."""
 
     host_census = False
 
@@ -119,20 +124,24 @@ class SourceCounters:
     stage_replays: int = 0
 
 
-class V4HierStore:
+class V4HierStore(KVStore):
     """Engine-facing store of the hierarchical V4 presets: per-request `V4RequestState`s (window,
     streaming tails, HCA rows on device) + `kv`, the row hierarchy of the CSA sources. Speaks
-    tokens; `kv` speaks rows."""
+    tokens; `kv` speaks rows. Its census, residency and loads are the row hierarchy's; its passes
+    never replay from a step graph (no `graph_context`) and read the staging arena through their
+    own row spaces (no `staging_rows`)."""
 
     supports_prefix = False
 
     def __init__(self, cfg: V4Config, kv: HierarchicalKV, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg, self.kv, self.pool, self.m = cfg, kv, kv.pool, cfg.csa_rate
+        self.device, self.page_size = device, kv.page_size  # rows of every CSA source per page
         self.group = {layer: g for g, layer in enumerate(cfg.csa_sources)}
         dense = DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype)
         self.cache = V4Cache(cfg, device, dtype, store=TieredRows(set(self.group), dense))
         self.states: dict[object, object] = {}
         self.counters = SourceCounters()
+        self._restaged: torch.Tensor | None = None  # bytes of deferred staging replays not yet counted
 
     @property
     def census(self):
@@ -140,7 +149,13 @@ class V4HierStore:
 
     @property
     def res(self):
-        return getattr(self.kv, "res", None)
+        return self.kv.residency()
+
+    def resolver_census(self):
+        return self.kv.census
+
+    def residency(self):
+        return self.kv.residency()
 
     def rows(self, n_tokens: int | None) -> int | None:
         return None if n_tokens is None else n_tokens // self.m
@@ -154,6 +169,11 @@ class V4HierStore:
         self.states[req] = self.cache.new_request(req, auto_commit=False)
         return True
 
+    def loading(self, req: object) -> bool:
+        """Whether req waits for a background load of its rows (the row hierarchy's hand-off
+        backup under `--load-stream side`, kv/memory/loads.py): the scheduler skips it meanwhile."""
+        return self.kv.loading(req)
+
     def free(self, req: object) -> None:
         st = self.states.pop(req, None)
         if st is not None:
@@ -163,8 +183,6 @@ class V4HierStore:
     def context(self, batch: ForwardBatch, reqs: list[object]):
         """Roll back uncommitted positions (rejected drafts), then open the row hierarchy's pass
         over the compressed rows this token pass can emit."""
-        from dhisparse.kv.v4.hier_pass import V4HierPass
-
         states = [self.states[r] for r in reqs]
         chunks = []
         for i, st in enumerate(states):
@@ -191,6 +209,17 @@ class V4HierStore:
                 st.commit(n)
                 rows[req] = (n // self.m, done)
         self.kv.after_step(rows)
+        if self._restaged is not None:  # staging replays happen in verification passes, read after their sync
+            self.kv.census.bytes_moved += int(self._restaged)
+            self._restaged = None
+
+    def count_restaged(self, nbytes: "int | torch.Tensor") -> None:
+        """Bytes a pass's staging replay copied (`V4HierPass.reuse`): an int is counted now; a
+        device tensor (a deferred plan's replay, no sync) accumulates until `after_step`."""
+        if isinstance(nbytes, int):
+            self.kv.census.bytes_moved += nbytes
+        else:
+            self._restaged = nbytes if self._restaged is None else self._restaged + nbytes
 
     def usage(self) -> PoolUsage:
         return self.kv.usage()

@@ -9,10 +9,14 @@ tiered source s (a "full" CSA layer, arena layer g):
     index keys index_keys(s, r)                          -> all of r's keys of s (device pages)
     locate     locate(s, "kv", selection [T, k])         -> one resolver call on s's state:
                prefilling requests read the workspace; decoding requests' K queries resolve
-               as one union (direct / hot / host, staging for overflow), copies for s's bytes
-    reuse      reuse(s)                                  -> the latest located RowSpace of s:
+               as one union (direct / hot / host, staging for overflow), copies for s's bytes;
+               the GLM path's resolver step (`locate_group` / `copy_group` in
+               kv/hier/context.py): with the Triton resolver deferred (no host sync), staging
+               by device ops; under `adaptive`, an all-direct pass makes no resolver call
+    reuse      reuse(s)                                  -> the latest LocatedRows of s:
                no resolver call, same locations; if another source's call refilled the shared
-               staging arena since, s's staged copies are replayed first (exactness)
+               staging arena since, s's staged copies are replayed first (exactness; a deferred
+               plan's staged copy is launched again, its bytes counted at `after_step`)
 
 One cache state per physical source is shared by all its consumers: a "reindex" layer's call
 finds the rows earlier consumers fetched (hits) and copies only rows absent from s's tail,
@@ -26,21 +30,34 @@ import torch
 
 from dhisparse.core.rows import scatter_rows
 from dhisparse.core.batch import ForwardBatch
-from dhisparse.kv.hier.staging import direct_plan, stage_overflow
+from dhisparse.kv.hier.context import DecodeTokens, copy_group, decode_tokens, locate_group, restage
+from dhisparse.kv.hier.staging import StagePlan
 from dhisparse.kernels.resolver_ref import ResolvePlan
-from dhisparse.kv.v4.passes import RowSpace, V4Pass
+from dhisparse.kv.v4.passes import LocatedRows, V4Pass
 from dhisparse.kv.v4.state import StateError
 
 
 class V4HierPass(V4Pass):
     def __init__(self, batch: ForwardBatch, states, store, rows_ctx, owner) -> None:
         """rows_ctx: the row hierarchy's HierContext over the pass's row batch (row r of the
-        token batch = row r of the row batch); owner: the V4HierStore."""
+        token batch = row r of the row batch: same requests, same slots `rows_ctx.slots_t`, but
+        other token counts, so the token batch gets its own `DecodeTokens`); owner: the
+        V4HierStore."""
         super().__init__(batch, states, store)
         self.rc, self.kv, self.group, self.counters = rows_ctx, owner.kv, owner.group, owner.counters
+        self.owner = owner
         self.row_start = rows_ctx.batch.query_start
-        self.staged: dict[int, ResolvePlan | None] = {}
+        self.tokens = self._decode_tokens()
+        self._zero = torch.zeros((), dtype=torch.int64, device=self.kv.device)  # bytes copied by a direct call
+        self.staged: dict[int, ResolvePlan | StagePlan | None] = {}
         self.stage_holds: int | None = None  # source whose staged rows the staging arena holds
+
+    def _decode_tokens(self) -> DecodeTokens:
+        """Where the decoding requests' tokens sit in the token batch (one host -> device copy)."""
+        if not self.rc.decode_rows:
+            empty = torch.empty(0, dtype=torch.int64, device=self.kv.device)
+            return DecodeTokens(empty, empty, empty, 0, 1, False)
+        return decode_tokens(self.batch.query_start, self.rc.decode_rows, self.kv.device)
 
     def append_rows(self, layer: int, kind: str, req: int, rows: torch.Tensor) -> None:
         if layer not in self.group:
@@ -61,60 +78,33 @@ class V4HierPass(V4Pass):
             return super().index_keys(layer, req)
         return self.rc.index_keys(self.group[layer], req)
 
-    def locate(self, layer: int, kind: str, selection: torch.Tensor) -> RowSpace:
-        """selection [T, k] row ids of source `layer` (-1 = none) -> RowSpace (I2)."""
+    def locate(self, layer: int, kind: str, selection: torch.Tensor) -> LocatedRows:
+        """selection [T, k] row ids of source `layer` (-1 = none) -> LocatedRows (I2): one
+        resolver step on the source's group g (its only layer: no followers)."""
         if layer not in self.group:
             return super().locate(layer, kind, selection)
         kv, g, rc = self.kv, self.group[layer], self.rc
-        loc = rc.lat_of[self.batch.req_idx[:, None], selection.clamp(min=0)]
-        loc = torch.where(selection >= 0, loc, torch.full_like(loc, -1))
-        staged = None
-        if rc.decode_rows:
-            plan, staged = self._resolve(g, selection)
-            qs = self.batch.query_start
-            for i, r in enumerate(rc.decode_rows):
-                loc[qs[r] : qs[r + 1]] = plan.loc[i, : qs[r + 1] - qs[r]]
-        self.staged[layer] = staged
+        # V4's row passes count every call on the device (host_census = False): count_direct
+        loc, plan, staged = locate_group(kv, g, selection, self.tokens, rc.slots_t, rc.lat_of, self.batch.req_idx,
+                                         rc.all_direct, count_direct=True)
         rows = kv.arena.latent_rows(g)
-        self.last[layer] = RowSpace((rows, kv.stage) if staged is not None else rows, loc)
+        if plan is not None:
+            copy_group(kv, g, plan, staged, rows, True, self._zero)
+        if staged is not None:
+            self.stage_holds = g
+        self.staged[layer] = staged
+        self.last[layer] = LocatedRows((rows, kv.stage) if staged is not None else rows, loc)
         return self.last[layer]
 
-    def _resolve(self, g: int, selection: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | None]:
-        """One resolver call on source g for the decoding requests (their K queries as a union)."""
-        kv, rc = self.kv, self.rc
-        slots = torch.tensor(rc.slots, dtype=torch.int64, device=selection.device)
-        per_req = self._per_request(selection)
-        plan = direct_plan(per_req, slots, kv)
-        if plan is None:
-            plan = kv.plan_fn(per_req, slots, kv.resolver_state(g), kv.now)
-        else:
-            kv.census.direct_calls += 1
-        plan, staged = stage_overflow(plan, per_req, slots, kv)
-        nbytes = kv.copy_fn(plan, kv.host.layer_rows(g), kv.arena.latent_rows(g))
-        if staged is not None:
-            nbytes += kv.copy_fn(staged, kv.host.layer_rows(g), kv.stage)
-            self.stage_holds = g
-        kv.census.add(plan.counters, nbytes)
-        return plan, staged
-
-    def _per_request(self, selection: torch.Tensor) -> torch.Tensor:
-        """[Nd, Kmax, k] selections of the decoding requests' queries (-1 padded)."""
-        qs, rows = self.batch.query_start, self.rc.decode_rows
-        K = max((qs[r + 1] - qs[r] for r in rows), default=1)
-        out = torch.full((len(rows), max(K, 1), selection.shape[1]), -1, dtype=torch.int64, device=selection.device)
-        for i, r in enumerate(rows):
-            out[i, : qs[r + 1] - qs[r]] = selection[qs[r] : qs[r + 1]]
-        return out
-
-    def reuse(self, source: int) -> RowSpace:
-        """The latest RowSpace of `source`, with its staged rows re-materialized if the shared
+    def reuse(self, source: int) -> LocatedRows:
+        """The latest LocatedRows of `source`, with its staged rows re-materialized if the shared
         staging arena was refilled by another source since (no resolver call either way)."""
         space = super().reuse(source)
         self.counters.reuse_reads += 1
         staged = self.staged.get(source)
         g = self.group.get(source)
         if staged is not None and self.stage_holds != g:
-            self.kv.census.bytes_moved += self.kv.copy_fn(staged, self.kv.host.layer_rows(g), self.kv.stage)
+            self.owner.count_restaged(restage(self.kv, g, staged))
             self.counters.stage_replays += 1
             self.stage_holds = g
         return space

@@ -34,8 +34,9 @@ from dhisparse.kv.v4.state import StateError, V4RequestState
 from dhisparse.core.v4_config import V4Config
 
 
-class RowSpace(NamedTuple):
-    """rows [P, per_page, d] and loc [T, k] flat locations into it (-1 = no row)."""
+class LocatedRows(NamedTuple):
+    """rows [P, per_page, d] (or a tuple of row spaces, SPACE-encoded locations) and loc [T, k]
+    flat locations into it (-1 = no row): what attention reads for a window or a selection."""
 
     rows: torch.Tensor
     loc: torch.Tensor
@@ -62,7 +63,7 @@ class V4Pass:
         if any(s.store is not store for s in states):
             raise StateError("every request state of a pass must keep its rows in the pass's RowStore")
         self.batch, self.states, self.store = batch, states, store
-        self.last: dict[int, RowSpace] = {}  # source layer -> latest located selection (reuse)
+        self.last: dict[int, LocatedRows] = {}  # source layer -> latest located selection (reuse)
         self.rids = [s.rid for s in states]
         self.spans = [(batch.query_start[r], batch.query_start[r + 1]) for r in range(batch.num_reqs)]
         for r, (a, b) in enumerate(self.spans):
@@ -72,8 +73,8 @@ class V4Pass:
                     f"state holds {states[r].length} tokens"
                 )
 
-    def window(self, layer: int, kv: torch.Tensor) -> RowSpace:
-        """kv [T, D] post-RoPE rows of this pass -> RowSpace(rows [1, sum src_r, D], loc [T, W])."""
+    def window(self, layer: int, kv: torch.Tensor) -> LocatedRows:
+        """kv [T, D] post-RoPE rows of this pass -> LocatedRows(rows [1, sum src_r, D], loc [T, W])."""
         W = self.states[0].cfg.sliding_window if self.states else 1
         parts, base, offset, n = [], [], [], 0
         for r, (a, b) in enumerate(self.spans):
@@ -92,7 +93,7 @@ class V4Pass:
         pos = self.batch.positions[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
         loc = torch.where(pos >= base_t[:, None], off_t[:, None] + pos - base_t[:, None], torch.full_like(pos, -1))
         rows = torch.cat(parts) if parts else kv.new_empty(0, kv.shape[-1])
-        return RowSpace(rows[None], loc)
+        return LocatedRows(rows[None], loc)
 
     def feed(self, layer: int, kind: str, raw: torch.Tensor) -> list[PendingWindows]:
         """raw [T, width] compressor inputs -> windows completed in this pass, per request."""
@@ -121,14 +122,14 @@ class V4Pass:
         """[n_rows, index_head_dim] index keys of batch row `req`."""
         return self.store.read(self.rids[req], layer, "index")
 
-    def locate(self, layer: int, kind: str, selection: torch.Tensor) -> RowSpace:
-        """selection [T, k] compressed row ids (-1 = none) -> RowSpace."""
+    def locate(self, layer: int, kind: str, selection: torch.Tensor) -> LocatedRows:
+        """selection [T, k] compressed row ids (-1 = none) -> LocatedRows."""
         rows, loc = self.store.locate(layer, kind, self.rids, self.batch.req_idx, selection)
-        self.last[layer] = RowSpace(rows, loc)
+        self.last[layer] = LocatedRows(rows, loc)
         return self.last[layer]
 
-    def reuse(self, source: int) -> RowSpace:
-        """The latest RowSpace located on `source` in this pass (a "reuse" layer's input)."""
+    def reuse(self, source: int) -> LocatedRows:
+        """The latest LocatedRows `locate` returned for `source` in this pass (a "reuse" layer's input)."""
         if source not in self.last:
             raise StateError(f"no selection was located on source layer {source} before its reuse consumer")
         return self.last[source]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.core.contracts import KVStore
 from dhisparse.core.rows import cdiv
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.memory.pool import PagePool, PoolUsage
@@ -35,7 +36,7 @@ def v4_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
     return total * elem
 
 
-class V4ResidentStore:
+class V4ResidentStore(KVStore):
     supports_prefix = False
 
     def __init__(self, cfg: V4Config, pool_bytes: int, page_bytes: int, device: torch.device, dtype: torch.dtype) -> None:

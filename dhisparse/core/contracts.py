@@ -1,0 +1,160 @@
+"""The declared contract between the engine and its KV stores: `KVStore`.
+
+(The drafters' contract is `spec/drafter.py`'s `Drafter` protocol, beside the request and
+proposal types it speaks in; `tests/test_contracts.py` checks every store and drafter.)
+
+The engine calls methods; it never probes for names. Every ability a store or drafter may lack
+is declared here with its default, so a store that does not override it gets well-defined
+behaviour, and a misspelled override is caught by `tests/test_contracts.py` (it checks that an
+override keeps the declared signature and that no store defines a near-miss of a declared name).
+
+A request is named by its id (any hashable: the engine uses strings). Token counts are positions
+of the request's sequence (prompt + outputs); `computed` maps request -> (positions whose KV is
+written, prompt done).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Hashable, Mapping, NamedTuple
+
+import torch
+
+from dhisparse.core.batch import ForwardBatch, KVContext
+
+PrefixMatch = Callable[[Hashable], tuple[Any, int]]
+"""req -> (stored prefix or None, rows it will import): set on a store by the engine."""
+
+
+TIERS = ("resident", "workspace", "tail", "optional", "hot", "host", "staging", "none")
+"""Where a row can live. resident: the resident preset's pages; workspace: a prompt being
+prefilled (hierarchy); tail / optional (adaptive's ready map) / hot (hot cache): device rows of
+a decoding request, in the resolver's order; host: the host backing only; staging: a row staged
+for one verification pass (reported for a location of that pass, `KVStore.place_of`); none: no
+row (past the request's length)."""
+
+
+class RowPlace(NamedTuple):
+    """One answer to "where does row p of request r live" (`KVStore.row_place`).
+
+    tier    the tier attention reads the row from (one of TIERS)
+    device  its flat location in the layer's device row space (-1: not on the device)
+    host    its flat location in the host rows (page * page_size + offset; -1: no host copy)
+    """
+
+    tier: str
+    device: int = -1
+    host: int = -1
+
+
+class KVStore(abc.ABC):
+    """Where a preset keeps KV: pages on the device (and, for the hierarchy, a host backing).
+
+    Required: admission and release, the per-pass context, pool usage and integrity checks.
+    Optional abilities have defaults here (no prefix pages, no loading, no staging, no census,
+    no residency, no step graphs); the concrete stores override what they provide.
+
+    Attributes every store sets: `page_size` (token positions per latent page), `pool` (its page
+    pool: `num_pages`, `usage()`) and `device`.
+    """
+
+    page_size: int
+    pool: Any
+    device: torch.device
+
+    # -- required ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
+        """Pool pages a request of `max_total` positions (prompt `prompt_len`) reserves."""
+
+    @abc.abstractmethod
+    def admit(self, req: Hashable, max_total: int, prompt_len: int | None = None) -> bool:
+        """Reserve req's whole life; False (nothing held) when it must wait."""
+
+    @abc.abstractmethod
+    def free(self, req: Hashable) -> None:
+        """Release everything req holds (a request never admitted is a no-op)."""
+
+    @abc.abstractmethod
+    def context(self, batch: ForwardBatch, reqs: list[Hashable]) -> KVContext:
+        """The KVContext of one model pass over `batch`; reqs[r] owns batch row r."""
+
+    @abc.abstractmethod
+    def usage(self) -> Any:
+        """The pool's `PoolUsage` (total / used pages)."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the store's bookkeeping is consistent (debug checks after each step)."""
+
+    # -- step upkeep (defaults: nothing to do) -----------------------------------------------------
+    def before_sync(self) -> None:
+        """Upkeep that needs no result of the step just launched, run while the device computes."""
+
+    def after_step(self, computed: Mapping[Hashable, tuple[int, bool]]) -> None:
+        """After the step's results: computed[req] = (positions with KV, prompt done)."""
+
+    def loading(self, req: Hashable) -> bool:
+        """Whether req waits for a background copy (prefix import, hand-off): it sits the step out."""
+        return False
+
+    # -- prefixes -----------------------------------------------------------------------------------
+    supports_prefix: bool = True
+    """Whether `prepare_prefix` can export this store's rows (`read_rows`) and import them."""
+
+    def read_rows(self, req: Hashable, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export rows (supports_prefix is False)")
+
+    def write_rows(self, req: Hashable, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
+        """Write positions start..start+n-1 of req: latent [L, n, d], index [F, n, iD]."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import rows (supports_prefix is False)")
+
+    def prefix_layout(self) -> tuple[int, int] | None:
+        """(page_size, index_page_size) of the page layout `import_prefix` copies whole pages from,
+        or None: the store imports a prefix row by row (`write_rows`)."""
+        return None
+
+    def import_prefix(self, req: Hashable, item: Any, n: int) -> None:
+        """Positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req."""
+        self.write_rows(req, item.latent[:, :n], item.index[:, :n])
+
+    def set_prefix_match(self, match: PrefixMatch) -> None:
+        """The engine's prefix matcher; stores whose admission depends on it keep it (default: unused)."""
+
+    # -- what the engine reports and the step graphs need (defaults: none) -------------------------
+    def staging_rows(self) -> torch.Tensor | None:
+        """The verification staging arena [1, R, latent_dim] attention may read besides a layer's
+        pages (a second row space), or None."""
+        return None
+
+    def resolver_census(self) -> Any:
+        """The resolver's `Census` (kv/hier/census.py), or None for stores without a resolver."""
+        return None
+
+    def residency(self) -> Any:
+        """The `ResidencyManager` (kv/hier/residency.py) of load-adaptive stores, or None."""
+        return None
+
+    def graph_context(self) -> type | None:
+        """The KVContext class whole-step CUDA graphs capture (`for_graph`, `graph_templates`),
+        or None: this store's passes never replay from a step graph."""
+        return None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether decode passes can replay from a step graph."""
+        return self.graph_context() is not None
+
+    def graph_fingerprint(self) -> tuple:
+        """Addresses a captured step graph bakes in that may change while serving."""
+        return ()
+
+    def prepare_replay(self) -> None:
+        """Apply pending device-side updates a replayed graph reads directly."""
+
+    # -- where rows live ---------------------------------------------------------------------------
+    def row_place(self, req: Hashable, position: int, layer: int = 0) -> RowPlace:
+        """Where row `position` of req lives for `layer`'s attention, between passes (debug checks
+        and tests; reads the device, so never on the serving path)."""
+        raise NotImplementedError(f"{type(self).__name__} does not report row places")
