@@ -81,11 +81,13 @@ def _watch_backups(eng, ck) -> list:
         st = eng.store.states[req]
         assert end <= st.committed // m, f"rows [{start}, {end}) backed up past the committed frontier {st.committed}"
         orig(req, dev_pages, start)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the backup is an asynchronous copy into pinned memory
         host = kv.host.locations(req, start, end)
         for g, layer in enumerate(eng.model_config.csa_sources):
             rows = kv.host.layer_rows(g)[host // kv.host.page_size, host % kv.host.page_size]
             want = torch.stack([ck.rows[(req, layer, w)] for w in range(start, end)])
-            torch.testing.assert_close(rows, want, rtol=0, atol=0)
+            torch.testing.assert_close(rows, want.to(rows.device), rtol=0, atol=0)
         backed.append((req, start, end))
 
     kv._pages_to_host = copy

@@ -47,6 +47,8 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
     "--kernel-backend": ("kernel_backend", str, "attention / indexer kernels: auto (Triton on CUDA), torch or triton"),
     "--mla-split-rows": ("mla_split_rows", int, "sparse-MLA locations per program (flash-decoding split; 0 = off)"),
+    "--admission-lookahead": ("admission_lookahead", int, "waiting requests admitted past one that does not fit yet (0 = strict FCFS)"),
+    "--admission-age-bound": ("admission_age_bound_s", float, "seconds after which a waiting request that does not fit blocks skip-ahead"),
     "--cpu-threads": ("cpu_threads", int, "torch intra-op threads on CPU (default 1)"),
     "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
 }

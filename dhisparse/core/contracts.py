@@ -22,6 +22,16 @@ import torch
 
 from dhisparse.core.batch import ForwardBatch, KVContext
 
+class RequestFailures(Exception):
+    """Per-request failures inside a batched store call (e.g. `after_step`): the store finished
+    every other request's work and reports these, request -> exception, so the engine aborts
+    exactly them (one request never hurts another)."""
+
+    def __init__(self, failures: Mapping[Hashable, BaseException]) -> None:
+        super().__init__("; ".join(f"{r}: {type(e).__name__}: {e}" for r, e in failures.items()))
+        self.failures = dict(failures)
+
+
 PrefixMatch = Callable[[Hashable], tuple[Any, int]]
 """req -> (stored prefix or None, rows it will import): set on a store by the engine."""
 
@@ -70,6 +80,16 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def admit(self, req: Hashable, max_total: int, prompt_len: int | None = None) -> bool:
         """Reserve req's whole life; False (nothing held) when it must wait."""
+
+    def never_fits(self, max_total: int, prompt_len: int | None = None) -> str | None:
+        """Why a request of `max_total` positions can never be admitted, even into an idle store
+        (its pages exceed the pool net of what the store holds for good, or another pool of the
+        store), as a message naming the setting to raise; None when it can fit once others finish."""
+        need, cap = self.pages_for(max_total, prompt_len), self.pool.capacity
+        if need > cap:
+            return (f"the request needs {need} KV pages but the pool can ever give a request {cap}; "
+                    "raise --kv-pool-bytes or lower max_tokens")
+        return None
 
     @abc.abstractmethod
     def free(self, req: Hashable) -> None:

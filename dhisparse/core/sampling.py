@@ -24,10 +24,12 @@ from dhisparse.core.params import MAX_TEMPERATURE, SamplingParams
 
 class SampleOutput(NamedTuple):
     """tokens [N] int64 chosen ids; probs [N, V] fp32 the processed distributions (None on the
-    all-greedy fast path, where nothing was computed)."""
+    all-greedy fast path, where nothing was computed); failed: row -> why its draw failed (its
+    token is -1): one row's failure never stops the others."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    failed: dict[int, str] = {}
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -114,7 +116,16 @@ class Sampler:
             return SampleOutput(greedy_tokens.to(torch.int64), None)
         probs = processed_probs(logits, params)
         tokens = greedy_tokens.to(torch.int64).clone()
+        failed: dict[int, str] = {}
         for i, (p, g) in enumerate(zip(params, generators)):
             if not p.greedy:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-        return SampleOutput(tokens, probs)
+                try:
+                    tokens[i] = self.draw(probs[i], g)
+                except (RuntimeError, ValueError) as e:  # e.g. a row with no finite mass
+                    tokens[i], failed[i] = -1, f"sampling failed: {type(e).__name__}: {e}"
+        return SampleOutput(tokens, probs, failed)
+
+    @staticmethod
+    def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from probs [V] (sums to 1) with `generator`."""
+        return int(torch.multinomial(probs, 1, generator=generator)[0])

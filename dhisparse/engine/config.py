@@ -77,6 +77,10 @@ class EngineConfig:
     mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
         0 = off). indexer_group [--indexer-group]: grouped indexer scoring of verification rounds.
         The environment overrides of kernels/backend.py apply on top, read when the engine is built.
+    admission_lookahead [--admission-lookahead]: waiting requests that may be admitted past one
+        that does not fit yet (0: strict first-come-first-served).
+    admission_age_bound_s [--admission-age-bound]: once the first waiting request that does not
+        fit has waited this long, nothing is admitted past it (engine/scheduler.py).
     cpu_threads [--cpu-threads]: torch intra-op threads when running on CPU (default 1: the
         tensors of one step are small, and thread hand-offs cost more than they gain).
     seed [--seed]: seed of the built-in model's random weights.
@@ -113,6 +117,8 @@ class EngineConfig:
     kernel_backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
     indexer_group: bool = True
+    admission_lookahead: int = 8
+    admission_age_bound_s: float = 10.0
     cpu_threads: int | None = None
     seed: int = 0
     debug_checks: bool = False
@@ -142,6 +148,9 @@ class EngineConfig:
         for name in ("copy_stream", "load_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
+        if self.admission_lookahead < 0 or not self.admission_age_bound_s >= 0:
+            raise ConfigValueError(f"admission_lookahead must be >= 0 and admission_age_bound_s >= 0; got "
+                                   f"{self.admission_lookahead}, {self.admission_age_bound_s}")
         if self.admission_reserve_pages < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
             raise ConfigValueError("admission_reserve_pages, repopulate_pages and backup_ahead_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from dhisparse.core.contracts import RequestFailures
 from dhisparse.engine.config import EngineConfig
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, release_memory, resolve_device
@@ -56,10 +57,12 @@ class Engine:
         spec_cfg = config.spec_config()
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
-        self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit)
+        self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit,
+                                   config.admission_lookahead, config.admission_age_bound_s)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._matches: dict[str, tuple] = {}  # request id -> its stored prefix match, until admitted
+        self._failed: dict[str, str] = {}  # request id -> why its own work failed, until reported
         self.store.set_prefix_match(self._prefix_match)  # the hierarchy's admission reserves no host page it will borrow
         self._steps = self._generated = self._prefilled = self._peak = self._decoding = self._admitted = 0
         self._alloc_wait = 0.0
@@ -133,12 +136,9 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: {total} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        need = self.store.pages_for(total, len(prompt_ids))
-        if need > self.store.pool.num_pages:
-            raise ValueError(
-                f"the request needs {need} KV pages but the pool has {self.store.pool.num_pages}; "
-                "raise --kv-pool-bytes or lower max_tokens"
-            )
+        why = self.store.never_fits(total, len(prompt_ids))
+        if why is not None:
+            raise ValueError(why)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *, export_prefix: bool = False) -> str:
         """Queue a request; returns its id. Raises ValueError for bad input (nothing is queued)."""
@@ -185,6 +185,14 @@ class Engine:
         return self.scheduler.has_work()
 
     def _on_admit(self, req: Request) -> None:
+        """A request was admitted: its drafter state and prefix import. A failure here is that
+        request's alone (reported after the schedule, `_fail_pending`)."""
+        try:
+            self._admitted_work(req)
+        except Exception as e:  # noqa: BLE001 - one request's failure aborts it alone
+            self._failed[req.request_id] = f"admission failed: {type(e).__name__}: {e}"
+
+    def _admitted_work(self, req: Request) -> None:
         if self.spec is not None:
             self.spec.admit(req.request_id)
         self._admitted += 1
@@ -199,13 +207,38 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of every request that advanced or finished. A request whose
+        own work fails (sampling, KV upkeep, admission, drafting, stop checks) finishes with
+        finish_reason "error" and its message; the others are unaffected. A failure of the step's
+        batched model pass, which cannot be told apart per request, finishes that pass's requests
+        with "error"; waiting requests and the engine go on."""
         held, self._held_outputs = self._held_outputs, []
-        return held + self._step()
-
-    def _step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
+        failed = self._fail_pending()
+        chunks = [c for c in chunks if c.req.status is not Status.FINISHED]
         if not chunks:
-            return []
+            return held + failed
+        try:
+            return held + failed + self._step(chunks)
+        except Exception as e:  # noqa: BLE001 - the batched pass failed: its requests fail, the engine serves on
+            log.exception("engine step failed; its %d requests are aborted", len(chunks))
+            msg = f"engine step failed: {type(e).__name__}: {e}"
+            return held + failed + [self._fail(c.req, msg) for c in chunks if c.req.status is not Status.FINISHED]
+
+    def _fail(self, req: Request, msg: str) -> RequestOutput:
+        """Finish `req` with finish_reason "error" (its KV freed) and report it."""
+        log.warning("request %s failed: %s", req.request_id, msg)
+        req.error = msg
+        self._finish(req, "error")
+        pieces = req.stop.pieces
+        return RequestOutput(req.request_id, [], "", True, "error", req.metrics(), req.output_ids, len(req.output_ids),
+                             pieces, len(pieces), error=msg)
+
+    def _fail_pending(self) -> list[RequestOutput]:
+        failed, self._failed = self._failed, {}
+        return [self._fail(self.requests[r], m) for r, m in failed.items() if r in self.requests]
+
+    def _step(self, chunks: list[Chunk]) -> list[RequestOutput]:
         if self.spec is not None:
             chunks = self.spec.expand(chunks, len(self.scheduler.running))
         t_start = time.perf_counter()
@@ -232,9 +265,14 @@ class Engine:
         for c, _ in sampled:
             if c.req.export_prefix:
                 self._export(c.req)
-        self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
-        outputs = self._sample([(c, i) for c, i in sampled if not c.req.export_prefix], out.hidden)
-        outputs += self._commit(verifying, accs, out.captured)
+        try:
+            self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
+        except RequestFailures as f:  # the store did every other request's upkeep
+            self._failed.update({r: f"KV upkeep failed: {type(e).__name__}: {e}" for r, e in f.failures.items()})
+        outputs = self._fail_pending()
+        outputs += self._sample([(c, i) for c, i in sampled if not c.req.export_prefix and c.req.status is not Status.FINISHED], out.hidden)
+        outputs += self._commit([v for v in verifying if v[0].req.status is not Status.FINISHED],
+                                [a for v, a in zip(verifying, accs) if v[0].req.status is not Status.FINISHED], out.captured)
         if self.spec is not None:
             self.spec.observe_step(time.perf_counter() - t_start)
         self._decoding = sum(1 for c in chunks if c.decodes)
@@ -282,7 +320,11 @@ class Engine:
     def _commit(self, verifying, accs, captured) -> list[RequestOutput]:
         now, outs = time.perf_counter(), []
         for (c, a, _), acc in zip(verifying, accs):
-            self.spec.commit(c, acc, captured, a)
+            try:
+                self.spec.commit(c, acc, captured, a)
+            except Exception as e:  # noqa: BLE001 - that request's drafter state: it alone fails
+                outs.append(self._fail(c.req, f"drafter commit failed: {type(e).__name__}: {e}"))
+                continue
             outs.append(self._append_tokens(c.req, acc.emitted, now))
         return outs
 
@@ -295,12 +337,20 @@ class Engine:
         if idx != list(range(hidden.shape[0])):  # a decode pass samples every row, in order
             hidden = hidden.index_select(0, torch.tensor(idx).to(hidden.device, non_blocking=True))  # no sync
         logits = self.model.logits(hidden)
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tokens.tolist()
-        now = time.perf_counter()
-        return [self._append_tokens(r, [tok], now) for r, tok in zip(reqs, tokens)]
+        sample = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens, now = sample.tokens.tolist(), time.perf_counter()
+        return [self._fail(r, sample.failed[i]) if i in sample.failed else self._append_tokens(r, [tok], now)
+                for i, (r, tok) in enumerate(zip(reqs, tokens))]
 
     def _append_tokens(self, req: Request, toks: list[int], now: float) -> RequestOutput:
-        """Append tokens through the stop checks; tokens after a stop are dropped."""
+        """Append tokens through the stop checks; tokens after a stop are dropped. A failure in the
+        stop checks or detokenizer fails this request alone."""
+        try:
+            return self._append_checked(req, toks, now)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(req, f"stop check failed: {type(e).__name__}: {e}")
+
+    def _append_checked(self, req: Request, toks: list[int], now: float) -> RequestOutput:
         new, delta = [], ""
         if req.first_token_at is None:
             req.first_token_at = now

@@ -55,6 +55,7 @@ class Request:
     imported_len: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # set when the request's own work failed (finish_reason "error")
     export_prefix: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -112,6 +113,7 @@ class RequestOutput:
     _n: int = field(repr=False, compare=False)
     _pieces: list[str] = field(repr=False, compare=False)  # emitted text pieces; the first _m are this report's
     _m: int = field(repr=False, compare=False)
+    error: str | None = None  # finish_reason "error": what failed in this request's work
 
     @property
     def token_ids(self) -> list[int]:

@@ -2,8 +2,12 @@
 
 Each step: admit waiting requests in arrival order while a running slot is free and the KV store
 can reserve the request's whole life (prompt + max output), so a running request never runs out
-of KV; a request that does not fit waits (head of line, no skipping). Then fill the step's token
-budget: one token per decoding request first, then prefill chunks in admission order.
+of KV. A request that does not fit yet waits, but does not block the queue: up to `lookahead`
+later requests that fit are admitted past it, until the first waiting request that does not fit
+has waited `age_bound_s`; from then on admission is strictly first-come-first-served, so that
+request is admitted as soon as memory frees (no starvation). A request that can never fit is
+refused when it arrives (`KVStore.never_fits`). Then fill the step's token budget: one token per
+decoding request first, then prefill chunks in admission order.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, store: KVStore, max_running: int, token_budget: int, on_admit=None) -> None:
+    def __init__(self, store: KVStore, max_running: int, token_budget: int, on_admit=None, lookahead: int = 8,
+                 age_bound_s: float = 10.0) -> None:
         self.store, self.max_running, self.token_budget = store, max_running, token_budget
+        self.lookahead, self.age_bound_s = lookahead, age_bound_s
         self.on_admit = on_admit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -51,18 +57,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if not self.store.admit(req.request_id, req.max_total_tokens, len(req.prompt_ids)):
-                if self._blocked_logged != req.request_id:
-                    log.info("request %s waits: KV pool cannot reserve %d tokens yet", req.request_id, req.max_total_tokens)
-                    self._blocked_logged = req.request_id
+        """Admission in arrival order with bounded skip-ahead (module docstring).
+
+            waiting  [ r0 (no fit, young) | r1 fits -> admitted | r2 no fit | r3 fits -> admitted ...]
+                       ^ first blocked: once older than age_bound_s, nothing is admitted past it
+        """
+        now, i, skipped = time.perf_counter(), 0, 0
+        while i < len(self.waiting) and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            if self.store.admit(req.request_id, req.max_total_tokens, len(req.prompt_ids)):
+                del self.waiting[i]
+                self._start(req)
+                continue
+            if self._blocked_logged != req.request_id:
+                log.info("request %s waits: KV pool cannot reserve %d tokens yet", req.request_id, req.max_total_tokens)
+                self._blocked_logged = req.request_id
+            if skipped == 0 and now - req.arrival >= self.age_bound_s:
+                return  # the oldest blocked request has waited long enough: strict FCFS
+            skipped += 1
+            if skipped > self.lookahead:
                 return
-            self.waiting.popleft()
-            req.status, req.admitted_at = Status.RUNNING, time.perf_counter()
-            if self.on_admit is not None:
-                self.on_admit(req)
-            self.running.append(req)
+            i += 1
+
+    def _start(self, req: Request) -> None:
+        req.status, req.admitted_at = Status.RUNNING, time.perf_counter()
+        if self.on_admit is not None:
+            self.on_admit(req)
+        self.running.append(req)
 
     def schedule(self) -> list[Chunk]:
         """Admit what fits and return this step's chunks (decodes first). A request whose KV is

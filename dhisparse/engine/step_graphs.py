@@ -141,7 +141,7 @@ class StepGraphs:
         arena = engine.arena
         if arena is None or engine.store.graph_context() is None or not engine.model.supports_cuda_graphs:
             return None
-        page = arena.pool.alloc("step-graph-scratch", cls.SCRATCH_PAGES)[0]
+        page = arena.pool.alloc_permanent("step-graph-scratch", cls.SCRATCH_PAGES)[0]
         scratch = ScratchRows(page * arena.page_size, page * arena.index_page_size)
         experts = engine.model_config.n_routed_experts
         cfg = engine.config

@@ -199,7 +199,12 @@ class AdaptiveKV(HierarchicalKV):
         return self._blocked_at == self._steps
 
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
-        super().after_step(computed)
+        try:
+            super().after_step(computed)
+        finally:  # per-request failures (RequestFailures) still end the step's residency bookkeeping
+            self._finish_step(computed)
+
+    def _finish_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         self._steps += 1
         self.res.end_pass()
         for req, (n, _) in computed.items():

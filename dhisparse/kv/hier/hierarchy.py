@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.core.batch import ForwardBatch
-from dhisparse.core.contracts import KVStore, PrefixMatch, RowPlace
+from dhisparse.core.contracts import KVStore, PrefixMatch, RequestFailures, RowPlace
 from dhisparse.core.rows import SPACE, cdiv
 from dhisparse.kv.hier.census import Census
 from dhisparse.kv.hier.context import HierContext
@@ -121,7 +121,7 @@ class HierarchicalKV(KVStore):
         per_slot = max_queries * a.cfg.index_topk
         self.stage = torch.zeros(1, slots * per_slot, a.cfg.latent_dim, dtype=a.dtype, device=self.device)
         nbytes = self.stage.numel() * self.stage.element_size()
-        self.pool.alloc("staging", cdiv(nbytes, a.page_nbytes))
+        self.pool.alloc_permanent("staging", cdiv(nbytes, a.page_nbytes))
         base = torch.arange(slots * per_slot, dtype=torch.int64, device=self.device).view(slots, per_slot)
         self.stage_loc = SPACE + base
 
@@ -149,6 +149,16 @@ class HierarchicalKV(KVStore):
         self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
         self._set_tail(st)
         return True
+
+    def never_fits(self, max_total: int, prompt_len: int | None = None) -> str | None:
+        """The device pool (KVStore.never_fits), then the host pool: every row of the request's
+        history has a host page (I1)."""
+        msg = super().never_fits(max_total, prompt_len)
+        need, cap = cdiv(max_total, self.host.page_size), self.host.pool.num_pages
+        if msg is None and need > cap:
+            msg = (f"the request needs {need} host pages but the host pool has {cap}; "
+                   "raise --host-pool-bytes or lower max_tokens")
+        return msg
 
     def free(self, req: object) -> None:
         self.handoffs.settle(req)  # its host pages are reused only after its hand-off copy
@@ -312,15 +322,22 @@ class HierarchicalKV(KVStore):
 
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
-        finished; back up completed tail pages of decoding requests."""
+        finished; back up completed tail pages of decoding requests. A request whose work raises
+        does not stop the others': the failures are raised together at the end (RequestFailures)."""
+        failures = {}
         for req, (n, prompt_done) in computed.items():
             st = self.reqs.get(req)
             if st is None:
                 continue
-            if st.decoding:
-                self._backup_tail(req, st, n)
-            elif prompt_done:
-                self._handoff(req, st, n)
+            try:
+                if st.decoding:
+                    self._backup_tail(req, st, n)
+                elif prompt_done:
+                    self._handoff(req, st, n)
+            except Exception as e:  # noqa: BLE001 - that request is aborted by the engine
+                failures[req] = e
+        if failures:
+            raise RequestFailures(failures)
 
     def _set_tail(self, st: ReqKV) -> None:
         self.tail_start[st.slot] = st.tail_start

@@ -37,6 +37,7 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._owner: dict[int, object] = {}
         self._reserved: dict[object, int] = {}
+        self._permanent: set[object] = set()  # owners whose pages are held for the pool's life
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -54,6 +55,11 @@ class PagePool:
 
     def usage(self) -> PoolUsage:
         return PoolUsage(self.num_pages, len(self._owner), self.num_reserved)
+
+    @property
+    def capacity(self) -> int:
+        """Pages a request could ever hold: the pool less the pages held for good (`alloc_permanent`)."""
+        return self.num_pages - self.count_owned(lambda o: o in self._permanent)
 
     def owned_by(self, owner: object) -> list[int]:
         return [p for p, o in self._owner.items() if o == owner]
@@ -91,6 +97,12 @@ class PagePool:
         for p in pages:
             self._owner[p] = owner
         return pages
+
+    def alloc_permanent(self, owner: object, n: int) -> list[int]:
+        """Allocate n pages held for the pool's life (staging arena, step-graph scratch): they are
+        left out of `capacity`, which admission validation compares a request with."""
+        self._permanent.add(owner)
+        return self.alloc(owner, n)
 
     def transfer(self, owner: object, new_owner: object, pages: list[int]) -> None:
         """Hand allocated pages from owner to new_owner (no page is freed or taken)."""

@@ -169,6 +169,9 @@ class V4HierStore(KVStore):
         self.states[req] = self.cache.new_request(req, auto_commit=False)
         return True
 
+    def never_fits(self, max_total: int, prompt_len: int | None = None) -> str | None:
+        return self.kv.never_fits(self.rows(max_total), self.rows(prompt_len))
+
     def loading(self, req: object) -> bool:
         """Whether req waits for a background load of its rows (the row hierarchy's hand-off
         backup under `--load-stream side`, kv/memory/loads.py): the scheduler skips it meanwhile."""
