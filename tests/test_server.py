@@ -197,3 +197,252 @@ def test_tiny_temperature_does_not_kill_the_engine(server, client, temperature, 
     assert httpx.get(server.url + "/health").status_code == 200
     out = client.completions.create(model="tiny", prompt="hello", **GREEDY)
     assert out.choices[0].finish_reason == "length"
+
+
+# -- issue 24 items 4, 5, 7: strict bodies, OpenAI-shaped errors, limits, schemas, metrics ----------------
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    """The OpenAI-shaped error of a response, checked: JSON, every key present."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+DEEP = b'{"prompt": "x", "logprobs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+HUGE_INT = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [True]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, True]]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": True}, "seed"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2 ** 70}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ("/v1/completions", {"prompt": [2 ** 80]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": 7}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": {"role": "user", "content": "x"}}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": False},
+     "max_completion_tokens"),
+    ("/tokenize", {"prompt": ["x"]}, "prompt"),
+    ("/tokenize", {"prompt": True}, "prompt"),
+    ("/v1/dhisparse/prefix", {"prompt": [True, 3]}, "prompt"),
+])
+def test_strict_types_are_400_naming_the_field(server, path, body, param):
+    err = error_of(post(server, path, body))
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw, param", [
+    (DEEP, None),  # 100,000-deep nesting: RecursionError (500) today
+    (HUGE_INT, "max_tokens"),  # a 5,000-digit integer: ValueError from int() (500) today
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    (b"\xff\xfe\x00", None),
+    (b"", None),
+    (b"null", None),
+    (b'"just a string"', None),
+], ids=["deep", "huge_int", "nan", "inf", "not_utf8", "empty", "null", "string"])
+def test_malformed_bodies_are_400_never_500(server, raw, param):
+    err = error_of(post(server, "/v1/completions", raw))
+    assert err["param"] == param, err
+    assert len(err["message"]) < 400, err["message"]
+
+
+def test_error_messages_quote_only_a_short_prefix(server):
+    long = "q" * 100_000
+    for path, body in [("/v1/completions", {"prompt": "x", "model": long}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": long}),
+                       ("/v1/completions", {"prompt": "x", "stop": [long]}),
+                       ("/v1/completions", {"prompt": [long, long]}),
+                       ("/v1/chat/completions", {"messages": [{"role": long, "content": "x"}]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": long}]}]}),
+                       ("/tokenize", {"prompt": [long]})]:
+        err = error_of(post(server, path, body))
+        assert "q" * 65 not in err["message"], (path, err["message"][:200])
+        assert len(err["message"]) < 400, (path, len(err["message"]))
+
+
+def test_stop_strings_are_capped(server):
+    ok = {"prompt": "x", "max_tokens": 2, "stop": [chr(0x4e00 + i) * 256 for i in range(16)]}
+    assert post(server, "/v1/completions", ok).status_code == 200
+    for stop in (["s%d" % i for i in range(17)], ["y" * 257], ["s%d" % i for i in range(100_000)], ""):
+        err = error_of(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": stop}))
+        assert err["param"] == "stop", err
+    err = error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "stop": ["z"] * 17}))
+    assert err["param"] == "stop"
+
+
+def test_fastapi_errors_are_openai_shaped(server):
+    err = error_of(httpx.get(server.url + "/v1/nowhere"), 404)
+    assert err["param"] is None and err["code"] is not None
+    err = error_of(httpx.get(server.url + "/v1/completions"), 405)
+    assert err["param"] is None
+    err = error_of(httpx.delete(server.url + "/health"), 405)
+
+
+def test_openapi_describes_every_request_body(server):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/v1/dhisparse/prefix", "PrefixRequest")]:
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}", ref
+        assert model in schemas
+    props = schemas["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "stream", "stop", "seed"} <= set(props)
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "messages" in schemas["ChatRequest"]["required"]
+
+
+def test_tokenization_runs_off_the_engine_thread(server, engine, monkeypatch):
+    """Issue 24 item 4: a 10 MB prompt tokenized on the engine thread froze every other stream."""
+    seen: list[tuple[str, str]] = []
+    encode, template = engine.encode_prompt, engine.tokenizer.apply_chat_template
+
+    def spy_encode(prompt):
+        if isinstance(prompt, str):
+            seen.append(("encode", threading.current_thread().name))
+        return encode(prompt)
+
+    def spy_template(messages):
+        seen.append(("template", threading.current_thread().name))
+        return template(messages)
+
+    monkeypatch.setattr(engine, "encode_prompt", spy_encode)
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", spy_template)
+    assert post(server, "/v1/completions", {"prompt": "off the loop", "max_tokens": 2}).status_code == 200
+    assert post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 2}).status_code == 200
+    assert post(server, "/v1/dhisparse/prefix", {"prompt": "a shared prefix"}).status_code == 200
+    assert post(server, "/v1/completions", {"prompt": "x" * (MAX_MODEL_LEN + 10)}).status_code == 400
+    assert {k for k, _ in seen} == {"encode", "template"}, seen
+    on_engine = [s for s in seen if s[1] == "dhisparse-engine"]
+    on_loop = [s for s in seen if s[1] == "dhisparse-uvicorn"]
+    assert not on_engine and not on_loop, seen
+
+
+def test_an_overlong_prompt_is_refused_without_tokenizing_all_of_it(server, engine, monkeypatch):
+    """Tokenizing holds the GIL: a 4 MB prompt tokenized whole (on any thread) stopped every
+    stream for 0.2 s; a prompt far over max_model_len is refused from a prefix's tokens."""
+    lengths: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def spy(text):
+        lengths.append(len(text))
+        return encode(text)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", spy)
+    for path, body in [("/v1/completions", {"prompt": "y" * (3 << 20), "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * (3 << 20)}]})]:
+        err = error_of(post(server, path, body))
+        assert "max_model_len" in err["message"] and err["param"] in ("prompt", "messages"), err
+    assert lengths and max(lengths) < 100_000, lengths
+    err = error_of(post(server, "/v1/completions", {"prompt": "x" * (MAX_MODEL_LEN + 10)}))
+    assert f"prompt has {MAX_MODEL_LEN + 10} tokens" in err["message"]  # near the limit: the exact count
+
+
+def metric(server, name: str, **labels) -> float:
+    """One sample of /metrics (0.0 when absent), matched by name and a subset of labels."""
+    total, found = 0.0, False
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total, found = total + float(line.rsplit(" ", 1)[1]), True
+    return total if found else float("nan")
+
+
+def test_metrics_gauges_are_set_and_zeroed_when_idle(server, engine):
+    assert post(server, "/v1/completions", {"prompt": "idle soon", "max_tokens": 3}).status_code == 200
+    assert wait_pages(server, 0.0) == 0.0
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dhisparse_num_requests_running", "dhisparse_num_requests_waiting", "dhisparse_slots",
+                 "dhisparse_request_slots_total", "dhisparse_request_slots_used",
+                 "dhisparse_device_pages_used", "dhisparse_device_pages_total",
+                 "dhisparse_host_pages_used", "dhisparse_host_pages_total", "dhisparse_optional_pages"):
+        assert f"\n{name}{{" in text, name
+    assert metric(server, "dhisparse_request_slots_total") == engine.config.max_running_requests
+    assert metric(server, "dhisparse_device_pages_total") == engine.stats().kv_pages_total
+    for name in ("dhisparse_engine_decoding", "dhisparse_num_requests_running", "dhisparse_slots",
+                 "dhisparse_request_slots_used", "dhisparse_device_pages_used"):
+        assert metric(server, name) == 0.0, name
+
+
+def test_metrics_count_aborts_by_reason(server, client):
+    name = "dhisparse_requests_aborted_total"
+    before = metric(server, name, reason="client_disconnect")
+    before = 0.0 if before != before else before
+    stream = client.completions.create(model="tiny", prompt="abort count", stream=True, temperature=0,
+                                       max_tokens=400, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i >= 2:
+            break
+    stream.close()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "x", "max_tokens": 480, "ignore_eos": True, "temperature": 0})
+    deadline = time.monotonic() + 10
+    while metric(server, name, reason="client_disconnect") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, name, reason="client_disconnect") == before + 2
+    assert wait_pages(server, 0.0) == 0.0
+
+
+def test_metrics_report_host_and_optional_pages_of_the_hierarchy():
+    engine = Engine(EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN, kv_pool_bytes=16 << 20, preset="adaptive"))
+    with ServerThread(engine, ServerConfig(drain_timeout_s=2)) as srv:
+        assert metric(srv, "dhisparse_host_pages_total") > 0
+        assert metric(srv, "dhisparse_optional_pages") == 0.0
+        body = {"prompt": "hierarchy " * 20, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        seen = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 20:
+                    seen.append(metric(srv, "dhisparse_host_pages_used"))
+                    seen.append(metric(srv, "dhisparse_request_slots_used"))
+        assert seen[0] > 0 and seen[1] == 1, seen
+        assert wait_pages(srv, 0.0) == 0.0
+        assert metric(srv, "dhisparse_host_pages_used") == 0.0
+
+
+def test_a_request_that_fails_in_the_engine_is_a_500_for_it_alone(server, client, engine, monkeypatch):
+    """Issue 24 item 1: one request's failure (here an injected sampling fault) is a 500-class
+    error for that request, streamed or not; the engine keeps serving everyone else."""
+    from dhisparse.core.sampling import Sampler
+
+    orig = Sampler.draw
+
+    def draw(probs, generator):
+        if generator is not None and generator.initial_seed() == 4242:
+            raise RuntimeError("injected")
+        return orig(probs, generator)
+
+    monkeypatch.setattr(Sampler, "draw", staticmethod(draw))
+    bad = {"prompt": "hi", "max_tokens": 4, "temperature": 0.7, "seed": 4242}
+    r = post(server, "/v1/completions", bad)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+    r = post(server, "/v1/completions", {**bad, "stream": True})
+    assert r.status_code == 200 and "request_failed" in r.text and r.text.rstrip().endswith("data: [DONE]")
+    ok = client.completions.create(model="tiny", prompt="hello", seed=1, temperature=0.7, max_tokens=4)
+    assert ok.choices[0].finish_reason == "length"
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
 
@@ -28,15 +29,62 @@ def add_parser(sub) -> None:
                    help="open the port at once, without first running short warm-up requests (the first real "
                         "requests then pay the kernel compiles and graph captures)")
     g.add_argument("--warmup-timeout", type=float, default=600.0, help="longest warm-up in seconds (what is left is aborted)")
+    s = p.add_argument_group("security and limits (README: Security)")
+    s.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names accepted besides localhost / 127.0.0.1 / ::1 / --host "
+                        "('*' = any, '*.example.com' = its subdomains); others get 421 (DNS-rebinding defence)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="comma-separated CORS origins (scheme://host[:port], '*' = any); default: CORS off")
+    # numbers are parsed by server_config, so a bad one is a one-line error like every other check here
+    s.add_argument("--max-request-bytes", default=str(4 << 20), help="largest request body in bytes (413 beyond)")
+    s.add_argument("--stream-stall-timeout", default="60",
+                   help="abort a response whose client has read nothing of what waits for it for this many seconds")
+    s.add_argument("--header-timeout", default="10",
+                   help="close a connection that has not sent a request's headers within this many seconds")
     p.set_defaults(func=run)
+
+
+API_KEY_ENV = "DHISPARSE_API_KEY"
+
+
+def _names(flag: str, value: str | None) -> tuple[str, ...]:
+    """A comma-separated flag value -> its entries; an empty entry is an error naming the flag."""
+    if value is None:
+        return ()
+    items = tuple(v.strip() for v in value.split(","))
+    if not all(items):
+        raise ValueError(f"{flag} has an empty entry in {value!r}; give a comma-separated list")
+    return items
+
+
+def _number(flag: str, text: str, kind: type):
+    try:
+        return kind(str(text).strip())
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{flag} must be {what}; got {text!r}") from None
 
 
 def server_config(ns: argparse.Namespace):
     from dhisparse.server.app import ServerConfig
 
+    api_key = ns.api_key
+    if api_key is None and os.environ.get(API_KEY_ENV) is not None:
+        api_key = os.environ[API_KEY_ENV]
+        if not api_key:
+            raise ValueError(f"{API_KEY_ENV} is set but empty; unset it or give a key")
+    elif api_key is not None and not api_key:
+        raise ValueError("--api-key is empty; give a key or leave the flag out")
     return ServerConfig(served_model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                         shutdown_mode=ns.shutdown_mode, drain_timeout_s=ns.drain_timeout,
-                        request_timeout_s=ns.request_timeout)
+                        request_timeout_s=ns.request_timeout, host=ns.host, api_key=api_key,
+                        allowed_hosts=_names("--allowed-hosts", ns.allowed_hosts),
+                        allowed_origins=_names("--allowed-origins", ns.allowed_origins),
+                        max_request_bytes=_number("--max-request-bytes", ns.max_request_bytes, int),
+                        stream_stall_timeout_s=_number("--stream-stall-timeout", ns.stream_stall_timeout, float),
+                        header_timeout_s=_number("--header-timeout", ns.header_timeout, float))
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -57,5 +105,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"dhisparse: warm-up ran {rep.requests} requests, {rep.tokens} tokens in {rep.seconds:.1f} s{spec}", flush=True)
     print(f"dhisparse: serving {config.served_model_name or engine.config.model!r} "
           f"(preset {engine.config.preset}) on http://{ns.host}:{ns.port}/v1", flush=True)
+    if config.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dhisparse: warning: {ns.host} is reachable from the network and no --api-key is set", flush=True)
     serve(engine, config, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
     return 0

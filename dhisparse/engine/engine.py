@@ -189,6 +189,8 @@ class Engine:
         request's alone (reported after the schedule, `_fail_pending`)."""
         try:
             self._admitted_work(req)
+        except AssertionError:  # a violated invariant or debug check: never a request's own fault
+            raise
         except Exception as e:  # noqa: BLE001 - one request's failure aborts it alone
             self._failed[req.request_id] = f"admission failed: {type(e).__name__}: {e}"
 
@@ -211,7 +213,8 @@ class Engine:
         own work fails (sampling, KV upkeep, admission, drafting, stop checks) finishes with
         finish_reason "error" and its message; the others are unaffected. A failure of the step's
         batched model pass, which cannot be told apart per request, finishes that pass's requests
-        with "error"; waiting requests and the engine go on."""
+        with "error"; waiting requests and the engine go on. An AssertionError (a violated invariant,
+        a debug check) is never isolated: it propagates, as the store's state is not trusted."""
         held, self._held_outputs = self._held_outputs, []
         chunks = self.scheduler.schedule()
         failed = self._fail_pending()
@@ -220,6 +223,8 @@ class Engine:
             return held + failed
         try:
             return held + failed + self._step(chunks)
+        except AssertionError:  # a violated invariant or debug check: never a request's own fault
+            raise
         except Exception as e:  # noqa: BLE001 - the batched pass failed: its requests fail, the engine serves on
             log.exception("engine step failed; its %d requests are aborted", len(chunks))
             msg = f"engine step failed: {type(e).__name__}: {e}"
@@ -322,6 +327,8 @@ class Engine:
         for (c, a, _), acc in zip(verifying, accs):
             try:
                 self.spec.commit(c, acc, captured, a)
+            except AssertionError:  # a violated invariant or debug check: never a request's own fault
+                raise
             except Exception as e:  # noqa: BLE001 - that request's drafter state: it alone fails
                 outs.append(self._fail(c.req, f"drafter commit failed: {type(e).__name__}: {e}"))
                 continue
@@ -347,6 +354,8 @@ class Engine:
         stop checks or detokenizer fails this request alone."""
         try:
             return self._append_checked(req, toks, now)
+        except AssertionError:  # a violated invariant or debug check: never a request's own fault
+            raise
         except Exception as e:  # noqa: BLE001
             return self._fail(req, f"stop check failed: {type(e).__name__}: {e}")
 

@@ -4,26 +4,45 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream over SSE wi
 `"stream": true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize (vLLM's shape:
 {"prompt"} -> {"tokens", "count", "max_model_len"}), and the dhisparse extension
 POST /v1/dhisparse/prefix (prefill a prompt once; later prompts starting with it import its KV).
+
+Every request passes `RequestGuard` (guard.py: Host, API key, body size) first; CORS is added only
+with `allowed_origins`. JSON routes demand `Content-Type: application/json` (415 otherwise, so a
+cross-origin `text/plain` form post never runs), parse their body with the strict models of
+protocol.py (declared in /openapi.json), and tokenize, apply the chat template and validate on a
+worker thread - never on the event loop nor the engine thread - before the worker gets token ids.
+Every error, FastAPI's own 404 / 405 / 422 included, is an OpenAI-shaped JSON object.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dhisparse.server import protocol as P
+from dhisparse.server.guard import RequestGuard
 from dhisparse.server.metrics import ServerMetrics
 from dhisparse.server.responses import Formatter
-from dhisparse.server.streaming import AbortingStreamingResponse, collect, next_event, stream_events
+from dhisparse.server.streaming import AbortingStreamingResponse, StreamContext, collect, next_event, stream_events
 from dhisparse.server.worker import EngineWorker
 
 SHUTDOWN_MODES = ("drain", "abort")
+PARSE_INLINE_BYTES = 64 << 10  # smaller bodies are parsed on the event loop (well under a millisecond)
+PREFIX_CHARS_PER_TOKEN = 8  # _too_long: prefix characters read per token of the limit
+_ORIGIN = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?$")
+_HOST = re.compile(r"^(\*|(\*\.)?[A-Za-z0-9_.-]+|\[[0-9a-fA-F:.]+\]|[0-9a-fA-F:.]+)$")
 
 
 @dataclass(frozen=True)
@@ -34,8 +53,19 @@ class ServerConfig:
     default_max_tokens [--default-max-tokens]: output cap when a request sets no max_tokens.
     shutdown_mode [--shutdown-mode]: on SIGTERM, "drain" lets in-flight requests finish (up to
         drain_timeout_s), "abort" ends them at once (finish_reason "abort").
-    drain_timeout_s [--drain-timeout]: longest wait for in-flight requests at shutdown.
+    drain_timeout_s [--drain-timeout]: longest wait for in-flight requests at shutdown; then every
+        stream ends with an abort chunk and [DONE], every other request with a JSON 503.
     request_timeout_s [--request-timeout]: a request running longer is aborted (HTTP 504).
+    host [--host]: the address the server is bound to; Host headers naming it are accepted.
+    api_key [--api-key, env DHISPARSE_API_KEY]: when set, every route but /health needs
+        `Authorization: Bearer <api_key>`.
+    allowed_hosts [--allowed-hosts]: Host names accepted besides localhost / 127.0.0.1 / ::1 /
+        `host` ("*" = any, "*.example.com" = its subdomains).
+    allowed_origins [--allowed-origins]: CORS origins (scheme://host[:port], "*" = any); empty = no CORS.
+    max_request_bytes [--max-request-bytes]: largest request body (413 beyond it).
+    stream_stall_timeout_s [--stream-stall-timeout]: a response whose client acknowledges none of
+        the bytes waiting for it this long is aborted (its KV pages are freed).
+    header_timeout_s [--header-timeout]: a connection must send a request's headers within this.
     """
 
     served_model_name: str | None = None
@@ -43,14 +73,44 @@ class ServerConfig:
     shutdown_mode: str = "drain"
     drain_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 4 << 20
+    stream_stall_timeout_s: float = 60.0
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.shutdown_mode not in SHUTDOWN_MODES:
             raise ValueError(f"shutdown_mode must be one of {SHUTDOWN_MODES}; got {self.shutdown_mode!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1; got {self.default_max_tokens}")
-        if self.drain_timeout_s < 0 or self.request_timeout_s <= 0:
+        if not (self.drain_timeout_s >= 0 and self.request_timeout_s > 0):
             raise ValueError("drain_timeout_s must be >= 0 and request_timeout_s > 0")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        self._check_security()
+
+    def _check_security(self) -> None:
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key or any(c.isspace() or not c.isprintable() for c in key)):
+            raise ValueError("--api-key (api_key) must be a non-empty string without spaces or control characters")
+        for h in self.allowed_hosts:
+            if not isinstance(h, str) or not _HOST.match(h):
+                raise ValueError(f"--allowed-hosts (allowed_hosts): {P.quote(h)} is not a host name; give names like "
+                                 "'api.example.com', '*.example.com', an IP, or '*', comma-separated, without scheme or port")
+        for o in self.allowed_origins:
+            if not isinstance(o, str) or not (o == "*" or _ORIGIN.match(o)):
+                raise ValueError(f"--allowed-origins (allowed_origins): {P.quote(o)} is not an origin; give "
+                                 "scheme://host[:port] (e.g. https://app.example.com) or '*', comma-separated")
+        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes (max_request_bytes) must be a whole number of bytes >= 1; "
+                             f"got {P.quote(self.max_request_bytes)}")
+        for flag, name in (("--stream-stall-timeout", "stream_stall_timeout_s"), ("--header-timeout", "header_timeout_s")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{flag} ({name}) must be a finite number of seconds > 0; got {P.quote(v)}")
 
 
 class ServerState:
@@ -59,9 +119,11 @@ class ServerState:
     def __init__(self, engine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.model_name = config.served_model_name or engine.config.model
-        self.metrics = ServerMetrics(lambda: self.worker.stats, self.model_name, engine.config.preset)
+        self.metrics = ServerMetrics(lambda: self.worker.stats, self.model_name, engine.config.preset,
+                                     slots_total=engine.config.max_running_requests)
         self.worker = EngineWorker(engine, on_finish=self.metrics.observe_finished)
         self.accepting = True
+        self.inflight = 0  # HTTP requests being answered (RequestGuard counts them)
         self.created = int(time.time())
 
     def begin_shutdown(self) -> None:
@@ -69,6 +131,18 @@ class ServerState:
         self.accepting = False
         if self.config.shutdown_mode == "abort":
             self.worker.abort_all()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Abort one engine request on behalf of its handler (the client left, a timeout, a stall)."""
+        self.metrics.observe_aborted(reason)
+        self.worker.abort(request_id)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (True) or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.inflight == 0
 
     def check_ready(self) -> None:
         if not self.accepting:
@@ -81,7 +155,8 @@ class ServerState:
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """Build the app; its lifespan starts the engine thread and stops it (aborting leftovers)."""
-    state = ServerState(engine, config or ServerConfig())
+    config = config or ServerConfig()
+    state = ServerState(engine, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,15 +167,116 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="dhisparse", lifespan=lifespan)
     app.state.dhisparse = state
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    _describe_bodies(app)
+    app.add_middleware(RequestGuard, state=state, bind_host=config.host, allowed_hosts=config.allowed_hosts,
+                       api_key=config.api_key, max_request_bytes=config.max_request_bytes)
+    if config.allowed_origins:  # outermost, so preflights are answered before the API-key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["authorization", "content-type"])
+    return app
 
+
+def error_response(exc: P.ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:
         state.metrics.observe_rejected(exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
 
-    _add_info_routes(app, state)
-    _add_generation_routes(app, state)
-    return app
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = f"{exc.detail}: {request.method} {P.quote(request.url.path)}"
+        return await _api_error(request, P.ApiError(msg, status=exc.status_code, code=code,
+                                                    headers=dict(exc.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [dict(e, loc=tuple(e["loc"])[1:] if e["loc"] and e["loc"][0] == "body" else tuple(e["loc"]))
+                  for e in exc.errors()]
+        message, param = P._describe(errors) if errors else ("invalid request", None)
+        return await _api_error(request, P.ApiError(message, param=param))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # logged by uvicorn
+        return JSONResponse(P.ApiError("internal server error", status=500, type_="server_error",
+                                       code="internal_error").body(), status_code=500)
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """/openapi.json: the request models under components/schemas (routes point at them)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in P.REQUEST_MODELS],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _body(model: type) -> dict:
+    """`openapi_extra` of a route whose JSON body is `model` (parsed by `read_json`)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def read_json(request: Request, model: type[P.M]) -> P.M:
+    """The body as `model`: 415 unless it is sent as application/json, 400 for anything malformed."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise P.ApiError("send the body as JSON with 'Content-Type: application/json'", status=415,
+                         code="unsupported_media_type")
+    raw = await request.body()
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return P.parse_body(raw, model)
+    return await asyncio.to_thread(P.parse_body, raw, model)
+
+
+def _too_long(engine, text: str, max_tokens: int) -> str | None:
+    """A text prompt far over max_model_len is refused from the tokens of a prefix, without
+    tokenizing all of it: tokenizing holds the GIL, and the engine thread stalls meanwhile (a
+    4 MB prompt stopped every stream for 0.2 s). The prefix must give twice the limit, so a last
+    word cut at the prefix's end cannot turn a prompt that fits into a refusal."""
+    limit = engine.max_model_len
+    chars = PREFIX_CHARS_PER_TOKEN * (2 * limit + 64)
+    if len(text) <= chars:
+        return None
+    n = len(engine.tokenizer.encode(text[:chars]))
+    if n <= 2 * limit + 64:
+        return None
+    return (f"the prompt has more than {n} tokens (its first {chars} characters alone) and max_tokens is "
+            f"{max_tokens}: more than max_model_len {limit}; shorten the prompt or lower max_tokens")
+
+
+def _prompt_ids(engine, prompt: str | list[int], params, param: str) -> list[int]:
+    """Tokenize and validate (worker thread): ValueError -> 400 naming `param`."""
+    try:
+        if isinstance(prompt, str) and (err := _too_long(engine, prompt, params.max_tokens if params else 1)):
+            raise P.ApiError(err, param=param)
+        ids = engine.encode_prompt(prompt)
+        if params is not None:
+            engine.validate(ids, params)
+        return ids
+    except ValueError as e:
+        raise P.ApiError(str(e), param=param) from None
+
+
+def _chat_ids(engine, messages: list[dict], params) -> list[int]:
+    try:
+        text = engine.tokenizer.apply_chat_template(messages)
+    except Exception as e:  # noqa: BLE001 - a template raising on a client's messages is the client's 400
+        raise P.ApiError(f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
+    return _prompt_ids(engine, text, params, "messages")
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -123,43 +299,46 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    engine = state.engine
+
+    @app.post("/v1/completions", openapi_extra=_body(P.CompletionRequest))
     async def completions(request: Request):
         state.check_ready()
-        body = P.parse_body(await request.body(), P.CompletionRequest)
+        body = await read_json(request, P.CompletionRequest)
         P.check_model(body.model, state.model_name)
         params = P.sampling_params(body, body.max_tokens, state.config.default_max_tokens)
+        ids = await asyncio.to_thread(_prompt_ids, engine, P.completion_prompt(body), params, "prompt")
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, chat=False)
-        return await _generate(request, state, P.completion_prompt(body), params, fmt, body, "prompt")
+        return await _generate(request, state, ids, params, fmt, body, "prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(P.ChatRequest))
     async def chat(request: Request):
         state.check_ready()
-        body = P.parse_body(await request.body(), P.ChatRequest)
+        body = await read_json(request, P.ChatRequest)
         P.check_model(body.model, state.model_name)
-        cap = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = P.sampling_params(body, cap, state.config.default_max_tokens)
-        try:
-            prompt = state.engine.tokenizer.apply_chat_template(P.chat_messages(body))
-        except ValueError as e:
-            raise P.ApiError(f"chat template failed: {e}", param="messages") from None
+        given = body.max_completion_tokens is not None
+        cap = body.max_completion_tokens if given else body.max_tokens
+        params = P.sampling_params(body, cap, state.config.default_max_tokens,
+                                   "max_completion_tokens" if given else "max_tokens")
+        ids = await asyncio.to_thread(_chat_ids, engine, P.chat_messages(body), params)
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True)
-        return await _generate(request, state, prompt, params, fmt, body, "messages")
+        return await _generate(request, state, ids, params, fmt, body, "messages")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(P.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
-        body = P.parse_body(await request.body(), P.TokenizeRequest)
+        body = await read_json(request, P.TokenizeRequest)
         P.check_model(body.model, state.model_name)
-        ids = await asyncio.to_thread(state.engine.tokenizer.encode, body.prompt)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/v1/dhisparse/prefix")
+    @app.post("/v1/dhisparse/prefix", openapi_extra=_body(P.PrefixRequest))
     async def prefix(request: Request) -> dict:
         state.check_ready()
-        body = P.parse_body(await request.body(), P.PrefixRequest)
+        body = await read_json(request, P.PrefixRequest)
         P.check_model(body.model, state.model_name)
+        ids = await asyncio.to_thread(_prompt_ids, engine, body.prompt, None, "prompt")
         rid = f"prefix-{uuid.uuid4().hex}"
-        q = state.worker.prepare_prefix(rid, body.prompt)
+        q = state.worker.prepare_prefix(rid, ids)
         while True:
             ev = await next_event(q, state, rid)
             if ev.kind == "error":
@@ -168,16 +347,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 return {"object": "dhisparse.prefix", "prefix_tokens": ev.payload}
 
 
-async def _generate(request: Request, state: ServerState, prompt, params, fmt: Formatter,
+async def _generate(request: Request, state: ServerState, ids: list[int], params, fmt: Formatter,
                     body: P._Common, param: str):
-    """Submit to the engine; a rejection is a 400; then stream or collect the outputs."""
-    q = state.worker.submit(fmt.request_id, prompt, params)
+    """Submit token ids to the engine; a rejection is a 400; then stream or collect the outputs."""
+    q = state.worker.submit(fmt.request_id, ids, params)
     ev = await next_event(q, state, fmt.request_id)
     if ev.kind == "error":
         raise P.ApiError(ev.payload, param=param)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = stream_events(q, state, fmt, include_usage)
-        return AbortingStreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        ctx = StreamContext()
+        gen = stream_events(q, state, fmt, include_usage, ctx)
+        return AbortingStreamingResponse(gen, ctx, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     out = await collect(request, q, state, fmt.request_id)
     return JSONResponse(fmt.response(out))

@@ -1,10 +1,14 @@
 """Prometheus metrics for `/metrics`.
 
-Engine state is read from the worker's latest `stats().as_dict()` snapshot at scrape time by a
-custom collector: a few named series (running / waiting requests, KV pages, generated tokens)
-plus every numeric engine stat as `dhisparse_engine_<name>`, so counters that later presets add
-(host-fetched share, coverage, slots, acceptance, ...) appear without code changes here.
-Request latencies are histograms observed when a request finishes.
+Engine state is read from the worker's latest stats snapshot (`EngineWorker.stats`: the engine's
+`stats().as_dict()`, refreshed after every step and every abort) at scrape time by a custom
+collector: named gauges that are always present (0 until the engine reports them) - running /
+waiting requests, request slots, device (KV pool) pages, host pages, optional pages - plus every
+numeric engine stat as `dhisparse_engine_<name>`, so counters that later presets add (host-fetched
+share, coverage, acceptance, ...) appear without code changes here. Per-step gauges (`decoding`)
+read 0 while the engine is idle instead of keeping the last busy step's value. Request latencies
+are histograms observed when a request finishes; aborted requests are counted by reason
+(client_disconnect - streamed or not -, stall, timeout, shutdown).
 """
 
 from __future__ import annotations
@@ -22,19 +26,30 @@ from dhisparse.engine.request import RequestOutput
 PREFIX = "dhisparse"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5)
-# named series: metric name -> (stats key, help)
+# named series: metric name -> (stats key or a rule, help); always exported
 NAMED_GAUGES = {
     "num_requests_running": ("running", "requests decoding or prefilling"),
     "num_requests_waiting": ("waiting", "requests queued for admission"),
-    "kv_pages_used": ("kv_pages_used", "KV pool pages in use"),
-    "kv_pages_total": ("kv_pages_total", "KV pool pages in total"),
-    "kv_pool_usage": (None, "share of KV pool pages in use (0..1)"),
-    # present once the engine reports them (hierarchical / adaptive / speculative presets)
-    "slots": ("slots", "request slots allocated"),
+    "kv_pages_used": ("kv_pages_used", "KV pool (device) pages in use"),
+    "kv_pages_total": ("kv_pages_total", "KV pool (device) pages in total"),
+    "kv_pool_usage": ("=pool_usage", "share of KV pool pages in use (0..1)"),
+    "device_pages_used": ("kv_pages_used", "device KV pages in use (same as kv_pages_used)"),
+    "device_pages_total": ("kv_pages_total", "device KV pages in total (same as kv_pages_total)"),
+    "host_pages_used": ("host_pages_used", "host backing pages in use (hierarchical presets; else 0)"),
+    "host_pages_total": ("host_pages_total", "host backing pages in total (hierarchical presets; else 0)"),
+    "optional_pages": ("optional_pages", "device pages holding optional (re-fetchable) history (adaptive; else 0)"),
+    "slots": ("=slots_used", "request slots in use (running requests)"),
+    "request_slots_used": ("=slots_used", "request slots in use (running requests)"),
+    "request_slots_total": ("=slots_total", "request slots (--max-running-requests)"),
+}
+# present once the engine reports them (hierarchical / adaptive / speculative presets)
+OPTIONAL_GAUGES = {
     "host_fetched_share": ("host_fetched_share", "selected rows copied from host / all selected rows"),
     "coverage": ("coverage", "ready optional history / eligible history"),
     "acceptance": ("acceptance", "speculative acceptance rate"),
 }
+PER_STEP_KEYS = ("decoding",)  # what the last step did: 0 while nothing runs or waits
+ABORT_REASONS = ("client_disconnect", "stall", "timeout", "shutdown")
 
 
 def metric_name(key: str) -> str:
@@ -45,21 +60,32 @@ def metric_name(key: str) -> str:
 class EngineCollector(Collector):
     """Yields gauges from `snapshot()` (a dict of engine stats) at every scrape."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str) -> None:
-        self.snapshot, self.model_name, self.preset = snapshot, model_name, preset
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str, slots_total: int = 0) -> None:
+        self.snapshot, self.model_name, self.preset, self.slots_total = snapshot, model_name, preset, slots_total
 
     def _gauge(self, name: str, help_: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=["model_name", "preset"])
         g.add_metric([self.model_name, self.preset], value)
         return g
 
+    def _value(self, stats: dict, key: str) -> float:
+        if key == "=pool_usage":
+            total = stats.get("kv_pages_total") or 0
+            return (stats.get("kv_pages_used", 0) / total) if total else 0.0
+        if key == "=slots_used":
+            return float(stats.get("slots_used", stats.get("running", 0)))
+        if key == "=slots_total":
+            return float(stats.get("slots_total", self.slots_total))
+        return float(stats.get(key, 0) or 0)
+
     def collect(self) -> Iterator:
-        stats = self.snapshot()
+        stats = dict(self.snapshot())
+        if not stats.get("running") and not stats.get("waiting"):
+            stats.update({k: 0 for k in PER_STEP_KEYS if k in stats})
         for name, (key, help_) in NAMED_GAUGES.items():
-            if key is None:
-                total = stats.get("kv_pages_total") or 0
-                yield self._gauge(name, help_, (stats.get("kv_pages_used", 0) / total) if total else 0.0)
-            elif key in stats:
+            yield self._gauge(name, help_, self._value(stats, key))
+        for name, (key, help_) in OPTIONAL_GAUGES.items():
+            if key in stats:
                 yield self._gauge(name, help_, float(stats[key]))
         if "generated_tokens" in stats:
             c = CounterMetricFamily(f"{PREFIX}_generation_tokens", "tokens generated since start",
@@ -82,9 +108,9 @@ def numeric_items(stats: dict) -> list[tuple[str, float]]:
 class ServerMetrics:
     """A private registry (so several servers can live in one process, e.g. in tests)."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str) -> None:
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, preset: str, slots_total: int = 0) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(snapshot, model_name, preset))
+        self.registry.register(EngineCollector(snapshot, model_name, preset, slots_total))
         labels = ["model_name", "preset"]
         self._labels = (model_name, preset)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time to first token",
@@ -95,6 +121,10 @@ class ServerMetrics:
                                 labels + ["finish_reason"], registry=self.registry)
         self.rejected = Counter(f"{PREFIX}_requests_rejected", "requests answered with an HTTP error",
                                 labels + ["status"], registry=self.registry)
+        self.aborted = Counter(f"{PREFIX}_requests_aborted", "requests aborted before they finished, by reason",
+                               labels + ["reason"], registry=self.registry)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(*self._labels, reason)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -106,6 +136,9 @@ class ServerMetrics:
 
     def observe_rejected(self, status: int) -> None:
         self.rejected.labels(*self._labels, str(status)).inc()
+
+    def observe_aborted(self, reason: str) -> None:
+        self.aborted.labels(*self._labels, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

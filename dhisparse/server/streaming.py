@@ -1,7 +1,11 @@
 """Waiting on engine events: collect a whole response, or stream it as SSE chunks.
 
 Both paths abort the engine request whenever they end early - the client went away, the
-handler was cancelled, or the request ran past its timeout - so its KV pages are freed.
+handler was cancelled, the request ran past its timeout, or the connection stalled (the client
+stopped reading; connection.py) - so its KV pages are freed, and count the abort by reason in
+/metrics. A request the server aborts (shutdown) ends properly: a stream with an abort chunk
+(finish_reason "abort"), its usage chunk if asked for, and `data: [DONE]`; a non-streamed request
+with a JSON 503.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from dhisparse.engine.request import RequestOutput
+from dhisparse.server.connection import STALLED_KEY
 from dhisparse.server.protocol import ApiError
 from dhisparse.server.responses import SSE_DONE, Formatter, sse
 from dhisparse.server.worker import Event
@@ -34,14 +39,30 @@ def _raise_for(ev: Event) -> None:
                        code="aborted")
 
 
+def request_failed(out) -> ApiError:
+    """The 500 of a request whose own work failed in the engine (finish_reason "error"): the
+    engine aborted it alone and serves on."""
+    return ApiError(f"the request failed in the engine: {out.error or 'unknown error'}", status=500,
+                    type_="server_error", code="request_failed")
+
+
+def _gone_reason(state: "ServerState") -> str:
+    return "client_disconnect" if state.accepting else "shutdown"
+
+
 async def next_event(q: asyncio.Queue, state: "ServerState", rid: str, timeout: float | None = None) -> Event:
     """The next event of `rid`; failures and server-side aborts raise ApiError (5xx)."""
     try:
         ev = await asyncio.wait_for(q.get(), timeout or state.config.request_timeout_s)
     except asyncio.TimeoutError:
-        state.worker.abort(rid)
+        state.abort(rid, "timeout")
         raise ApiError(f"request timed out after {state.config.request_timeout_s:.0f} s; raise --request-timeout",
                        status=504, type_="server_error", code="timeout") from None
+    except asyncio.CancelledError:
+        state.abort(rid, _gone_reason(state))
+        raise
+    if ev.kind == "aborted":
+        state.metrics.observe_aborted("shutdown")
     _raise_for(ev)
     return ev
 
@@ -50,33 +71,49 @@ async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str) -> 
     """Wait for the final output; aborts the request if the client disconnects or time runs out."""
     deadline = time.monotonic() + state.config.request_timeout_s
     next_check = time.monotonic() + POLL_S
-    done = False
+    reason = None  # why the engine request must be aborted when this returns; None: it ended
     try:
         while True:
             now = time.monotonic()
             if now >= deadline:
-                raise ApiError("request timed out; raise --request-timeout", status=504, type_="server_error")
+                reason = "timeout"
+                raise ApiError("request timed out; raise --request-timeout", status=504, type_="server_error",
+                               code="timeout")
             if now >= next_check:  # outputs may arrive every step, so check by the clock, not on idle
                 next_check = now + POLL_S
                 if await request.is_disconnected():
-                    raise ApiError("client disconnected", status=499)
+                    reason = "stall" if request.scope.get("state", {}).get(STALLED_KEY) else "client_disconnect"
+                    raise ApiError("client disconnected", status=499, code="client_disconnected")
+            reason = _gone_reason(state)  # if cancelled while waiting
             try:
                 ev = await asyncio.wait_for(q.get(), min(POLL_S, deadline - now))
             except asyncio.TimeoutError:
                 continue
+            reason = None
+            if ev.kind == "aborted":
+                state.metrics.observe_aborted("shutdown")
             _raise_for(ev)
             if ev.kind == "output" and ev.payload.finished:
-                done = True
+                if ev.payload.finish_reason == "error":
+                    raise request_failed(ev.payload)
                 return ev.payload
     finally:
-        if not done:
-            state.worker.abort(rid)
+        if reason is not None:
+            state.abort(rid, reason)
 
 
-async def stream_events(q: asyncio.Queue, state: "ServerState", fmt: Formatter,
-                        include_usage: bool) -> AsyncIterator[str]:
+class StreamContext:
+    """Shared by a stream's body generator and its response: why the stream stopped early."""
+
+    def __init__(self) -> None:
+        self.reason = "client_disconnect"
+
+
+async def stream_events(q: asyncio.Queue, state: "ServerState", fmt: Formatter, include_usage: bool,
+                        ctx: StreamContext | None = None) -> AsyncIterator[str]:
     """SSE chunks until the request finishes, then an optional usage chunk and `[DONE]`.
-    Closing the generator early (client gone) aborts the request."""
+    Closing the generator early (client gone, stalled) aborts the request."""
+    ctx = ctx or StreamContext()
     done, last = False, None
     deadline = time.monotonic() + state.config.request_timeout_s
     try:
@@ -87,31 +124,40 @@ async def stream_events(q: asyncio.Queue, state: "ServerState", fmt: Formatter,
             try:
                 ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                yield sse(ApiError("request timed out; raise --request-timeout", status=504).body())
+                ctx.reason = "timeout"
+                yield sse(ApiError("request timed out; raise --request-timeout", status=504, type_="server_error",
+                                   code="timeout").body())
                 break
             if ev.kind == "output":
                 last = ev.payload
                 done = last.finished
-                if last.text_delta or done:
+                if done and last.finish_reason == "error":
+                    yield sse(request_failed(last).body())
+                elif last.text_delta or done:
                     yield sse(fmt.chunk(last.text_delta, last.finish_reason if done else None))
             elif ev.kind == "aborted":
                 done = True
+                state.metrics.observe_aborted("shutdown")
                 yield sse(fmt.chunk("", "abort"))
             elif ev.kind == "failed":
                 done = True
-                yield sse(ApiError(ev.payload, status=500, type_="server_error").body())
+                yield sse(ApiError(ev.payload, status=500, type_="server_error", code="engine_failed").body())
         if include_usage:
             yield sse(fmt.usage_chunk(last))
         yield SSE_DONE
     finally:
         if not done:
-            state.worker.abort(fmt.request_id)
+            state.abort(fmt.request_id, ctx.reason if state.accepting else "shutdown")
 
 
 class AbortingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always watches for the client's disconnect (whatever the ASGI
     spec version) and closes its body generator when streaming stops, so the generator's
     `finally` runs at once and aborts the engine request."""
+
+    def __init__(self, content, ctx: StreamContext | None = None, **kw) -> None:
+        super().__init__(content, **kw)
+        self.ctx = ctx or StreamContext()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -126,6 +172,8 @@ class AbortingStreamingResponse(StreamingResponse):
 
                 tg.start_soon(run_stream)
                 await self.listen_for_disconnect(receive)
+                if scope.get("state", {}).get(STALLED_KEY):
+                    self.ctx.reason = "stall"
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

@@ -47,7 +47,7 @@ class EngineWorker:
         self._prefixes: dict[str, int] = {}  # export request id -> prompt length
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dhisparse-engine", daemon=True)
-        self.stats: dict = engine.stats().as_dict()  # snapshot, replaced after every step
+        self.stats: dict = self._snapshot()  # replaced after every step
         self.error: str | None = None
 
     # -- called from any thread -------------------------------------------------------------------
@@ -59,7 +59,9 @@ class EngineWorker:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; returns the asyncio queue its events arrive on (call from the loop)."""
+        """Queue a request; returns the asyncio queue its events arrive on (call from the loop).
+        The HTTP routes pass token ids, tokenized and validated off this thread (a long text prompt
+        tokenized here would stall every stream); a str is accepted too and tokenized here."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(("add", request_id, prompt, params, sink))
         return sink.queue
@@ -120,7 +122,7 @@ class EngineWorker:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.stats = self.engine.stats().as_dict()  # aborts free pages without a step
+        self.stats = self._snapshot()  # aborts free pages without a step
 
     def _apply(self, op: str, rid: str | None, prompt: Any, params: Any, sink: _Sink | None) -> None:
         if op in ("add", "prefix"):
@@ -129,7 +131,7 @@ class EngineWorker:
                     self.engine.add_request(prompt, params, request_id=rid)
                 else:
                     self.engine.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, export_prefix=True)
-                    self._prefixes[rid] = len(self.engine.encode_prompt(prompt))
+                    self._prefixes[rid] = len(prompt) if isinstance(prompt, list) else len(self.engine.encode_prompt(prompt))
             except ValueError as e:
                 self._send(sink, Event("error", str(e)))
                 return
@@ -149,7 +151,18 @@ class EngineWorker:
             self._send(sink, Event("aborted", rid))
         self._sinks.clear()
         self._prefixes.clear()
-        self.stats = self.engine.stats().as_dict()
+        self.stats = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        """The engine's stats, plus host-pool pages read here (on the engine thread) from the
+        store's host pool until EngineStats reports them itself."""
+        stats = self.engine.stats().as_dict()
+        if "host_pages_total" not in stats:
+            pool = getattr(getattr(getattr(self.engine, "store", None), "host", None), "pool", None)
+            if pool is not None and hasattr(pool, "usage"):
+                u = pool.usage()
+                stats["host_pages_total"], stats["host_pages_used"] = u.total, u.used
+        return stats
 
     def _step(self) -> None:
         before = self.stats.get("steps")
@@ -163,7 +176,7 @@ class EngineWorker:
             if sink is not None:
                 self._send(sink, Event("output", out))
         self._finish_prefixes()
-        self.stats = self.engine.stats().as_dict()
+        self.stats = self._snapshot()
         if not outputs and self.stats.get("steps") == before:
             time.sleep(0.001)  # nothing could be scheduled (e.g. waiting for KV): do not spin
 

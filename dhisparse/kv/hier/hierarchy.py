@@ -334,6 +334,8 @@ class HierarchicalKV(KVStore):
                     self._backup_tail(req, st, n)
                 elif prompt_done:
                     self._handoff(req, st, n)
+            except AssertionError:  # a violated invariant or debug check: never a request's own fault
+                raise
             except Exception as e:  # noqa: BLE001 - that request is aborted by the engine
                 failures[req] = e
         if failures:
