@@ -152,6 +152,10 @@ class KVStore(abc.ABC):
         """The resolver's `Census` (kv/hier/census.py), or None for stores without a resolver."""
         return None
 
+    def host_usage(self) -> Any:
+        """The host backing pool's `PoolUsage`, or None for stores without one."""
+        return None
+
     def residency(self) -> Any:
         """The `ResidencyManager` (kv/hier/residency.py) of load-adaptive stores, or None."""
         return None

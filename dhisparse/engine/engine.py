@@ -22,7 +22,7 @@ from dhisparse.core.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.speculative import SpecRuntime
-from dhisparse.engine.stats import EngineStats, store_counters
+from dhisparse.engine.stats import EngineStats, pool_counters, store_counters
 from dhisparse.engine.stops import StopChecker
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.memory.prefix_store import PrefixStore
@@ -414,6 +414,7 @@ class Engine:
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
                            store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})
+                           | pool_counters(self.store, len(self.scheduler.running), self.config.max_running_requests)
                            | graph_counters(self.model.graphs)
                            | (self.step_graphs.counters() if self.step_graphs is not None else {}))
 

@@ -61,6 +61,13 @@ def store_counters(store, spec_counters: dict) -> dict:
     }
 
 
+def pool_counters(store, running: int, slots: int) -> dict:
+    """Request slots and host backing pages (0 / 0 for stores without a host pool)."""
+    host = store.host_usage()
+    return {"slots_used": running, "slots_total": slots,
+            "host_pages_used": host.used if host is not None else 0, "host_pages_total": host.total if host is not None else 0}
+
+
 def residency_counters(store) -> dict:
     res = store.residency()
     if res is None:

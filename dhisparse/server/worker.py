@@ -154,15 +154,8 @@ class EngineWorker:
         self.stats = self._snapshot()
 
     def _snapshot(self) -> dict:
-        """The engine's stats, plus host-pool pages read here (on the engine thread) from the
-        store's host pool until EngineStats reports them itself."""
-        stats = self.engine.stats().as_dict()
-        if "host_pages_total" not in stats:
-            pool = getattr(getattr(getattr(self.engine, "store", None), "host", None), "pool", None)
-            if pool is not None and hasattr(pool, "usage"):
-                u = pool.usage()
-                stats["host_pages_total"], stats["host_pages_used"] = u.total, u.used
-        return stats
+        """The engine's stats (slots and host pages included: `EngineStats.counters`)."""
+        return self.engine.stats().as_dict()
 
     def _step(self) -> None:
         before = self.stats.get("steps")

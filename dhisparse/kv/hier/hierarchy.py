@@ -213,6 +213,9 @@ class HierarchicalKV(KVStore):
     def staging_rows(self) -> torch.Tensor | None:
         return self.stage
 
+    def host_usage(self):
+        return self.host.pool.usage()
+
     def resolver_census(self) -> Census:
         return self.census
 

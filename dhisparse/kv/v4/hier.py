@@ -151,6 +151,9 @@ class V4HierStore(KVStore):
     def res(self):
         return self.kv.residency()
 
+    def host_usage(self):
+        return self.kv.host_usage()
+
     def resolver_census(self):
         return self.kv.census
 
