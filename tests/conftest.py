@@ -48,33 +48,66 @@ def _default_kernel_settings():
 
 
 @pytest.fixture(autouse=True)
-def _release_cuda_memory():
-    """On CUDA, engines of a finished test are collected before the next test sizes its pools."""
+def _release_memory():
+    """Engines of a finished test are collected before the next test runs: their stores hold
+    reference cycles, so without a full collection their pools (on CPU, a 256 MiB device pool and a
+    1 GiB host pool by default, both written at allocation) outlive the test until the cyclic
+    collector happens to run, and the suite's RSS climbs. On CUDA the cached blocks are returned too."""
     yield
-    if torch.cuda.is_available():
-        from dhisparse.engine.memory import release_memory
+    from dhisparse.engine.memory import release_memory
 
-        release_memory()
+    release_memory()
 
 
 CUDA_TEST_POOL_BYTES = 2 << 30  # default pools of test engines on a GPU machine
+CPU_TEST_POOL_BYTES = 64 << 20  # ... and on CPU (the engine's CPU default is 256 MiB + a 1 GiB host pool)
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _small_default_pools_on_cuda():
-    """On CUDA an engine's default pools are 90% of free device memory and up to half the host's
-    memory pinned (tens of seconds to pin per engine); tests that leave the pools unset get
-    CUDA_TEST_POOL_BYTES each instead. Explicit settings are untouched; CPU defaults are unchanged."""
-    if not torch.cuda.is_available():
-        yield
-        return
+def _small_default_pools():
+    """Tests that leave the pools unset get small ones; explicit settings are untouched.
+
+    On CUDA an engine's default pools are 85% of free device memory and up to half the host's
+    memory pinned (tens of seconds to pin per engine): CUDA_TEST_POOL_BYTES each instead. On CPU the
+    defaults are a 256 MiB device pool and a 4 x 256 MiB host pool, both zero-filled (resident) at
+    build: 1.25 GiB per engine, and tests that compare presets hold two or three engines at once
+    (that was most of the suite's 19.7 GB peak). CPU tests get a CPU_TEST_POOL_BYTES device pool
+    (4,369 tiny-model pages, 70K token positions) and the usual 4 x host pool."""
     from dhisparse.engine import engine as engine_mod
     from dhisparse.kv import build as store_build
 
+    default = CUDA_TEST_POOL_BYTES if torch.cuda.is_available() else CPU_TEST_POOL_BYTES
     kv, host = engine_mod.kv_pool_bytes, store_build.host_pool_bytes
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "kv_pool_bytes",
-                   lambda setting, fraction, device: kv(setting if setting is not None else CUDA_TEST_POOL_BYTES, fraction, device))
-        capped = lambda setting, device_pool: host(setting if setting is not None else CUDA_TEST_POOL_BYTES, device_pool)  # noqa: E731
-        mp.setattr(store_build, "host_pool_bytes", capped)
+                   lambda setting, fraction, device: kv(setting if setting is not None else default, fraction, device))
+        if torch.cuda.is_available():
+            capped = lambda setting, device_pool: host(setting if setting is not None else CUDA_TEST_POOL_BYTES, device_pool)  # noqa: E731
+            mp.setattr(store_build, "host_pool_bytes", capped)
         yield
+
+
+# ---- test memory (issue #28 item 9) ----------------------------------------------------------------
+
+def _rss_kib(field: str = "VmRSS") -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _rss_log(request):
+    """DHISPARSE_TEST_RSS=path appends "test rss_before_kib rss_after_kib peak_kib" per test."""
+    path = os.environ.get("DHISPARSE_TEST_RSS")
+    if not path:
+        yield
+        return
+    before = _rss_kib()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{request.node.nodeid} {before} {_rss_kib()} {_rss_kib('VmHWM')}\n")

@@ -49,6 +49,7 @@ RANKS: dict[str, tuple] = {
     "server": (7,),
     "bench": (7,),
     "cli": (8,),
+    "__main__": (9,),  # dhisparse/__main__.py: `python -m dhisparse` runs the CLI
 }
 SUBROOMS = {"kv": ("memory", "resident", "hier", "v4")}
 

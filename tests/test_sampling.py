@@ -231,3 +231,49 @@ def test_temperatures_below_eps_are_greedy():
 
     assert SamplingParams(temperature=GREEDY_EPS / 2).greedy
     assert not SamplingParams(temperature=GREEDY_EPS).greedy
+
+
+# ---- logit processors (penalties, logit_bias, min_tokens, grammar masks: core/logits.py) ----------
+def test_processors_feed_processed_probs_and_greedy_argmax():
+    from dhisparse.core.logits import History
+
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
+    h = History(prompt=[3], output=[0, 0], eos=(2,))
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=2.0, logit_bias=((3, 0.25),))
+    # token 0: 2.0 / 2 (repetition) - 0.5 * 2 - 0.2 = -0.2; token 3: 0.5 / 2 + 0.25 = 0.5 -> argmax 1
+    ref = torch.tensor([[-0.2, 1.9, -1.0, 0.5]])
+    out = Sampler().sample(logits, [sp], [None], [h])
+    assert out.tokens.tolist() == [1]
+    hot = SamplingParams(temperature=1.0, **{k: getattr(sp, k) for k in ("frequency_penalty", "presence_penalty",
+                                                                            "repetition_penalty", "logit_bias")})
+    assert torch.allclose(processed_probs(logits, [hot], [h]), torch.softmax(ref, -1), atol=1e-6)
+    assert torch.allclose(processed_probs(logits, [hot]), torch.softmax(logits, -1), atol=1e-6)  # no history: raw
+    masked = processed_probs(logits, [SamplingParams(temperature=1.0, min_tokens=3)], [h])
+    assert masked[0, 2] == 0 and masked.sum() == pytest.approx(1.0)
+    grammar = History([], [], (), torch.tensor([False, False, True, True]))
+    assert Sampler().sample(logits, [SamplingParams()], [None], [grammar]).tokens.tolist() == [3]
+
+
+def test_greedy_verification_with_penalties_accepts_what_greedy_decoding_emits():
+    """A round over a fixed next-token table: verify_batch with history must accept exactly the
+    prefix that one-token-at-a-time penalised greedy decoding produces, and emit its next token."""
+    from dhisparse.core.logits import History, apply_processors
+    from dhisparse.spec.verify import verify_batch
+
+    V = 8
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(3))
+    sp = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5)
+    hist = History([1, 2], [4])
+    seq, out = [4], [4]
+    for _ in range(4):  # plain greedy decoding with penalties
+        row = apply_processors(table[seq[-1]].unsqueeze(0), [sp], [History([1, 2], out)])
+        seq.append(int(row.argmax()))
+        out = out + [seq[-1]]
+    drafts = seq[1:4] + []  # the right drafts: all accepted, bonus = greedy's 4th token
+    rows = table[torch.tensor([4] + drafts)]
+    acc = verify_batch(rows, [0, 4], [drafts], [None], [sp], [None], history=[hist])[0]
+    assert acc.accepted == 3 and acc.emitted == seq[1:5]
+    wrong = [seq[1], (seq[2] + 1) % V, seq[3]]
+    rows = table[torch.tensor([4] + wrong)]
+    acc = verify_batch(rows, [0, 4], [wrong], [None], [sp], [None], history=[hist])[0]
+    assert acc.accepted == 1 and acc.emitted == seq[1:3]

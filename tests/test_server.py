@@ -147,7 +147,8 @@ def test_disconnect_of_non_streamed_request_aborts_it(server, engine):
     ({"model": "tiny", "prompt": "x" * (MAX_MODEL_LEN + 10)}, "max_model_len"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, "not supported"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "not supported"),
+    ({"model": "tiny", "prompt": "x", "frobnicate": 1}, "unknown field"),
     ({"model": "tiny"}, "prompt"),
 ])
 def test_bad_requests_are_400_with_message(server, body, needle):
@@ -446,3 +447,262 @@ def test_a_request_that_fails_in_the_engine_is_a_500_for_it_alone(server, client
     ok = client.completions.create(model="tiny", prompt="hello", seed=1, temperature=0.7, max_tokens=4)
     assert ok.choices[0].finish_reason == "length"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- the sampling API (issue 28 item 3) -----------------------------------------------------------
+def capture(engine) -> list:
+    """Logits tensors the engine's model returns from now on (its `logits` wrapped; undo: del)."""
+    seen, inner = [], engine.model.logits
+
+    def logits(hidden):
+        out = inner(hidden)
+        seen.append(out.detach().clone())
+        return out
+
+    engine.model.logits = logits
+    return seen
+
+
+def piece(tok: int) -> str:
+    return bytes([tok - 3]).decode("utf-8", errors="replace") if 3 <= tok < 259 else ""
+
+
+def test_completion_logprobs_are_log_softmax_of_the_sampled_logits(client, engine):
+    import torch
+    seen = capture(engine)
+    try:
+        r = client.completions.create(model="tiny", prompt="Hi there", max_tokens=6, temperature=0.9, seed=5,
+                                      logprobs=3, extra_body={"ignore_eos": True})
+    finally:
+        del engine.model.logits
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(seen) == 6
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for tok, value, top, logits in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, seen):
+        ref = torch.log_softmax(logits[-1].float(), -1)
+        ids = [t for t in range(ref.numel()) if piece(t) == tok]
+        assert min(abs(float(ref[t]) - value) for t in ids) < 1e-4
+        best = torch.topk(ref, 3).values.tolist()
+        assert all(min(abs(v - b) for b in best) < 1e-4 for v in top.values())
+
+
+def test_chat_logprobs_and_top_logprobs_streamed_and_not(client, engine):
+    import torch
+    msgs = [{"role": "user", "content": "logprobs please"}]
+    seen = capture(engine)
+    try:
+        r = client.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=2, **GREEDY)
+    finally:
+        del engine.model.logits
+    content = r.choices[0].logprob if False else r.choices[0].logprobs.content
+    assert len(content) == 12 and bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == r.choices[0].message.content
+    for c, logits in zip(content, seen):
+        ref = torch.log_softmax(logits[-1].float(), -1)
+        tok = c.bytes[0] + 3
+        assert c.logprob == pytest.approx(float(ref[tok]), abs=1e-4) and tok == int(ref.argmax())  # greedy
+        assert [a.bytes[0] + 3 for a in c.top_logprobs] == torch.topk(ref, 2).indices.tolist()
+    parts = list(client.chat.completions.create(model="tiny", messages=msgs, logprobs=True, top_logprobs=2,
+                                                stream=True, **GREEDY))
+    streamed = [c for p in parts if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert [(c.bytes, round(c.logprob, 4)) for c in streamed] == [(c.bytes, round(c.logprob, 4)) for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=msgs, top_logprobs=2, **GREEDY)
+
+
+def test_echo_with_prompt_logprobs_and_max_tokens_zero(client, engine):
+    import torch
+    prompt = "Score this text"
+    seen = capture(engine)
+    try:
+        r = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    finally:
+        del engine.model.logits
+    c = r.choices[0]
+    assert c.text == prompt and c.logprobs.tokens == list(prompt) and c.logprobs.token_logprobs[0] is None
+    ref = torch.log_softmax(seen[0].float(), -1)  # the prompt's prefill: row j predicts position j + 1
+    ids = engine.tokenizer.encode(prompt)
+    for pos in range(1, len(ids)):
+        assert c.logprobs.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    g = client.completions.create(model="tiny", prompt=prompt, echo=True, **GREEDY).choices[0].text
+    assert g.startswith(prompt) and len(g) > len(prompt)
+    s = list(client.completions.create(model="tiny", prompt=prompt, echo=True, stream=True, **GREEDY))
+    assert "".join(x.choices[0].text for x in s if x.choices) == g
+
+
+def test_n_with_seed_is_reproducible_and_each_choice_is_seed_plus_i(client):
+    kw = dict(model="tiny", prompt="Once upon", temperature=1.0, max_tokens=10, seed=11, extra_body={"ignore_eos": True})
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in a.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    for i in range(3):
+        assert client.completions.create(**{**kw, "seed": 11 + i}).choices[0].text == texts[i]
+    assert a.usage.completion_tokens == 30 and a.usage.prompt_tokens == len("Once upon")
+    chunks = list(client.completions.create(n=3, stream=True, **kw))
+    joined = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [joined[i] for i in range(3)] == texts
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          temperature=1.0, max_tokens=6, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(client):
+    kw = dict(model="tiny", prompt="best", temperature=1.0, max_tokens=6, seed=2, logprobs=0,
+              extra_body={"ignore_eos": True})
+    cands = client.completions.create(n=4, **kw).choices
+    best = max(cands, key=lambda c: sum(c.logprobs.token_logprobs))
+    r = client.completions.create(n=1, best_of=4, **kw)
+    assert len(r.choices) == 1 and r.choices[0].text == best.text and r.choices[0].index == 0
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=3, best_of=2, **kw)
+
+
+def test_penalties_bias_and_min_tokens_through_the_api(client):
+    base = client.completions.create(model="tiny", prompt="aaaa", **GREEDY).choices[0].text
+    pen = client.completions.create(model="tiny", prompt="aaaa", frequency_penalty=2.0, presence_penalty=1.0,
+                                    temperature=0, max_tokens=12, extra_body={"ignore_eos": True,
+                                                                              "repetition_penalty": 1.5})
+    assert pen.choices[0].text != base
+    forced = client.completions.create(model="tiny", prompt="x", logit_bias={str(ord("A") + 3): 100}, **GREEDY)
+    assert forced.choices[0].text == "A" * 12
+    eos = {"2": 100}
+    assert client.completions.create(model="tiny", prompt="x", temperature=0, max_tokens=12,
+                                     logit_bias=eos).usage.completion_tokens == 1
+    r = client.completions.create(model="tiny", prompt="x", temperature=0, max_tokens=12, logit_bias=eos,
+                                  extra_body={"min_tokens": 4})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt="x", logit_bias={"99999": 1}, **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model="tiny", prompt="x", presence_penalty=3, **GREEDY)
+
+
+def test_batched_prompts_give_one_choice_per_prompt_in_order(client):
+    prompts = ["first prompt", "second", "third"]
+    r = client.completions.create(model="tiny", prompt=prompts, n=2, **GREEDY)
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, p in enumerate(prompts):
+        single = client.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text
+        assert r.choices[2 * i].text == r.choices[2 * i + 1].text == single
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+    ids = client.completions.create(model="tiny", prompt=[[70, 80, 90], [71]], **GREEDY)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 4
+    s = list(client.completions.create(model="tiny", prompt=prompts[:2], stream=True, **GREEDY))
+    assert {c.choices[0].index for c in s if c.choices} == {0, 1}
+
+
+def test_unset_max_tokens_runs_up_to_the_context(client):
+    prompt = "y" * (MAX_MODEL_LEN - 7)
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=8)
+
+
+# ---- OpenAI shapes (issue 28 item 4) ---------------------------------------------------------------
+def test_models_retrieve_and_unknown_model_404(server, client):
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.get(server.url + "/v1/nothing-here")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.put(server.url + "/v1/models")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+# Every request field of the OpenAI API reference (completions: legacy; chat: chat.completions.create),
+# with a value that turns it on and either a check that it was applied, or None: a 400 naming it.
+COMPLETION_FIELDS = {
+    "model": ("tiny", lambda r: r["model"] == "tiny"),
+    "prompt": ("Hello", lambda r: r["usage"]["prompt_tokens"] == 5),
+    "best_of": (2, lambda r: len(r["choices"]) == 1),
+    "echo": (True, lambda r: r["choices"][0]["text"].startswith("Hello")),
+    "frequency_penalty": (1.0, lambda r: True),  # effect: test_penalties_bias_and_min_tokens_through_the_api
+    "logit_bias": ({"68": 100}, lambda r: set(r["choices"][0]["text"]) == {"A"}),
+    "logprobs": (2, lambda r: len(r["choices"][0]["logprobs"]["top_logprobs"][0]) >= 1),
+    "max_tokens": (3, lambda r: r["usage"]["completion_tokens"] == 3),
+    "n": (2, lambda r: len(r["choices"]) == 2),
+    "presence_penalty": (1.0, lambda r: True),
+    "seed": (5, lambda r: True),  # effect: test_n_with_seed_is_reproducible_and_each_choice_is_seed_plus_i
+    "stop": (["\n"], lambda r: "\n" not in r["choices"][0]["text"]),
+    "stream": (True, "stream"),
+    "stream_options": ({"include_usage": True}, "stream"),
+    "suffix": ("tail", None),
+    "temperature": (0.5, lambda r: True),
+    "top_p": (0.5, lambda r: True),
+    "user": ("user-1", lambda r: True),
+}
+CHAT_FIELDS = {
+    "messages": ([{"role": "user", "content": "hi"}], lambda r: r["choices"][0]["message"]["role"] == "assistant"),
+    "model": ("tiny", lambda r: r["model"] == "tiny"),
+    "audio": ({"voice": "alloy", "format": "wav"}, None),
+    "frequency_penalty": (1.0, lambda r: True),
+    "function_call": ("auto", None),
+    "functions": ([TOOL["function"]], None),
+    "logit_bias": ({"68": 100}, lambda r: set(r["choices"][0]["message"]["content"]) == {"A"}),
+    "logprobs": (True, lambda r: len(r["choices"][0]["logprobs"]["content"]) == r["usage"]["completion_tokens"]),
+    "max_completion_tokens": (3, lambda r: r["usage"]["completion_tokens"] == 3),
+    "max_tokens": (3, lambda r: r["usage"]["completion_tokens"] == 3),
+    "metadata": ({"k": "v"}, None),
+    "modalities": (["text", "audio"], None),
+    "n": (2, lambda r: len(r["choices"]) == 2),
+    "parallel_tool_calls": (True, None),
+    "prediction": ({"type": "content", "content": "x"}, None),
+    "presence_penalty": (1.0, lambda r: True),
+    "prompt_cache_key": ("k", None),
+    "reasoning_effort": ("low", None),
+    "response_format": ({"type": "json_object"}, lambda r: r["choices"][0]["message"]["content"].startswith("{")),
+    "safety_identifier": ("s", None),
+    "seed": (5, lambda r: True),
+    "service_tier": ("flex", None),
+    "stop": (["\n"], lambda r: "\n" not in r["choices"][0]["message"]["content"]),
+    "store": (True, None),
+    "stream": (True, "stream"),
+    "stream_options": ({"include_usage": True}, "stream"),
+    "temperature": (0.5, lambda r: True),
+    "tool_choice": ("auto", None),
+    "tools": ([TOOL], None),
+    "top_logprobs": (2, lambda r: len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2),
+    "top_p": (0.5, lambda r: True),
+    "user": ("user-1", lambda r: True),
+    "verbosity": ("low", None),
+    "web_search_options": ({}, None),
+}
+NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
+
+
+@pytest.mark.parametrize("path, fields", [("/v1/completions", COMPLETION_FIELDS), ("/v1/chat/completions", CHAT_FIELDS)])
+def test_every_openai_field_is_applied_or_rejected_by_name(server, path, fields):
+    base = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    base.update({"prompt": "Hello"} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "hi"}]})
+    for name, (value, check) in fields.items():
+        body = {**base, **NEEDS.get(name, {}), name: value}
+        if name == "max_completion_tokens":
+            body.pop("max_tokens")
+        r = post(server, path, body)
+        if check is None:
+            assert r.status_code == 400, (name, r.text)
+            assert r.json()["error"]["param"] == name, (name, r.text)
+        elif check == "stream":
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), (name, r.text)
+            if name == "stream_options":
+                assert '"usage":{' in r.text.rsplit("data:", 2)[1], name
+        else:
+            assert r.status_code == 200, (name, r.text)
+            assert check(r.json()), (name, r.json())
+
+
+def test_serving_log_lines_while_there_is_work(engine, capsys):
+    """`--log-interval`: the engine worker writes a one-line throughput / queue / pool summary
+    every interval while there is work (engine/progress.py), nothing while idle."""
+    with ServerThread(engine, ServerConfig(drain_timeout_s=5, log_interval_s=0.05)) as srv:
+        body = {"model": "tiny", "prompt": "log me", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("serving:")]
+    assert lines and "tok/s" in lines[0] and "KV pool" in lines[0]

@@ -192,11 +192,11 @@ def check(client: httpx.Client, path: str, raw: bytes, schema: dict, streamed: b
         if err["param"] is None:
             assert err["code"] == "invalid_json", err  # no single field at fault: the body is not a JSON object
         else:
-            assert err["param"] in schema["properties"], err
+            assert err["param"] in schema["properties"] or err["code"] == "unknown_parameter", err
     else:
         assert r.status_code == 200
         if path in ("/v1/completions", "/v1/chat/completions"):
-            assert body["choices"] and body["usage"]["completion_tokens"] <= 256
+            assert body["choices"] and body["usage"]["completion_tokens"] <= 256 * len(body["choices"])
         elif path == "/tokenize":
             assert body["count"] == len(body["tokens"])
         else:

@@ -130,27 +130,55 @@ def report(contexts=(32 * 1024, 100 * 1024), page_size: int = 64, hot_rows: int 
     return rows
 
 
-def main() -> None:  # pragma: no cover - CLI glue
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dhisparse.bench.memreport",
+                                description="Per-request device memory of each preset for a GLM-5.2-shaped KV "
+                                            "(the paper's Table 1 rows), computed on the meta device: a table on "
+                                            "stdout, and the rows as JSON with --out.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=None, help="also write the rows, command, machine and date as JSON here "
+                   "(the shipped result is bench/results/memreport_glm52.json)")
+    p.add_argument("--contexts", default="32768,102400", help="comma-separated context lengths in tokens")
+    p.add_argument("--page-size", type=int, default=64, help="token positions per KV page")
+    p.add_argument("--hot-rows", type=int, default=4096, help="hot-cache rows B per request")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     import json
     import platform
     import sys
     from datetime import datetime, timezone
 
-    rows = report()
+    ns = build_parser().parse_args(argv)
+    try:
+        contexts = tuple(int(c) for c in ns.contexts.split(",") if c.strip())
+    except ValueError:
+        print(f"error: --contexts must be comma-separated whole numbers; got {ns.contexts!r}", file=sys.stderr)
+        return 2
+    if not contexts or min(contexts) < 1 or ns.page_size < 1 or ns.hot_rows < 1:
+        print("error: --contexts, --page-size and --hot-rows must be positive", file=sys.stderr)
+        return 2
+    rows = report(contexts, ns.page_size, ns.hot_rows)
     print(f"{'preset':14} {'context':>8} {'device GiB':>11} {'history':>8} {'hot':>7} {'tail':>7} {'index':>7} {'meta':>9} "
           f"{'ring':>7} {'staging':>8} {'host GiB':>9}")
     for r in rows:
         print(f"{r['preset']:14} {r['context']:>8} {r['device_total']:>11.3f} {r['latent_history']:>8.3f} {r['hot_cache']:>7.3f} "
               f"{r['tail']:>7.3f} {r['index_state']:>7.3f} {r['metadata']:>9.5f} {r['draft_ring']:>7.4f} {r['staging']:>8.4f} "
               f"{r['host_backup']:>9.3f}")
-    if len(sys.argv) > 1:
-        meta = {"command": "python -m dhisparse.bench.memreport " + " ".join(sys.argv[1:]), "machine": platform.node(),
+    if ns.out:
+        args = sys.argv[1:] if argv is None else list(argv)
+        meta = {"command": "python -m dhisparse.bench.memreport " + " ".join(args), "machine": platform.node(),
                 "date": datetime.now(timezone.utc).isoformat(), "dtype": "bfloat16 (1152-B latent rows, 256-B index rows)",
-                "config": "GLM-5.2 KV shape, page 64, B 4096; +spec: 6-layer drafter (12 x 1024-B K/V per ring row), W 2048, p 64, K_max 8",
+                "config": f"GLM-5.2 KV shape, page {ns.page_size}, B {ns.hot_rows}; +spec: 6-layer drafter (12 x 1024-B "
+                          "K/V per ring row), W 2048, p 64, K_max 8",
                 "rows": rows}
-        with open(sys.argv[1], "w") as f:
+        with open(ns.out, "w") as f:
             json.dump(meta, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,74 +1,293 @@
-"""Engine flags shared by every command, named like SGLang's where an equivalent exists.
-Each flag maps onto one field of the frozen EngineConfig."""
+"""Flags shared by the commands: the global ones (`--log-level`, `--version`, accepted before or
+after the command) and the engine flags, each mapping onto one field of the frozen EngineConfig.
+
+Engine flags carry SGLang's names where an equivalent exists; vLLM's names are aliases:
+
+    --context-length        (vLLM --max-model-len)            -> max_model_len
+    --chunked-prefill-size  (vLLM --max-num-batched-tokens)   -> max_num_batched_tokens
+    --mem-fraction-static   (vLLM --gpu-memory-utilization)   -> kv_pool_bytes, see mem_fraction_pool_bytes
+    --tp-size               (vLLM --tensor-parallel-size)     only 1 (one GPU); anything else is refused
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 
-from dhisparse.engine.config import PRESETS, EngineConfig
+from dhisparse import __version__
+from dhisparse.engine.config import KV_CACHE_DTYPES, PRESETS, QUANTIZATIONS, EngineConfig
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# --dtype spellings (vLLM's and SGLang's) -> EngineConfig.dtype (None = the checkpoint's)
+DTYPE_NAMES = {"auto": None, "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`dhisparse serve: error: ...`) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only for real defaults (engine flags default to None = "the engine's")."""
+    """Shows "(default: X)" only for real defaults (engine flags default to None = "the engine's":
+    their help names EngineConfig's default itself)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
             return action.help or ""
+        if "%(default)" in (action.help or "") or "default:" in (action.help or ""):
+            return action.help or ""
         return super()._get_help_string(action)
 
 
-# flag -> (EngineConfig field, type, help)
-ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model-path": ("model", str, "'tiny' (built-in GLM-5-architecture model, random weights) or a Hugging Face checkpoint folder"),
-    "--preset": ("preset", str, f"KV policy: {', '.join(PRESETS)}"),
-    "--device": ("device", str, "auto (cuda if available), cpu, cuda or cuda:N"),
-    "--dtype": ("dtype", str, "float32, bfloat16 or float16 (default: the checkpoint's)"),
-    "--page-size": ("page_size", int, "token positions per KV page"),
-    "--kv-pool-bytes": ("kv_pool_bytes", int, "KV pool capacity in bytes (default: --kv-pool-fraction of free GPU memory; 256 MiB on CPU)"),
-    "--kv-pool-fraction": ("kv_pool_fraction", float, "share of free GPU memory for the KV pool when --kv-pool-bytes is unset"),
-    "--max-running-requests": ("max_running_requests", int, "requests decoding or prefilling at once"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one engine step (chunked prefill)"),
-    "--max-model-len": ("max_model_len", int, "limit on prompt + output tokens (default: the model's)"),
-    "--hot-cache-rows": ("hot_cache_rows", int, "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
-    "--host-pool-bytes": ("host_pool_bytes", int, "host backing capacity in bytes (default 4 x the KV pool)"),
-    "--admission-reserve-pages": ("admission_reserve_pages", int, "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
-    "--reclaim-order": ("reclaim_order", str, "adaptive: who loses optional history first: remaining (fewest tokens left), largest, newest"),
-    "--repopulate-pages": ("repopulate_pages", int, "adaptive: optional pages refilled from host per step at most"),
-    "--backup-ahead-pages": ("backup_ahead_pages", int,
-                             "adaptive: host backups of optional pages started per step under memory pressure"),
-    "--cuda-graphs": ("cuda_graphs", str, "auto (default), none, ffn, layer or step: piecewise CUDA graphs per token bucket of each layer's FFN block (ffn), and also its pre-attention piece and sparse attention (layer); step = layer plus one graph of the whole forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it"),
-    "--copy-stream": ("copy_stream", str, "adaptive on CUDA: page copies on a 'side' stream (events) or the 'compute' stream"),
-    "--load-stream": ("load_stream", str, "CUDA: admission copies (prefix import, hisparse hand-off) on 'side' streams or the 'compute' stream"),
-    "--speculative-algorithm": ("speculative_algorithm", str, "speculative decoding: dflash, dspark, ngram or oracle (benchmark tool); works with any preset"),
-    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "K_max: target queries per request and round, anchor included"),
-    "--speculative-draft-window-size": ("speculative_draft_window_size", int, "W: positions the drafter's KV ring keeps"),
-    "--speculative-draft-model-path": ("speculative_draft_model_path", str, "DFlash drafter checkpoint folder (default: seeded random weights)"),
-    "--speculative-policy": ("speculative_policy", str, "verification width policy: fixed, static (by load) or online"),
-    "--speculative-oracle-tokens-per-round": ("speculative_oracle_tokens_per_round", float, "oracle drafter calibration, e.g. 2.88"),
-    "--resolver": ("resolver", str, "resolver implementation: auto, torch or triton"),
-    "--kernel-backend": ("kernel_backend", str, "attention / indexer kernels: auto (Triton on CUDA), torch or triton"),
-    "--mla-split-rows": ("mla_split_rows", int, "sparse-MLA locations per program (flash-decoding split; 0 = off)"),
-    "--admission-lookahead": ("admission_lookahead", int, "waiting requests admitted past one that does not fit yet (0 = strict FCFS)"),
-    "--admission-age-bound": ("admission_age_bound_s", float, "seconds after which a waiting request that does not fit blocks skip-ahead"),
-    "--cpu-threads": ("cpu_threads", int, "torch intra-op threads on CPU (default 1)"),
-    "--seed": ("seed", int, "seed of the built-in model's random weights and default sampling seed"),
-}
+def _number(kind: type, low: float, what: str):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}; got {text!r}") from None
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"must be {what}; got {text!r}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, 1, "a whole number >= 1")
+nonneg_int = _number(int, 0, "a whole number >= 0")
+positive_float = _number(float, 1e-300, "a number > 0")
+nonneg_float = _number(float, 0, "a number >= 0")
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1]; got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1]; got {text!r}")
+    return v
+
+
+def _dtype(text: str) -> str:
+    key = text.strip().lower()
+    if key not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(DTYPE_NAMES)})")
+    return key
+
+
+def _upper(text: str) -> str:
+    return text.strip().upper()
+
+
+def _lower(text: str) -> str:
+    return text.strip().lower()
+
+
+class Flag:
+    """One engine flag: its names (the first is the primary, SGLang's), the EngineConfig field, type, help."""
+
+    def __init__(self, names: str | tuple[str, ...], field: str | None, type_=str, help_: str = "",
+                 choices: tuple | None = None, dest: str | None = None, metavar: str | None = None) -> None:
+        self.names = (names,) if isinstance(names, str) else names
+        self.field, self.type, self.help, self.choices = field, type_, help_, choices
+        self.dest, self.metavar = dest or field, metavar
+
+    def help_text(self) -> str:
+        h = self.help
+        d = _DEFAULTS.get(self.field) if self.field else None
+        if d is not None and "default" not in h:
+            h += f" (default: {d})"
+        return h
+
+
+FLAGS: list[Flag] = [
+    Flag(("--model-path", "--model"), "model",
+         help_="'tiny' (built-in GLM-5-architecture model, random weights), another built-in, a Hugging Face checkpoint "
+               "folder, or a Hub id org/name found in the local Hugging Face cache (offline; HF_HUB_CACHE / HF_HOME)"),
+    Flag("--revision", "revision", help_="Hub revision (branch, tag or commit) of a --model-path org/name (default: main)"),
+    Flag(("--tokenizer-path", "--tokenizer"), "tokenizer",
+         help_="tokenizer folder (tokenizer.json [+ tokenizer_config.json]) or Hub id (default: the model's)"),
+    Flag("--chat-template", "chat_template",
+         help_="chat template: a Jinja file, or the template text itself (default: the tokenizer's)"),
+    Flag("--preset", "preset", help_="KV policy", choices=PRESETS),
+    Flag("--device", "device", help_="auto (cuda if available), cpu, cuda or cuda:N"),
+    Flag("--dtype", "dtype", _dtype, metavar="{" + ",".join(DTYPE_NAMES) + "}",
+         help_="weights and KV dtype: auto = the checkpoint's (float32 for 'tiny'); half = float16, bf16 = bfloat16"),
+    Flag("--kv-cache-dtype", "kv_cache_dtype", _lower, choices=KV_CACHE_DTYPES,
+         help_="KV cache dtype: auto = the model dtype; bfloat16 needs a bfloat16 model; fp8_e4m3 / fp8_e5m2 are not "
+               "supported yet (issue #28)"),
+    Flag("--quantization", "quantization", _lower, choices=QUANTIZATIONS,
+         help_="weights: none = as stored (block-scaled FP8 checkpoints are dequantized at load); fp8 = require a "
+               "block-scaled FP8 checkpoint (dequantized at load; no online quantization)"),
+    Flag("--page-size", "page_size", positive_int, "token positions per KV page"),
+    Flag(("--context-length", "--max-model-len"), "max_model_len", positive_int,
+         "limit on prompt + output tokens (default: the model's max_position_embeddings)"),
+    Flag(("--chunked-prefill-size", "--max-num-batched-tokens"), "max_num_batched_tokens", positive_int,
+         "token budget of one engine step: long prompts are prefilled in chunks of at most this many tokens"),
+    Flag(("--max-running-requests", "--max-num-seqs"), "max_running_requests", positive_int,
+         "requests decoding or prefilling at once"),
+    Flag(("--mem-fraction-static", "--gpu-memory-utilization"), None, _fraction, dest="mem_fraction_static",
+         help_="CUDA: fraction of the GPU's total memory for static allocation, model weights + KV pool, as in "
+               "SGLang: KV pool bytes = fraction x total - memory in use once the weights are loaded. Replaces "
+               "--kv-pool-fraction (share of the free memory after loading). CPU: ignored (the pool is "
+               "--kv-pool-bytes, default 256 MiB)"),
+    Flag("--kv-pool-bytes", "kv_pool_bytes", positive_int,
+         "KV pool capacity in bytes (default: --kv-pool-fraction of free GPU memory; 256 MiB on CPU)"),
+    Flag("--kv-pool-fraction", "kv_pool_fraction", _fraction,
+         "share of the GPU memory free after loading the weights for the KV pool when --kv-pool-bytes is unset"),
+    Flag(("--tp-size", "--tensor-parallel-size"), None, positive_int, dest="tp_size",
+         help_="tensor parallelism: only 1 (dhisparse runs one model on one device)"),
+    Flag("--hot-cache-rows", "hot_cache_rows", positive_int,
+         "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
+    Flag("--host-pool-bytes", "host_pool_bytes", positive_int,
+         "host backing capacity in bytes (default 4 x the KV pool, capped at half of the available memory)"),
+    Flag("--admission-reserve-pages", "admission_reserve_pages", nonneg_int,
+         "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
+    Flag("--reclaim-order", "reclaim_order", help_="adaptive: who loses optional history first: remaining (fewest "
+         "tokens left), largest, newest", choices=("remaining", "largest", "newest")),
+    Flag("--repopulate-pages", "repopulate_pages", nonneg_int, "adaptive: optional pages refilled from host per step at most"),
+    Flag("--backup-ahead-pages", "backup_ahead_pages", nonneg_int,
+         "adaptive: host backups of optional pages started per step under memory pressure"),
+    Flag("--cuda-graphs", "cuda_graphs", help_="piecewise CUDA graphs per token bucket of each layer's FFN block (ffn), "
+         "and also its pre-attention piece and sparse attention (layer); step = layer plus one graph of the whole "
+         "forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it",
+         choices=("auto", "none", "ffn", "layer", "step")),
+    Flag("--copy-stream", "copy_stream", help_="adaptive on CUDA: where page copies run", choices=("side", "compute")),
+    Flag("--load-stream", "load_stream", help_="CUDA: where admission copies (prefix import, hisparse hand-off) run",
+         choices=("compute", "side")),
+    Flag("--speculative-algorithm", "speculative_algorithm",
+         help_="speculative decoding over any preset (oracle: a benchmark tool)",
+         choices=("dflash", "dspark", "ngram", "oracle")),
+    Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens", positive_int,
+         "K_max: target queries per request and round, anchor included"),
+    Flag("--speculative-draft-window-size", "speculative_draft_window_size", positive_int,
+         "W: positions the drafter's KV ring keeps"),
+    Flag("--speculative-draft-model-path", "speculative_draft_model_path",
+         help_="DFlash drafter checkpoint folder (default: seeded random weights)"),
+    Flag("--speculative-policy", "speculative_policy", help_="verification width policy: fixed, static (by load) or online",
+         choices=("fixed", "static", "online")),
+    Flag("--speculative-oracle-tokens-per-round", "speculative_oracle_tokens_per_round", positive_float,
+         "oracle drafter calibration, e.g. 2.88"),
+    Flag("--resolver", "resolver", help_="resolver implementation", choices=("auto", "torch", "triton")),
+    Flag("--kernel-backend", "kernel_backend", help_="attention / indexer kernels (auto: Triton on CUDA)",
+         choices=("auto", "torch", "triton")),
+    Flag("--mla-split-rows", "mla_split_rows", nonneg_int, "sparse-MLA locations per program (flash-decoding split; 0 = off)"),
+    Flag("--admission-lookahead", "admission_lookahead", nonneg_int,
+         "waiting requests admitted past one that does not fit yet (0 = strict FCFS)"),
+    Flag("--admission-age-bound", "admission_age_bound_s", nonneg_float,
+         "seconds after which a waiting request that does not fit blocks skip-ahead"),
+    Flag("--cpu-threads", "cpu_threads", positive_int, "torch intra-op threads on CPU (default: 1)"),
+    Flag("--seed", "seed", int, "seed of the built-in model's random weights and default sampling seed"),
+]
+
+# flag -> (EngineConfig field, type, help): the primary name of every flag that maps onto a field
+ENGINE_FLAGS: dict[str, tuple[str, object, str]] = {f.names[0]: (f.field, f.type, f.help) for f in FLAGS if f.field}
+
+
+def add_global_args(p: argparse.ArgumentParser, top: bool) -> None:
+    """--log-level and --version. On a command's parser they default to SUPPRESS, so a value given
+    before the command is kept unless the same flag is given again after it."""
+    g = p.add_argument_group("global")
+    g.add_argument("--log-level", type=_upper, choices=LOG_LEVELS, default="WARNING" if top else argparse.SUPPRESS,
+                   help="logging level (INFO shows KV pool sizing, load progress and the serving log)"
+                        + (" (default: WARNING)" if top else ""))
+    g.add_argument("--version", action="version", version=f"dhisparse {__version__}")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    for flag, (field, typ, help_) in ENGINE_FLAGS.items():
-        names = [flag, "--model"] if field == "model" else [flag]
-        g.add_argument(*names, dest=field, type=typ, default=None, help=help_)
+    g = p.add_argument_group("engine", "model and KV engine (every command that runs an engine takes these)")
+    for f in FLAGS:
+        kw = dict(dest=f.dest, type=f.type, default=None, help=f.help_text())
+        if f.choices:
+            kw["choices"] = f.choices
+        if f.metavar:
+            kw["metavar"] = f.metavar
+        elif not f.choices and f.type is not str and f.type is not _lower:
+            kw["metavar"] = "N" if f.type in (int, positive_int, nonneg_int) else "X"
+        g.add_argument(*f.names, **kw)
     g.add_argument("--debug-checks", dest="debug_checks", action="store_true", default=None, help="check KV pool integrity after every step")
     g.add_argument("--step-graph-warmup", dest="step_graph_warmup", action="store_true", default=None,
                    help="capture every decode / verification step graph at start (default: on first use)")
 
 
-def engine_config(ns: argparse.Namespace, **overrides: object) -> EngineConfig:
-    kw = {f: getattr(ns, f) for f, _, _ in ENGINE_FLAGS.values() if getattr(ns, f, None) is not None}
+# settings only `load_for_config` applies (serve and generate load through it; the sweep commands
+# load through bench/sweep.py's load_shared_model, which does not take them yet)
+LOADER_FIELDS = {"revision": "--revision", "tokenizer": "--tokenizer", "chat_template": "--chat-template",
+                 "quantization": "--quantization"}
+
+
+def engine_config(ns: argparse.Namespace, *, full_loader: bool = False, **overrides: object) -> EngineConfig:
+    """The EngineConfig of the parsed flags (ValueError naming the flag on a bad one). full_loader:
+    the command loads through `build_engine` (all loader flags apply); otherwise the flags it would
+    ignore are refused rather than silently dropped."""
+    kw = {f.field: getattr(ns, f.dest) for f in FLAGS if f.field and getattr(ns, f.dest, None) is not None}
+    if "dtype" in kw:
+        kw["dtype"] = DTYPE_NAMES.get(kw["dtype"], kw["dtype"])
+        if kw["dtype"] is None:
+            del kw["dtype"]
+    tp = getattr(ns, "tp_size", None)
+    if tp is not None and tp != 1:
+        raise ValueError(f"--tp-size / --tensor-parallel-size {tp}: tensor parallelism is not supported; dhisparse "
+                         "runs one model on one device (leave the flag out or pass 1)")
+    frac = getattr(ns, "mem_fraction_static", None)
+    if not full_loader:
+        given = [flag for field, flag in LOADER_FIELDS.items() if kw.get(field) not in (None, "none")]
+        given += ["--mem-fraction-static"] if frac is not None else []
+        given += ["--kv-cache-dtype bfloat16"] if kw.get("kv_cache_dtype") == "bfloat16" else []
+        if given:
+            raise ValueError(f"`dhisparse {getattr(ns, 'command', 'COMMAND')}` does not take {', '.join(given)} yet "
+                             "(serve and generate do); leave it out")
+    if frac is not None and ("kv_pool_bytes" in kw or "kv_pool_fraction" in kw):
+        raise ValueError("--mem-fraction-static sizes the KV pool; give it or --kv-pool-bytes / --kv-pool-fraction, not both")
     if getattr(ns, "debug_checks", None):
         kw["debug_checks"] = True
     if getattr(ns, "step_graph_warmup", None):
         kw["step_graph_warmup"] = True
     kw.update(overrides)
     return EngineConfig.from_kwargs(**kw)
+
+
+def mem_fraction_pool_bytes(fraction: float, free: int, total: int) -> int:
+    """SGLang's --mem-fraction-static on our pool: static memory (weights + KV pool) may use
+    `fraction` of the device's total memory; measured once the weights are loaded, everything in use
+    then (weights, CUDA context, other processes) counts against it:
+        kv_pool_bytes = fraction x total - (total - free)."""
+    pool = int(fraction * total) - (total - free)
+    if pool <= 0:
+        raise ValueError(f"--mem-fraction-static {fraction}: {format_gib(total - free)} GiB of the GPU's "
+                         f"{format_gib(total)} GiB are in use after loading the weights, more than {fraction} of it; "
+                         "raise the fraction")
+    return pool
+
+
+def format_gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f}"
+
+
+def build_engine(ns: argparse.Namespace, config: EngineConfig | None = None, progress: bool = True):
+    """The command's Engine: the model loaded first through `registry.load_for_config` (Hub id,
+    revision, tokenizer, chat template, quantization; a shard progress bar), then the pool sized
+    (--mem-fraction-static on CUDA), then the engine built on the loaded model."""
+    import torch
+
+    from dhisparse.engine.engine import Engine
+    from dhisparse.engine.memory import resolve_device
+    from dhisparse.models.registry import load_for_config
+
+    config = config or engine_config(ns, full_loader=True)
+    device = resolve_device(config.device)
+    loaded = load_for_config(config, device, progress=progress)
+    frac = getattr(ns, "mem_fraction_static", None)
+    if frac is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        config = dataclasses.replace(config, kv_pool_bytes=mem_fraction_pool_bytes(frac, free, total))
+    elif frac is not None:
+        logging.getLogger("dhisparse.cli").warning(
+            "--mem-fraction-static applies to GPU memory; on %s the KV pool is --kv-pool-bytes (default 256 MiB)", device)
+    return Engine(config, loaded=loaded)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 
-from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
+from dhisparse.cli.args import HelpFormatter, add_engine_args, build_engine, engine_config
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def add_parser(sub) -> None:
@@ -19,12 +23,16 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=int, default=30000, help="TCP port")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the --model-path value)")
-    g.add_argument("--default-max-tokens", type=int, default=256, help="output cap for requests without max_tokens")
+    g.add_argument("--default-max-tokens", type=int, default=None,
+                   help="output cap for requests without max_tokens (default: up to the context, as vLLM)")
+    g.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between serving log lines (throughput, queue, pools) while there is work; 0 = off")
     g.add_argument("--shutdown-mode", choices=("drain", "abort"), default="drain",
                    help="on SIGTERM: let in-flight requests finish (drain) or end them at once (abort)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="longest wait in seconds for in-flight requests at shutdown")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="abort a request running longer (seconds)")
-    g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS, default="info",
+                   help="uvicorn's log level")
     g.add_argument("--skip-server-warmup", action="store_true",
                    help="open the port at once, without first running short warm-up requests (the first real "
                         "requests then pay the kernel compiles and graph captures)")
@@ -67,6 +75,12 @@ def _number(flag: str, text: str, kind: type):
         raise ValueError(f"{flag} must be {what}; got {text!r}") from None
 
 
+def _log_interval(value: float) -> float:
+    if not (value >= 0) or value == float("inf"):
+        raise ValueError(f"--log-interval must be >= 0 seconds (0 = off); got {value}")
+    return value
+
+
 def server_config(ns: argparse.Namespace):
     from dhisparse.server.app import ServerConfig
 
@@ -84,11 +98,32 @@ def server_config(ns: argparse.Namespace):
                         allowed_origins=_names("--allowed-origins", ns.allowed_origins),
                         max_request_bytes=_number("--max-request-bytes", ns.max_request_bytes, int),
                         stream_stall_timeout_s=_number("--stream-stall-timeout", ns.stream_stall_timeout, float),
-                        header_timeout_s=_number("--header-timeout", ns.header_timeout, float))
+                        header_timeout_s=_number("--header-timeout", ns.header_timeout, float),
+                        log_interval_s=_log_interval(ns.log_interval))
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind (and release) host:port before the model loads, so a busy port or an address this
+    machine does not have is a one-line error now rather than after loading and warm-up."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port}: {host}:{port} is already in use; stop what listens there or pick "
+                                 "another --port") from None
+            raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
 
 
 def run(ns: argparse.Namespace) -> int:
-    from dhisparse.engine.engine import Engine
     from dhisparse.server.runner import serve
 
     if not 0 <= ns.port < 65536:
@@ -96,7 +131,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.warmup_timeout <= 0:
         raise ValueError(f"--warmup-timeout must be > 0 seconds; got {ns.warmup_timeout}")
     config = server_config(ns)
-    engine = Engine(engine_config(ns))
+    econfig = engine_config(ns, full_loader=True)  # every flag checked before anything loads
+    check_port(ns.host, ns.port)
+    engine = build_engine(ns, econfig)
     if not ns.skip_server_warmup:
         from dhisparse.engine.warmup import warm_up_server
 

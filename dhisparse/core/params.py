@@ -31,6 +31,21 @@ class SamplingParams:
     stop            strings that end generation; the emitted text stops right before them
     stop_token_ids  token ids that end generation (their text is not emitted)
     ignore_eos      keep generating past the model's EOS token(s)
+    min_tokens      EOS and stop_token_ids are masked (probability 0) until this many tokens
+                    have been generated (stop strings still apply); 0 disables it
+    presence_penalty   OpenAI: logit -= presence_penalty for every token already in the output
+    frequency_penalty  OpenAI: logit -= frequency_penalty * (count of the token in the output)
+    repetition_penalty CTRL / HF / vLLM: for a token in the prompt or the output, a positive logit
+                    is divided by it and a negative one multiplied; 1.0 disables it
+    logit_bias      (token id, bias) pairs added to the logits (OpenAI: -100..100)
+    logprobs        None: no logprobs; k >= 0: report each output token's logprob and the k most
+                    likely alternatives (dhisparse.core.logits.token_logprobs defines them)
+    prompt_logprobs None, or k >= 0: the same for every prompt token (echo)
+    grammar         None, or a compiled llguidance grammar (structured output, engine/grammar.py):
+                    tokens outside it get probability 0
+
+    Penalties and the bias act on the raw logits before temperature / top-k / top-p, in
+    `processed_probs`, so speculative verification judges drafts against the same distribution.
     """
 
     max_tokens: int = 16
@@ -41,11 +56,50 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
         self._check_numbers()
         self._check_stops()
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        bias = tuple(sorted((t, float(b)) if isinstance(b, (int, float)) and not isinstance(b, bool) else (t, b)
+                            for t, b in (bias or ())))
+        object.__setattr__(self, "logit_bias", bias)
+        for t, b in bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            if not isinstance(b, float) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0.0 < r <= 100.0):
+            raise ValueError(f"repetition_penalty must be in (0, 100] (1 disables it), got {r!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a compiled grammar string or None, got {type(self.grammar).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                raise ValueError(f"{name} must be None or an int in [0, 20], got {v!r}")
 
     def _normalise_sequences(self) -> None:
         stop = self.stop
@@ -92,6 +146,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax (temperature < GREEDY_EPS, 0 included)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def penalised(self) -> bool:
+        """True when the logits are changed before temperature (penalties or a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def top_k_enabled(self) -> bool:

@@ -1,7 +1,9 @@
 """Turn last-position logits into next tokens, one `SamplingParams` per row.
 
 `processed_probs` is the single definition of "the distribution request i samples from":
-temperature, then top-k, then top-p, renormalised; greedy rows are a one-hot at the argmax.
+the logit processors (penalties, logit_bias, min_tokens: core/logits.py, given the row's
+`History`), then temperature, then top-k, then top-p, renormalised; greedy rows are a one-hot at
+the argmax of the processed logits.
 `Sampler.sample` draws exactly from it, and speculative rejection sampling reuses it for the
 target and draft distributions, so the two can never drift apart.
 
@@ -19,6 +21,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from dhisparse.core.logits import History, apply_processors
 from dhisparse.core.params import MAX_TEMPERATURE, SamplingParams
 
 
@@ -58,10 +61,13 @@ def _row_settings(params: Sequence[SamplingParams], vocab: int, device) -> tuple
     return as_col(temp, torch.float32), as_col(top_k, torch.int64), as_col(top_p, torch.float32)
 
 
-def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    history: Sequence[History | None] | None = None) -> torch.Tensor:
     """The distribution each row samples from.
 
-    logits [N, V] fp32 -> probs [N, V] fp32, each row summing to 1.
+    logits [N, V] fp32 -> probs [N, V] fp32, each row summing to 1. With `history` (one per row,
+    None for a row without processors) the penalties / bias / min_tokens mask are applied first
+    (`apply_processors`); everything below reads those processed logits.
     Sampled rows: softmax((logits - max) / T) restricted to the top-k ranks, then to the shortest rank
     prefix whose mass reaches top_p (mass measured after top-k), renormalised.
     Greedy rows (temperature < GREEDY_EPS): one-hot at argmax(logits).
@@ -70,7 +76,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     _check_batch(logits, params)
     n, vocab = logits.shape
-    logits = logits.float()
+    logits = apply_processors(logits, params, history).float()
     temp, top_k, top_p = _row_settings(params, vocab, logits.device)
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     sorted_logits, order = torch.sort(shifted / temp, dim=-1, descending=True, stable=True)
@@ -99,11 +105,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        history: Sequence[History | None] | None = None,
     ) -> SampleOutput:
         """logits [N, V] fp32 -> SampleOutput(tokens [N] int64, probs [N, V] | None).
 
-        Greedy rows take argmax (lowest id on ties). Other rows draw one token from their row of
-        `processed_probs` with `generators[i]` (None -> torch's global RNG).
+        Greedy rows take argmax of the processed logits (lowest id on ties). Other rows draw one
+        token from their row of `processed_probs` with `generators[i]` (None -> torch's global RNG).
+        `history`: per-row `History` for the logit processors (None: none apply).
         """
         _check_batch(logits, params)
         if len(generators) != len(params):
@@ -111,6 +119,7 @@ class Sampler:
                 f"generators must have one entry per row (None allowed): {len(generators)} for "
                 f"{len(params)} rows"
             )
+        logits = apply_processors(logits, params, history)
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return SampleOutput(greedy_tokens.to(torch.int64), None)

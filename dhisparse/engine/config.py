@@ -8,6 +8,8 @@ from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
 from dhisparse.spec.config import SpecConfig
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # accepted names; fp8 ones refused (issue #28)
+QUANTIZATIONS = ("none", "fp8")
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
 AVAILABLE_PRESETS = PRESETS
 
@@ -20,7 +22,8 @@ class ConfigValueError(ValueError):
 class EngineConfig:
     """Engine settings (CLI flags in brackets).
 
-    model [--model-path]: "tiny" (built-in) or a Hugging Face checkpoint folder.
+    model [--model-path]: "tiny" (built-in), a Hugging Face checkpoint folder, or a Hub id org/name
+        in the local Hugging Face cache (models/registry.py resolve_hub; offline).
     preset [--preset]: KV policy, one of PRESETS.
     device [--device]: "auto" (cuda if available), "cpu" or "cuda".
     dtype [--dtype]: weights/KV dtype; None = checkpoint dtype (fp32 for tiny).
@@ -84,6 +87,14 @@ class EngineConfig:
     cpu_threads [--cpu-threads]: torch intra-op threads when running on CPU (default 1: the
         tensors of one step are small, and thread hand-offs cost more than they gain).
     seed [--seed]: seed of the built-in model's random weights.
+    revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
+    tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
+    chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
+    kv_cache_dtype [--kv-cache-dtype]: "auto" (the model dtype) or "bfloat16" (needs a bfloat16
+        model); "fp8_e4m3" / "fp8_e5m2" are refused: FP8 KV is not supported yet (issue #28).
+    quantization [--quantization]: None / "none" (weights as stored: block-scaled FP8 checkpoints
+        are dequantized at load) or "fp8" (require a block-scaled FP8 checkpoint; no online
+        quantization).
     debug_checks [--debug-checks]: run pool integrity checks after every step.
     """
 
@@ -122,6 +133,11 @@ class EngineConfig:
     cpu_threads: int | None = None
     seed: int = 0
     debug_checks: bool = False
+    revision: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -157,11 +173,31 @@ class EngineConfig:
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
         self.kernel_settings()  # validates the kernel settings (the message names the setting)
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
+            raise ConfigValueError(f"cpu_threads must be >= 1 (or unset); got {self.cpu_threads}")
         for name in ("hot_cache_rows", "host_pool_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
+        self._check_new_fields()
+
+    def _check_new_fields(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                   f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ConfigValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: FP8 KV cache is not supported yet: see "
+                                   "issue #28; use auto or bfloat16")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype not in (None, "bfloat16"):
+            raise ConfigValueError(f"--kv-cache-dtype bfloat16 needs a bfloat16 model; got --dtype {self.dtype} "
+                                   "(the KV cache has the model's dtype: pass --dtype bfloat16 or --kv-cache-dtype auto)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigValueError(f"quantization (--quantization) must be none or fp8 (block-scaled FP8 checkpoints); "
+                                   f"got {self.quantization!r}")
+        for name in ("revision", "tokenizer", "chat_template"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                raise ConfigValueError(f"{name} (--{name.replace('_', '-')}) is empty; give a value or leave it out")
 
     @property
     def base_preset(self) -> str:

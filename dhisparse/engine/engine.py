@@ -13,7 +13,9 @@ import time
 import torch
 
 from dhisparse.core.contracts import RequestFailures
+from dhisparse.core.logits import History, TokenLogprob, apply_processors, needs_history, token_logprobs
 from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.grammar import Grammars
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, release_memory, resolve_device
 from dhisparse.core.params import SamplingParams
@@ -30,7 +32,7 @@ from dhisparse.kv.build import build_store
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
 from dhisparse.models.dsa import ModelOutput
-from dhisparse.models.registry import LoadedModel, load_model
+from dhisparse.models.registry import LoadedModel, load_for_config
 from dhisparse.models.tokenizer import stream_detokenizer
 
 log = logging.getLogger("dhisparse.engine")
@@ -45,8 +47,7 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or 1)
         kernel_backend.configure(config.kernel_settings().with_env())  # env overrides read here, not at import
-        dtype = DTYPES[config.dtype] if config.dtype else None
-        self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
+        self.loaded = loaded or load_for_config(config, self.device)  # revision, tokenizer, chat template, quantization
         if self.loaded.model.device.type != self.device.type:  # a model loaded elsewhere (e.g. a CPU test fixture)
             log.info("moving the model from %s to %s", self.loaded.model.device, self.device)
             self.loaded.model.to(self.device)
@@ -68,12 +69,21 @@ class Engine:
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
         self._held_outputs: list[RequestOutput] = []
+        self._verify_lps: dict[str, list[TokenLogprob]] = {}  # request id -> this round's emitted logprobs
+        self._grammars: Grammars | None = None
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
         self._capture_graphs(config)
         self.step_graphs = self.make_step_graphs(CudaGraphRunner()) if self.graph_mode == "step" else None
         if self.step_graphs is not None and config.step_graph_warmup:
             self.step_graphs.warm(config.max_running_requests, self.spec.capture if self.spec else ())
         log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output (engine/grammar.py): built on the first request with a grammar."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def _set_graphs(self, mode: str) -> None:
         experts = self.model_config.n_routed_experts
@@ -148,9 +158,11 @@ class Engine:
         rid = request_id or next_request_id()
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         detok = _Detok(stream_detokenizer(self.tokenizer))
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
-        req = Request(rid, ids, params, make_generator(params.seed, self.device), StopChecker(params, eos, detok), export_prefix=export_prefix)
+        req = Request(rid, ids, params, make_generator(params.seed, self.device), StopChecker(params, eos, detok), export_prefix=export_prefix,
+                      eos=eos, prompt_logprobs=None if params.prompt_logprobs is None else [None], matcher=matcher)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -167,6 +179,8 @@ class Engine:
         """(stored prefix or None, rows to import) for a waiting request, matched once. A prefix
         without the features this engine's drafter reads is not imported (the prompt is prefilled)."""
         m = self._matches.get(request_id)
+        if m is None and self.requests[request_id].params.prompt_logprobs is not None:
+            m = self._matches[request_id] = (None, 0)  # prompt logprobs need every prompt position's logits
         if m is None:
             m = self.prefixes.match(self.requests[request_id].prompt_ids)
             if m[0] is not None and self.spec is not None and not self.spec.serves(m[0]):
@@ -264,6 +278,8 @@ class Engine:
                 self.spec.observe_prefill(c, out.captured, a, b)
                 if c.req.export_prefix:
                     self.spec.keep_features(c.req.request_id, out.captured, a, b)
+            if c.req.prompt_logprobs is not None and not c.decodes:
+                self._prompt_logprobs(c, out.hidden, a, b)
             if c.sample:
                 sampled.append((c, b - 1))
         accs = self._verify(verifying, out.hidden)
@@ -278,6 +294,7 @@ class Engine:
         outputs += self._sample([(c, i) for c, i in sampled if not c.req.export_prefix and c.req.status is not Status.FINISHED], out.hidden)
         outputs += self._commit([v for v in verifying if v[0].req.status is not Status.FINISHED],
                                 [a for v, a in zip(verifying, accs) if v[0].req.status is not Status.FINISHED], out.captured)
+        self._verify_lps.clear()
         if self.spec is not None:
             self.spec.observe_step(time.perf_counter() - t_start)
         self._decoding = sum(1 for c in chunks if c.decodes)
@@ -317,10 +334,54 @@ class Engine:
         rows = [i for _, a, b in verifying for i in range(a, b)]
         if rows != list(range(hidden.shape[0])):  # a verification-only pass uses every row, in order
             hidden = hidden.index_select(0, torch.tensor(rows).to(hidden.device, non_blocking=True))
-        accs = self.spec.verify(verifying, self.model.logits(hidden))
-        for (c, _, _), acc in zip(verifying, accs):
+        raw = self.model.logits(hidden)
+        consumed: dict[str, int] = {}
+        accs = self.spec.verify(verifying, self._processed_verify_logits(verifying, raw, consumed))
+        off = 0
+        for (c, a, b), acc in zip(verifying, accs):
             c.req.num_computed = c.start + acc.committed
+            if c.req.matcher is not None:  # rejected drafts rolled back, the bonus consumed
+                try:
+                    c.req.matcher.settle(consumed[c.req.request_id], acc.accepted, acc.bonus)
+                except Exception as e:  # noqa: BLE001 - that request alone fails (reported before the commit)
+                    self._failed[c.req.request_id] = f"grammar: {type(e).__name__}: {e}"
+            k = c.req.params.logprobs
+            if k is not None:
+                rows = raw[off : off + len(acc.emitted)]
+                self._verify_lps[c.req.request_id] = token_logprobs(rows, acc.emitted, [k] * len(acc.emitted))
+            off += b - a
         return accs
+
+    @staticmethod
+    def _processed_verify_logits(verifying, raw: torch.Tensor, consumed: dict[str, int]) -> torch.Tensor:
+        """Verification rows through the requests' logit processors (core/logits.py): row i of a
+        chunk [anchor, d_1..] sees the output so far + d_1..d_i, as decoding one token at a time
+        would, and the grammar mask after d_1..d_i (`Matcher.round_masks`; `consumed`: drafts the
+        matcher took, rolled back in `_verify`); the verifier then judges drafts against exactly
+        what the Sampler samples from."""
+        if not any(needs_history(c.req.params) for c, _, _ in verifying):
+            return raw
+        params, hist = [], []
+        for c, a, b in verifying:
+            r = c.req
+            h = History(r.prompt_ids, r.output_ids, r.eos) if needs_history(r.params) else None
+            masks = [None] * (b - a)
+            if r.matcher is not None:
+                masks, consumed[r.request_id] = r.matcher.round_masks(c.tokens[1:])
+            for i in range(b - a):
+                params.append(r.params)
+                hist.append(None if h is None else h.extended(c.tokens[1 : 1 + i], masks[i]))
+        return apply_processors(raw, params, hist)
+
+    def _prompt_logprobs(self, c: Chunk, hidden: torch.Tensor, a: int, b: int) -> None:
+        """Logprobs of the prompt tokens this prefill chunk predicts (row j -> position start+j+1)."""
+        prompt = c.req.prompt_ids
+        n = min(b - a, len(prompt) - 1 - c.start)
+        if n <= 0:
+            return
+        logits = self.model.logits(hidden[a : a + n])
+        toks = prompt[c.start + 1 : c.start + 1 + n]
+        c.req.prompt_logprobs.extend(token_logprobs(logits, toks, [c.req.params.prompt_logprobs] * n))
 
     def _commit(self, verifying, accs, captured) -> list[RequestOutput]:
         now, outs = time.perf_counter(), []
@@ -332,7 +393,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - that request's drafter state: it alone fails
                 outs.append(self._fail(c.req, f"drafter commit failed: {type(e).__name__}: {e}"))
                 continue
-            outs.append(self._append_tokens(c.req, acc.emitted, now))
+            outs.append(self._append_tokens(c.req, acc.emitted, now, self._verify_lps.get(c.req.request_id)))
         return outs
 
     def _sample(self, sampled: list[tuple[Chunk, int]], hidden: torch.Tensor) -> list[RequestOutput]:
@@ -344,22 +405,40 @@ class Engine:
         if idx != list(range(hidden.shape[0])):  # a decode pass samples every row, in order
             hidden = hidden.index_select(0, torch.tensor(idx).to(hidden.device, non_blocking=True))  # no sync
         logits = self.model.logits(hidden)
-        sample = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        params = [r.params for r in reqs]
+        hist = [r.history() if needs_history(p) else None for r, p in zip(reqs, params)]
+        sample = self.sampler.sample(logits, params, [r.generator for r in reqs],
+                                     hist if any(h is not None for h in hist) else None)
         tokens, now = sample.tokens.tolist(), time.perf_counter()
-        return [self._fail(r, sample.failed[i]) if i in sample.failed else self._append_tokens(r, [tok], now)
+        failed = dict(sample.failed)
+        for i, r in enumerate(reqs):
+            if r.matcher is not None and i not in failed:
+                try:
+                    r.matcher.consume([tokens[i]])
+                except Exception as e:  # noqa: BLE001 - that request alone fails
+                    failed[i] = f"grammar: {type(e).__name__}: {e}"
+        lps: list = [None] * len(reqs)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and i not in failed]
+        if want:
+            rows = logits if len(want) == len(reqs) else logits[torch.tensor(want, device=logits.device)]
+            for i, lp in zip(want, token_logprobs(rows, [tokens[i] for i in want], [params[i].logprobs for i in want])):
+                lps[i] = [lp]
+        return [self._fail(r, failed[i]) if i in failed else self._append_tokens(r, [tok], now, lps[i])
                 for i, (r, tok) in enumerate(zip(reqs, tokens))]
 
-    def _append_tokens(self, req: Request, toks: list[int], now: float) -> RequestOutput:
+    def _append_tokens(self, req: Request, toks: list[int], now: float,
+                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append tokens through the stop checks; tokens after a stop are dropped. A failure in the
-        stop checks or detokenizer fails this request alone."""
+        stop checks or detokenizer fails this request alone. `logprobs`: one per token (or None)."""
         try:
-            return self._append_checked(req, toks, now)
+            return self._append_checked(req, toks, now, logprobs)
         except AssertionError:  # a violated invariant or debug check: never a request's own fault
             raise
         except Exception as e:  # noqa: BLE001
             return self._fail(req, f"stop check failed: {type(e).__name__}: {e}")
 
-    def _append_checked(self, req: Request, toks: list[int], now: float) -> RequestOutput:
+    def _append_checked(self, req: Request, toks: list[int], now: float,
+                        logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         new, delta = [], ""
         if req.first_token_at is None:
             req.first_token_at = now
@@ -374,7 +453,9 @@ class Engine:
                 break
         pieces = req.stop.pieces
         return RequestOutput(req.request_id, new, delta, req.status is Status.FINISHED, req.finish_reason,
-                             req.metrics(), req.output_ids, len(req.output_ids), pieces, len(pieces))
+                             req.metrics(), req.output_ids, len(req.output_ids), pieces, len(pieces),
+                             logprobs=None if logprobs is None else logprobs[: len(new)],
+                             prompt_logprobs=req.prompt_logprobs)
 
     def _export(self, req: Request) -> None:
         n = len(req.prompt_ids)

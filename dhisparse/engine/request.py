@@ -9,6 +9,7 @@ from enum import Enum
 
 import torch
 
+from dhisparse.core.logits import History, TokenLogprob
 from dhisparse.core.params import SamplingParams
 
 _ids = itertools.count()
@@ -61,6 +62,14 @@ class Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    eos: tuple[int, ...] = ()  # the EOS ids that stop it (empty with ignore_eos); min_tokens masks them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: position 0 is None
+
+    matcher: object | None = None  # params.grammar: its grammar state (engine/grammar.py Matcher)
+
+    def history(self) -> History:
+        """What its logit processors read at the next position (core/logits.py)."""
+        return History(self.prompt_ids, self.output_ids, self.eos, None if self.matcher is None else self.matcher.mask())
 
     @property
     def all_ids(self) -> list[int]:
@@ -114,6 +123,8 @@ class RequestOutput:
     _pieces: list[str] = field(repr=False, compare=False)  # emitted text pieces; the first _m are this report's
     _m: int = field(repr=False, compare=False)
     error: str | None = None  # finish_reason "error": what failed in this request's work
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per new_token_ids entry
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs set: one per prompt token
 
     @property
     def token_ids(self) -> list[int]:

@@ -152,7 +152,16 @@ class _Reader:
         return self.handles[path]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for path in self.shards:
+        return self.iterate(progress=False)
+
+    def iterate(self, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) over every shard; progress: a tqdm bar over the shards on stderr."""
+        shards = list(self.shards)
+        if progress:
+            from tqdm import tqdm
+
+            shards = tqdm(shards, desc="Loading safetensors checkpoint shards", unit="shard", dynamic_ncols=True)
+        for path in shards:
             f = self._open(path)
             for name in f.keys():
                 if name.endswith(SCALE_SUFFIX) or self.where.get(name) != path:
@@ -253,7 +262,8 @@ def _finalize(model: DsaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Te
 
 
 def load_checkpoint(
-    folder: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    folder: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    progress: bool = False,
 ) -> LoadedModel:
     """Load config.json + safetensors from `folder` into a DsaForCausalLM on `device`.
 
@@ -272,7 +282,7 @@ def load_checkpoint(
     stacks = _ExpertStacks(expected, cfg, target, device)
     state: dict[str, torch.Tensor] = {}
     extra: dict[str, torch.Tensor] = {}
-    for name, t in reader:
+    for name, t in reader.iterate(progress):
         m = _EXPERT.match(name)
         if m is not None and not _is_extra(name, cfg):
             stacks.add(m, t)

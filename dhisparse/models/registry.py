@@ -1,26 +1,34 @@
 """`load_model(spec)`: one entry point for the CLI, server and benchmarks.
 
-spec is the name of a built-in model (`tiny`) or a checkpoint folder (config.json + safetensors,
-optionally tokenizer.json). The result carries its tokenizer.
+spec is the name of a built-in model (`tiny`), a checkpoint folder (config.json + safetensors,
+optionally tokenizer.json) or a Hub id `org/name` already in the local Hugging Face cache (found
+offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
+`load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
+template and quantization settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
 from dhisparse.models.scaled import build_scaled, scaled_config
 from dhisparse.models.tiny import build_tiny, tiny_config
-from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer
+from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer, with_chat_template
 from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
 from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
 
 log = logging.getLogger(__name__)
+SUPPORTED_FAMILIES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v4")  # config.json model_type values we load
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _tiny(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
@@ -50,28 +58,127 @@ BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int]
 }
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else huggingface_hub's default
+    (read from the environment now, not at huggingface_hub's import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
+    """A Hub id `org/name` -> its snapshot folder in the local cache, offline (local_files_only)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(f"--model {repo_id!r} looks like a Hub id but huggingface_hub is not installed "
+                             "(pip install huggingface_hub); or pass a checkpoint folder") from None
+    cache = hub_cache_dir()
+    rev = f" at revision {revision!r}" if revision else ""
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, a bad revision, ...
+        raise ModelLoadError(
+            f"--model {repo_id!r}{rev} is not in the local Hugging Face cache ({cache}; {type(e).__name__}); dhisparse "
+            f"does not download: fetch it first (`hf download {repo_id}`"
+            f"{' --revision ' + revision if revision else ''}), set HF_HUB_CACHE, or pass a folder"
+        ) from None
+
+
+def resolve_folder(spec: str | Path, revision: str | None = None) -> Path:
+    """A checkpoint folder, or the cached snapshot of a Hub id (ModelLoadError naming both otherwise)."""
+    name = str(spec)
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if revision is not None:
+            raise ModelLoadError(f"--revision {revision!r} applies to Hub ids (org/name), not to the folder {name!r}")
+        return folder
+    if _HUB_ID.fullmatch(name) and not name.startswith((".", "/")):
+        return resolve_hub(name, revision)
+    raise ModelLoadError(
+        f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}), an existing folder nor a "
+        "Hub id org/name; pass a built-in name, a folder holding config.json and *.safetensors, or a cached Hub id"
+    )
+
+
+def check_family(folder: Path) -> None:
+    """Refuse a config.json whose model_type we do not load, listing every supported family."""
+    try:
+        arch = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # the loaders explain a missing or broken config.json
+    if arch not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(f"{folder}/config.json: model_type {arch!r} is not supported; dhisparse serves "
+                             f"{', '.join(SUPPORTED_FAMILIES)}")
+
+
+def _is_fp8_folder(folder: Path) -> bool:
+    try:
+        q = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(q, dict) and q.get("quant_method") == "fp8"
+
+
 def load_model(
-    spec: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
+    spec: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0,
+    *, revision: str | None = None, tokenizer: str | Path | None = None, chat_template: str | None = None,
+    quantization: str | None = None, progress: bool = False,
 ) -> LoadedModel:
-    """Built-in name or checkpoint folder -> LoadedModel with `tokenizer` set.
+    """Built-in name, checkpoint folder or cached Hub id -> LoadedModel with `tokenizer` set.
 
     dtype: torch dtype or name (float32 / bfloat16 / float16); None = the checkpoint's dtype
     (float32 for built-ins). seed: weights of built-in random models (ignored for folders).
+    revision: of a Hub id. tokenizer: another folder (or cached Hub id) for the tokenizer.
+    chat_template: a Jinja file or template text replacing the tokenizer's. quantization: None /
+    "none" or "fp8" (the checkpoint must be block-scaled FP8). progress: a bar over the shards.
     """
     name = str(spec)
+    if quantization not in (None, "none", "fp8"):
+        raise ModelLoadError(f"--quantization {quantization!r} is not supported; use none or fp8 (block-scaled FP8 "
+                             "checkpoints, dequantized at load)")
     if name in BUILTINS:
-        return BUILTINS[name](dtype, device, seed)
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}) nor an existing folder; "
-            "pass a built-in name or a folder holding config.json and *.safetensors"
-        )
-    loaded = (load_v4_checkpoint if is_v4_folder(folder) else load_checkpoint)(folder, dtype=dtype, device=device)
-    tok = load_tokenizer(folder)
+        if revision is not None:
+            raise ModelLoadError(f"--revision applies to Hub ids (org/name), not to the built-in model {name!r}")
+        if quantization == "fp8":
+            raise ModelLoadError(f"--quantization fp8 needs a block-scaled FP8 checkpoint; the built-in {name!r} is not")
+        loaded = BUILTINS[name](dtype, device, seed)
+        tok = loaded.tokenizer if tokenizer is None else load_tokenizer(resolve_folder(tokenizer))
+        return dataclasses.replace(loaded, tokenizer=with_chat_template(tok, chat_template))
+    folder = resolve_folder(name, revision)
+    check_family(folder)
+    if quantization == "fp8" and not _is_fp8_folder(folder):
+        raise ModelLoadError(f"--quantization fp8: {folder}/config.json has no quantization_config with quant_method "
+                             "'fp8'; dhisparse loads block-scaled FP8 checkpoints but does not quantize online "
+                             "(leave the flag out for this checkpoint)")
+    if is_v4_folder(folder):
+        loaded = load_v4_checkpoint(folder, dtype=dtype, device=device)
+    else:
+        loaded = load_checkpoint(folder, dtype=dtype, device=device, progress=progress)
+    tok = load_tokenizer(folder if tokenizer is None else resolve_folder(tokenizer))
+    tok = with_chat_template(tok, chat_template)
     if tok.vocab_size > loaded.config.vocab_size:
         log.warning(
             "%s: tokenizer has %d ids but the model vocab_size is %d; ids past the vocabulary will fail",
             folder, tok.vocab_size, loaded.config.vocab_size,
         )
     return dataclasses.replace(loaded, tokenizer=tok)
+
+
+def load_for_config(config: Any, device: str | torch.device, progress: bool = False) -> LoadedModel:
+    """The model an EngineConfig names, with its revision, tokenizer, chat template and
+    quantization settings applied; checks kv_cache_dtype against the loaded model's dtype."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype)
+    loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, revision=config.revision,
+                        tokenizer=config.tokenizer, chat_template=config.chat_template,
+                        quantization=config.quantization, progress=progress)
+    if config.kv_cache_dtype == "bfloat16":
+        got = next(loaded.model.parameters()).dtype
+        if got != torch.bfloat16:
+            raise ModelLoadError(f"--kv-cache-dtype bfloat16 needs a bfloat16 model; {config.model!r} loaded as {got} "
+                                 "(pass --dtype bfloat16 or --kv-cache-dtype auto)")
+    return loaded

@@ -45,6 +45,7 @@ class ByteTokenizer:
 
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
     SPECIAL_NAMES = ("<|pad|>", "<|bos|>", "<|eos|>")
+    chat_template: str | None = None  # set by with_chat_template (--chat-template); None = default_chat_template
 
     def __init__(self) -> None:
         self.eos_token_ids: tuple[int, ...] = (self.EOS,)
@@ -71,6 +72,8 @@ class ByteTokenizer:
         return "".join(out) + buf.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template is not None:
+            return render_chat_template(self.chat_template, messages, bos_token="<|bos|>", eos_token="<|eos|>")
         return default_chat_template(messages)
 
 
@@ -263,3 +266,36 @@ def load_tokenizer(folder: str | Path | None) -> Tokenizer:
         return HFTokenizer(folder)
     log.warning("%s has no tokenizer.json; using the built-in byte tokenizer", folder)
     return ByteTokenizer()
+
+
+def read_chat_template(spec: str) -> str:
+    """--chat-template: a file (a Jinja template, or a tokenizer_config.json-style JSON holding
+    `chat_template`) or, when no such file exists, the template text itself."""
+    path = Path(spec).expanduser()
+    looks_like_path = "{" not in spec and "\n" not in spec
+    if looks_like_path and not path.is_file():
+        raise TokenizerError(f"--chat-template {spec!r}: no such file; pass a Jinja file or the template text")
+    if not looks_like_path:
+        text = spec
+    else:
+        text = path.read_text()
+        if path.suffix == ".json":
+            t = _read_json(path).get("chat_template")
+            if not isinstance(t, str):
+                raise TokenizerError(f"--chat-template {spec}: the JSON file has no 'chat_template' string")
+            text = t
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"--chat-template: not a valid Jinja template ({e})") from None
+    return text
+
+
+def with_chat_template(tok: Tokenizer, spec: str | None) -> Tokenizer:
+    """The tokenizer with its chat template replaced by --chat-template `spec` (None: unchanged)."""
+    if spec is not None:
+        tok.chat_template = read_chat_template(spec)  # type: ignore[attr-defined]
+    return tok

@@ -16,6 +16,7 @@ Every error, FastAPI's own 404 / 405 / 422 included, is an OpenAI-shaped JSON ob
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import time
@@ -31,10 +32,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dhisparse.engine.progress import ServingLog
 from dhisparse.server import protocol as P
 from dhisparse.server.guard import RequestGuard
 from dhisparse.server.metrics import ServerMetrics
-from dhisparse.server.responses import Formatter
+from dhisparse.server.responses import Formatter, Sub
 from dhisparse.server.streaming import AbortingStreamingResponse, StreamContext, collect, next_event, stream_events
 from dhisparse.server.worker import EngineWorker
 
@@ -50,7 +52,9 @@ class ServerConfig:
     """Server settings (CLI flags of `dhisparse serve` in brackets).
 
     served_model_name [--served-model-name]: the `model` clients must send; None = the model path.
-    default_max_tokens [--default-max-tokens]: output cap when a request sets no max_tokens.
+    default_max_tokens [--default-max-tokens]: output cap when a request sets no max_tokens; None
+        (the default) = up to the context (max_model_len - prompt length, as vLLM). A request's
+        unset max_tokens is clamped to the context either way, never a 400.
     shutdown_mode [--shutdown-mode]: on SIGTERM, "drain" lets in-flight requests finish (up to
         drain_timeout_s), "abort" ends them at once (finish_reason "abort").
     drain_timeout_s [--drain-timeout]: longest wait for in-flight requests at shutdown; then every
@@ -66,10 +70,12 @@ class ServerConfig:
     stream_stall_timeout_s [--stream-stall-timeout]: a response whose client acknowledges none of
         the bytes waiting for it this long is aborted (its KV pages are freed).
     header_timeout_s [--header-timeout]: a connection must send a request's headers within this.
+    log_interval_s [--log-interval]: seconds between serving log lines (gen / prefill tok/s, queue,
+        pools; engine/progress.py) while there is work; 0 = off.
     """
 
     served_model_name: str | None = None
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
     shutdown_mode: str = "drain"
     drain_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0
@@ -80,11 +86,12 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     stream_stall_timeout_s: float = 60.0
     header_timeout_s: float = 10.0
+    log_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.shutdown_mode not in SHUTDOWN_MODES:
             raise ValueError(f"shutdown_mode must be one of {SHUTDOWN_MODES}; got {self.shutdown_mode!r}")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1; got {self.default_max_tokens}")
         if not (self.drain_timeout_s >= 0 and self.request_timeout_s > 0):
             raise ValueError("drain_timeout_s must be >= 0 and request_timeout_s > 0")
@@ -121,7 +128,8 @@ class ServerState:
         self.model_name = config.served_model_name or engine.config.model
         self.metrics = ServerMetrics(lambda: self.worker.stats, self.model_name, engine.config.preset,
                                      slots_total=engine.config.max_running_requests)
-        self.worker = EngineWorker(engine, on_finish=self.metrics.observe_finished)
+        serving_log = ServingLog(config.log_interval_s, emit=print) if config.log_interval_s > 0 else None
+        self.worker = EngineWorker(engine, on_finish=self.metrics.observe_finished, on_stats=serving_log)
         self.accepting = True
         self.inflight = 0  # HTTP requests being answered (RequestGuard counts them)
         self.created = int(time.time())
@@ -200,8 +208,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [dict(e, loc=tuple(e["loc"])[1:] if e["loc"] and e["loc"][0] == "body" else tuple(e["loc"]))
                   for e in exc.errors()]
-        message, param = P._describe(errors) if errors else ("invalid request", None)
-        return await _api_error(request, P.ApiError(message, param=param))
+        return await _api_error(request, P._described(errors) if errors else P.ApiError("invalid request"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # logged by uvicorn
@@ -271,12 +278,42 @@ def _prompt_ids(engine, prompt: str | list[int], params, param: str) -> list[int
         raise P.ApiError(str(e), param=param) from None
 
 
-def _chat_ids(engine, messages: list[dict], params) -> list[int]:
+def _prepare(engine, prompt: str | list[int], params, given: bool, default: int | None, param: str):
+    """Tokenize, fit an unset max_tokens to the context, validate (worker thread) -> (ids, params)."""
     try:
-        text = engine.tokenizer.apply_chat_template(messages)
+        if isinstance(prompt, str) and (err := _too_long(engine, prompt, params.max_tokens)):
+            raise P.ApiError(err, param=param)
+        ids = engine.encode_prompt(prompt)
+        params = P.fit_max_tokens(params, len(ids), engine.max_model_len, given, default, engine.model_config.vocab_size)
+        if params.grammar is not None:
+            _check_grammar(engine, params.grammar)
+        engine.validate(ids, params)
+        return ids, params
+    except ValueError as e:
+        raise P.ApiError(str(e), param=param) from None
+
+
+def _check_grammar(engine, grammar: str) -> None:
+    try:
+        engine.grammars.validate(grammar)
+    except P.GrammarError as e:
+        raise P.ApiError(str(e), param="response_format") from None
+
+
+def _chat_text(engine, messages: list[dict]) -> str:
+    try:
+        return engine.tokenizer.apply_chat_template(messages)
     except Exception as e:  # noqa: BLE001 - a template raising on a client's messages is the client's 400
         raise P.ApiError(f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
-    return _prompt_ids(engine, text, params, "messages")
+
+
+def _chat_ids(engine, messages: list[dict], params) -> list[int]:
+    return _prompt_ids(engine, _chat_text(engine, messages), params, "messages")
+
+
+def _model_card(state: "ServerState") -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dhisparse",
+            "max_model_len": state.engine.max_model_len, "preset": state.engine.config.preset}
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -289,9 +326,14 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dhisparse",
-                "max_model_len": state.engine.max_model_len, "preset": state.engine.config.preset}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != state.model_name:
+            raise P.ApiError(f"model {P.quote(model_id)} is not served here; see /v1/models", param="model",
+                             status=404, code="model_not_found")
+        return _model_card(state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -307,9 +349,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request, P.CompletionRequest)
         P.check_model(body.model, state.model_name)
         params = P.sampling_params(body, body.max_tokens, state.config.default_max_tokens)
-        ids = await asyncio.to_thread(_prompt_ids, engine, P.completion_prompt(body), params, "prompt")
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, chat=False)
-        return await _generate(request, state, ids, params, fmt, body, "prompt")
+        prompts = P.completion_prompts(body)
+        given = body.max_tokens is not None
+        prepared = await asyncio.to_thread(
+            lambda: [_prepare(engine, p, params, given, state.config.default_max_tokens, "prompt") for p in prompts])
+        texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, (ids, _) in zip(prompts, prepared)] \
+            if body.echo else ()
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, chat=False, tokenizer=engine.tokenizer,
+                        prompt_texts=texts)
+        n = body.n or 1
+        subs = _subs(fmt.request_id, prepared, n, body.best_of or n, body.logprobs is not None,
+                     echo=body.echo, echo_only=body.echo and body.max_tokens == 0)
+        return await _generate(request, state, subs, fmt, body, "prompt", n)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(P.ChatRequest))
     async def chat(request: Request):
@@ -320,9 +371,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         cap = body.max_completion_tokens if given else body.max_tokens
         params = P.sampling_params(body, cap, state.config.default_max_tokens,
                                    "max_completion_tokens" if given else "max_tokens")
-        ids = await asyncio.to_thread(_chat_ids, engine, P.chat_messages(body), params)
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True)
-        return await _generate(request, state, ids, params, fmt, body, "messages")
+        messages = P.chat_messages(body)
+        prepared = await asyncio.to_thread(lambda: _prepare(engine, _chat_text(engine, messages), params,
+                                                            cap is not None, state.config.default_max_tokens, "messages"))
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True, tokenizer=engine.tokenizer)
+        n = body.n or 1
+        return await _generate(request, state, _subs(fmt.request_id, [prepared], n, n, bool(body.logprobs)),
+                               fmt, body, "messages", n)
 
     @app.post("/tokenize", openapi_extra=_body(P.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
@@ -347,17 +402,74 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 return {"object": "dhisparse.prefix", "prefix_tokens": ev.payload}
 
 
-async def _generate(request: Request, state: ServerState, ids: list[int], params, fmt: Formatter,
-                    body: P._Common, param: str):
-    """Submit token ids to the engine; a rejection is a 400; then stream or collect the outputs."""
-    q = state.worker.submit(fmt.request_id, ids, params)
-    ev = await next_event(q, state, fmt.request_id)
-    if ev.kind == "error":
-        raise P.ApiError(ev.payload, param=param)
+def _subs(rid: str, prepared: list, n: int, best_of: int, report: bool, echo: bool = False,
+          echo_only: bool = False) -> list[Sub]:
+    """best_of engine requests per prompt (n of them are returned); request i of a prompt uses
+    seed + i (P.seeded). best_of > n ranks by cumulative logprob, so logprobs are computed."""
+    subs = []
+    for pi, (ids, params) in enumerate(prepared):
+        if best_of > n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)
+        for j in range(best_of):
+            subs.append(Sub(pi * best_of + j, f"{rid}-{pi}-{j}", ids, P.seeded(params, j), pi, echo, echo_only, report))
+    return subs
+
+
+class _Connected:
+    """Stands in for the request in all but one of an HTTP request's `collect`s: one poller of
+    the client's disconnect is enough (they are all cancelled together)."""
+
+    scope: dict = {}
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+async def _generate(request: Request, state: ServerState, subs: list[Sub], fmt: Formatter, body: P._Common,
+                    param: str, n: int = 1):
+    """Submit the engine requests; a rejection is a 400 (the others are aborted); then stream or
+    collect their outputs (best_of > n: the n with the highest cumulative logprob per prompt)."""
+    qs: list[tuple[Sub, asyncio.Queue]] = []
+    try:
+        for sub in subs:
+            qs.append((sub, state.worker.submit(sub.request_id, sub.prompt_ids, sub.params)))
+        for sub, q in qs:
+            ev = await next_event(q, state, sub.request_id)
+            if ev.kind == "error":
+                raise P.ApiError(ev.payload, param=param)
+    except BaseException:
+        for sub, _ in qs:
+            state.worker.abort(sub.request_id)
+        raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         ctx = StreamContext()
-        gen = stream_events(q, state, fmt, include_usage, ctx)
+        gen = stream_events(qs, state, fmt, include_usage, ctx)
         return AbortingStreamingResponse(gen, ctx, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    out = await collect(request, q, state, fmt.request_id)
-    return JSONResponse(fmt.response(out))
+    lps: list[list] = [[] for _ in qs]
+    tasks = [asyncio.ensure_future(collect(request if k == 0 else _Connected(), q, state, sub.request_id, lps[k]))
+             for k, (sub, q) in enumerate(qs)]
+    try:
+        outs = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    picked = _best(subs, outs, lps, n)
+    return JSONResponse(fmt.response([outs[k] for k in picked], [subs[k] for k in picked],
+                                     all_logprobs=[lps[k] for k in picked]))
+
+
+def _best(subs: list[Sub], outs: list, lps: list[list], n: int) -> list[int]:
+    """Positions of the choices to return: every one, or per prompt the n of highest cumulative
+    logprob (ties by order), re-indexed prompt * n + rank."""
+    per = len(subs) // (max(s.prompt_index for s in subs) + 1)
+    if per == n:
+        return list(range(len(subs)))
+    picked = []
+    for pi in range(len(subs) // per):
+        ks = sorted(range(pi * per, (pi + 1) * per), key=lambda k: -sum(lp.logprob for lp in lps[k]))[:n]
+        for rank, k in enumerate(ks):
+            subs[k] = dataclasses.replace(subs[k], index=pi * n + rank)
+        picked += ks
+    return picked

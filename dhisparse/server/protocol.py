@@ -7,16 +7,22 @@ mode: a boolean is not an int, a string is not a boolean, NaN / infinity are not
 are bounded, stop strings are capped (`MAX_STOPS` strings of at most `MAX_STOP_CHARS` characters,
 as OpenAI does), and error messages quote at most `QUOTE_CHARS` characters of the offending value.
 The routes describe these models in `/openapi.json` (app.py).
+
+No field is accepted and ignored: a field the models do not declare is a 400 naming it
+(`extra="forbid"`), and the OpenAI fields declared but not implemented (`UNSUPPORTED`) are a 400
+naming them unless sent as null or their "off" value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dhisparse.core.params import SamplingParams
+from dhisparse.engine.grammar import GrammarError, compile_response_format
 
 MAX_STOPS = 16  # OpenAI: "up to 4"; vLLM / SGLang: unbounded. 16 keeps the per-token stop scan cheap
 MAX_STOP_CHARS = 256
@@ -24,6 +30,11 @@ MAX_STOP_TOKEN_IDS = 1024
 QUOTE_CHARS = 64  # longest quote of a client's value in an error message
 MAX_MESSAGE_CHARS = 360  # longest error message
 INT32_MAX = 2**31 - 1
+MAX_N = 16  # choices (n, best_of) per prompt; each is an engine request
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_PROMPT_CHOICES = 128  # prompts x best_of per request
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024
 UINT64_MAX = 2**64 - 1
 _JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
                type(None): "null"}
@@ -78,7 +89,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MaxTokens = Annotated[int, Field(le=INT32_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # the lower bound (>= 1) is SamplingParams' check
@@ -99,20 +110,42 @@ class _Common(BaseModel):
     max_tokens: MaxTokens | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: Annotated[int, Field(le=INT32_MAX)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
         None, description=f"up to {MAX_STOPS} stop strings of 1..{MAX_STOP_CHARS} characters")
     seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
-    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: str | None = None  # an end-user id: accepted (it changes no output), never stored
     # extras (not in the OpenAI API; vLLM / SGLang accept the same names)
     top_k: Annotated[int, Field(le=INT32_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    response_format: Any = None  # text / json_object / json_schema (+ regex, grammar): engine/grammar.py
+    # OpenAI fields this server does not implement: a 400 naming them unless null / off (UNSUPPORTED)
+    suffix: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -127,11 +160,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="text or token ids; a list of one prompt is accepted, batches of several are not")
+    prompt: str | list[TokenId] | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | \
+        Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)] = Field(
+        description=f"text, token ids, or a batch of up to {MAX_PROMPTS} of either (one choice per prompt and n)")
     echo: bool = False
-    suffix: str | None = None
-    best_of: Annotated[int, Field(le=INT32_MAX)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class ContentPart(BaseModel):
@@ -152,6 +186,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class PrefixRequest(BaseModel):
@@ -205,7 +241,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if first["type"] == "model_type" and not first["loc"]:
         got = _JSON_NAMES.get(type(first.get("input")), "a non-object")
         raise ApiError(f"the request body must be a JSON object, got {got}", code="invalid_json")
-    raise ApiError(*_describe(errors))
+    raise _described(errors)
 
 
 def _parse_with_python(raw: bytes, model: type[M], detail: str) -> M:
@@ -219,7 +255,7 @@ def _parse_with_python(raw: bytes, model: type[M], detail: str) -> M:
         errors = e.errors(include_url=False)
     if errors[0]["type"] == "model_type" and not errors[0]["loc"]:
         raise ApiError("the request body must be a JSON object", code="invalid_json")
-    raise ApiError(*_describe(errors))
+    raise _described(errors)
 
 
 _BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -231,17 +267,25 @@ def _where(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def _describe(errors: list[dict]) -> tuple[str, str | None]:
-    """First bad field -> (message, param); a union field lists what each accepted type said."""
+def _described(errors: list[dict]) -> ApiError:
+    message, param, code = _describe(errors)
+    return ApiError(message, param, code=code)
+
+
+def _describe(errors: list[dict]) -> tuple:
+    """First bad field -> (message, param, code); a union field lists what each accepted type said."""
     top = errors[0]["loc"][0] if errors[0]["loc"] else None
     if top is None:
-        return f"invalid request body: {clip(errors[0]['msg'], 120)}", None
+        return f"invalid request body: {clip(errors[0]['msg'], 120)}", None, None
     same = [err for err in errors if err["loc"] and err["loc"][0] == top]
     if same[0]["type"] == "missing" and len(same[0]["loc"]) == 1:
-        return f"'{top}' is required", str(top)
+        return f"'{top}' is required", str(top), None
+    if same[0]["type"] == "extra_forbidden" and len(same[0]["loc"]) == 1:
+        return f"unknown field {quote(str(top))}: not a parameter this server supports; remove it", str(top), \
+            "unknown_parameter"
     msgs = list(dict.fromkeys(clip(err["msg"], 120) for err in same))[:4]
     where = _where(same[0]["loc"]) if len(same) == 1 else str(top)
-    return f"invalid value {quote(same[0].get('input'))} for '{where}': " + "; or ".join(msgs), str(top)
+    return f"invalid value {quote(same[0].get('input'))} for '{where}': " + "; or ".join(msgs), str(top), None
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -250,29 +294,60 @@ def check_model(requested: str | None, served: str) -> None:
                        param="model", code="model_not_found")
 
 
+# field -> values that mean "off" (accepted); anything else is a 400 naming the field
+UNSUPPORTED: dict[str, tuple] = {
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "metadata": (None, {}), "store": (None, False), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
+}
+
+
 def _unsupported(req: _Common) -> None:
-    if req.n not in (None, 1):
-        raise ApiError(f"n={req.n} is not supported; this server returns one choice per request (n=1)", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(f"{name} is not supported; leave it unset or 0", param=name)
-    if req.logprobs not in (None, False, 0):
-        raise ApiError("logprobs are not supported; leave logprobs unset", param="logprobs")
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError("echo=true is not supported; leave it false", param="echo")
-        if req.suffix:
-            raise ApiError("suffix is not supported; leave it unset", param="suffix")
-        if req.best_of not in (None, 1):
-            raise ApiError("best_of is not supported; leave it unset or 1", param="best_of")
+    for name, off in UNSUPPORTED.items():
+        v = getattr(req, name, None)
+        if not any(v == o and type(v) is type(o) for o in off):
+            raise ApiError(f"{name}={quote(v)} is not supported by this server; leave it unset", param=name)
 
 
-def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: int,
+def _logit_bias(req: _Common) -> tuple[tuple[int, float], ...]:
+    out = []
+    for k, b in (req.logit_bias or {}).items():
+        if not (k.isdigit() and len(k) <= 10 and int(k) <= INT32_MAX):
+            raise ApiError(f"logit_bias keys must be token ids (decimal strings), got {quote(k)}", param="logit_bias")
+        out.append((int(k), float(b)))
+    return tuple(out)
+
+
+def logprob_counts(req: _Common) -> tuple[int | None, int | None]:
+    """(logprobs per output token, per prompt token) for SamplingParams; None = not reported."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None, None
+    assert isinstance(req, CompletionRequest)
+    return req.logprobs, (req.logprobs or 0) if req.echo and req.logprobs is not None else None
+
+
+def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: int | None,
                     max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """Request fields -> validated SamplingParams; ValueError messages become 400s naming the field."""
+    """Request fields -> validated SamplingParams; ValueError messages become 400s naming the field.
+    max_tokens unset: `default_max_tokens` if given, else 1 here, and `fit_max_tokens` sets
+    it to what the context leaves once the prompt length is known. With echo, max_tokens 0 asks
+    for the prompt's logprobs only: one token is generated and dropped (`Choices.echo_only`)."""
     _unsupported(req)
+    if isinstance(req, CompletionRequest):
+        if req.best_of is not None and req.best_of < (req.n or 1):
+            raise ApiError(f"best_of ({req.best_of}) must be >= n ({req.n or 1})", param="best_of")
+        if req.best_of not in (None, req.n or 1) and req.stream:
+            raise ApiError("best_of > n cannot be streamed; set stream=false or best_of=n", param="best_of")
+    lp, plp = logprob_counts(req)
+    grammar = _grammar(req.response_format)
+    if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
+        max_tokens = 1
     kw = dict(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=(default_max_tokens or max(1, req.min_tokens or 0)) if max_tokens is None else max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
@@ -280,7 +355,31 @@ def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: in
         stop=req.stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens or 0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req),
+        logprobs=lp,
+        prompt_logprobs=plp,
+        grammar=grammar,
     )
+    return _params(kw, max_tokens_param)
+
+
+def _grammar(fmt: Any) -> str | None:
+    """response_format -> a compiled llguidance grammar (engine/grammar.py), None for text / unset."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ApiError(f"response_format must be an object with a 'type', got {quote(fmt)}", param="response_format")
+    try:
+        return compile_response_format(fmt)
+    except GrammarError as e:
+        raise ApiError(str(e), param="response_format") from None
+
+
+def _params(kw: dict, max_tokens_param: str = "max_tokens") -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -290,14 +389,41 @@ def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: in
         raise ApiError(msg, param=param) from None
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt (text or token ids); batches of several prompts are rejected."""
+def fit_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int, given: bool,
+                   default_max_tokens: int | None, vocab: int) -> SamplingParams:
+    """max_tokens unset -> min(default_max_tokens, max_model_len - prompt_len) (vLLM clamps
+    rather than refusing a value the client never set); logit_bias ids checked against `vocab`."""
+    for t, _ in params.logit_bias:
+        if t >= vocab:
+            raise ApiError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    if given:
+        return params
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(f"the prompt has {prompt_len} tokens: no room left in max_model_len {max_model_len}; "
+                       "shorten the prompt", param="prompt")
+    cap = room if default_max_tokens is None else min(default_max_tokens, room)
+    return _params({**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
+                    "max_tokens": max(cap, params.min_tokens, 1)})
+
+
+def seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: its own engine request; a seeded request's choice i uses seed + i."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % (UINT64_MAX + 1))
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request (text or token ids), in order."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise ApiError(f"prompt holds {len(p)} prompts; send one prompt per request", param="prompt")
-        p = p[0]
-    return p
+        per = max(req.n or 1, req.best_of or 1)
+        if len(p) * per > MAX_PROMPT_CHOICES:
+            raise ApiError(f"{len(p)} prompts x n / best_of {per} exceeds {MAX_PROMPT_CHOICES} choices per request",
+                           param="prompt")
+        return list(p)
+    return [p]
 
 
 def message_text(content: str | list[ContentPart] | None) -> str:

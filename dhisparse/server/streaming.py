@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from dhisparse.engine.request import RequestOutput
 from dhisparse.server.connection import STALLED_KEY
 from dhisparse.server.protocol import ApiError
-from dhisparse.server.responses import SSE_DONE, Formatter, sse
+from dhisparse.server.responses import SSE_DONE, Formatter, Sub, _Track, sse
 from dhisparse.server.worker import Event
 
 if TYPE_CHECKING:
@@ -67,8 +67,10 @@ async def next_event(q: asyncio.Queue, state: "ServerState", rid: str, timeout: 
     return ev
 
 
-async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str) -> RequestOutput:
-    """Wait for the final output; aborts the request if the client disconnects or time runs out."""
+async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str,
+                  logprobs: list | None = None) -> RequestOutput:
+    """Wait for the final output; aborts the request if the client disconnects or time runs out.
+    `logprobs`: a list to extend with every report's logprobs (each report has only its new ones)."""
     deadline = time.monotonic() + state.config.request_timeout_s
     next_check = time.monotonic() + POLL_S
     reason = None  # why the engine request must be aborted when this returns; None: it ended
@@ -93,10 +95,13 @@ async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str) -> 
             if ev.kind == "aborted":
                 state.metrics.observe_aborted("shutdown")
             _raise_for(ev)
-            if ev.kind == "output" and ev.payload.finished:
-                if ev.payload.finish_reason == "error":
-                    raise request_failed(ev.payload)
-                return ev.payload
+            if ev.kind == "output":
+                if logprobs is not None and ev.payload.logprobs:
+                    logprobs.extend(ev.payload.logprobs)
+                if ev.payload.finished:
+                    if ev.payload.finish_reason == "error":
+                        raise request_failed(ev.payload)
+                    return ev.payload
     finally:
         if reason is not None:
             state.abort(rid, reason)
@@ -109,45 +114,65 @@ class StreamContext:
         self.reason = "client_disconnect"
 
 
-async def stream_events(q: asyncio.Queue, state: "ServerState", fmt: Formatter, include_usage: bool,
-                        ctx: StreamContext | None = None) -> AsyncIterator[str]:
-    """SSE chunks until the request finishes, then an optional usage chunk and `[DONE]`.
-    Closing the generator early (client gone, stalled) aborts the request."""
+async def _forward(i: int, q: asyncio.Queue, merged: asyncio.Queue) -> None:
+    """Copy one engine request's events onto the stream's merged queue, tagged with its position."""
+    while True:
+        ev = await q.get()
+        merged.put_nowait((i, ev))
+        if ev.kind != "output" or ev.payload.finished:
+            return
+
+
+async def stream_events(subs: "list[tuple[Sub, asyncio.Queue]]", state: "ServerState", fmt: Formatter,
+                        include_usage: bool, ctx: StreamContext | None = None) -> AsyncIterator[str]:
+    """SSE chunks of every choice (interleaved as the engine reports them, each tagged with its
+    index) until all finish, then an optional usage chunk and `[DONE]`. Closing the generator early
+    (client gone, stalled, timed out) aborts every unfinished engine request."""
     ctx = ctx or StreamContext()
-    done, last = False, None
+    merged: asyncio.Queue = asyncio.Queue()
+    live = {s.request_id for s, _ in subs}
+    last: dict[str, RequestOutput | None] = {s.request_id: None for s, _ in subs}
+    tracks = {s.request_id: _Track() for s, _ in subs}
+    tasks = [asyncio.create_task(_forward(i, q, merged)) for i, (_, q) in enumerate(subs)]
     deadline = time.monotonic() + state.config.request_timeout_s
     try:
-        first = fmt.first_chunk()
-        if first is not None:
-            yield sse(first)
-        while not done:
+        for sub, _ in subs:
+            first = fmt.first_chunk(sub.index)
+            if first is not None:
+                yield sse(first)
+        while live:
             try:
-                ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+                i, ev = await asyncio.wait_for(merged.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 ctx.reason = "timeout"
                 yield sse(ApiError("request timed out; raise --request-timeout", status=504, type_="server_error",
                                    code="timeout").body())
                 break
+            sub = subs[i][0]
+            rid = sub.request_id
             if ev.kind == "output":
-                last = ev.payload
-                done = last.finished
-                if done and last.finish_reason == "error":
-                    yield sse(request_failed(last).body())
-                elif last.text_delta or done:
-                    yield sse(fmt.chunk(last.text_delta, last.finish_reason if done else None))
+                out = last[rid] = ev.payload
+                if out.finished:
+                    live.discard(rid)
+                if out.finished and out.finish_reason == "error":
+                    yield sse(request_failed(out).body())
+                elif (chunk := fmt.output_chunk(sub, out, tracks[rid])) is not None:
+                    yield sse(chunk)
             elif ev.kind == "aborted":
-                done = True
+                live.discard(rid)
                 state.metrics.observe_aborted("shutdown")
-                yield sse(fmt.chunk("", "abort"))
+                yield sse(fmt.chunk("", "abort", index=sub.index))
             elif ev.kind == "failed":
-                done = True
+                live.discard(rid)
                 yield sse(ApiError(ev.payload, status=500, type_="server_error", code="engine_failed").body())
         if include_usage:
-            yield sse(fmt.usage_chunk(last))
+            yield sse(fmt.usage_chunk([last[s.request_id] for s, _ in subs], [s for s, _ in subs]))
         yield SSE_DONE
     finally:
-        if not done:
-            state.abort(fmt.request_id, ctx.reason if state.accepting else "shutdown")
+        for t in tasks:
+            t.cancel()
+        for rid in live:
+            state.abort(rid, ctx.reason if state.accepting else "shutdown")
 
 
 class AbortingStreamingResponse(StreamingResponse):

@@ -39,9 +39,12 @@ class _Sink(NamedTuple):
 class EngineWorker:
     """Runs `engine` in a background thread; see the module docstring for the protocol."""
 
-    def __init__(self, engine, on_finish: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine, on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_stats: Callable[[dict], None] | None = None) -> None:
+        """on_finish: called with each finished output; on_stats: with each stats snapshot taken
+        after a step (the serving log line, engine/progress.py)."""
         self.engine = engine
-        self.on_finish = on_finish
+        self.on_finish, self.on_stats = on_finish, on_stats
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._prefixes: dict[str, int] = {}  # export request id -> prompt length
@@ -170,6 +173,8 @@ class EngineWorker:
                 self._send(sink, Event("output", out))
         self._finish_prefixes()
         self.stats = self._snapshot()
+        if self.on_stats is not None:
+            self.on_stats(self.stats)
         if not outputs and self.stats.get("steps") == before:
             time.sleep(0.001)  # nothing could be scheduled (e.g. waiting for KV): do not spin
 

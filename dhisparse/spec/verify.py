@@ -15,6 +15,12 @@ samples from without speculation), q_i the draft distribution (point mass on x_{
 drafter gives none). Accept x_{i+1} with probability min(1, p_i(x)/q_i(x)); at the first rejection
 draw b from norm(max(0, p_i - q_i)); if every draft is accepted draw b from p at row K_r-1.
 Each emitted token is then distributed exactly as under p. Draws use the request's generator.
+
+Logit processors (penalties, logit_bias, min_tokens; core/logits.py): with a request's `History`
+(its output before the anchor's successor), row i is processed with output + x_1..x_i, which is
+what non-speculative decoding sees at that position; greedy rows then compare against the argmax
+of the processed row and sampled rows use processed_probs of it. The engine applies the same
+`apply_processors` to its verification logits before calling `verify_batch` (without history).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from dhisparse.core.logits import History, apply_processors
 from dhisparse.core.params import SamplingParams
 from dhisparse.core.sampling import processed_probs
 
@@ -116,12 +123,22 @@ def verify_request(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    history: History | None = None,
 ) -> Acceptance:
-    """Dispatch on params: greedy rows compare argmaxes, sampled rows run rejection sampling."""
+    """Dispatch on params: greedy rows compare argmaxes, sampled rows run rejection sampling.
+    `history`: the request's History before this round (its processors then apply per row)."""
+    target_logits = apply_processors(target_logits, [params] * target_logits.shape[0], row_history(history, drafts))
     if params.greedy:
         return verify_greedy(target_logits, drafts)
     probs = processed_probs(target_logits, [params] * target_logits.shape[0])
     return verify_sampled(probs, drafts, draft_probs, generator)
+
+
+def row_history(history: History | None, drafts: Sequence[int]) -> list[History | None]:
+    """A request's History before a round -> one per verification row (row i: + drafts[:i])."""
+    if history is None:
+        return [None] * (len(drafts) + 1)
+    return [history.extended(drafts[:i]) for i in range(len(drafts) + 1)]
 
 
 def verify_batch(
@@ -131,6 +148,7 @@ def verify_batch(
     draft_probs: Sequence[torch.Tensor | None],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    history: Sequence[History | None] | None = None,
 ) -> list[Acceptance]:
     """Verify a flattened target pass.
 
@@ -150,6 +168,8 @@ def verify_batch(
             f"got {query_start[0]}..{query_start[-1]}"
         )
     row_params = [params[r] for r in range(n) for _ in range(query_start[r], query_start[r + 1])]
+    if history is not None:
+        logits = apply_processors(logits, row_params, [h for r in range(n) for h in row_history(history[r], drafts[r])])
     sampled = any(not p.greedy for p in params)
     probs = processed_probs(logits, row_params) if sampled else None
     best = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None  # one sync for all
