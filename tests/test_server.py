@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+from test_sampling_api import capture_logits
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
@@ -452,15 +453,7 @@ def test_a_request_that_fails_in_the_engine_is_a_500_for_it_alone(server, client
 # ---- the sampling API (issue 28 item 3) -----------------------------------------------------------
 def capture(engine) -> list:
     """Logits tensors the engine's model returns from now on (its `logits` wrapped; undo: del)."""
-    seen, inner = [], engine.model.logits
-
-    def logits(hidden):
-        out = inner(hidden)
-        seen.append(out.detach().clone())
-        return out
-
-    engine.model.logits = logits
-    return seen
+    return capture_logits(engine)
 
 
 def piece(tok: int) -> str:
@@ -698,10 +691,12 @@ def test_every_openai_field_is_applied_or_rejected_by_name(server, path, fields)
             assert check(r.json()), (name, r.json())
 
 
-def test_serving_log_lines_while_there_is_work(engine, capsys):
+def test_serving_log_lines_while_there_is_work(capsys):
     """`--log-interval`: the engine worker writes a one-line throughput / queue / pool summary
-    every interval while there is work (engine/progress.py), nothing while idle."""
-    with ServerThread(engine, ServerConfig(drain_timeout_s=5, log_interval_s=0.05)) as srv:
+    every interval while there is work (engine/progress.py), nothing while idle. (Its own engine:
+    the module's engine is served by the module's server thread.)"""
+    own = Engine(EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN, kv_pool_bytes=16 << 20))
+    with ServerThread(own, ServerConfig(drain_timeout_s=5, log_interval_s=0.05)) as srv:
         body = {"model": "tiny", "prompt": "log me", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("serving:")]
