@@ -6,7 +6,8 @@
 #        serving32k,serving32kmid,backupahead,hoststep,quick,serving8k,serving8k25,serving8kwarm,
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
-#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup
+#        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
+#        exactall
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -85,6 +86,9 @@ case ",$STEPS," in *,specprofile100kk,*)  # k 2,048 at 100K C18 (k2048curve's po
       --kv-pool-gib 27.82 --host-pool-gib 16 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c18_h200.json" ;; esac
 case ",$STEPS," in *,servewarmup,*)  # dhisparse serve with and without the start-up warm-up, each with an empty Triton cache (~3 min; carry .whl: fastapi, uvicorn, pydantic)
   run "server start-up warm-up" timeout 270 python3 bench/serve_warmup.py --out "$OUT/serve_warmup_h200.json" ;; esac
+case ",$STEPS," in *,exactall,*)  # the whole tests/ folder on CUDA, 10 workers (~2.5 min warm; carry .whl: transformers 5.24, fastapi, uvicorn, pydantic, openai, llguidance, jsonschema)
+  run "exactness on CUDA, whole suite" timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 --dist loadfile tests -rfE \
+      --junitxml="$OUT/exact_cuda.xml" ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \
