@@ -33,3 +33,24 @@ def test_parse_engine_metrics():
     text = ('# HELP x\ndhisparse_engine_running{model_name="t",preset="r"} 3.0\n'
             'dhisparse_engine_host_fetched_share{model_name="t",preset="r"} 0.25\nother_metric 1\n')
     assert parse_engine_metrics(text) == {"running": 3.0, "host_fetched_share": 0.25}
+
+
+def test_bench_over_http_sends_the_api_key(tmp_path, monkeypatch):
+    """A server started with --api-key refuses the benchmark without it (a one-line error naming
+    --api-key) and serves it with the flag or DHISPARSE_API_KEY."""
+    import pytest
+
+    from dhisparse.bench.http import HttpBenchError, HttpTarget
+    from dhisparse.server import ServerConfig
+
+    engine = Engine(EngineConfig(device="cpu", max_model_len=256, kv_pool_bytes=32 << 20))
+    args = ["--concurrency", "1", "--num-requests", "2", "--input-len", "20", "--output-len", "3", "--no-warmup",
+            "--sample-interval", "0.2", "--no-progress"]
+    with ServerThread(engine, ServerConfig(api_key="sekrit")) as srv:
+        with pytest.raises(HttpBenchError, match="--api-key"):
+            HttpTarget.connect(srv.url)
+        assert main(["bench", "--url", srv.url, "--api-key", "sekrit", *args, "--out", str(tmp_path / "a.json")]) == 0
+        monkeypatch.setenv("DHISPARSE_API_KEY", "sekrit")
+        assert main(["bench", "--url", srv.url, *args, "--out", str(tmp_path / "b.json")]) == 0
+    for name in ("a.json", "b.json"):
+        assert json.loads((tmp_path / name).read_text())["runs"][0]["metrics"]["requests_completed"] == 2

@@ -33,18 +33,30 @@ class HttpBenchError(ValueError):
 
 @dataclass(frozen=True)
 class HttpTarget:
+    """A running server: base URL, the model name to send, its preset label, and the API key
+    sent as `Authorization: Bearer` on every request (None: none; README Security)."""
+
     url: str
     model: str
     preset: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @classmethod
-    def connect(cls, url: str, model: str | None = None, timeout_s: float = 10.0) -> "HttpTarget":
+    def connect(cls, url: str, model: str | None = None, timeout_s: float = 10.0, api_key: str | None = None) -> "HttpTarget":
         url = url.rstrip("/").removesuffix("/v1")
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            card = httpx.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]
+            r = httpx.get(f"{url}/v1/models", timeout=timeout_s, headers=auth)
+            if r.status_code == 401:
+                raise HttpBenchError(f"--url {url}: the server wants an API key; pass --api-key or set DHISPARSE_API_KEY")
+            card = r.json()["data"][0]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise HttpBenchError(f"--url {url}: cannot list models at /v1/models ({e}); is the server up?") from None
-        return cls(url, model or card["id"], str(card.get("preset", "server")))
+        return cls(url, model or card["id"], str(card.get("preset", "server")), api_key)
 
 
 async def _tokenize(client: httpx.AsyncClient, target: HttpTarget, text: str) -> list[int] | None:
@@ -140,7 +152,7 @@ class HttpLoop:
     async def run(self) -> RunTrace:
         limits = httpx.Limits(max_connections=self.phases.max_concurrency + 4)
         timeout = httpx.Timeout(self.workload.timeout_s, connect=10.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=self.target.headers) as client:
             prompts, self.notes = await build_prompts(client, self.target, self.workload.input_len)
             for note in self.notes:
                 log.warning("%s: %s", self.target.url, note)

@@ -110,11 +110,11 @@ def sweep_inprocess(base: EngineConfig, presets: list[str], concurrencies: list[
 
 
 def sweep_http(url: str, model: str | None, concurrencies: list[int], workload: Workload, bar: ProgressBar,
-               sample_interval_s: float = 1.0, label: str | None = None) -> list[RunResult]:
+               sample_interval_s: float = 1.0, label: str | None = None, api_key: str | None = None) -> list[RunResult]:
     """Run every concurrency against a running server (its preset labels the runs)."""
     from dhisparse.bench.http import HttpTarget, run_http
 
-    target = HttpTarget.connect(url, model)
+    target = HttpTarget.connect(url, model, api_key=api_key)
     runs = []
     for c in concurrencies:
         phases = Phases.constant(c, workload.duration_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import time
 
 from dhisparse.cli.args import HelpFormatter, add_engine_args, engine_config
@@ -55,6 +56,8 @@ def add_parser(sub) -> None:
     g.add_argument("--concurrency", default="1,4,8", help="comma-separated offered concurrencies C")
     g.add_argument("--presets", default=None, help="comma-separated presets (default: every available preset)")
     g.add_argument("--url", default=None, help="benchmark a running server at this base URL instead of in-process")
+    g.add_argument("--api-key", default=None,
+                   help="API key sent to --url as 'Authorization: Bearer' (default: $DHISPARSE_API_KEY)")
     g.add_argument("--request-model", default=None, help="model name sent to --url (default: the server's first model)")
     g.add_argument("--label", default=None, help="preset label for --url runs (default: the server's preset)")
     add_workload_args(p)
@@ -88,12 +91,15 @@ def run(ns: argparse.Namespace) -> int:
     from dhisparse.bench.report import console as report_console, bench_table
     from dhisparse.bench.sweep import ProgressBar, sweep_http, sweep_inprocess
 
+    if ns.api_key is not None and not ns.url:
+        raise ValueError("--api-key is for a server at --url; an in-process run needs none")
     console = report_console()
     concurrencies, workload = int_list(ns.concurrency, "--concurrency"), workload_from(ns)
     t0 = time.perf_counter()
     with ProgressBar(not ns.no_progress, console) as bar:
         if ns.url:
-            runs = sweep_http(ns.url, ns.request_model, concurrencies, workload, bar, ns.sample_interval, ns.label)
+            key = ns.api_key if ns.api_key is not None else os.environ.get("DHISPARSE_API_KEY") or None
+            runs = sweep_http(ns.url, ns.request_model, concurrencies, workload, bar, ns.sample_interval, ns.label, key)
             engine_cfg: dict = {"url": ns.url}
         else:
             base = engine_config(ns, preset=presets_from(ns)[0])
