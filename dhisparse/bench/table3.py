@@ -125,7 +125,7 @@ def measure(setup: Setup, seed: int = 0, threads: int = 2, pool_bytes: int = 1 <
         elif decoding == setup.concurrency:  # every request decodes: its hot caches start cold
             warm += 1
             if warm >= setup.warmup:  # measure after the warm-up steps
-                base = (eng.store.census.copy(), eng.stats().generated_tokens)
+                base = (eng.store.resolver_census().copy(), eng.stats().generated_tokens)
     if base is None:
         raise ValueError(f"{setup.model}: output_len {setup.output_len} leaves no decode step after "
                          f"{setup.warmup} warm-up steps; raise --output-len")
@@ -134,10 +134,9 @@ def measure(setup: Setup, seed: int = 0, threads: int = 2, pool_bytes: int = 1 <
 
 def _volume(setup: Setup, eng, shape: dict, steps: int, wall: float, base) -> Volume:
     """Census deltas since `base` (census copy, generated tokens) -> Volume."""
-    now, (c0, gen0) = eng.store.census, base
+    now, (c0, gen0) = eng.store.resolver_census(), base
     c = now.minus(c0)
-    hier = getattr(eng.store, "kv", eng.store)  # V4HierStore wraps its row hierarchy
-    B, elem = hier.B, hier.arena.dtype.itemsize
+    B, elem = eng.store.hot_cache_rows, eng.arena.dtype.itemsize
     tokens = max(eng.stats().generated_tokens - gen0, 1)
     row_bytes = shape["width"] * elem
     per_tok = lambda x: x / tokens  # noqa: E731

@@ -152,6 +152,11 @@ class KVStore(abc.ABC):
         """The resolver's `Census` (kv/hier/census.py), or None for stores without a resolver."""
         return None
 
+    @property
+    def hot_cache_rows(self) -> int:
+        """B: hot-cache rows per request and selection source (0: the store has no hot cache)."""
+        return 0
+
     def host_usage(self) -> Any:
         """The host backing pool's `PoolUsage`, or None for stores without one."""
         return None

@@ -213,6 +213,10 @@ class HierarchicalKV(KVStore):
     def staging_rows(self) -> torch.Tensor | None:
         return self.stage
 
+    @property
+    def hot_cache_rows(self) -> int:
+        return self.B
+
     def host_usage(self):
         return self.host.pool.usage()
 

@@ -151,6 +151,10 @@ class V4HierStore(KVStore):
     def res(self):
         return self.kv.residency()
 
+    @property
+    def hot_cache_rows(self) -> int:
+        return self.kv.B
+
     def host_usage(self):
         return self.kv.host_usage()
 
