@@ -38,6 +38,7 @@ class PagePool:
         self._owner: dict[int, object] = {}
         self._reserved: dict[object, int] = {}
         self._permanent: set[object] = set()  # owners whose pages are held for the pool's life
+        self._permanent_pages = 0  # pages they own (an int: `capacity` is read off the engine thread)
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -58,8 +59,10 @@ class PagePool:
 
     @property
     def capacity(self) -> int:
-        """Pages a request could ever hold: the pool less the pages held for good (`alloc_permanent`)."""
-        return self.num_pages - self.count_owned(lambda o: o in self._permanent)
+        """Pages a request could ever hold: the pool less the pages held for good (`alloc_permanent`).
+        O(1) and reads no container the engine thread mutates (the server validates requests on
+        other threads)."""
+        return self.num_pages - self._permanent_pages
 
     def owned_by(self, owner: object) -> list[int]:
         return [p for p, o in self._owner.items() if o == owner]
@@ -102,7 +105,9 @@ class PagePool:
         """Allocate n pages held for the pool's life (staging arena, step-graph scratch): they are
         left out of `capacity`, which admission validation compares a request with."""
         self._permanent.add(owner)
-        return self.alloc(owner, n)
+        pages = self.alloc(owner, n)
+        self._permanent_pages += n
+        return pages
 
     def transfer(self, owner: object, new_owner: object, pages: list[int]) -> None:
         """Hand allocated pages from owner to new_owner (no page is freed or taken)."""
@@ -110,6 +115,7 @@ class PagePool:
             if self._owner.get(p) != owner:
                 raise ValueError(f"{self.name}: page {p} is not owned by {owner!r}")
             self._owner[p] = new_owner
+        self._permanent_pages += len(pages) * ((new_owner in self._permanent) - (owner in self._permanent))
 
     def count_owned(self, pred) -> int:
         """Number of allocated pages whose owner satisfies pred."""
@@ -121,6 +127,8 @@ class PagePool:
                 raise ValueError(f"{self.name}: page {p} is not owned by {owner!r}")
             del self._owner[p]
             self._free.append(p)
+        if owner in self._permanent:
+            self._permanent_pages -= len(pages)
 
     def release(self, owner: object) -> int:
         """Free every page of owner and drop its reservation; returns pages freed."""
@@ -135,3 +143,4 @@ class PagePool:
         assert not free & self._owner.keys(), f"{self.name}: a page is free and owned"
         assert len(free) + len(self._owner) == self.num_pages, f"{self.name}: pages lost"
         assert self.num_reserved <= len(self._free), f"{self.name}: reservations exceed free pages"
+        assert self._permanent_pages == self.count_owned(lambda o: o in self._permanent), f"{self.name}: permanent pages miscounted"
