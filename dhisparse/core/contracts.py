@@ -40,7 +40,7 @@ TIERS = ("resident", "workspace", "tail", "optional", "hot", "host", "staging", 
 """Where a row can live. resident: the resident preset's pages; workspace: a prompt being
 prefilled (hierarchy); tail / optional (adaptive's ready map) / hot (hot cache): device rows of
 a decoding request, in the resolver's order; host: the host backing only; staging: a row staged
-for one verification pass (reported for a location of that pass, `KVStore.place_of`); none: no
+for one verification pass (a location >= `core.rows.SPACE` of that pass); none: no
 row (past the request's length)."""
 
 

@@ -17,13 +17,14 @@ from dhisparse.core.logits import History, TokenLogprob, apply_processors, needs
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.grammar import Grammars
 from dhisparse.kernels import backend as kernel_backend
-from dhisparse.engine.memory import DTYPES, format_bytes, kv_pool_bytes, release_memory, resolve_device
+from dhisparse.engine.memory import format_bytes, kv_pool_bytes, release_memory, resolve_device
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
 from dhisparse.core.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.engine.speculative import SpecRuntime
+from dhisparse.spec.verify import row_history
 from dhisparse.engine.stats import EngineStats, pool_counters, store_counters
 from dhisparse.engine.stops import StopChecker
 from dhisparse.core.batch import ForwardBatch
@@ -363,14 +364,12 @@ class Engine:
             return raw
         params, hist = [], []
         for c, a, b in verifying:
-            r = c.req
-            h = History(r.prompt_ids, r.output_ids, r.eos) if needs_history(r.params) else None
-            masks = [None] * (b - a)
+            r, masks = c.req, None
             if r.matcher is not None:
                 masks, consumed[r.request_id] = r.matcher.round_masks(c.tokens[1:])
-            for i in range(b - a):
-                params.append(r.params)
-                hist.append(None if h is None else h.extended(c.tokens[1 : 1 + i], masks[i]))
+            h = History(r.prompt_ids, r.output_ids, r.eos) if needs_history(r.params) else None
+            params.extend([r.params] * (b - a))
+            hist.extend(row_history(h, c.tokens[1:], masks))
         return apply_processors(raw, params, hist)
 
     def _prompt_logprobs(self, c: Chunk, hidden: torch.Tensor, a: int, b: int) -> None:

@@ -27,8 +27,7 @@ one-token-at-a-time decoding.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
-from typing import Any, Sequence
+from typing import Sequence
 
 import llguidance
 import numpy as np

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, on_configure, settings, use_triton  # noqa: F401
+from dhisparse.kernels.backend import on_configure, settings, use_triton
 from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
 import triton
 import triton.language as tl

@@ -134,11 +134,13 @@ def verify_request(
     return verify_sampled(probs, drafts, draft_probs, generator)
 
 
-def row_history(history: History | None, drafts: Sequence[int]) -> list[History | None]:
-    """A request's History before a round -> one per verification row (row i: + drafts[:i])."""
+def row_history(history: History | None, drafts: Sequence[int],
+                masks: Sequence[torch.Tensor | None] | None = None) -> list[History | None]:
+    """A request's History before a round -> one per verification row (row i: + drafts[:i], with
+    the grammar mask masks[i] when given: `Matcher.round_masks`)."""
     if history is None:
         return [None] * (len(drafts) + 1)
-    return [history.extended(drafts[:i]) for i in range(len(drafts) + 1)]
+    return [history.extended(drafts[:i], None if masks is None else masks[i]) for i in range(len(drafts) + 1)]
 
 
 def verify_batch(

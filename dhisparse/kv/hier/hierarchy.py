@@ -241,7 +241,7 @@ class HierarchicalKV(KVStore):
             host       host.tables[req][p // ps] * ps + p % ps   (every p < tail_start: I1)
 
         `host` is reported whenever the row has a host copy, whatever tier attention reads.
-        Staged rows exist only inside one verification pass (`place_of` of that pass's locations).
+        Staged rows exist only inside one verification pass: a location >= SPACE of that pass.
         """
         st, ps = self.reqs[req], self.page_size
         pages = self.host.tables.get(req, [])
@@ -269,11 +269,6 @@ class HierarchicalKV(KVStore):
         """Hook: whether page index j of decoding req has its host copy (issued in stream order).
         hisparse: every complete page before the tail (the hand-off and tail backups)."""
         return st.decoding and (j + 1) * self.page_size <= st.tail_start
-
-    def place_of(self, location: int) -> str:
-        """The device tier a location of a located selection names: "staging" for the staging
-        arena's second row space (location >= SPACE), else "device"."""
-        return "staging" if location >= SPACE else "device"
 
     def _borrowable(self, req: object) -> int:
         """Host pages req will borrow from its shared prefix (its host reservation skips them)."""
