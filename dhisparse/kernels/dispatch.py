@@ -33,7 +33,7 @@ def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor,
     """Sparse latent attention; contract of `sparse_mla_reference` (q_abs [T, H, C], q_pe [T, H, R],
     rows: a row space or a tuple of two, loc [T, k] -> [T, H, C])."""
     if _triton_for(q_abs, _sparse_mla_triton):
-        return _sparse_mla_triton.sparse_mla(q_abs, q_pe, rows, loc, scale)  # the kernel module's own dispatcher
+        return _sparse_mla_triton.sparse_mla_triton(q_abs, q_pe, rows, loc, scale)
     return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
 
 
