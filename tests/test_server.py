@@ -326,9 +326,9 @@ def test_tokenization_runs_off_the_engine_thread(server, engine, monkeypatch):
             seen.append(("encode", threading.current_thread().name))
         return encode(prompt)
 
-    def spy_template(messages):
+    def spy_template(messages, **kw):
         seen.append(("template", threading.current_thread().name))
-        return template(messages)
+        return template(messages, **kw)
 
     monkeypatch.setattr(engine, "encode_prompt", spy_encode)
     monkeypatch.setattr(engine.tokenizer, "apply_chat_template", spy_template)
@@ -644,7 +644,7 @@ CHAT_FIELDS = {
     "metadata": ({"k": "v"}, None),
     "modalities": (["text", "audio"], None),
     "n": (2, lambda r: len(r["choices"]) == 2),
-    "parallel_tool_calls": (True, None),
+    "parallel_tool_calls": (False, lambda r: len(r["choices"][0]["message"]["tool_calls"]) == 1),
     "prediction": ({"type": "content", "content": "x"}, None),
     "presence_penalty": (1.0, lambda r: True),
     "prompt_cache_key": ("k", None),
@@ -658,15 +658,17 @@ CHAT_FIELDS = {
     "stream": (True, "stream"),
     "stream_options": ({"include_usage": True}, "stream"),
     "temperature": (0.5, lambda r: True),
-    "tool_choice": ("auto", None),
-    "tools": ([TOOL], None),
+    "tool_choice": ("required", lambda r: r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"),
+    "tools": ([TOOL], lambda r: r["usage"]["prompt_tokens"] > 100),  # the tools are in the prompt
     "top_logprobs": (2, lambda r: len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2),
     "top_p": (0.5, lambda r: True),
     "user": ("user-1", lambda r: True),
     "verbosity": ("low", None),
     "web_search_options": ({}, None),
 }
-NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
+REQUIRED = {"tools": [TOOL], "tool_choice": "required", "max_tokens": 64}
+NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}, "tool_choice": REQUIRED,
+         "parallel_tool_calls": REQUIRED}
 
 
 @pytest.mark.parametrize("path, fields", [("/v1/completions", COMPLETION_FIELDS), ("/v1/chat/completions", CHAT_FIELDS)])

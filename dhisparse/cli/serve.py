@@ -9,6 +9,7 @@ import socket
 
 from dhisparse.cli.args import HelpFormatter, add_engine_args, build_engine, engine_config
 
+TOOL_CALL_PARSERS = ("auto", "glm47", "glm45", "deepseekv31", "deepseekv32", "deepseekv4")  # server/tools/parser.py
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
                    help="output cap for requests without max_tokens (default: up to the context, as vLLM)")
     g.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between serving log lines (throughput, queue, pools) while there is work; 0 = off")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                   help="the model's tool-call format, read into tool_calls (auto: what the chat template writes, "
+                        "else the architecture's: GLM-5 glm47, DeepSeek-V3.2 deepseekv32, DeepSeek-V4 deepseekv4)")
     g.add_argument("--shutdown-mode", choices=("drain", "abort"), default="drain",
                    help="on SIGTERM: let in-flight requests finish (drain) or end them at once (abort)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="longest wait in seconds for in-flight requests at shutdown")
@@ -99,7 +103,7 @@ def server_config(ns: argparse.Namespace):
                         max_request_bytes=_number("--max-request-bytes", ns.max_request_bytes, int),
                         stream_stall_timeout_s=_number("--stream-stall-timeout", ns.stream_stall_timeout, float),
                         header_timeout_s=_number("--header-timeout", ns.header_timeout, float),
-                        log_interval_s=_log_interval(ns.log_interval))
+                        log_interval_s=_log_interval(ns.log_interval), tool_call_parser=ns.tool_call_parser)
 
 
 def check_port(host: str, port: int) -> None:

@@ -30,7 +30,8 @@ class SamplingParams:
     seed            per-request RNG seed; None draws a fresh nondeterministic seed
     stop            strings that end generation; the emitted text stops right before them
     stop_token_ids  token ids that end generation (their text is not emitted)
-    ignore_eos      keep generating past the model's EOS token(s)
+    ignore_eos      keep generating past the model's EOS token(s); not with a grammar, which
+                    allows EOS only where its document is complete (EOS then ends the request)
     min_tokens      EOS and stop_token_ids are masked (probability 0) until this many tokens
                     have been generated (stop strings still apply); 0 disables it
     presence_penalty   OpenAI: logit -= presence_penalty for every token already in the output
@@ -43,6 +44,8 @@ class SamplingParams:
     prompt_logprobs None, or k >= 0: the same for every prompt token (echo)
     grammar         None, or a compiled llguidance grammar (structured output, engine/grammar.py):
                     tokens outside it get probability 0
+    skip_special_tokens  the output text leaves special tokens out (vLLM's name); the server turns it
+                    off when it reads tool calls, whose markers may be special tokens
 
     Penalties and the bias act on the raw logits before temperature / top-k / top-p, in
     `processed_probs`, so speculative verification judges drafts against the same distribution.
@@ -64,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -94,6 +98,8 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0.0 < r <= 100.0):
             raise ValueError(f"repetition_penalty must be in (0, 100] (1 disables it), got {r!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a compiled grammar string or None, got {type(self.grammar).__name__}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -160,8 +160,10 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        detok = _Detok(stream_detokenizer(self.tokenizer))
-        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
+        detok = _Detok(stream_detokenizer(self.tokenizer, params.skip_special_tokens))
+        # a grammar allows EOS only where its document is complete, so EOS ends it even with ignore_eos
+        eos = () if params.ignore_eos and params.grammar is None else \
+            tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         req = Request(rid, ids, params, make_generator(params.seed, self.device), StopChecker(params, eos, detok), export_prefix=export_prefix,
                       eos=eos, prompt_logprobs=None if params.prompt_logprobs is None else [None], matcher=matcher)
         self.requests[rid] = req

@@ -115,12 +115,29 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int) -> None:
         self._tokenizer, self.vocab = tokenizer, vocab
         self._ll = None
+        self._special: frozenset[str] | None = None
 
     @property
     def ll(self):
         if self._ll is None:
             self._ll = build_tokenizer(self._tokenizer, self.vocab)
         return self._ll
+
+    def special_tokens(self) -> frozenset[str]:
+        """Texts of the tokenizer's special tokens (a Lark grammar names them as <text>, not as a string)."""
+        if self._special is None:
+            tok = self._tokenizer
+            if isinstance(tok, HFTokenizer):
+                self._special = tok.special_token_texts()
+            else:
+                self._special = frozenset()
+        return self._special
+
+    def literal(self, text: str) -> str:
+        """`text` in a Lark grammar: the special token <text> if the tokenizer has one, else a string."""
+        if text in self.special_tokens() and text.startswith("<") and text.endswith(">"):
+            return text
+        return json.dumps(text)
 
     def validate(self, grammar: str) -> None:
         ok, msg = _validate(self.ll, grammar)

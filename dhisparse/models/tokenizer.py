@@ -31,11 +31,14 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    chat_template: str | None  # None: the built-in default_chat_template
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> str: ...
 
 
 def default_chat_template(messages: list[dict]) -> str:
-    """Plain template: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"."""
+    """Plain template: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n". It reads only
+    role and content: the server writes tools and tool calls into the text of the messages first."""
     parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
 
@@ -71,9 +74,10 @@ class ByteTokenizer:
                 buf = bytearray()
         return "".join(out) + buf.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> str:
         if self.chat_template is not None:
-            return render_chat_template(self.chat_template, messages, bos_token="<|bos|>", eos_token="<|eos|>")
+            return render_chat_template(self.chat_template, messages, tools=tools, bos_token="<|bos|>",
+                                        eos_token="<|eos|>", **kwargs)
         return default_chat_template(messages)
 
 
@@ -122,6 +126,10 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = self._find_template(folder, tcfg)
 
+    def special_token_texts(self) -> frozenset[str]:
+        """The texts of the added tokens marked special (decode drops them unless skip_special=False)."""
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
@@ -142,27 +150,37 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> str:
         if self.chat_template is None:
             return default_chat_template(messages)
-        return render_chat_template(
-            self.chat_template, messages, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
-        )
+        return render_chat_template(self.chat_template, messages, tools=tools, bos_token=self.bos_token or "",
+                                    eos_token=self.eos_token or "", **kwargs)
 
 
 def _raise(message: str) -> None:
     raise TokenizerError(f"chat template: {message}")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: json.dumps, not HTML-escaped (jinja's own
+    filter writes < > & ' as \\u escapes, which no model saw in training)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def render_chat_template(template: str, messages: list[dict], **context: Any) -> str:
-    """Render a Hugging Face-style jinja2 chat template with add_generation_prompt=True."""
+    """Render a Hugging Face-style jinja2 chat template with add_generation_prompt=True (as
+    transformers does: trim_blocks, lstrip_blocks, its tojson, raise_exception; `tools` and any
+    chat_template_kwargs as variables)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
+    context.setdefault("add_generation_prompt", True)
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **context)
+        return env.from_string(template).render(messages=messages, **context)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template failed to render: {e}; fix 'chat_template' in tokenizer_config.json") from None
 

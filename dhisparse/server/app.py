@@ -34,9 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dhisparse.engine.progress import ServingLog
 from dhisparse.server import protocol as P
+from dhisparse.server.chat import chat_setup
 from dhisparse.server.guard import RequestGuard
 from dhisparse.server.metrics import ServerMetrics
 from dhisparse.server.responses import Formatter, Sub
+from dhisparse.server.tools import PARSER_NAMES, choose_format
 from dhisparse.server.streaming import AbortingStreamingResponse, StreamContext, collect, next_event, stream_events
 from dhisparse.server.worker import EngineWorker
 
@@ -72,6 +74,9 @@ class ServerConfig:
     header_timeout_s [--header-timeout]: a connection must send a request's headers within this.
     log_interval_s [--log-interval]: seconds between serving log lines (gen / prefill tok/s, queue,
         pools; engine/progress.py) while there is work; 0 = off.
+    tool_call_parser [--tool-call-parser]: the models' tool-call format (server/tools: glm47, glm45,
+        deepseekv31, deepseekv32, deepseekv4); None / "auto" = what the chat template writes, else
+        the architecture's.
     """
 
     served_model_name: str | None = None
@@ -87,6 +92,7 @@ class ServerConfig:
     stream_stall_timeout_s: float = 60.0
     header_timeout_s: float = 10.0
     log_interval_s: float = 0.0
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.shutdown_mode not in SHUTDOWN_MODES:
@@ -95,6 +101,8 @@ class ServerConfig:
             raise ValueError(f"default_max_tokens must be >= 1; got {self.default_max_tokens}")
         if not (self.drain_timeout_s >= 0 and self.request_timeout_s > 0):
             raise ValueError("drain_timeout_s must be >= 0 and request_timeout_s > 0")
+        if self.tool_call_parser not in (None,) + PARSER_NAMES:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSER_NAMES)}; got {self.tool_call_parser!r}")
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         self._check_security()
@@ -130,6 +138,8 @@ class ServerState:
                                      slots_total=engine.config.max_running_requests)
         serving_log = ServingLog(config.log_interval_s, emit=print) if config.log_interval_s > 0 else None
         self.worker = EngineWorker(engine, on_finish=self.metrics.observe_finished, on_stats=serving_log)
+        self.tool_format = choose_format(config.tool_call_parser, engine.model_config.architecture,
+                                         engine.tokenizer.chat_template)
         self.accepting = True
         self.inflight = 0  # HTTP requests being answered (RequestGuard counts them)
         self.created = int(time.time())
@@ -300,15 +310,23 @@ def _check_grammar(engine, grammar: str) -> None:
         raise P.ApiError(str(e), param="response_format") from None
 
 
-def _chat_text(engine, messages: list[dict]) -> str:
+def _chat_text(engine, setup) -> str:
     try:
-        return engine.tokenizer.apply_chat_template(messages)
+        return setup.render(engine.tokenizer)
     except Exception as e:  # noqa: BLE001 - a template raising on a client's messages is the client's 400
         raise P.ApiError(f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
 
 
-def _chat_ids(engine, messages: list[dict], params) -> list[int]:
-    return _prompt_ids(engine, _chat_text(engine, messages), params, "messages")
+def _tool_params(engine, setup, params):
+    """The params with what reading tool calls needs (worker thread: building a grammar's tokenizer
+    the first time takes a while)."""
+    try:
+        params = setup.sampling(params, engine.grammars.literal)
+        if setup.choice.constrained:
+            engine.grammars.validate(params.grammar)
+        return params
+    except P.GrammarError as e:
+        raise P.ApiError(f"tools: {e}", param="tools") from None
 
 
 def _model_card(state: "ServerState") -> dict:
@@ -371,10 +389,12 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         cap = body.max_completion_tokens if given else body.max_tokens
         params = P.sampling_params(body, cap, state.config.default_max_tokens,
                                    "max_completion_tokens" if given else "max_tokens")
-        messages = P.chat_messages(body)
-        prepared = await asyncio.to_thread(lambda: _prepare(engine, _chat_text(engine, messages), params,
+        setup = chat_setup(body, state.tool_format, engine.tokenizer.chat_template is None)
+        params = await asyncio.to_thread(_tool_params, engine, setup, params)
+        prepared = await asyncio.to_thread(lambda: _prepare(engine, _chat_text(engine, setup), params,
                                                             cap is not None, state.config.default_max_tokens, "messages"))
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True, tokenizer=engine.tokenizer)
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, chat=True, tokenizer=engine.tokenizer,
+                        tools=setup.reading)
         n = body.n or 1
         return await _generate(request, state, _subs(fmt.request_id, [prepared], n, n, bool(body.logprobs)),
                                fmt, body, "messages", n)

@@ -35,6 +35,8 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_PROMPT_CHOICES = 128  # prompts x best_of per request
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
 UINT64_MAX = 2**64 - 1
 _JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
                type(None): "null"}
@@ -126,13 +128,11 @@ class _Common(BaseModel):
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     response_format: Any = None  # text / json_object / json_schema (+ regex, grammar): engine/grammar.py
     # OpenAI fields this server does not implement: a 400 naming them unless null / off (UNSUPPORTED)
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -175,12 +175,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message of the history (OpenAI: arguments is a JSON string)."""
+
+    model_config = _STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOL_CALLS)] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class ChatRequest(_Common):
@@ -188,6 +207,12 @@ class ChatRequest(_Common):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description=f"up to {MAX_TOOLS} functions: {{'type': 'function', 'function': {{name, description, parameters}}}}")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (vLLM / SGLang), e.g. {'enable_thinking': false}")
 
 
 class PrefixRequest(BaseModel):
@@ -296,7 +321,7 @@ def check_model(requested: str | None, served: str) -> None:
 
 # field -> values that mean "off" (accepted); anything else is a 400 naming the field
 UNSUPPORTED: dict[str, tuple] = {
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "metadata": (None, {}), "store": (None, False), "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "prompt_cache_key": (None,),
@@ -363,6 +388,7 @@ def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: in
         logprobs=lp,
         prompt_logprobs=plp,
         grammar=grammar,
+        skip_special_tokens=req.skip_special_tokens,
     )
     return _params(kw, max_tokens_param)
 
@@ -440,6 +466,21 @@ def message_text(content: str | list[ContentPart] | None) -> str:
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
+    """The messages as chat templates read them: role, content text, and for an assistant's calls
+    `tool_calls` [{id, type, function: {name, arguments}}] (arguments as sent: server/chat.py turns
+    them into objects), for a tool's answer `tool_call_id`."""
     if not req.messages:
         raise ApiError("messages is empty; send at least one message", param="messages")
-    return [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+    out = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": m.role, "content": message_text(m.content)}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(f"only assistant messages carry tool_calls, not {m.role!r} ones", param="messages")
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out

@@ -19,6 +19,8 @@ from dhisparse.core.logits import TokenLogprob
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import RequestOutput
 from dhisparse.models.tokenizer import ByteTokenizer
+from dhisparse.server.chat import ToolReading
+from dhisparse.server.tools import ToolCallParser
 
 
 def sse(obj: dict | str) -> str:
@@ -76,10 +78,18 @@ def token_piece(tokenizer, tok: int) -> tuple[str, list[int]]:
 
 @dataclass
 class _Track:
-    """A streamed choice's state: whether it opened, its text offset (completions logprobs)."""
+    """A streamed choice's state: whether it opened, its text offset (completions logprobs), and
+    when tool calls are read, its parser and the text so far."""
 
     opened: bool = False
     offset: int = 0
+    parser: ToolCallParser | None = None
+    text: str = ""
+
+
+def _reason(reason: str | None, calls: list) -> str | None:
+    """OpenAI: a choice that ends by calling tools finishes with "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,7 @@ class Formatter:
     chat: bool
     tokenizer: object = None
     prompt_texts: Sequence[str] = ()
+    tools: ToolReading | None = None  # chat with tools: each choice's text is read for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict:
@@ -151,15 +162,30 @@ class Formatter:
             reason = finish_reason or ("length" if sub.echo_only else out.finish_reason)
             lp = self._logprobs(sub, out, all_logprobs[k] if all_logprobs else out.logprobs, True)
             if self.chat:
-                choices.append({"index": sub.index, "message": {"role": "assistant", "content": out.text},
-                                "logprobs": lp, "finish_reason": reason})
+                message, reason = self._message(out, reason)
+                choices.append({"index": sub.index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": sub.index, "text": self._text(sub, out), "logprobs": lp,
                                 "finish_reason": reason})
         body = self._head("chat.completion" if self.chat else "text_completion")
         return {**body, "choices": choices, "usage": usage(outs, subs)}
 
+    def _message(self, out: RequestOutput, reason: str | None) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": out.text}, reason
+        parser = self.tools.parser()
+        parser.finish(out.text)
+        parsed = parser.message()
+        message: dict = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        return message, _reason(reason, parsed.tool_calls)
+
     # -- stream chunks ----------------------------------------------------------------------------
+    def track(self) -> _Track:
+        """A new streamed choice's state."""
+        return _Track(parser=self.tools.parser() if self.tools is not None else None)
+
     def first_chunk(self, index: int = 0) -> dict | None:
         """Chat streams open each choice with the assistant role; completions have no opening chunk."""
         if not self.chat:
@@ -175,16 +201,25 @@ class Formatter:
             text = self.prompt_texts[sub.prompt_index] + text
         lp = self._logprobs(sub, out, out.logprobs, first, track.offset)
         track.offset += len(text)
+        calls: list = []
+        if track.parser is not None:
+            track.text += text
+            text, calls = (track.parser.finish if out.finished else track.parser.feed)(track.text)
         has_lp = lp is not None and (lp.get("content") if self.chat else lp["tokens"])
-        if not (text or has_lp or out.finished):
+        if not (text or has_lp or out.finished or calls):
             return None
         reason = ("length" if sub.echo_only else out.finish_reason) if out.finished else None
-        return self.chunk(text, reason, index=sub.index, logprobs=lp if has_lp else None)
+        if track.parser is not None:
+            reason = _reason(reason, track.parser.ids)
+        return self.chunk(text, reason, index=sub.index, logprobs=lp if has_lp else None,
+                          tool_calls=[d.as_dict() for d in calls])
 
     def chunk(self, text: str, finish_reason: str | None, role: bool = False, index: int = 0,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from dhisparse.engine.request import RequestOutput
 from dhisparse.server.connection import STALLED_KEY
 from dhisparse.server.protocol import ApiError
-from dhisparse.server.responses import SSE_DONE, Formatter, Sub, _Track, sse
+from dhisparse.server.responses import SSE_DONE, Formatter, Sub, sse
 from dhisparse.server.worker import Event
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ async def stream_events(subs: "list[tuple[Sub, asyncio.Queue]]", state: "ServerS
     merged: asyncio.Queue = asyncio.Queue()
     live = {s.request_id for s, _ in subs}
     last: dict[str, RequestOutput | None] = {s.request_id: None for s, _ in subs}
-    tracks = {s.request_id: _Track() for s, _ in subs}
+    tracks = {s.request_id: fmt.track() for s, _ in subs}
     tasks = [asyncio.create_task(_forward(i, q, merged)) for i, (_, q) in enumerate(subs)]
     deadline = time.monotonic() + state.config.request_timeout_s
     try:
