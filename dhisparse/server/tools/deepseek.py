@@ -18,7 +18,7 @@ import json
 import re
 
 from dhisparse.server.tools.formats import (Literal, PartialCall, ToolFormat, _calls_rule, _keys, compact_schema,
-                                            held_back, json_value, kv_json, text_until)
+                                            arg_schema, held_back, json_value, kv_json, text_until)
 from dhisparse.server.tools.spec import Tool
 
 V31_BLOCK, V31_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -149,10 +149,9 @@ class DsmlFormat(ToolFormat):
     @staticmethod
     def _param(rid: str, tool: Tool, key: str, lit: Literal) -> list[str]:
         head = f'<{DSML}parameter name={json.dumps(key)} string='
+        schema = arg_schema(tool, key)
         if tool.is_string(key):
-            exp, rules = text_until(rid, [PARAM_END, "\n"], lit)
+            exp, rules = text_until(rid, [PARAM_END, "\n"], lit, schema)
             return [f'{rid}: {lit(head + chr(34) + "true" + chr(34) + ">")} {exp}'] + rules
-        props = tool.parameters.get("properties") or {}
-        schema = props.get(key) if isinstance(props.get(key), dict) else {}
         return [f'{rid}: {lit(head + chr(34) + "false" + chr(34) + ">")} %json{compact_schema(schema)} '
                 f"{lit(PARAM_END + chr(10))}"]

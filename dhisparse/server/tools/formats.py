@@ -136,13 +136,26 @@ class ToolFormat(ABC):
                 f"To call one, write:\n{example}")
 
 
-def text_until(rid: str, close: list[str], lit: Literal) -> tuple[str, list[str]]:
-    """(expansion, rules) of free text ended by the pieces of `close`. A special-token end is its
-    own token, so a greedy text lexeme stops at it; a textual end is the lexeme's suffix (the text
-    cannot contain it)."""
+def text_until(rid: str, close: list[str], lit: Literal, schema: dict | None = None) -> tuple[str, list[str]]:
+    """(expansion, rules) of a raw-text value ended by the pieces of `close`. A string schema's
+    `enum` becomes the alternatives and its minLength / maxLength bound the text (other string
+    keywords, such as `pattern`, are not enforced). A special-token end is its own token, so a
+    greedy text lexeme stops at it; a textual end is the lexeme's suffix (the text cannot contain it)."""
+    schema = schema or {}
+    ends = " ".join(lit(c) for c in close if c)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(lit(e) for e in enum) + ") " + ends, []
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    body = "(?s:.*)" if lo is None and hi is None else f"(?s:.){{{int(lo or 0)},{'' if hi is None else int(hi)}}}"
     if not lit(close[0]).startswith('"'):
-        return f"{rid}_text " + " ".join(lit(c) for c in close if c), [f"{rid}_text: /(?s:.*)/"]
-    return f"{rid}_text", [f"{rid}_text[suffix={json.dumps(''.join(close))}]: /(?s:.*)/"]
+        return f"{rid}_text {ends}", [f"{rid}_text: /{body}/"]
+    return f"{rid}_text", [f"{rid}_text[suffix={json.dumps(''.join(close))}]: /{body}/"]
+
+
+def arg_schema(tool: Tool, key: str) -> dict:
+    props = tool.parameters.get("properties") or {}
+    return props.get(key) if isinstance(props.get(key), dict) else {}
 
 
 def _keys(tool: Tool) -> list[tuple[str, bool]]:

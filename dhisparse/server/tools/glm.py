@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from dhisparse.server.tools.formats import (Literal, PartialCall, ToolFormat, _calls_rule, _keys, arg_value,
-                                            compact_schema, is_prefix, kv_json, text_until)
+                                            arg_schema, compact_schema, is_prefix, kv_json, text_until)
 from dhisparse.server.tools.spec import Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -120,9 +120,8 @@ class GlmFormat(ToolFormat):
 
     def _value(self, rid: str, tool: Tool, key: str, pre: str, lit: Literal) -> list[str]:
         close = [VAL_CLOSE, self.sep]
+        schema = arg_schema(tool, key)
         if tool.is_string(key):
-            exp, rules = text_until(rid, close, lit)
+            exp, rules = text_until(rid, close, lit, schema)
             return [f"{rid}: {pre} {exp}"] + rules
-        props = tool.parameters.get("properties") or {}
-        schema = props.get(key) if isinstance(props.get(key), dict) else {}
         return [f"{rid}: {pre} %json{compact_schema(schema)} " + " ".join(lit(c) for c in close if c)]
