@@ -26,7 +26,7 @@ CPU = ["--device", "cpu", "--kv-pool-bytes", str(8 << 20)]
 
 
 def run_cli(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "dhisparse", *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=kw.get("cwd", ROOT))
 
@@ -176,7 +176,7 @@ def _free_port() -> int:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "dhisparse", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
 
@@ -287,7 +287,7 @@ def test_generate_prints_prefill_progress_for_long_prompts(capsys):
 
 
 def test_memreport_help_writes_nothing_and_out_writes_json(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "dhisparse.bench.memreport", "--help"], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 0 and "--out" in r.stdout and list(tmp_path.iterdir()) == []

@@ -74,7 +74,7 @@ def test_cheap_command_runs(cmd, tmp_path):
     argv = [sys.executable] + argv[1:] if argv[0] == "python" else [sys.executable, "-m", "dhisparse", *argv[1:]]
     if "generate" in argv:
         argv += ["--device", "cpu", "--kv-pool-bytes", str(32 << 20)]  # CI-sized pools; the flags as written otherwise
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip()
