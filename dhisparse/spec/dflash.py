@@ -33,6 +33,9 @@ from dhisparse.spec.drafter import DraftProposal, DraftRequest, Features
 from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
 
 
+DEFAULT_WINDOW = 2048  # full-attention drafter and no context length given
+
+
 @dataclass
 class _State:
     slot: int
@@ -56,11 +59,14 @@ class DFlashDrafter:
 
     def __init__(self, cfg: DFlashConfig, model: DFlashModel, target, *, window: int | None = None,
                  page: int = 64, k_max: int | None = None, max_requests: int = 64,
-                 context: str = "ring", seed: int = 0) -> None:
+                 context: str = "ring", seed: int = 0, max_context: int | None = None) -> None:
         self.embed, self.lm_head, tcfg = target_parts(target)
         cfg.check_target(tcfg.vocab_size, tcfg.hidden_size, tcfg.num_layers)
         self.cfg, self.model, self.seed = cfg, model.eval(), seed
-        self.window = window or cfg.sliding_window or 2048
+        # W: the user's window, else the checkpoint's (its sliding window; every position when a layer
+        # attends to all of them, i.e. the longest context); a user window below the checkpoint's
+        # (or below full context) departs from the drafter as trained
+        self.window = window or cfg.context_window or max_context or DEFAULT_WINDOW
         if self.window < cfg.block_size:
             raise DFlashConfigError(
                 f"--speculative-draft-window-size {self.window} is smaller than the drafter's block "
@@ -145,9 +151,14 @@ class DFlashDrafter:
             else:
                 live.append((i, req, state))
         if live:
-            logits = self._draft_logits([r for _, r, _ in live], [s for _, _, s in live])
-            for (i, req, state), row in zip(live, logits):
-                out[i] = self._pick(req, state, row)
+            reqs, states = [r for _, r, _ in live], [s for _, _, s in live]
+            hidden, logits = self._draft_logits(reqs, states)
+            if self.cfg.is_dflash2:
+                picked = self._select(reqs, states, hidden, logits)
+            else:
+                picked = [self._pick(r, s, row) for r, s, row in zip(reqs, states, logits)]
+            for (i, _, _), prop in zip(live, picked):
+                out[i] = prop
         return out  # type: ignore[return-value]
 
     # ---- internals -----------------------------------------------------------------------------
@@ -195,21 +206,22 @@ class DFlashDrafter:
             )
         return state
 
-    def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> torch.Tensor:
-        """-> [N, B-1, V] fp32 logits of block rows 1..B-1."""
+    def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [N, B-1, H], fp32 logits [N, B-1, V]) of block rows 1..B-1."""
         b, device = self.cfg.block_size, self.model.fc.weight.device
         ids = torch.full((len(reqs), b), self.cfg.mask_token_id, dtype=torch.int64, device=device)
         ids[:, 0] = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=device)
         n = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64, device=device)
         positions = n[:, None] + torch.arange(b, device=device)[None, :]
-        ctx, valid = self._gather_context(reqs, states, device)
+        ctx, valid, ctx_pos = self._gather_context(reqs, states, device)
         with torch.inference_mode():
-            x = self.embed(ids).to(self.model.fc.weight.dtype)
-            hidden = self.model.block_hidden(x, positions, ctx, valid)
-            return self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype)).float()
+            x = self.embed(ids).to(self.model.fc.weight.dtype) * self.cfg.input_embedding_scale
+            hidden = self.model.block_hidden(x, positions, ctx, valid, ctx_pos)[:, 1:]
+            return hidden, self.model.logits(hidden, self.lm_head)
 
     def _gather_context(self, reqs: list[DraftRequest], states: list[_State], device):
-        """Window K/V per layer, left-aligned and padded: ([(k, v) [N, L, kvh, d]], valid [N, L])."""
+        """Window K/V per layer, left-aligned and padded: ([(k, v) [N, L, kvh, d]], valid [N, L],
+        positions [N, L])."""
         starts = torch.tensor([max(0, r.num_committed - self.window) for r in reqs], dtype=torch.int64)
         ends = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64)
         width = max(int((ends - starts).max()), 1)
@@ -220,9 +232,9 @@ class DFlashDrafter:
         if not bool(valid.any()):
             shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
             zeros = torch.zeros(shape, dtype=self.model.fc.weight.dtype, device=device)
-            return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device)
+            return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device), positions.to(device)
         out = [self.kv.read_batch(slots, layer, positions, valid) for layer in range(self.cfg.num_layers)]
-        return out, valid.to(device)
+        return out, valid.to(device), positions.to(device)
 
     def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:
         """logits [B-1, V] -> the first min(max_width, B) - 1 drafts."""
@@ -232,12 +244,31 @@ class DFlashDrafter:
             tokens = rows.argmax(dim=-1)
             conf = torch.softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
             return DraftProposal(tokens.tolist(), None, conf.tolist())
-        if state.generator is None:
-            # a seeded request drafts reproducibly whatever its id; unseeded ones get a per-id stream
-            salt = req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
-            seed = (self.seed * 1_000_003) ^ salt
-            state.generator = make_generator(seed, rows.device)
+        self._generator(req, state, rows.device)
         q = processed_probs(rows, [req.params] * k)
         tokens = torch.stack([torch.multinomial(q[i], 1, generator=state.generator)[0] for i in range(k)])
         conf = q.gather(1, tokens[:, None])[:, 0]
         return DraftProposal(tokens.tolist(), q, conf.tolist())
+
+    def _generator(self, req: DraftRequest, state: _State, device) -> torch.Generator:
+        if state.generator is None:
+            # a seeded request drafts reproducibly whatever its id; unseeded ones get a per-id stream
+            salt = req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
+            state.generator = make_generator((self.seed * 1_000_003) ^ salt, device)
+        return state.generator
+
+    def _select(self, reqs: list[DraftRequest], states: list[_State], hidden: torch.Tensor,
+                logits: torch.Tensor) -> list[DraftProposal]:
+        """DFlash2: the candidate selector's path over rows 1..K-1 (greedy rows argmax, sampled rows
+        drawn at the request's temperature; q = the selector's distribution over its candidates)."""
+        k_all = min(max(r.max_drafts for r in reqs), logits.shape[1])
+        temps = [0.0 if r.params.greedy else float(r.params.temperature) for r in reqs]
+        gens = [None if t == 0 else self._generator(r, s, logits.device) for r, s, t in zip(reqs, states, temps)]
+        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=logits.device)
+        sel = self.model.candidate_selector.select(hidden[:, :k_all], logits[:, :k_all], anchors, temps, gens)
+        out = []
+        for row, (req, t) in enumerate(zip(reqs, temps)):
+            k = min(req.max_drafts, k_all)
+            probs = None if t == 0 else sel.dense_q(row, k, logits.shape[-1])
+            out.append(DraftProposal(sel.tokens[row, :k].tolist(), probs, sel.confidence[row, :k].tolist()))
+        return out

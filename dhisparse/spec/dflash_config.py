@@ -1,13 +1,20 @@
 """`DFlashConfig`: shape of a DFlash-style block drafter, its config.json form and start-up checks.
 
-config.json (public DFlash layout: a Qwen3-style decoder config plus a `dflash_config` object):
+config.json (the public DFlash layout of the `dflash` package: a Qwen3-style decoder config plus a
+`dflash_config` object):
 
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
     intermediate_size, vocab_size, rms_norm_eps, rope_theta | rope_parameters.rope_theta,
-    num_target_layers (optional), sliding_window + use_sliding_window (optional, = W),
-    dflash_config: {block_size, mask_token_id, target_layer_ids}
+    attention_bias, num_target_layers (optional),
+    layer_types ("full_attention" | "sliding_attention" per layer), sliding_window, is_causal,
+    dflash_config: {block_size, mask_token_id, target_layer_ids, output_multiplier,
+                    final_logit_softcapping, input_embedding_scale,
+                    DFlash2: conv_kernel_size, conv_group_size, selector_rank, selector_top_k}
 
-`block_size`, `mask_token_id` and `target_layer_ids` are also accepted at the top level.
+Keys of `dflash_config` are also accepted at the top level. Attention per layer, as the reference
+reads it: a sliding layer sees keys with q - k < sliding_window (and, when not causal, k - q <
+sliding_window); a layer is causal when `is_causal` says so, else exactly when it is a sliding one;
+a full, non-causal layer sees the whole context and the whole block.
 """
 
 from __future__ import annotations
@@ -52,10 +59,43 @@ class DFlashConfig:
     qk_norm: bool = True
     num_target_layers: int | None = None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # None: every layer sliding if sliding_window, else full
+    is_causal: bool | None = None
+    attention_bias: bool = False
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+    conv_kernel_size: int | None = None  # DFlash2: grouped dynamic causal convolutions ...
+    conv_group_size: int | None = None
+    selector_rank: int | None = None  # ... and the candidate selector
+    selector_top_k: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         self.validate()
+
+    # ---- per-layer attention -------------------------------------------------------------------
+    def layer_window(self, layer: int) -> int | None:
+        """The layer's sliding window (None: it sees every position; a sliding layer saved without
+        a window, as Qwen3Config writes one when use_sliding_window is false, has none either)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_causal(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention" if self.is_causal is None else self.is_causal
+
+    @property
+    def context_window(self) -> int | None:
+        """Committed positions before the block any layer may read (None: all of them)."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(windows)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     def validate(self) -> None:
         pos = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
@@ -75,6 +115,19 @@ class DFlashConfig:
             raise DFlashConfigError(
                 f"drafter config: target_layer_ids must be non-empty layer indices >= 0, got {self.target_layer_ids}"
             )
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full_attention", "sliding_attention"}:
+            raise DFlashConfigError(f"drafter config: layer_types must give 'full_attention' or 'sliding_attention' "
+                                    f"for each of the {self.num_layers} layers, got {list(self.layer_types)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise DFlashConfigError(f"drafter config: sliding_window must be >= 1, got {self.sliding_window}")
+        d2 = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        if any(v is not None for v in d2):
+            if any(v is None or v < 1 for v in d2):
+                raise DFlashConfigError("drafter config: a DFlash2 drafter needs conv_kernel_size, conv_group_size, "
+                                        f"selector_rank and selector_top_k >= 1, got {d2}")
+            if self.hidden_size % self.conv_group_size:
+                raise DFlashConfigError(f"drafter config: conv_group_size {self.conv_group_size} must divide "
+                                        f"hidden_size {self.hidden_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashConfigError(
                 f"drafter config: mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
@@ -122,17 +175,28 @@ class DFlashConfig:
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "is_causal": False,
+            "attention_bias": self.attention_bias,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
             "dflash_config": {
                 "block_size": self.block_size,
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                "output_multiplier": self.output_multiplier,
+                "input_embedding_scale": self.input_embedding_scale,
             },
         }
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        if self.final_logit_softcapping is not None:
+            d["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_dflash2:
+            d["architectures"] = ["DFlash2DraftModel"]
+            d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                                      selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
-        if self.sliding_window is not None:
-            d.update(sliding_window=self.sliding_window, use_sliding_window=True)
         return d
 
     @classmethod
@@ -152,7 +216,17 @@ class DFlashConfig:
         except KeyError as e:
             raise DFlashConfigError(f"drafter config.json: missing required key {e.args[0]!r}") from None
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        types = d.get("layer_types")
+        window = d.get("sliding_window")
+        if types is None:  # Qwen3Config without layer_types: sliding only with use_sliding_window
+            window = window if d.get("use_sliding_window") else None
+        elif "sliding_attention" not in types:
+            window = None
+
+        def opt(key: str, kind: type):
+            value = extra.get(key, d.get(key))
+            return None if value is None else kind(value)
+
         return cls(
             num_layers=layers, hidden_size=hidden, num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -167,4 +241,12 @@ class DFlashConfig:
             qk_norm=bool(d.get("qk_norm", True)),
             num_target_layers=d.get("num_target_layers"),
             sliding_window=int(window) if window else None,
+            layer_types=tuple(types) if types is not None else None,
+            is_causal=None if d.get("is_causal") is None else bool(d["is_causal"]),
+            attention_bias=bool(d.get("attention_bias", False)),
+            output_multiplier=float(opt("output_multiplier", float) or 1.0),
+            final_logit_softcapping=opt("final_logit_softcapping", float) or None,
+            input_embedding_scale=float(opt("input_embedding_scale", float) or 1.0),
+            conv_kernel_size=opt("conv_kernel_size", int), conv_group_size=opt("conv_group_size", int),
+            selector_rank=opt("selector_rank", int), selector_top_k=opt("selector_top_k", int),
         )

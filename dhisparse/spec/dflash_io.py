@@ -15,8 +15,15 @@ stripped):
     layers.{i}.mlp.{gate,up}_proj.weight        [intermediate, hidden]
     layers.{i}.mlp.down_proj.weight             [hidden, intermediate]
 
-No embedding or LM head: the drafter uses the target's. Extra tensors (e.g. DFlash2's
-candidate selector / convolutions) are refused unless `strict=False`.
+DFlash2 (`dflash_config` has conv_kernel_size, conv_group_size, selector_rank, selector_top_k):
+
+    layers.{i}.{attention,mlp}_conv.base_kernel                 [2, kernel_size, hidden]
+    layers.{i}.{attention,mlp}_conv.kernel_projection.weight    [2 * kernel_size * hidden / group_size, hidden]
+    candidate_selector.{predecessor,successor}_codebook[.weight] [vocab, rank]  (published files omit .weight)
+    candidate_selector.hidden_projection.weight                 [rank, hidden]
+
+No embedding or LM head: the drafter uses the target's. Tensors the config does not explain are
+refused unless `strict=False`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_model import DFlashModel
 
 PREFIX = "model."
+BARE_NAMES = {f"candidate_selector.{n}_codebook": f"candidate_selector.{n}_codebook.weight"
+              for n in ("predecessor", "successor")}  # DFlash2 files store the codebooks without ".weight"
 
 
 def save_dflash(folder: str | Path, cfg: DFlashConfig, model: DFlashModel) -> Path:
@@ -55,7 +64,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():
                 name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-                out[name] = handle.get_tensor(key)
+                out[BARE_NAMES.get(name, name)] = handle.get_tensor(key)
     return out
 
 
@@ -85,7 +94,8 @@ def _load_state(model: DFlashModel, tensors: dict[str, torch.Tensor], folder: Pa
     if unexpected and strict:
         raise DFlashConfigError(
             f"drafter checkpoint {folder}: unsupported tensors {unexpected[:6]} (of {len(unexpected)}); "
-            "this is not a plain DFlash drafter (DFlash2 selector/convolutions?) - pass strict=False to ignore them"
+            "its config.json does not describe them (a DFlash2 checkpoint without conv_* / selector_* in "
+            "dflash_config?) - pass strict=False to ignore them"
         )
     for name, ref in expected.items():
         if tuple(tensors[name].shape) != tuple(ref.shape):

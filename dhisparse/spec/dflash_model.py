@@ -1,20 +1,30 @@
-"""The DFlash-style block drafter network (our own implementation of the published design).
+"""The DFlash / DFlash2 block drafter network (our own implementation of the published design; the
+`dflash` package's DFlashDraftModel / DFlash2DraftModel are its test-time reference).
 
 One pass drafts a whole block for N requests at once:
 
-    block input  [anchor, mask, ..., mask] (B tokens) embedded with the TARGET's table -> x [N, B, H]
+    block input  [anchor, mask, ..., mask] (B tokens) embedded with the TARGET's table, times
+                 input_embedding_scale -> x [N, B, H]
     context      target features of committed positions: cat over target_layer_ids -> fc ->
                  hidden_norm -> c [n, H]; every draft layer projects c with its own k/v
                  (k_norm, RoPE at the context positions) -> context K/V, stored by the caller
     each layer   h = x + attn(norm(x)); x = h + mlp(norm(h)); queries come only from the block;
-                 keys/values = [context K/V of the visible window ; block K/V] (KV injection
-                 prepends the context); attention is non-causal inside the block
-    output       final norm -> the TARGET's LM head on block rows 1..B-1 (drafts x_1..x_{B-1})
+                 keys/values = [context K/V ; block K/V] (KV injection prepends the context);
+                 which keys a query sees is the layer's mask (`attention_mask`: sliding window,
+                 causal or not - DFlash's blocks are non-causal)
+    DFlash2      each layer's attention input and MLP input pass a grouped dynamic causal
+                 convolution along the block (`GroupedDynamicConv.prepare`), and their outputs
+                 the second half of it (`finish`), with per-token kernels predicted from the input
+    output       final norm -> the TARGET's LM head on block rows 1..B-1, times output_multiplier,
+                 soft-capped (`logits`); DFlash2 then walks its candidate lattice (`CandidateSelector`)
 
 Parameter names (state-dict keys, no prefix): fc.weight [H, F*H], hidden_norm.weight, norm.weight,
 layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
-layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight (qk_norm),
-layers.{i}.mlp.{gate,up,down}_proj.weight.
+layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias with attention_bias),
+layers.{i}.self_attn.{q,k}_norm.weight (qk_norm), layers.{i}.mlp.{gate,up,down}_proj.weight;
+DFlash2: layers.{i}.{attention,mlp}_conv.base_kernel [2, ks, H],
+layers.{i}.{attention,mlp}_conv.kernel_projection.weight [2*ks*H/g, H],
+candidate_selector.{predecessor,successor}_codebook.weight [V, r], candidate_selector.hidden_projection.weight [r, H].
 """
 
 from __future__ import annotations
@@ -28,6 +38,22 @@ from dhisparse.layers.moe import MLP
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import rope_half_split
 from dhisparse.spec.dflash_config import DFlashConfig
+from dhisparse.spec.dflash_select import CandidateSelector, GroupedDynamicConv
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int | None,
+                   causal: bool) -> torch.Tensor:
+    """Which keys each block query sees. q_pos [N, B], k_pos [N, L+B], k_valid [N, L+B] -> [N, B, L+B]:
+    valid keys with (causal) k <= q, (window) q - k < window and, when not causal, k - q < window."""
+    d = q_pos[:, :, None] - k_pos[:, None, :]
+    visible = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1).clone()
+    if causal:
+        visible &= d >= 0
+    if window is not None:
+        visible &= d < window
+        if not causal:
+            visible &= -d < window
+    return visible
 
 
 class DraftAttention(nn.Module):
@@ -36,11 +62,11 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
@@ -51,9 +77,9 @@ class DraftAttention(nn.Module):
         return rope_half_split(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """x [N, B, H]; cos/sin [N*B, d/2] (block positions); ctx_k/ctx_v [N, L, kv_heads, d];
-        ctx_valid [N, L] bool (False = padding) -> [N, B, H]."""
+        visible [N, B, L+B] (attention_mask) -> [N, B, H]."""
         n, b, _ = x.shape
         flat = x.reshape(n * b, -1)
         q = rope_half_split(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), cos, sin)
@@ -65,35 +91,53 @@ class DraftAttention(nn.Module):
         v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
         q = q.view(n, b, self.heads, self.head_dim).transpose(1, 2)  # [N, heads, B, d]
         scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        valid = torch.cat([ctx_valid, torch.ones(n, b, dtype=torch.bool, device=x.device)], dim=1)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v.float()  # [N, heads, B, d]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v.float()  # a query that sees nothing: 0
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(n, b, -1))
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DFlashConfig, index: int) -> None:
         super().__init__()
+        self.window, self.causal = cfg.layer_window(index), cfg.layer_causal(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_dflash2:
+            self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_valid):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_valid)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, cos, sin, ctx_k, ctx_v, q_pos, k_pos, k_valid):
+        visible = attention_mask(q_pos, k_pos, k_valid, self.window, self.causal)
+        h = self._around(self.attention_conv, self.input_layernorm(x),
+                         lambda t: self.self_attn(t, cos, sin, ctx_k, ctx_v, visible))
+        h = x + h
+        return h + self._around(self.mlp_conv, self.post_attention_layernorm(h), self.mlp)
+
+    @staticmethod
+    def _around(conv, x, inner):
+        if conv is None:
+            return inner(x)
+        x, kernels = conv.prepare(x)
+        return conv.finish(inner(x), kernels)
 
 
 class DFlashModel(nn.Module):
-    """Owns only its layers, fc, norms and RoPE; embeddings and LM head are the target's."""
+    """Owns its layers, fc, norms, RoPE (and DFlash2's selector); embeddings and LM head are the target's."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_dflash2:
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         # plain attribute, not a buffer: casting the model to bf16 must not round the frequencies
         self._inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
 
@@ -113,14 +157,27 @@ class DFlashModel(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     @torch.inference_mode()
-    def block_hidden(self, x: torch.Tensor, positions: torch.Tensor,
-                     ctx: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor) -> torch.Tensor:
-        """x [N, B, H] embedded block; positions [N, B]; ctx per layer (k, v) [N, L, kvh, d];
-        ctx_valid [N, L] -> final-normed hidden [N, B, H]."""
+    def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
+                     ctx_valid: torch.Tensor, ctx_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, B, H] embedded block (scaled); positions [N, B]; ctx per layer (k, v) [N, L, kvh, d];
+        ctx_valid [N, L]; ctx_positions [N, L] (None: the L positions right before the block)
+        -> final-normed hidden [N, B, H]."""
+        n, b, _ = x.shape
+        length = ctx_valid.shape[1]
+        if ctx_positions is None:
+            ctx_positions = positions[:, :1] - length + torch.arange(length, device=x.device)[None, :]
+        k_pos = torch.cat([ctx_positions.to(positions.device), positions], dim=1)
+        k_valid = torch.cat([ctx_valid.to(x.device), torch.ones(n, b, dtype=torch.bool, device=x.device)], dim=1)
         cos, sin = self.rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx):
-            x = layer(x, cos, sin, k, v, ctx_valid)
+            x = layer(x, cos, sin, k, v, positions, k_pos, k_valid)
         return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """hidden [..., H] -> fp32 logits [..., V]: the target's head, times output_multiplier, soft-capped."""
+        out = lm_head(hidden.to(lm_head.weight.dtype)).float() * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
 
     @torch.no_grad()
     def init_random(self, generator: torch.Generator) -> None:
@@ -128,6 +185,7 @@ class DFlashModel(nn.Module):
         for name, p in sorted(self.named_parameters()):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("bias") or name.endswith("base_kernel"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
-

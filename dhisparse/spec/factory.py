@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dhisparse.spec.config import SpecConfig, SpecConfigError
-from dhisparse.spec.dflash import DFlashDrafter, target_parts
+from dhisparse.spec.dflash import DEFAULT_WINDOW, DFlashDrafter, target_parts
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
 from dhisparse.spec.drafter import Drafter
 from dhisparse.spec.dspark import DSparkDrafter, VerifyCost
@@ -21,6 +21,7 @@ def random_dflash_config(target, block_size: int, num_layers: int = 2) -> DFlash
         head_dim=max(2, (tcfg.hidden_size // heads) // 2 * 2), intermediate_size=2 * tcfg.hidden_size,
         vocab_size=tcfg.vocab_size, target_layer_ids=default_target_layer_ids(tcfg.num_layers, num_layers),
         block_size=block_size, mask_token_id=tcfg.pad_token_id or 0, rms_norm_eps=tcfg.rms_norm_eps,
+        sliding_window=DEFAULT_WINDOW, is_causal=False,
     )
 
 
