@@ -167,7 +167,8 @@ FLAGS: list[Flag] = [
     Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens", positive_int,
          "K_max: target queries per request and round, anchor included"),
     Flag("--speculative-draft-window-size", "speculative_draft_window_size", positive_int,
-         "W: positions the drafter's KV ring keeps"),
+         "W: positions the drafter's KV ring keeps (default: the drafter checkpoint's sliding window, the whole "
+         "context if it attends to all of it; 2048 for random weights)"),
     Flag("--speculative-draft-model-path", "speculative_draft_model_path",
          help_="DFlash drafter checkpoint folder (default: seeded random weights)"),
     Flag("--speculative-policy", "speculative_policy", help_="verification width policy: fixed, static (by load) or online",

@@ -68,7 +68,9 @@ class EngineConfig:
         speculative decoding on over any preset (the "+spec" presets default to dflash).
     speculative_num_draft_tokens [--speculative-num-draft-tokens]: K_max, target queries per
         request and round, anchor included.
-    speculative_draft_window_size [--speculative-draft-window-size]: W, positions the drafter sees.
+    speculative_draft_window_size [--speculative-draft-window-size]: W, positions the drafter sees;
+        None = the drafter checkpoint's (its sliding window, the whole context for full attention;
+        2048 for random weights).
     speculative_draft_model_path [--speculative-draft-model-path]: DFlash checkpoint folder (None =
         seeded random weights).
     speculative_policy [--speculative-policy]: fixed (K_max), static (8 up to C32, 6 up to C127, 4
@@ -120,7 +122,7 @@ class EngineConfig:
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_draft_window_size: int = 2048
+    speculative_draft_window_size: int | None = None
     speculative_draft_model_path: str | None = None
     speculative_policy: str = "fixed"
     speculative_oracle_tokens_per_round: float | None = None

@@ -7,6 +7,8 @@ sample -> stop checks -> outputs; finished requests free their KV.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 
@@ -57,6 +59,8 @@ class Engine:
         self._set_graphs(config.cuda_graphs)
         self.store, pages = self._build_kv(config)
         spec_cfg = config.spec_config()
+        if spec_cfg is not None:  # a full-attention drafter's window is the whole context
+            spec_cfg = dataclasses.replace(spec_cfg, max_context=self.max_model_len)
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit,

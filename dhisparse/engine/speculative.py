@@ -100,7 +100,7 @@ class SpecRuntime:
         kept = self._kept.setdefault(request_id, {})
         for l in self.capture:
             kept[l] = torch.cat([kept[l], captured[l][a:b]]) if l in kept else captured[l][a:b]
-            kept[l] = kept[l][-self.cfg.draft_window_size :]
+            kept[l] = kept[l][-self.drafter.feature_window :]
 
     def serves(self, item) -> bool:
         """Whether a stored prefix carries the hidden features this drafter reads when a request
@@ -108,7 +108,7 @@ class SpecRuntime:
         A prefix that does not is prefilled instead of imported."""
         if not self.capture:
             return True
-        need = min(len(item.token_ids), self.cfg.draft_window_size)
+        need = min(len(item.token_ids), self.drafter.feature_window)
         return all(l in item.features and item.features[l].shape[0] >= need for l in self.capture)
 
     def take_features(self, request_id: str) -> dict:

@@ -8,6 +8,7 @@ from dhisparse.spec.ring import ring_rows
 
 ALGORITHMS = ("dflash", "dspark", "ngram", "oracle")
 POLICIES = ("fixed", "static", "online")
+DEFAULT_WINDOW = 2048  # W of random-weight drafters (and of a full-attention one without a context length)
 
 
 class SpecConfigError(ValueError):
@@ -23,7 +24,10 @@ class SpecConfig:
         replay of a reference run).
     num_draft_tokens [--speculative-num-draft-tokens]: K_max, the most target queries per request
         and round, anchor included (>= 2).
-    draft_window_size [--speculative-draft-window-size]: W, committed positions the drafter sees.
+    draft_window_size [--speculative-draft-window-size]: W, committed positions the drafter sees;
+        None = the drafter's own (a checkpoint's sliding window, the whole context when a layer
+        attends to all of it, 2048 for random weights).
+    max_context: the engine's max_model_len (set by the engine): the window of a full-attention drafter.
     page_size [--page-size]: p, ring rows are page-rounded (eq. 9).
     block_size [--speculative-dflash-block-size]: DFlash block; None = the checkpoint's, or
         num_draft_tokens for random weights. May exceed K_max (the drafter drafts the whole block,
@@ -40,7 +44,7 @@ class SpecConfig:
 
     algorithm: str = "dflash"
     num_draft_tokens: int = 8
-    draft_window_size: int = 2048
+    draft_window_size: int | None = None
     page_size: int = 64
     block_size: int | None = None
     draft_model_path: str | None = None
@@ -53,6 +57,7 @@ class SpecConfig:
     static_default_width: int = 4
     fixed_width: int | None = None
     seed: int = 0
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "static_schedule", tuple(tuple(s) for s in self.static_schedule))
@@ -126,11 +131,11 @@ class SpecConfig:
     @property
     def ring_rows(self) -> int:
         """R_d of eq. 9 for this window and page, with the block of max(K_max, block) positions."""
-        return ring_rows(self.draft_window_size, self.page_size, max(self.num_draft_tokens, self.block))
+        return ring_rows(self.draft_window_size or DEFAULT_WINDOW, self.page_size, max(self.num_draft_tokens, self.block))
 
     def check_block(self, block: int) -> None:
         """Raise when the draft window cannot hold one block (also used for a checkpoint's block)."""
-        if self.draft_window_size < block:
+        if self.draft_window_size is not None and self.draft_window_size < block:
             raise SpecConfigError(
                 f"--speculative-draft-window-size {self.draft_window_size} is smaller than the draft block "
                 f"({block}); use a window of at least {block} positions"

@@ -26,14 +26,12 @@ from typing import Sequence
 import torch
 
 from dhisparse.core.sampling import make_generator, processed_probs
+from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.drafter import DraftProposal, DraftRequest, Features
 from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
-
-
-DEFAULT_WINDOW = 2048  # full-attention drafter and no context length given
 
 
 @dataclass
@@ -107,6 +105,10 @@ class DFlashDrafter:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.cfg.target_layer_ids)))
+
+    @property
+    def feature_window(self) -> int:
+        return self.window
 
     def state_bytes_per_request(self) -> int:
         return self._bytes

@@ -176,6 +176,10 @@ class Drafter(Protocol):
     capture_layers: tuple[int, ...]
     """target layers whose outputs the drafter conditions on (() = none needed)"""
 
+    feature_window: int
+    """W: how many of the latest committed positions' features it reads (0 = none); the engine
+    keeps and passes at most these (a stored prefix's, a long prompt's)"""
+
     def admit(self, request_id: str) -> None:
         """Allocate the request's required drafter state (e.g. its draft KV ring slot)."""
         ...
@@ -207,6 +211,7 @@ class StatelessDrafter:
     """Defaults for drafters without per-request device state or feature needs."""
 
     capture_layers: tuple[int, ...] = ()
+    feature_window: int = 0
 
     def admit(self, request_id: str) -> None:
         return None

@@ -116,6 +116,10 @@ class DSparkDrafter:
     def capture_layers(self) -> tuple[int, ...]:
         return self.inner.capture_layers
 
+    @property
+    def feature_window(self) -> int:
+        return self.inner.feature_window
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         proposals = self.inner.propose(requests)
         widths = [choose_width(p.confidences, self.cost, r.max_width) for r, p in zip(requests, proposals)]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dhisparse.spec.config import SpecConfig, SpecConfigError
-from dhisparse.spec.dflash import DEFAULT_WINDOW, DFlashDrafter, target_parts
+from dhisparse.spec.config import DEFAULT_WINDOW, SpecConfig, SpecConfigError
+from dhisparse.spec.dflash import DFlashDrafter, target_parts
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
 from dhisparse.spec.drafter import Drafter
 from dhisparse.spec.dspark import DSparkDrafter, VerifyCost
@@ -27,7 +27,8 @@ def random_dflash_config(target, block_size: int, num_layers: int = 2) -> DFlash
 
 def build_dflash(cfg: SpecConfig, target, max_requests: int = 64) -> DFlashDrafter:
     """Checkpoint at cfg.draft_model_path, else seeded random weights (block = cfg.block)."""
-    kw = dict(window=cfg.draft_window_size, page=cfg.page_size, k_max=cfg.num_draft_tokens, max_requests=max_requests)
+    kw = dict(window=cfg.draft_window_size, page=cfg.page_size, k_max=cfg.num_draft_tokens, max_requests=max_requests,
+              max_context=cfg.max_context)
     if cfg.draft_model_path:
         drafter = DFlashDrafter.load(cfg.draft_model_path, target, **kw)
         cfg.check_block(drafter.cfg.block_size)
