@@ -499,7 +499,7 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total - fixed, u.used - fixed,
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
-                           store_counters(self.store, self.spec.counters.as_dict() if self.spec else {})
+                           store_counters(self.store, self.spec.stats() if self.spec else {})
                            | pool_counters(self.store, len(self.scheduler.running), self.config.max_running_requests)
                            | graph_counters(self.model.graphs)
                            | (self.step_graphs.counters() if self.step_graphs is not None else {}))

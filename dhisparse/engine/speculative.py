@@ -11,6 +11,7 @@ overwritten by the next round. The drafter advances with the same accepted prefi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,8 @@ class SpecCounters:
     emitted: int = 0
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    draft_calls: int = 0  # drafter.propose calls (one per step that verifies)
+    draft_seconds: float = 0.0  # wall time inside them (their device work included: proposals are host lists)
 
     def add(self, width: int, acc: Acceptance) -> None:
         self.rounds += 1
@@ -45,7 +48,9 @@ class SpecCounters:
             self.accepted_at[i] += int(i < acc.accepted)
 
     def as_dict(self) -> dict:
-        d = {"spec_rounds": self.rounds, "spec_tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0}
+        d = {"spec_rounds": self.rounds, "spec_tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0,
+             "spec_draft_calls": self.draft_calls, "spec_draft_seconds": self.draft_seconds,
+             "spec_draft_ms_per_call": 1e3 * self.draft_seconds / self.draft_calls if self.draft_calls else 0.0}
         for i, (a, n) in enumerate(zip(self.accepted_at, self.drafted_at)):
             d[f"spec_accept_pos{i + 1}"] = a / n if n else 0.0
         return d
@@ -63,6 +68,11 @@ class SpecRuntime:
         self.counters = SpecCounters()
         self.proposals: dict[str, DraftProposal] = {}
         self._kept: dict[str, dict[int, torch.Tensor]] = {}
+
+    def stats(self) -> dict:
+        """Acceptance and drafter cost: time per propose call, device bytes of its weights and state."""
+        mem = self.drafter.device_bytes()
+        return self.counters.as_dict() | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
 
     def width(self, running: int) -> int:
         """Verification width this round: fixed (K_max), static by load, or the online policy's
@@ -86,7 +96,11 @@ class SpecRuntime:
             reqs.append(DraftRequest.from_parts(r.request_id, r.prompt_ids, r.output_ids, w, params=r.params,
                                                 num_prompt_tokens=len(r.prompt_ids)))
         out = list(chunks)
-        for i, req, prop in zip(decodes, reqs, self.drafter.propose(reqs)):
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(reqs)
+        self.counters.draft_calls += 1
+        self.counters.draft_seconds += time.perf_counter() - t0
+        for i, req, prop in zip(decodes, reqs, proposals):
             prop = prop.truncated(min(len(prop.tokens), req.max_drafts))
             self.proposals[req.request_id] = prop
             c = chunks[i]

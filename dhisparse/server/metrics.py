@@ -47,6 +47,9 @@ OPTIONAL_GAUGES = {
     "host_fetched_share": ("host_fetched_share", "selected rows copied from host / all selected rows"),
     "coverage": ("coverage", "ready optional history / eligible history"),
     "acceptance": ("acceptance", "speculative acceptance rate"),
+    "spec_draft_ms_per_call": ("spec_draft_ms_per_call", "drafter time per step that drafts, milliseconds"),
+    "drafter_weight_bytes": ("drafter_weight_bytes", "device bytes of the drafter's own weights"),
+    "drafter_state_bytes": ("drafter_state_bytes", "device bytes of the drafter's state (draft KV ring, every slot)"),
 }
 PER_STEP_KEYS = ("decoding",)  # what the last step did: 0 while nothing runs or waits
 ABORT_REASONS = ("client_disconnect", "stall", "timeout", "shutdown")

@@ -30,7 +30,7 @@ from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
-from dhisparse.spec.drafter import DraftProposal, DraftRequest, Features
+from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Features
 from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
 
 
@@ -112,6 +112,10 @@ class DFlashDrafter:
 
     def state_bytes_per_request(self) -> int:
         return self._bytes
+
+    def device_bytes(self) -> DrafterBytes:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return DrafterBytes(weights, self.kv.device_bytes())
 
     def admit(self, request_id: str) -> None:
         if request_id not in self._states:

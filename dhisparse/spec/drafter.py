@@ -206,6 +206,19 @@ class Drafter(Protocol):
         """Required device bytes per admitted request (for memory accounting, eq. 3)."""
         ...
 
+    def device_bytes(self) -> "DrafterBytes":
+        """Device memory the drafter holds: its own weights and its allocated state (ring)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DrafterBytes:
+    """weights: parameters the drafter owns (not the target's embedding / head it borrows);
+    state: its allocated per-request state for every slot (the draft KV ring)."""
+
+    weights: int = 0
+    state: int = 0
+
 
 class StatelessDrafter:
     """Defaults for drafters without per-request device state or feature needs."""
@@ -228,3 +241,6 @@ class StatelessDrafter:
 
     def state_bytes_per_request(self) -> int:
         return 0
+
+    def device_bytes(self) -> DrafterBytes:
+        return DrafterBytes()

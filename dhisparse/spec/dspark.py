@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from dhisparse.spec.drafter import DraftProposal, DraftRequest, Drafter, Features
+from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Drafter, Features
 
 
 def expected_emitted(confidences: Sequence[float], width: int) -> float:
@@ -140,3 +140,6 @@ class DSparkDrafter:
 
     def state_bytes_per_request(self) -> int:
         return self.inner.state_bytes_per_request()
+
+    def device_bytes(self) -> DrafterBytes:
+        return self.inner.device_bytes()

@@ -109,6 +109,10 @@ class DraftKVRing:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.tags = torch.full((num_layers, self.alloc.total_rows), -1, dtype=torch.int64, device=device)
 
+    def device_bytes(self) -> int:
+        """Device bytes of the whole ring (every slot, K, V and position tags)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + self.tags.numel() * self.tags.element_size()
+
     def bytes_per_slot(self) -> int:
         """Device bytes one request slot holds across all draft layers' K and V."""
         per_row = sum(t[0].numel() * t.element_size() for t in self.k + self.v)
@@ -159,6 +163,11 @@ class DenseDraftKV:
         self.num_layers = num_layers
         self._slots: dict[object, int] = {}
         self._data: dict[int, list[dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def device_bytes(self) -> int:
+        """Bytes of every stored row (it grows with the histories: a test reference)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for layers in self._data.values() for rows in layers for k, v in rows.values())
 
     def admit(self, owner: object) -> int:
         if owner not in self._slots:
