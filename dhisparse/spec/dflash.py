@@ -161,6 +161,8 @@ class DFlashDrafter:
             hidden, logits = self._draft_logits(reqs, states)
             if self.cfg.is_dflash2:
                 picked = self._select(reqs, states, hidden, logits)
+            elif self.cfg.is_dspark:
+                picked = self._head(reqs, states, hidden, logits)
             else:
                 picked = [self._pick(r, s, row) for r, s, row in zip(reqs, states, logits)]
             for (i, _, _), prop in zip(live, picked):
@@ -278,3 +280,19 @@ class DFlashDrafter:
             probs = None if t == 0 else sel.dense_q(row, k, logits.shape[-1])
             out.append(DraftProposal(sel.tokens[row, :k].tolist(), probs, sel.confidence[row, :k].tolist()))
         return out
+
+    def _head(self, reqs: list[DraftRequest], states: list[_State], hidden: torch.Tensor,
+              logits: torch.Tensor) -> list[DraftProposal]:
+        """DSpark: the sequential head over rows 1..K-1; confidences from its confidence head."""
+        k_all = min(max(r.max_drafts for r in reqs), logits.shape[1])
+        gens = [None if r.params.greedy else self._generator(r, s, logits.device) for r, s in zip(reqs, states)]
+        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=logits.device)
+        out = self.model.sequential_head.draft(hidden[:, :k_all], logits[:, :k_all], anchors,
+                                               [r.params for r in reqs], gens)
+        props = []
+        for row, req in enumerate(reqs):
+            k = min(req.max_drafts, k_all)
+            q = out.q[row]
+            props.append(DraftProposal(out.tokens[row, :k].tolist(), None if q is None else q[:k],
+                                       out.confidence[row, :k].tolist()))
+        return props

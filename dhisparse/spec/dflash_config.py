@@ -69,6 +69,8 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None  # ... and the candidate selector
     selector_top_k: int | None = None
+    dspark_markov_rank: int | None = None  # DSpark: the sequential head (spec/dspark_head.py)
+    dspark_markov_gated: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -96,6 +98,10 @@ class DFlashConfig:
     @property
     def is_dflash2(self) -> bool:
         return self.conv_kernel_size is not None
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.dspark_markov_rank is not None
 
     def validate(self) -> None:
         pos = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
@@ -128,6 +134,10 @@ class DFlashConfig:
             if self.hidden_size % self.conv_group_size:
                 raise DFlashConfigError(f"drafter config: conv_group_size {self.conv_group_size} must divide "
                                         f"hidden_size {self.hidden_size}")
+        if self.dspark_markov_rank is not None and self.dspark_markov_rank < 1:
+            raise DFlashConfigError(f"drafter config: dspark_markov_rank must be >= 1, got {self.dspark_markov_rank}")
+        if self.is_dspark and self.is_dflash2:
+            raise DFlashConfigError("drafter config: a drafter has a DSpark sequential head or a DFlash2 selector, not both")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashConfigError(
                 f"drafter config: mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
@@ -195,6 +205,10 @@ class DFlashConfig:
             d["architectures"] = ["DFlash2DraftModel"]
             d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
                                       selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
+        if self.is_dspark:
+            d["architectures"] = ["DSparkDraftModel"]
+            d["dflash_config"].update(dspark_markov_rank=self.dspark_markov_rank,
+                                      dspark_markov_gated=self.dspark_markov_gated)
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
         return d
@@ -249,4 +263,6 @@ class DFlashConfig:
             input_embedding_scale=float(opt("input_embedding_scale", float) or 1.0),
             conv_kernel_size=opt("conv_kernel_size", int), conv_group_size=opt("conv_group_size", int),
             selector_rank=opt("selector_rank", int), selector_top_k=opt("selector_top_k", int),
+            dspark_markov_rank=opt("dspark_markov_rank", int),
+            dspark_markov_gated=bool(opt("dspark_markov_gated", bool) or False),
         )

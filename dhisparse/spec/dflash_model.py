@@ -16,7 +16,8 @@ One pass drafts a whole block for N requests at once:
                  convolution along the block (`GroupedDynamicConv.prepare`), and their outputs
                  the second half of it (`finish`), with per-token kernels predicted from the input
     output       final norm -> the TARGET's LM head on block rows 1..B-1, times output_multiplier,
-                 soft-capped (`logits`); DFlash2 then walks its candidate lattice (`CandidateSelector`)
+                 soft-capped (`logits`); DFlash2 then walks its candidate lattice (`CandidateSelector`),
+                 DSpark its sequential head (`SequentialHead`, spec/dspark_head.py)
 
 Parameter names (state-dict keys, no prefix): fc.weight [H, F*H], hidden_norm.weight, norm.weight,
 layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
@@ -39,6 +40,7 @@ from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import rope_half_split
 from dhisparse.spec.dflash_config import DFlashConfig
 from dhisparse.spec.dflash_select import CandidateSelector, GroupedDynamicConv
+from dhisparse.spec.dspark_head import SequentialHead
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int | None,
@@ -138,6 +140,9 @@ class DFlashModel(nn.Module):
         if cfg.is_dflash2:
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
                                                         cfg.selector_top_k)
+        if cfg.is_dspark:
+            self.sequential_head = SequentialHead(cfg.vocab_size, cfg.hidden_size, cfg.dspark_markov_rank,
+                                                  cfg.dspark_markov_gated)
         # plain attribute, not a buffer: casting the model to bf16 must not round the frequencies
         self._inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
 
