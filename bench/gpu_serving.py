@@ -66,7 +66,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--host-pool-gib", type=float, default=None, help="host pool (default: what the slots need, <= 80%% of MemAvailable)")
     a("--max-batched-tokens", type=int, default=8192)
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
-    a("--drafter", default="oracle", choices=("oracle", "ngram", "dflash"),
+    a("--drafter", default="oracle", choices=("oracle", "ngram", "dflash", "dflash2", "dspark", "mtp"),
       help="drafter of the +spec presets: the calibrated oracle (a measurement tool) or a real one")
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
     a("--out", default="bench/results/gpu_serving.json")

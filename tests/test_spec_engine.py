@@ -30,7 +30,7 @@ def spec_llm(reference, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive"])
-@pytest.mark.parametrize("algorithm", ["ngram", "dflash", "dspark", "oracle"])
+@pytest.mark.parametrize("algorithm", ["ngram", "dflash", "dflash2", "dspark", "oracle"])
 def test_every_drafter_and_preset_is_exact(reference, preset, algorithm):
     extra = {"speculative_oracle_tokens_per_round": 2.88} if algorithm == "oracle" else {}
     llm = spec_llm(reference, preset=preset, speculative_algorithm=algorithm, speculative_num_draft_tokens=4, **extra)

@@ -148,7 +148,8 @@ FLAGS: list[Flag] = [
     Flag("--host-pool-bytes", "host_pool_bytes", positive_int,
          "host backing capacity in bytes (default 4 x the KV pool, capped at half of the available memory)"),
     Flag("--admission-reserve-pages", "admission_reserve_pages", nonneg_int,
-         "adaptive: pages kept free for admissions (M_res); optional history never uses them"),
+         "adaptive: pages kept free for admissions (M_res); optional history never uses them (default: one "
+         "request's hot cache, tail and index pages at --context-length, at most an eighth of the pool)"),
     Flag("--reclaim-order", "reclaim_order", help_="adaptive: who loses optional history first: remaining (fewest "
          "tokens left), largest, newest", choices=("remaining", "largest", "newest")),
     Flag("--repopulate-pages", "repopulate_pages", nonneg_int, "adaptive: optional pages refilled from host per step at most"),
@@ -162,8 +163,8 @@ FLAGS: list[Flag] = [
     Flag("--load-stream", "load_stream", help_="CUDA: where admission copies (prefix import, hisparse hand-off) run",
          choices=("compute", "side")),
     Flag("--speculative-algorithm", "speculative_algorithm",
-         help_="speculative decoding over any preset (oracle: a benchmark tool)",
-         choices=("dflash", "dspark", "ngram", "oracle")),
+         help_="speculative decoding over any preset (mtp / nextn: the checkpoint's own MTP layer; oracle: a benchmark tool)",
+         choices=("dflash", "dflash2", "dspark", "mtp", "nextn", "ngram", "oracle")),
     Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens", positive_int,
          "K_max: target queries per request and round, anchor included"),
     Flag("--speculative-draft-window-size", "speculative_draft_window_size", positive_int,

@@ -12,7 +12,9 @@ Tensors are read lazily with `safetensors.safe_open`, shard by shard, and mapped
 - FP8 block-scaled weights (`float8_e4m3fn` plus a sibling `<name>_scale_inv` fp32 tensor of shape
   [ceil(out/bo), ceil(in/bi)]) are dequantized: `w.float() * scale` expanded per block, cropped;
 - MTP layers (`model.layers.{j}.*` with j >= num_layers, `mtp.*`), indexer tensors on GLM
-  `shared` layers and any other unknown tensor go to `LoadedModel.extra` under their own name.
+  `shared` layers and any other unknown tensor go to `LoadedModel.extra` under their own name; the
+  MTP layers' tensors are also set on the returned model as `model.mtp_weights` (a dict, empty when
+  the checkpoint has none), so the MTP drafter finds them from the model the engine hands it.
 """
 
 from __future__ import annotations
@@ -238,6 +240,12 @@ def _is_extra(name: str, cfg: ModelConfig) -> bool:
     return layer >= cfg.num_layers or (".self_attn.indexer." in name and not cfg.indexer_full[layer])
 
 
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of an MTP layer in the DeepSeek-V3 layout (`model.layers.{j}.*`, j >= num_layers)."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
 def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
 
@@ -301,4 +309,5 @@ def load_checkpoint(
             "check that config.json matches the weights (num_hidden_layers, indexer_types, first_k_dense_replace)"
         )
     _finalize(model, cfg, state, device)
+    model.mtp_weights = {n: t for n, t in extra.items() if _is_mtp(n, cfg)}
     return LoadedModel(model.eval(), cfg, extra)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from dhisparse.spec.ring import ring_rows
 
-ALGORITHMS = ("dflash", "dspark", "ngram", "oracle")
+ALGORITHMS = ("dflash", "dflash2", "dspark", "mtp", "ngram", "oracle")
+ALIASES = {"nextn": "mtp"}  # SGLang's name for the same drafter
 POLICIES = ("fixed", "static", "online")
 DEFAULT_WINDOW = 2048  # W of random-weight drafters (and of a full-attention one without a context length)
 
@@ -19,9 +20,12 @@ class SpecConfigError(ValueError):
 class SpecConfig:
     """Speculative decoding settings.
 
-    algorithm [--speculative-algorithm]: dflash (block drafter, fixed width), dspark (block drafter
-        + confidence-scheduled width per request), ngram (prompt lookup), oracle (benchmark-only
-        replay of a reference run).
+    algorithm [--speculative-algorithm]: dflash (block drafter, fixed width; a DFlash2 or DSpark
+        checkpoint brings its selector / sequential head), dflash2 (DFlash2: grouped dynamic
+        convolutions and the candidate selector), dspark (DFlash backbone + DSpark's sequential head
+        and confidence-scheduled width per request), mtp (alias nextn: the target checkpoint's own
+        MTP block, chained; spec/mtp.py), ngram (prompt lookup), oracle (benchmark-only replay of a
+        reference run).
     num_draft_tokens [--speculative-num-draft-tokens]: K_max, the most target queries per request
         and round, anchor included (>= 2).
     draft_window_size [--speculative-draft-window-size]: W, committed positions the drafter sees;
@@ -60,6 +64,7 @@ class SpecConfig:
     max_context: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", ALIASES.get(self.algorithm, self.algorithm))
         object.__setattr__(self, "static_schedule", tuple(tuple(s) for s in self.static_schedule))
         self._check_choices()
         self._check_sizes()

@@ -18,6 +18,7 @@ generator and return q for rejection sampling (confidence = q(x)).
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Features
 from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +83,12 @@ class DFlashDrafter:
         else:
             raise ValueError(f"DFlashDrafter.context must be 'ring' or 'dense', got {context!r}")
         self._bytes = 2 * cfg.num_layers * self.ring_rows * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        if window is not None and cfg.context_window != window:
+            log.warning("drafter window %d (--speculative-draft-window-size) differs from the checkpoint's (%s): "
+                        "drafts differ from the drafter as trained (exactness is unaffected)", window,
+                        cfg.context_window or "the whole context")
+        log.info("draft KV ring: W %d, %d rows x %d slots, %s per request", self.window, self.ring_rows, max_requests,
+                 f"{self._bytes / 2**20:.1f} MiB")
         self._states: dict[str, _State] = {}
 
     # ---- construction --------------------------------------------------------------------------

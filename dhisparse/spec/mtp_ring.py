@@ -24,6 +24,10 @@ class LatentRing:
         self.rows = torch.zeros(self.alloc.total_rows, width, dtype=dtype, device=device)
         self.tags = torch.full((self.alloc.total_rows,), -1, dtype=torch.int64, device=device)
 
+    def device_bytes(self) -> int:
+        """Device bytes of the whole ring (every slot's rows and position tags)."""
+        return self.rows.numel() * self.rows.element_size() + self.tags.numel() * self.tags.element_size()
+
     def bytes_per_slot(self) -> int:
         """Device bytes one request slot holds: its R_d latent rows and their position tags."""
         per_row = self.rows.shape[1] * self.rows.element_size() + self.tags.element_size()
