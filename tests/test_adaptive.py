@@ -309,3 +309,20 @@ def test_kept_tail_pages_never_spend_the_requests_reservation():
             need = store.arena.index_pages_for(store.max_total[rid]) - len(store.resident.index_tables[rid])
             assert store.pool._reserved.get(rid, 0) >= need, f"{rid}: reservation spent on kept tail pages"
     assert kept > 0  # pages were kept (the path under test ran)
+
+
+def test_default_reserve_and_a_request_that_only_the_reserve_blocks():
+    """M_res by default is one request's lifelong pages at max_model_len (hot cache, tail, index
+    history), at most an eighth of the pool; a request that fits the pool only by eating into the
+    reserve is refused at once, naming the reserve."""
+    llm = LLM("tiny", preset="adaptive", kv_pool_bytes=4 << 20, max_model_len=512, hot_cache_rows=16)
+    store = llm.engine.store
+    want = min(store.required_pages(512), store.pool.capacity // 8)
+    assert store.res.reserve == want > 0
+    explicit = LLM("tiny", preset="adaptive", kv_pool_bytes=4 << 20, max_model_len=512, hot_cache_rows=16,
+                   admission_reserve_pages=0).engine.store
+    assert explicit.res.reserve == 0
+    total = next(t for t in range(16, 100_000, 16) if store.pages_for(t, t) > store.pool.capacity - store.res.reserve)
+    assert store.pages_for(total, total) <= store.pool.capacity  # it would fit the pool without the reserve
+    msg = store.never_fits(total, total)
+    assert msg is not None and "admission reserve" in msg and explicit.never_fits(total, total) is None

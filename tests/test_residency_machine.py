@@ -1,20 +1,27 @@
 """Hypothesis state machine of the residency manager against a simple model.
 
-Copies complete in any order (the test picks which); passes (readers) begin and end. After every
-transition: I1 (every eligible page of a live request is published with valid data or has a
-complete host copy), I3 (a page is published only after its copy completed and freed only after
-its backup and every reader launched while it was published completed) and I4 (optional pages
-never eat into the reserve; the manager's pages match the pool).
+Copies complete in any order (the test picks which); passes (readers) begin and end; tail pages
+complete and stay as optional history when `can_keep` allows. After every transition: I1 (every
+eligible page of a live request is published with valid data or has a complete host copy), I3 (a
+page is published only after its copy completed and freed only after its backup and every reader
+launched while it was published completed), I4 (the manager's pages match the pool) and eq. 3
+(required + optional + reserve <= capacity: the free pages never drop below the reserve). Each
+admission checks eq. 4: it reclaims exactly the first q requests of the reclaim order whose ready
+pages cover the deficit, and reclaims nothing (and waits) when all ready pages cannot; each refill
+starts at most `per_attempt` pages, beginning with the next request of the round-robin.
+`test_breakages_are_caught` applies three breakages (reclaim every request, refill without bound or
+reserve, `can_keep` without the reserve) and shows the machine fails on each.
 """
 
 from __future__ import annotations
 
-from hypothesis import settings
+import pytest
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from dhisparse.kv.hier.residency import OptPage, PageState, ResidencyManager
 from dhisparse.kv.memory.pool import PagePool
-from dhisparse.kv.hier.residency import ResidencyManager
 
 CAPACITY, RESERVE = 24, 2
 
@@ -61,18 +68,50 @@ class ResidencyMachine(RuleBasedStateMachine):
             assert j in self.mgr.reqs[req].backed, "I1: unpublished a page without a host copy"
         self.published.pop((req, j), None)
 
-    @rule(eligible=st.integers(0, 6), remaining=st.integers(0, 50))
-    def admit(self, eligible, remaining):
-        need = eligible + 1  # eligible history pages + one required page
-        if not self.mgr.reclaim(need) or self.mgr.deficit(need) > 0:
+    def _ready(self) -> dict:
+        return {r: sum(op.state is PageState.READY for op in st_.pages.values()) for r, st_ in self.mgr.reqs.items()}
+
+    def _expected_q(self, need: int) -> list | None:
+        """Eq. 4: the first q requests of the reclaim order whose ready pages cover the deficit
+        ([] when none is needed, None when all ready pages together cannot: the admission waits)."""
+        ready = {r: k for r, k in self._ready().items() if k}
+        delta = self.mgr.deficit(need) - self.mgr.retiring()
+        if delta <= 0:
+            return []
+        if sum(ready.values()) < delta:
+            return None
+        chosen, total = [], 0
+        for r in self.mgr.order({r: self.mgr.reqs[r] for r in ready}):
+            chosen.append(r)
+            total += ready[r]
+            if total >= delta:
+                return chosen
+        return chosen
+
+    @rule(eligible=st.integers(0, 6), on_host=st.integers(0, 6), remaining=st.integers(0, 50))
+    def admit(self, eligible, on_host, remaining):
+        """A request with `eligible` history pages, the last `on_host` of them only on host (e.g.
+        a prefix's shared host pages): the rest are resident, plus one required page."""
+        on_host = min(on_host, eligible)
+        resident = eligible - on_host
+        need = resident + 1
+        before, q = self._ready(), self._expected_q(need)
+        ok = self.mgr.reclaim(need)
+        after = self._ready()
+        assert ok == (q is not None), "eq. 4: reclaim must refuse exactly when ready pages cannot cover the deficit"
+        taken = {r for r in before if before[r] and not after.get(r)}
+        untouched = {r for r in before if r not in (q or []) and after.get(r, 0) == before[r]}
+        assert taken == set(q or []), f"eq. 4: reclaimed {sorted(taken)}, the minimal prefix is {q}"
+        assert untouched == {r for r in before if r not in (q or [])}, "eq. 4: a request past the prefix lost pages"
+        if not ok or self.mgr.deficit(need) > 0:
             return  # the admission waits
         req = f"r{self.n}"
         self.n += 1
         pages = self.pool.alloc(req, need)
-        for j, p in enumerate(pages[:eligible]):
+        for j, p in enumerate(pages[:resident]):
             self.data[p] = (req, j)
         self.live[req] = pages[-1]
-        self.mgr.register(req, eligible, dict(enumerate(pages[:eligible])), set(), remaining)
+        self.mgr.register(req, eligible, dict(enumerate(pages[:resident])), set(range(resident, eligible)), remaining)
 
     @precondition(lambda self: self.copies.pending)
     @rule(pick=st.integers(0, 1000))
@@ -95,7 +134,31 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     @rule()
     def repopulate(self):
-        self.mgr.repopulate()
+        def missing(r):
+            st_ = self.mgr.reqs[r]
+            return any(j not in st_.pages and j in st_.backed for j in range(st_.eligible))
+
+        head = next((r for r in self.mgr._rr if missing(r)), None)
+        before = {r: set(st_.pages) for r, st_ in self.mgr.reqs.items()}
+        room = self.pool.available - RESERVE > 0
+        started = self.mgr.repopulate()
+        assert started <= self.mgr.per_attempt, "refill bound: more pages than per_attempt in one attempt"
+        if head is not None and room:  # round robin: the next request in the rotation is served first
+            assert set(self.mgr.reqs[head].pages) - before[head], f"round robin: {head} was skipped"
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1000))
+    def complete_tail(self, pick):
+        """A request's tail page completes (backed up to host); it stays as optional history when
+        a page beyond the reserve can replace it in the tail, else the tail page is reused."""
+        req = sorted(self.live)[pick % len(self.live)]
+        if not self.mgr.can_keep():
+            return
+        j = self.mgr.reqs[req].eligible
+        old = self.live[req]
+        self.data[old] = (req, j)
+        self.live[req] = self.pool.alloc(req, 1)[0]
+        self.mgr.keep(req, j, old)
 
     @rule(limit=st.integers(1, 4))
     def backup_ahead(self, limit):
@@ -115,7 +178,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         self.mgr.check()
-        assert self.pool.available >= 0
+        assert self.pool.available >= RESERVE, "eq. 3: required + optional + reserve exceeds the pool"
         self.pool.check_integrity()
         for req in self.live:
             st_ = self.mgr.reqs[req]
@@ -128,6 +191,46 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 ResidencyMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestResidencyMachine = ResidencyMachine.TestCase
+
+
+def _reclaim_every_request(self, need):
+    ready, retiring = self._tally()
+    if self.deficit(need) - retiring <= 0:
+        return True
+    for req in self.order({r: self.reqs[r] for r in ready}):  # no stop once the deficit is covered
+        self._retire_request(req)
+    return True
+
+
+def _refill_without_bound(self):
+    started = 0
+    for req in list(self._rr):
+        st_ = self.reqs[req]
+        for j in [j for j in range(st_.eligible) if j not in st_.pages and j in st_.backed]:
+            if self.pool.available < 1:
+                return started
+            page = self.pool.alloc(("opt", req), 1)[0]
+            st_.pages[j] = OptPage(page, PageState.POPULATING)
+            self.copies.issue("populate", req, j, page)
+            started += 1
+    return started
+
+
+BREAKAGES = {
+    "reclaim every request, not the first q": ("reclaim", _reclaim_every_request),
+    "refill without bound, ignoring the reserve": ("repopulate", _refill_without_bound),
+    "can_keep ignoring the reserve": ("can_keep", lambda self: self.pool.available - 1 >= 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BREAKAGES))
+def test_breakages_are_caught(name, monkeypatch):
+    method, broken = BREAKAGES[name]
+    monkeypatch.setattr(ResidencyManager, method, broken)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(ResidencyMachine, settings=settings(
+            max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+            suppress_health_check=list(HealthCheck), print_blob=False))
 
 
 def test_backup_ahead_takes_the_copy_off_the_reclaim():

@@ -52,7 +52,8 @@ def test_v4_hierarchy_matches_resident(loaded, reference, preset, monkeypatch):
 
 
 def test_v4_adaptive_reclaims_under_a_tight_pool(loaded, reference):
-    eng = engine(loaded, preset="adaptive", hot_cache_rows=4, kv_pool_bytes=80 * 1024, max_running_requests=4)
+    eng = engine(loaded, preset="adaptive", hot_cache_rows=4, kv_pool_bytes=80 * 1024, max_running_requests=4,
+                 admission_reserve_pages=0)  # no reserve: the pool is tight enough to reclaim
     assert generate(eng, PROMPTS, GREEDY) == expected(reference)
     assert eng.stats().as_dict()["reclaimed_pages"] > 0
 

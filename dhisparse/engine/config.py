@@ -39,7 +39,8 @@ class EngineConfig:
     host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes, capped at
         half of the host's available memory.
     admission_reserve_pages [--admission-reserve-pages]: pages M_res kept free for admissions
-        (adaptive); optional history never eats into them.
+        (adaptive); optional history never eats into them. None = one request's lifelong pages at
+        max_model_len (hot cache, tail, index history), at most an eighth of the pool.
     reclaim_order [--reclaim-order]: which requests lose optional history first under pressure:
         "remaining" (fewest expected remaining tokens: they finish soonest), "largest", "newest".
     repopulate_pages [--repopulate-pages]: optional pages refilled from host per step at most.
@@ -112,7 +113,7 @@ class EngineConfig:
     max_model_len: int | None = None
     hot_cache_rows: int | None = None
     host_pool_bytes: int | None = None
-    admission_reserve_pages: int = 0
+    admission_reserve_pages: int | None = None
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32
@@ -169,7 +170,7 @@ class EngineConfig:
         if self.admission_lookahead < 0 or not self.admission_age_bound_s >= 0:
             raise ConfigValueError(f"admission_lookahead must be >= 0 and admission_age_bound_s >= 0; got "
                                    f"{self.admission_lookahead}, {self.admission_age_bound_s}")
-        if self.admission_reserve_pages < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
+        if (self.admission_reserve_pages or 0) < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
             raise ConfigValueError("admission_reserve_pages, repopulate_pages and backup_ahead_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)
         if self.resolver not in ("auto", "torch", "triton"):

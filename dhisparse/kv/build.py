@@ -65,7 +65,7 @@ class StoreSettings:
     resolver: str = "auto"
     copy_stream: str = "side"
     load_stream: str = "compute"
-    reserve_pages: int = 0
+    reserve_pages: int | None = None  # None: AdaptiveKV.default_reserve
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32

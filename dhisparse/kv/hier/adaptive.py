@@ -30,12 +30,16 @@ log = logging.getLogger("dhisparse.kv")
 class AdaptiveKV(HierarchicalKV):
     can_cover = True
 
-    def __init__(self, *args, reserve_pages: int = 0, reclaim_order: str = "remaining", repopulate_pages: int = 4,
-                 max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32, **kw) -> None:
+    def __init__(self, *args, reserve_pages: int | None = None, reclaim_order: str = "remaining",
+                 repopulate_pages: int = 4, max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32,
+                 **kw) -> None:
         """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/memory/copies.py).
         backup_ahead_pages: host backups started per step under memory pressure (0: only when a
-        reclaim needs them, on the admission path)."""
+        reclaim needs them, on the admission path). reserve_pages: M_res of eq. 3; None =
+        `default_reserve`."""
         super().__init__(*args, max_len=max_len, **kw)
+        if reserve_pages is None:
+            reserve_pages = self.default_reserve(max_len)
         S = self.hot_pos.shape[0]
         width = -(-max_len // self.page_size) * self.page_size  # whole pages
         self._opt_loc = torch.full((S, width), -1, dtype=torch.int64, device=self.device)
@@ -147,6 +151,24 @@ class AdaptiveKV(HierarchicalKV):
 
     def residency(self) -> ResidencyManager:
         return self.res
+
+    def default_reserve(self, max_len: int) -> int:
+        """M_res by default: the pages a request holds for its whole life at the longest context
+        (hot cache, tail, index history: `required_pages(max_len)`), capped at an eighth of the
+        pool. An arrival then finds its fixed state free at once, and a reclaim of optional
+        history only has to cover its prompt's workspace; the cap keeps small pools usable."""
+        return min(self.required_pages(max_len), self.pool.capacity // 8)
+
+    def never_fits(self, max_total: int, prompt_len: int | None = None) -> str | None:
+        """Also: optional history never takes the reserve, so even an idle pool gives a request at
+        most its capacity less M_res (eq. 3)."""
+        msg = super().never_fits(max_total, prompt_len)
+        need, room = self.pages_for(max_total, prompt_len), self.pool.capacity - self.res.reserve
+        if msg is None and need > room:
+            msg = (f"the request needs {need} KV pages but the pool less the admission reserve "
+                   f"({self.res.reserve} pages) gives at most {room}; raise --kv-pool-bytes, lower "
+                   "--admission-reserve-pages or lower max_tokens")
+        return msg
 
     def covers(self, reqs: list[object]) -> bool:
         """Every complete history page of every request in `reqs` is published (host-side check):

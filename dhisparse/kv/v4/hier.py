@@ -79,8 +79,8 @@ class _V4Rows:
     host_census = False
 
     def __init__(self, *args, v4: V4Config, **kw) -> None:
+        self.v4, self.state_need = v4, {}  # first: AdaptiveKV's default reserve counts the V4 state pages
         super().__init__(*args, **kw)
-        self.v4, self.state_need = v4, {}
 
     def state_pages(self, max_rows: int) -> int:
         tokens = (max_rows + 1) * self.v4.csa_rate - 1  # the most tokens max_rows rows can stand for
