@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tie_rule import tie_rule
+
 V32: dict = dict(
     model_type="deepseek_v32", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
@@ -50,7 +52,7 @@ def build_hf_model(d: dict, seed: int = 0):
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.1)
-    return model
+    return tie_rule(model)
 
 
 def save_hf_checkpoint(d: dict, folder: str | Path, seed: int = 0) -> Path:
@@ -64,7 +66,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32):
     """transformers' own from_pretrained of a saved fixture (the parity reference)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager", dtype=dtype).eval()
+    return tie_rule(AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager", dtype=dtype).eval())
 
 
 def checkpoint_state(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tie_rule import tie_rule
+
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 V4_TINY: dict = dict(
     model_type="deepseek_v4", vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
@@ -69,7 +71,7 @@ def build_v4_hf(d: dict, seed: int = 0):
                 b.copy_(torch.stack([torch.randperm(E)[:k] for _ in range(b.shape[0])]))
             elif n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-    return model
+    return tie_rule(model)
 
 
 def save_v4_checkpoint(d: dict, folder: str | Path, seed: int = 0) -> Path:
@@ -82,7 +84,7 @@ def save_v4_checkpoint(d: dict, folder: str | Path, seed: int = 0) -> Path:
 def load_v4_hf(folder: str | Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    return tie_rule(AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval())
 
 
 # transformers module suffix -> upstream suffix (hand-written, independent of our loader's table)

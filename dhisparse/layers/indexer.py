@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dhisparse.core.batch import ForwardBatch
+from dhisparse.core.topk import stable_topk
 from dhisparse.kernels.dispatch import indexer_topk_batched
 from dhisparse.layers.rope import RopeTables, rope_fused
 from dhisparse.core.config import ModelConfig
@@ -83,7 +84,7 @@ def indexer_topk_reference(
             future = torch.arange(L, device=keys.device)[None, :] > positions[c0:c1, None]
             score = score.masked_fill(future, float("-inf"))
             kk = min(topk, L)
-            val, idx = score.topk(kk, dim=-1)
+            val, idx = stable_topk(score, kk)
             out[c0:c1, :kk] = torch.where(torch.isinf(val), torch.full_like(idx, -1), idx)
     return out
 

@@ -1,0 +1,42 @@
+"""Top-k with a fixed tie rule, for the sparse indexers' selections.
+
+`torch.topk` breaks ties among equal scores by whatever its kernel does, and that depends on the
+row's width and the device: the lightning indexer's scores are sums of ReLUs, so exact-zero ties
+are common (every head's logit negative), and a history row shorter or longer in the batch (the
+score tensor is [T, Lmax] over the batch) could pick different tied positions. The selection would
+then depend on which requests share a pass - a speculative round and a decode step of the same
+request could attend to different rows. `stable_topk` picks, among equal scores, the lowest
+positions, and orders the k picks by (score descending, position ascending), so a selection is a
+function of the request's own scores only.
+
+Cost: two top-k passes over the row (the second finds the lowest tied positions) and two sorts of
+k entries, against one top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [..., L], 0 <= k <= L -> (values, indices) [..., k]: the k largest scores, ties at
+    the boundary taken by lowest index, ordered by value descending then index ascending."""
+    L = scores.shape[-1]
+    if k == 0 or scores.numel() == 0:
+        return scores.new_empty(*scores.shape[:-1], k), torch.empty(*scores.shape[:-1], k, dtype=torch.int64,
+                                                                    device=scores.device)
+    val, idx = torch.topk(scores, k, dim=-1)  # the function: tests patch the method for their references
+    kth = val[..., -1:]
+    above = (val > kth).sum(-1, keepdim=True)  # entries strictly above the boundary: all of them are in
+    pos = torch.arange(L, device=scores.device)
+    tied = torch.where(scores == kth, -pos.to(scores.dtype if scores.is_floating_point() else torch.float32),
+                       float("-inf"))
+    low = (-torch.topk(tied, k, dim=-1).values).to(torch.int64)  # the k lowest tied positions, ascending
+    j = torch.arange(k, device=scores.device)
+    from_tie = j >= above
+    picked = torch.where(from_tie, low.gather(-1, (j - above).clamp(min=0)), idx)
+    picked_val = scores.gather(-1, picked)
+    by_pos = picked.sort(dim=-1).indices  # order: index ascending, then a stable sort by value descending
+    picked, picked_val = picked.gather(-1, by_pos), picked_val.gather(-1, by_pos)
+    by_val = picked_val.sort(dim=-1, descending=True, stable=True).indices
+    return picked_val.gather(-1, by_val), picked.gather(-1, by_val)

@@ -1,0 +1,75 @@
+"""Selections do not depend on who shares a pass (core/topk.py): ties among equal indexer scores
+(exact zeros are common: the score is a sum of ReLUs) go to the lowest positions, in a fixed order.
+With torch.topk's own tie rule, speculative decoding on repetitive prompts left resident
+non-speculative output (a verification round's score rows are as wide as its batch's longest
+history); `test_speculation_on_tied_scores_matches` fails on that rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dhisparse.core.topk as topk_mod
+from dhisparse import SamplingParams
+from dhisparse.core.topk import stable_topk
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.engine import Engine
+from dhisparse.engine.llm import LLM
+
+
+def reference(scores: torch.Tensor, k: int):
+    """Sort each row by (score descending, index ascending) and keep k."""
+    vals, idxs = [], []
+    for row in scores.reshape(-1, scores.shape[-1]).tolist():
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+        idxs.append(order)
+        vals.append([row[i] for i in order])
+    shape = (*scores.shape[:-1], k)
+    return torch.tensor(vals, dtype=scores.dtype).reshape(shape), torch.tensor(idxs, dtype=torch.int64).reshape(shape)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 40), st.data())
+def test_stable_topk_equals_the_sorted_reference(rows, length, data):
+    k = data.draw(st.integers(0, length))
+    levels = data.draw(st.lists(st.sampled_from([0.0, 0.0, 1.5, -2.0, 3.25, float("-inf")]), min_size=rows * length,
+                                max_size=rows * length))
+    scores = torch.tensor(levels, dtype=torch.float32).reshape(rows, length)
+    val, idx = stable_topk(scores, k)
+    rv, ri = reference(scores, k)
+    assert torch.equal(idx, ri) and torch.equal(val, rv)
+
+
+def test_odd_and_empty_shapes():
+    assert stable_topk(torch.zeros(0, 7), 3)[1].shape == (0, 3)
+    assert stable_topk(torch.zeros(2, 5), 0)[1].shape == (2, 0)
+    v, i = stable_topk(torch.zeros(3, 2, 9), 4)
+    assert torch.equal(i, torch.arange(4).expand(3, 2, 4))
+
+
+PROMPT_SEED = 4  # one of the repetitive prompt sets whose rounds hit exact-zero ties
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(PROMPT_SEED)
+    return [(torch.randint(3, 250, (3 + i % 4,), generator=gen).tolist() * 10)[:24] for i in range(8)]
+
+
+def speculative_differs() -> int:
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    ps = prompts()
+    ref = [o.token_ids for o in LLM("tiny").generate(ps, sp)]
+    spec = LLM.__new__(LLM)
+    spec.engine = Engine(EngineConfig(preset="resident+spec", speculative_algorithm="ngram", speculative_num_draft_tokens=4))
+    return sum(a != b for a, b in zip((o.token_ids for o in spec.generate(ps, sp)), ref))
+
+
+def test_speculation_on_tied_scores_matches(monkeypatch):
+    assert speculative_differs() == 0
+    monkeypatch.setattr(topk_mod, "stable_topk", lambda s, k: s.topk(k, dim=-1))  # torch's own tie rule
+    import dhisparse.kernels.indexer_torch as it
+
+    monkeypatch.setattr(it, "stable_topk", lambda s, k: s.topk(k, dim=-1))
+    assert speculative_differs() > 0
