@@ -73,7 +73,7 @@ def test_checkpoint_mtp_layer_loads_and_drafts_exactly(hf_checkpoints, tmp_path,
     assert isinstance(drafter, MtpDrafter) and isinstance(drafter, Drafter)
     got = checkpoint_tensors(drafter.module)
     assert set(got) == {n for n in mtp if ".indexer." not in n}
-    assert all(torch.equal(got[n], mtp[n].to(got[n].dtype)) for n in got)
+    assert all(torch.equal(got[n].cpu(), mtp[n].to(got[n].dtype)) for n in got)
     assert (drafter.embed is drafter.module.embed_tokens) == (arch == "v32")
     assert drafter.window == read_config(folder).index_topk == 4  # W = index_topk: exact DSA
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
@@ -206,7 +206,7 @@ def training_data(lm, prompts, outs):
 
 
 def acceptance(prompts, module=None) -> dict:
-    llm = spec_llm(debug_checks=False)
+    llm = spec_llm(debug_checks=False, device="cpu")  # the training below runs on CPU
     if module is not None:
         llm.engine.spec.drafter = MtpDrafter(module, llm.engine.model, k_max=4,
                                              max_requests=llm.engine.config.max_running_requests)
@@ -217,7 +217,7 @@ def acceptance(prompts, module=None) -> dict:
 def test_trained_mtp_is_accepted_and_a_miswired_one_is_not():
     gen = torch.Generator().manual_seed(0)
     prompts = [(torch.randint(3, 250, (3 + i % 4,), generator=gen).tolist() * 10)[:24] for i in range(8)]
-    llm = LLM("tiny")
+    llm = LLM("tiny", device="cpu")
     outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))]
     lm = llm.engine.model
     with torch.no_grad():

@@ -285,7 +285,8 @@ def test_v4_adaptive_side_copy_stream_under_a_tight_pool(loaded, monkeypatch):
     seen: dict = {}
     _side_kinds_on_cpu(monkeypatch, seen)
     eng = engine(loaded, preset="adaptive", hot_cache_rows=4, copy_stream="side", kv_pool_bytes=62 * 1024,
-                 max_running_requests=4, admission_lookahead=0)  # strict FCFS: admissions must reclaim
+                 max_running_requests=4, admission_lookahead=0,  # strict FCFS: admissions must reclaim
+                 admission_reserve_pages=0)  # no reserve: the tight pool itself forces the reclaims
     assert seen["side_stream"] == [True] and isinstance(eng.store.kv.copies, StreamCopyEngine)
     assert generate(eng, prompts, params) == want
     assert eng.stats().as_dict()["reclaimed_pages"] > 0
