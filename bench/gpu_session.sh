@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost
+#        exactall,draftercost,retest15
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -191,11 +191,16 @@ case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: mo
   run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
       --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \
       --out "$OUT/gpu_serving_backup128_h200.json" ;; esac
-case ",$STEPS," in *,draftercost,*)  # issue 27: a DFlash2 drafter of the paper's shape (6 layers at the target's hidden), glm52-scaled, C18, widths 4 and 8 (~5 min)
+case ",$STEPS," in *,draftercost,*)  # issue 27: a DFlash2 drafter of the paper's shape (6 layers at the target's hidden), glm52-scaled, C18, widths 4 and 8; the first +spec run of each width warms kernels and graphs (~6 min)
   run "DFlash2 checkpoint (random, paper shape)" python3 bench/drafter_checkpoint.py --model glm52-scaled --kind dflash2 \
       --layers 6 --block 8 --out /tmp/dflash2_6l
   for w in 4 8; do
-    run "DFlash2 drafter cost, C18, width $w" timeout 240 python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 \
-        --resident-fit 6 --concurrency 18 --presets adaptive,adaptive+spec --drafter dflash2 --spec-width $w --duration 20 \
-        --engine-arg speculative_draft_model_path=/tmp/dflash2_6l --force --out "$OUT/drafter_cost_dflash2_w${w}_h200.json"
+    run "DFlash2 drafter cost, C18, width $w" timeout 200 python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 \
+        --resident-fit 6 --concurrency 18 --presets adaptive+spec,adaptive,adaptive+spec --drafter dflash2 --spec-width $w \
+        --duration 15 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l --force \
+        --out "$OUT/drafter_cost_dflash2_w${w}_h200.json"
   done ;; esac
+case ",$STEPS," in *,retest15,*)  # session 15: the CUDA failures of s15b and the subprocess tests of s15a, again (~1.5 min)
+  run "CUDA re-test" timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/test_spec_mtp.py \
+      tests/test_topk_ties.py tests/test_v4_resolver_step.py tests/test_cli.py tests/test_readme.py -rfE \
+      --junitxml="$OUT/retest_cuda.xml" ;; esac
