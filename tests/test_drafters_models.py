@@ -1,8 +1,8 @@
 """Every feature-conditioned drafter (dflash, dflash2, dspark) and ngram, over every preset
 (resident, hisparse, adaptive), is token-identical to non-speculative `resident` under greedy
 decoding on a DeepSeek-V3.2 and a DeepSeek-V4 tiny checkpoint (GLM-5's built-in tiny model is
-tests/test_spec_engine.py; MTP is tests/test_spec_mtp.py). And the sampled proposal distribution of
-DFlash2's selector follows the q it returns (chi-square)."""
+tests/test_spec_engine.py; MTP is tests/test_spec_mtp.py). And the sampled proposals of DFlash and of
+DFlash2's selector follow the q they return (chi-square; DSpark's: tests/test_dspark_head.py)."""
 
 from __future__ import annotations
 
@@ -65,3 +65,31 @@ def test_dflash2_sampled_drafts_follow_q():
     assert chi2.sf(float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1) > 1e-4
     greedy = sel.select(hidden[:2], logits[:2], torch.full((2,), 7), [0.0, 0.0], [None, None])
     assert torch.equal(greedy.q.sum(-1), torch.ones(2, 2))  # one-hot at the greedy pick
+
+
+@torch.inference_mode()
+def test_dflash_sampled_drafts_follow_q():
+    """DFlash's sampled drafts: each request draws from q = processed_probs(its rows) with its own
+    stream; over many requests the first draft's frequencies match q (chi-square), and the q it
+    returns is that distribution."""
+    from dhisparse.core.sampling import processed_probs
+    from dhisparse.spec.dflash import _State
+    from dhisparse.spec.drafter import DraftRequest
+
+    target = build_tiny(0)
+    drafter = DFlashDrafter.random(random_dflash_config(target, 4), target, seed=2)
+    vocab = drafter.cfg.vocab_size
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    want = processed_probs(logits, [params] * 3)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    rows = 3000
+    for r in range(rows):
+        prop = drafter._pick(DraftRequest(f"s{r}", [1, 2], 5, 4, params=params), _State(0), logits)
+        counts[prop.tokens[0]] += 1
+        if r == 0:
+            assert torch.allclose(prop.probs, want)
+    keep = want[0] > 0
+    exp = want[0].double() * rows
+    assert counts[~keep].sum() == 0
+    assert chi2.sf(float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1) > 1e-4
