@@ -326,3 +326,24 @@ def test_default_reserve_and_a_request_that_only_the_reserve_blocks():
     assert store.pages_for(total, total) <= store.pool.capacity  # it would fit the pool without the reserve
     msg = store.never_fits(total, total)
     assert msg is not None and "admission reserve" in msg and explicit.never_fits(total, total) is None
+
+
+def test_decode_pages_hot_cache_is_the_papers_rule():
+    """--decode-pages hot-cache (the paper's rule): completed decode pages are recycled as under
+    hisparse, so optional history holds prompt pages only and the decode rows come back through the
+    hot cache; tokens equal resident's. `optional` (ours) keeps them (the test above)."""
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(30 + 7 * i)] for i in range(3)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]
+    kept = {}
+    for mode in ("optional", "hot-cache"):
+        llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, debug_checks=True, decode_pages=mode)
+        res = llm.engine.store.res
+        pages = []
+        original = res.keep
+        res.keep = lambda req, j, page, _o=original: (pages.append(j), _o(req, j, page))[1]
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+        kept[mode] = len(pages)
+    assert kept["optional"] > 0 and kept["hot-cache"] == 0
+    with pytest.raises(ValueError, match="decode_pages"):
+        LLM("tiny", preset="adaptive", decode_pages="sometimes")

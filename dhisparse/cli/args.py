@@ -155,6 +155,9 @@ FLAGS: list[Flag] = [
     Flag("--repopulate-pages", "repopulate_pages", nonneg_int, "adaptive: optional pages refilled from host per step at most"),
     Flag("--backup-ahead-pages", "backup_ahead_pages", nonneg_int,
          "adaptive: host backups of optional pages started per step under memory pressure"),
+    Flag("--decode-pages", "decode_pages", help_="adaptive: completed decode pages stay on device as optional "
+         "history while memory is spare (optional: our extension) or come back only through the hot cache "
+         "(hot-cache: the paper's rule)", choices=("optional", "hot-cache")),
     Flag("--cuda-graphs", "cuda_graphs", help_="piecewise CUDA graphs per token bucket of each layer's FFN block (ffn), "
          "and also its pre-attention piece and sparse attention (layer); step = layer plus one graph of the whole "
          "forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it",

@@ -18,6 +18,9 @@ class ConfigValueError(ValueError):
     """A setting with a bad value; the message names the setting and the fix."""
 
 
+DECODE_PAGES = ("optional", "hot-cache")  # adaptive: where completed decode pages go (see decode_pages)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (CLI flags in brackets).
@@ -47,6 +50,10 @@ class EngineConfig:
     backup_ahead_pages [--backup-ahead-pages]: adaptive: under memory pressure (the latest
         admission's pages exceed what is free beyond the reserve), host backups of published
         optional pages started per step ahead of a reclaim (0: back up only when reclaiming).
+    decode_pages [--decode-pages]: adaptive: "optional" (ours, the default) keeps a completed decode
+        page on device as published optional history while a page beyond the reserve is free;
+        "hot-cache" (the paper's) backs it up and reuses the tail page, so decode rows come back only
+        through the hot cache.
     cuda_graphs [--cuda-graphs]: "auto", "none", "ffn" or "layer": replay each decoder layer's FFN
         block (norm, experts, residual) -- and with "layer" also its pre-attention piece (norm,
         projections, RoPE, indexer projections) and the sparse attention -- from CUDA graphs per token
@@ -117,6 +124,7 @@ class EngineConfig:
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32
+    decode_pages: str = "optional"
     copy_stream: str = "side"
     load_stream: str = "compute"
     cuda_graphs: str = "auto"
@@ -170,6 +178,8 @@ class EngineConfig:
         if self.admission_lookahead < 0 or not self.admission_age_bound_s >= 0:
             raise ConfigValueError(f"admission_lookahead must be >= 0 and admission_age_bound_s >= 0; got "
                                    f"{self.admission_lookahead}, {self.admission_age_bound_s}")
+        if self.decode_pages not in DECODE_PAGES:
+            raise ConfigValueError(f"decode_pages must be one of {DECODE_PAGES}; got {self.decode_pages!r}")
         if (self.admission_reserve_pages or 0) < 0 or self.repopulate_pages < 0 or self.backup_ahead_pages < 0:
             raise ConfigValueError("admission_reserve_pages, repopulate_pages and backup_ahead_pages must be >= 0")
         self.spec_config()  # validates the speculative settings (SpecConfigError names the flag)
@@ -227,6 +237,7 @@ class EngineConfig:
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
             load_stream=self.load_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
+            decode_pages=self.decode_pages,
             max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,
             debug=self.debug_checks)
 

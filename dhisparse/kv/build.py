@@ -69,6 +69,7 @@ class StoreSettings:
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
     backup_ahead_pages: int = 32
+    decode_pages: str = "optional"  # adaptive: "optional" (ours) or "hot-cache" (the paper's)
     max_running: int = 64
     max_queries: int = 1
     debug: bool = False
@@ -173,6 +174,7 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
         return hier_cls(*args, **kw)
     return adaptive_cls(*args, **kw, reserve_pages=s.reserve_pages, reclaim_order=s.reclaim_order,
                         repopulate_pages=s.repopulate_pages, backup_ahead_pages=s.backup_ahead_pages,
+                        keep_decode_pages=s.decode_pages == "optional",
                         side_stream=s.copy_stream == "side")
 
 

@@ -32,11 +32,13 @@ class AdaptiveKV(HierarchicalKV):
 
     def __init__(self, *args, reserve_pages: int | None = None, reclaim_order: str = "remaining",
                  repopulate_pages: int = 4, max_len: int = 4096, side_stream: bool = True, backup_ahead_pages: int = 32,
-                 **kw) -> None:
+                 keep_decode_pages: bool = True, **kw) -> None:
         """side_stream: on CUDA, backup / repopulation copies run on a side stream (kv/memory/copies.py).
         backup_ahead_pages: host backups started per step under memory pressure (0: only when a
         reclaim needs them, on the admission path). reserve_pages: M_res of eq. 3; None =
-        `default_reserve`."""
+        `default_reserve`. keep_decode_pages: completed decode pages stay as optional history (our
+        extension; False: the paper's rule, decode rows stay under the tail and hot-cache rules)."""
+        self.keep_decode_pages = keep_decode_pages
         super().__init__(*args, max_len=max_len, **kw)
         if reserve_pages is None:
             reserve_pages = self.default_reserve(max_len)
@@ -179,8 +181,10 @@ class AdaptiveKV(HierarchicalKV):
     def _next_tail_page(self, req: object, st: ReqKV, done: int) -> int:
         """While a pool page beyond the reserve is free, the completed page (backed up to host as
         under hisparse) also stays on the device as published optional history and a fresh spare
-        page takes its place in the tail, so low-load decoding keeps resolving directly."""
-        if not self.res.can_keep():
+        page takes its place in the tail, so low-load decoding keeps resolving directly. This is
+        our extension (`--decode-pages optional`); with "hot-cache" (the paper's rule) the page is
+        recycled as under hisparse."""
+        if not self.keep_decode_pages or not self.res.can_keep():
             return done
         fresh = self.pool.alloc(req, 1, spare=True)[0]  # a spare page: req's reservation still covers its own growth
         self.res.keep(req, st.tail_start // self.page_size, done)
