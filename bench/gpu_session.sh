@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15
+#        exactall,draftercost,retest15,decodepages,mtptest
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -204,3 +204,12 @@ case ",$STEPS," in *,retest15,*)  # session 15: the CUDA failures of s15b and th
   run "CUDA re-test" timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/test_spec_mtp.py \
       tests/test_topk_ties.py tests/test_v4_resolver_step.py tests/test_cli.py tests/test_readme.py -rfE \
       --junitxml="$OUT/retest_cuda.xml" ;; esac
+case ",$STEPS," in *,decodepages,*)  # issue 26 item 4: adaptive with completed decode pages as optional history (ours) vs the paper's hot-cache rule, 8K, C2 and C18 (~3.5 min)
+  for mode in optional hot-cache; do
+    run "adaptive, --decode-pages $mode, 8K C2 and C18" timeout 150 python3 bench/gpu_serving.py --model glm52-scaled \
+        --input-len 8192 --resident-fit 6 --concurrency 2,18 --presets adaptive --duration 15 --force \
+        --engine-arg decode_pages=$mode --out "$OUT/decode_pages_${mode}_8k_h200.json"
+  done ;; esac
+case ",$STEPS," in *,mtptest,*)  # the MTP drafter files on CUDA (~1 min)
+  run "MTP on CUDA" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile tests/test_spec_mtp*.py \
+      tests/test_drafters_models.py tests/test_adaptive.py -rfE --junitxml="$OUT/mtp_cuda.xml" ;; esac
