@@ -80,7 +80,8 @@ class DeepseekV4ForCausalLM(CausalLMHead):
 
         Returns ModelOutput(hidden [T, hidden] after hc_head + norm, captured {layer: [T, hidden]},
         the mean over the hc_mult residual streams after layer `layer`: the target features that
-        DFlash / DSpark drafters condition on).
+        DFlash / DSpark drafters condition on; key num_layers: the last layer's streams themselves,
+        flattened [T, hc_mult * hidden], before hc_head and the final norm, which the MTP block reads).
         """
         m = self.model
         h = m.embed_tokens(batch.input_ids)
@@ -92,5 +93,7 @@ class DeepseekV4ForCausalLM(CausalLMHead):
             streams = layer(streams, ropes, batch, ctx)
             if i in capture_layers:  # drafter features: the mean of the hc_mult streams [T, D]
                 captured[i] = streams.mean(dim=1)
+        if len(m.layers) in capture_layers:  # the MTP block's input (spec/mtp_v4.py): streams before hc_head
+            captured[len(m.layers)] = streams.flatten(1)
         ctx.finish()
         return ModelOutput(m.norm(m.hc_head(streams)), captured)

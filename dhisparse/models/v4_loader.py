@@ -14,7 +14,8 @@ Per-expert tensors (w1 / w3 / w2, or gate_proj / up_proj / down_proj) are stacke
 gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I]. FP8 (e4m3) weights with a
 block-128 `.scale` / `_scale_inv` sibling are dequantized; FP4 experts are refused. hyper-connection
 tensors, sinks, position_bias, norms and the router bias stay fp32; tid2eid stays int64. MTP tensors
-(`mtp.*`, layers >= num_hidden_layers) go to `LoadedModel.extra`.
+(`mtp.*`, layers >= num_hidden_layers) go to `LoadedModel.extra`, and also onto the model as
+`model.mtp_weights` (a dict, empty without MTP tensors; `spec/mtp_v4_io.py` reads it).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ _LAYER = {  # upstream / HF-saved per-layer suffix -> our (transformers module) 
 }
 _EXPERT = re.compile(r"^(?:ffn|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-_FP32 = re.compile(r"(_hc\.|hc_head\.|\.sinks$|position_bias$|e_score_correction_bias$|norm\.weight$)")
+# fp32 tensors by our names, and by the upstream spellings the MTP tensors keep in `extra` (hc_attn_fn, attn_sink, ...)
+_FP32 = re.compile(r"(_hc\.|hc_head\.|\.sinks$|position_bias$|e_score_correction_bias$|norm\.weight$"
+                   r"|hc_[a-z]+_(fn|base|scale)$|attn_sink$|\.gate\.bias$)")
 
 
 def canonical_name(name: str, num_layers: int) -> str | tuple[int, int, str] | None:
@@ -82,6 +85,12 @@ def canonical_name(name: str, num_layers: int) -> str | tuple[int, int, str] | N
     if e is not None:
         return layer, int(e.group(1)), _EXPERT_KIND[e.group(2)]
     return f"model.layers.{layer}.{_LAYER.get(rest, rest)}"
+
+
+def is_mtp_name(name: str, num_layers: int) -> bool:
+    """`mtp.{i}.*` (upstream) or a layer index >= num_hidden_layers (`[model.]layers.{L}.*`)."""
+    m = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
+    return name.startswith("mtp.") or (m is not None and int(m.group(1)) >= num_layers)
 
 
 def read_v4_config(folder: str | Path) -> V4Config:
@@ -175,6 +184,7 @@ def load_v4_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = Non
                              + "; check config.json (num_hidden_layers, layer_types / compress_ratios)")
     model.load_state_dict(state, strict=True, assign=True)
     model.model.build_ropes(cfg, device)
+    model.mtp_weights = {n: t for n, t in extra.items() if is_mtp_name(n, cfg.num_layers)}  # spec/mtp_v4_io.py
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return LoadedModel(model.eval(), cfg, extra)

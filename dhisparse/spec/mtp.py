@@ -27,6 +27,11 @@ approximation only costs acceptance: verification keeps the output exact (I7).
 
 Greedy requests get argmax drafts (probs None, confidence = softmax max); sampled requests draw
 each step from q = processed_probs(logits, params) with a per-request generator and return q.
+
+**DeepSeek-V4.** The same drafter runs V4's MTP block (`spec/mtp_v4.py`, `spec/mtp_v4_model.py`):
+the model-specific pieces (which features, what a ring row is, one chained step) sit in a "parts"
+object, `MtpParts` (above) or `MtpV4Parts`, picked by the module's type. V4's MTP layer is a
+sliding-window layer, so its window ring is exact at every context length.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ import torch
 
 from dhisparse.core.sampling import make_generator, processed_probs
 from dhisparse.core.v4_config import V4Config
-from dhisparse.spec.config import SpecConfig, SpecConfigError
+from dhisparse.spec.config import SpecConfig
 from dhisparse.spec.drafter import DraftProposal, DrafterBytes, DraftRequest, Features
 from dhisparse.spec.mtp_io import build_module
-from dhisparse.spec.mtp_model import MtpModule
+from dhisparse.spec.mtp_model import MtpModule, MtpParts
 from dhisparse.spec.mtp_ring import LatentRing
+from dhisparse.spec.mtp_v4 import MtpV4Parts
+from dhisparse.spec.mtp_v4_io import build_module as build_v4_module
+from dhisparse.spec.mtp_v4_model import MtpV4Module
 from dhisparse.spec.ring import ring_rows
 
 
@@ -64,37 +72,39 @@ def target_model(target):
 
 
 class MtpDrafter:
-    """`module` drafts for `target`. window = W (default index_topk: exact DSA, see above);
-    page / k_max size the ring (R_d of eq. 9); `max_requests` ring slots."""
+    """`module` (MtpModule, or MtpV4Module for DeepSeek-V4) drafts for `target`. window = W
+    (default index_topk: exact DSA, see above; V4: sliding_window, exact); page / k_max size the
+    ring (R_d of eq. 9); `max_requests` ring slots."""
 
-    def __init__(self, module: MtpModule, target, *, window: int | None = None, page: int = 64, k_max: int = 8,
-                 max_requests: int = 64, seed: int = 0) -> None:
+    def __init__(self, module: MtpModule | MtpV4Module, target, *, window: int | None = None, page: int = 64,
+                 k_max: int = 8, max_requests: int = 64, seed: int = 0) -> None:
         lm = target_model(target)
-        tcfg = lm.config
-        self.module, self.seed = module.eval(), seed
-        self.embed = module.embed_tokens if module.embed_tokens is not None else lm.model.embed_tokens
-        self.head = module.shared_head.head if module.shared_head.head is not None else lm.lm_head
-        self.final_norm = lm.model.norm if module.cfg.hidden_input == "normed" else None
-        self.layer = tcfg.num_layers - 1
-        self.window = window or tcfg.index_topk
+        parts_cls = MtpV4Parts if isinstance(module, MtpV4Module) else MtpParts
+        self.parts = parts = parts_cls(module.eval(), lm, window)
+        self.module, self.seed = parts.module, seed
+        self.embed, self.head, self.final_norm = parts.embed, parts.head, parts.final_norm
+        self.layer, self.window = parts.layer, parts.window
         self.ring_rows = ring_rows(self.window, page, k_max)
         w = module.weight
-        self.ring = LatentRing(max_requests, self.ring_rows, tcfg.latent_dim, w.dtype, w.device)
-        self._feat_bytes = self.window * tcfg.hidden_size * w.element_size()
+        self.ring = LatentRing(max_requests, self.ring_rows, parts.row_width, w.dtype, w.device)
+        self._feat_bytes = self.window * parts.feat_width * w.element_size()
         self._states: dict[str, _State] = {}
 
     @classmethod
     def random(cls, target, seed: int = 0, **kw) -> "MtpDrafter":
         """Seeded random MTP weights (built-in random targets without an MTP block)."""
-        w = target_model(target).lm_head.weight
-        return cls(MtpModule.random(target_model(target).config, seed, w.dtype, w.device), target, seed=seed, **kw)
+        lm = target_model(target)
+        w = lm.lm_head.weight
+        module_cls = MtpV4Module if isinstance(lm.config, V4Config) else MtpModule
+        return cls(module_cls.random(lm.config, seed, w.dtype, w.device), target, seed=seed, **kw)
 
     @classmethod
     def from_checkpoint(cls, target, **kw) -> "MtpDrafter":
         """The MTP block the loader set aside on the target (`model.mtp_weights`)."""
         lm = target_model(target)
         w = lm.lm_head.weight
-        return cls(build_module(lm.mtp_weights, lm.config, w.dtype, w.device), target, **kw)
+        build = build_v4_module if isinstance(lm.config, V4Config) else build_module
+        return cls(build(lm.mtp_weights, lm.config, w.dtype, w.device), target, **kw)
 
     # ---- Drafter protocol ----------------------------------------------------------------------
     @property
@@ -168,8 +178,7 @@ class MtpDrafter:
         if n_new == 0:
             return
         with torch.inference_mode():
-            g = features[self.layer].to(self.module.weight.dtype)
-            g = self.final_norm(g) if self.final_norm is not None else g
+            g = self.parts.features(features[self.layer])
         feats = g if state.feats is None else torch.cat([state.feats, g])
         state.known += n_new
         keep = state.known - max(state.known - self.window, min(state.rows_done, state.known - 1))
@@ -206,8 +215,7 @@ class MtpDrafter:
         if parts:
             ids = torch.tensor([t for p in parts for t in p[3]], dtype=torch.int64, device=dev)
             pos = torch.cat([torch.arange(lo, n, device=dev) for _, lo, n, _, _ in parts])
-            u = self.module.fuse(self.embed(ids).to(self.module.weight.dtype), torch.cat([p[4] for p in parts]), pos)
-            latent = self.module.pre(u, pos).latent
+            latent = self.parts.rows(ids, torch.cat([p[4] for p in parts]), pos)
             a = 0
             for st, lo, n, _, _ in parts:
                 self.ring.write(st.slot, pos[a:a + n - lo], latent[a:a + n - lo])
@@ -237,22 +245,21 @@ class MtpDrafter:
         return rows.reshape(N * L, 1, rows.shape[-1]), loc
 
     def _chain(self, reqs: list[DraftRequest], states: list[_State]) -> list[DraftProposal]:
-        dev, m = self.module.weight.device, self.module
+        dev = self.module.weight.device
         n = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64, device=dev)
         hidden = torch.cat([s.feats[-1:] for s in states])
         tok = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=dev)
         slots, transient = [s.slot for s in states], []
         picks: list[list[tuple[int, float, torch.Tensor | None]]] = [[] for _ in reqs]
         for j in range(max(r.max_drafts for r in reqs)):
-            pos = n - 1 + j
-            u = m.fuse(self.embed(tok).to(m.weight.dtype), hidden, pos)
-            pre = m.pre(u, pos)
-            if j:
-                transient.append(pre.latent)
-            h = m.attend(u, pre, *self._window(slots, n, j, transient))
-            logits = self.head(m.head_input(h).to(self.head.weight.dtype)).float()
+            def window(row: torch.Tensor, j: int = j):
+                """The step's own row [N, width] (position n - 1 + j; transient for j >= 1) -> rows, loc."""
+                if j:
+                    transient.append(row)
+                return self._window(slots, n, j, transient)
+
+            logits, hidden = self.parts.step(tok, hidden, n - 1 + j, window)
             tok = self._pick(reqs, states, logits, picks)
-            hidden = m.chain_hidden(h)
         out = []
         for req, got in zip(reqs, picks):
             got = got[:req.max_drafts]
@@ -280,13 +287,12 @@ class MtpDrafter:
 
 def build_mtp(cfg: SpecConfig, target, max_requests: int = 64) -> MtpDrafter:
     """`--speculative-algorithm mtp`: the checkpoint's MTP block (a loaded checkpoint's
-    `model.mtp_weights`), or seeded random weights for built-in random models (no such attribute).
-    W = --speculative-draft-window-size, by default index_topk (window attention = exact DSA)."""
+    `model.mtp_weights`; a checkpoint without one is refused in one line), or seeded random
+    weights for built-in random models (no such attribute). W = --speculative-draft-window-size,
+    by default index_topk (window attention = exact DSA), for DeepSeek-V4 sliding_window (exact)."""
     lm = target_model(target)
-    if isinstance(lm.config, V4Config):
-        raise SpecConfigError("--speculative-algorithm mtp is not supported for DeepSeek-V4 (deepseek_v4) yet: its mtp.* "
-                              "block (hyper-connections, e_proj / h_proj) has no drafter; use dflash, dspark or ngram")
-    kw = dict(window=cfg.draft_window_size or lm.config.index_topk, page=cfg.page_size,
+    default = lm.config.sliding_window if isinstance(lm.config, V4Config) else lm.config.index_topk
+    kw = dict(window=cfg.draft_window_size or default, page=cfg.page_size,
               k_max=cfg.num_draft_tokens, max_requests=max_requests, seed=cfg.seed)
     if getattr(lm, "mtp_weights", None) is None:
         return MtpDrafter.random(target, **kw)

@@ -90,21 +90,26 @@ def build_module(tensors: dict[str, torch.Tensor], tcfg: ModelConfig, dtype: tor
     cfg = MtpConfig(**{**cfg.__dict__, **cfg_kw})
     with torch.device("meta"):
         module = MtpModule(cfg, tcfg)
-    expected = {n: t.shape for n, t in module.state_dict().items()}
     prefix = f"model.layers.{cfg.layer}."
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    if missing or unknown:
-        show = lambda ns: [prefix + n.removeprefix("decoder.") for n in ns[:4]]  # noqa: E731
-        raise SpecConfigError(f"{FLAG}: MTP layer tensors do not match config.json: missing {show(missing)}, "
-                              f"unexpected {show(unknown)} (dense vs MoE: first_k_dense_replace / n_routed_experts)")
-    bad = [(n, list(t.shape), list(expected[n])) for n, t in state.items() if tuple(t.shape) != tuple(expected[n])]
-    if bad:
-        raise SpecConfigError(f"{FLAG}: MTP tensor {prefix}{bad[0][0].removeprefix('decoder.')} has shape {bad[0][1]} "
-                              f"but the target's config gives {bad[0][2]}; config.json does not match the weights")
+    check_state(module, state, "MTP layer", lambda n: prefix + n.removeprefix("decoder."),
+                "dense vs MoE: first_k_dense_replace / n_routed_experts")
     module.load_state_dict({n: t.to(device) for n, t in state.items()}, strict=True, assign=True)
     module.rotary_emb = type(module.rotary_emb)(tcfg.rope, tcfg.qk_rope_head_dim).to(device)
     return module.to_target(dtype, device).eval()
+
+
+def check_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, name, hint: str) -> None:
+    """The tensors of `state` must be exactly the module's, with its shapes; else a one-line
+    SpecConfigError naming the first offenders (`name` maps a module name to the checkpoint's)."""
+    expected = {n: t.shape for n, t in module.state_dict().items()}
+    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unknown:
+        raise SpecConfigError(f"{FLAG}: {what} tensors do not match config.json: missing "
+                              f"{[name(n) for n in missing[:4]]}, unexpected {[name(n) for n in unknown[:4]]} ({hint})")
+    bad = [(n, list(t.shape), list(expected[n])) for n, t in state.items() if tuple(t.shape) != tuple(expected[n])]
+    if bad:
+        raise SpecConfigError(f"{FLAG}: {what} tensor {name(bad[0][0])} has shape {bad[0][1]} but the target's "
+                              f"config gives {bad[0][2]}; config.json does not match the weights")
 
 
 def checkpoint_tensors(module: MtpModule) -> dict[str, torch.Tensor]:

@@ -150,3 +150,39 @@ class MtpModule(nn.Module):
         cfg = MtpConfig(layer=tcfg.num_layers, moe=tcfg.n_routed_experts > 0, **cfg_kw)
         module = cls(cfg, tcfg).init_random(torch.Generator().manual_seed(seed))
         return module.to_target(dtype, device).eval()
+
+
+class MtpParts:
+    """The DeepSeek-V3-style block against its target `lm` (DsaForCausalLM): what `MtpDrafter`
+    needs. layer: the captured target layer (the last); window: W (default index_topk);
+    row_width: the MLA latent D; feat_width: H."""
+
+    def __init__(self, module: MtpModule, lm, window: int | None = None) -> None:
+        tcfg = lm.config
+        self.module = module
+        self.embed = module.embed_tokens if module.embed_tokens is not None else lm.model.embed_tokens
+        self.head = module.shared_head.head if module.shared_head.head is not None else lm.lm_head
+        self.final_norm = lm.model.norm if module.cfg.hidden_input == "normed" else None
+        self.layer = tcfg.num_layers - 1
+        self.window = window or tcfg.index_topk
+        self.row_width = tcfg.latent_dim
+        self.feat_width = tcfg.hidden_size
+
+    def features(self, g: torch.Tensor) -> torch.Tensor:
+        """Captured g [rows, H] -> the hnorm input kept by the drafter [rows, H]."""
+        g = g.to(self.module.weight.dtype)
+        return self.final_norm(g) if self.final_norm is not None else g
+
+    def rows(self, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Committed positions: ids [T] (x_{p+1}), feats [T, H] (g_p), pos [T] -> latent rows [T, D]."""
+        m = self.module
+        return m.pre(m.fuse(self.embed(ids).to(m.weight.dtype), feats, pos), pos).latent
+
+    def step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, window):
+        """One chained step: tok [N], hidden [N, H], pos [N]; `window(latent [N, D])` -> (rows, loc)
+        -> (logits [N, V] fp32, next hidden [N, H])."""
+        m = self.module
+        u = m.fuse(self.embed(tok).to(m.weight.dtype), hidden, pos)
+        pre = m.pre(u, pos)
+        h = m.attend(u, pre, *window(pre.latent))
+        return self.head(m.head_input(h).to(self.head.weight.dtype)).float(), m.chain_hidden(h)
