@@ -12,9 +12,11 @@ Tensors are read lazily with `safetensors.safe_open`, shard by shard, and mapped
 - FP8 block-scaled weights (`float8_e4m3fn` plus a sibling `<name>_scale_inv` fp32 tensor of shape
   [ceil(out/bo), ceil(in/bi)]) are dequantized: `w.float() * scale` expanded per block, cropped;
 - MTP layers (`model.layers.{j}.*` with j >= num_layers, `mtp.*`), indexer tensors on GLM
-  `shared` layers and any other unknown tensor go to `LoadedModel.extra` under their own name; the
-  MTP layers' tensors are also set on the returned model as `model.mtp_weights` (a dict, empty when
-  the checkpoint has none), so the MTP drafter finds them from the model the engine hands it.
+  `shared` layers and any other unknown tensor go to `LoadedModel.extra` under their own name, in
+  host memory (not on the device: nothing reads them there, and an MTP layer is a whole layer's
+  weights); the MTP layers' tensors are also set on the returned model as `model.mtp_weights` (a
+  dict, empty when the checkpoint has none), so the MTP drafter finds them from the model the
+  engine hands it and moves its own (stacked) copy to the device.
 """
 
 from __future__ import annotations
@@ -298,7 +300,7 @@ def load_checkpoint(
             _check_shape(name, tuple(t.shape), tuple(expected[name]))
             state[name] = _cast(name, t, target, device)
         else:
-            extra[name] = _cast(name, t, target, device)
+            extra[name] = _cast(name, t, target, "cpu")  # set aside in host memory: the MTP drafter moves what it uses
     state.update(stacks.stacks)
     missing = sorted(set(expected) - set(state) - set(stacks.stacks)) + stacks.missing()
     if missing:

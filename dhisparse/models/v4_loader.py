@@ -172,7 +172,7 @@ def load_v4_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = Non
             _check(name, src, t.shape, expected[name])
             state[name] = _cast(name, t, target, device)
         else:
-            extra[src] = _cast(src, t, target, device)
+            extra[src] = _cast(src, t, target, "cpu")  # set aside in host memory: the MTP drafter moves what it uses
     state.update(_stack_experts(experts, expected, cfg, target, device))
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
