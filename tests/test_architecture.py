@@ -4,10 +4,10 @@ is imported.
 Rooms, bottom to top (docs/structure.md):
 
     core -> kernels -> kv (memory -> resident -> hier -> v4, then kv's own modules) -> layers
-         -> models -> spec -> engine -> dhisparse/__init__.py (the top-level API) -> server | bench -> cli
+         -> models -> spec -> engine -> dhisparse/__init__.py (the top-level API) -> server | bench | train -> cli
 
 A module may import its own room and the rooms below it, never one above it nor a peer of its level
-(server and bench do not import each other). Checked:
+(server, bench and train do not import each other). Checked:
 
   a. layering: every import of a dhisparse module, module-level and function-level, relative ones too;
   b. no import cycles between files: the graph of module-level imports (those under `if TYPE_CHECKING:`
@@ -48,6 +48,7 @@ RANKS: dict[str, tuple] = {
     "": (6, 5),  # dhisparse/__init__.py: the top-level API, over engine
     "server": (7,),
     "bench": (7,),
+    "train": (7,),
     "cli": (8,),
     "__main__": (9,),  # dhisparse/__main__.py: `python -m dhisparse` runs the CLI
 }
