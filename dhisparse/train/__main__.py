@@ -1,7 +1,13 @@
-"""`python -m dhisparse.train tokenizer --out DIR`: build the corpus, train the tokenizer on its
-train split, save tokenizer.json / tokenizer_config.json and a record (`train_record.json`: the
-command, corpus manifest with hashes, vocabulary, held-out bytes per token) into DIR.
-`--max-files N` is the CPU smoke mode (the first N files)."""
+"""Training stages, each writing a record (`train_record.json` / `model_record.json`) into its folder.
+
+    python -m dhisparse.train tokenizer --out DIR    the corpus, a byte-level BPE on its train split
+                                                     (tokenizer.json, tokenizer_config.json)
+    python -m dhisparse.train model --tokenizer DIR --out DIR [--steps-dense N --steps-warmup N
+        --steps-sparse N --device cuda]              the DSA recipe (train/dsa.py): a glm_moe_dsa
+                                                     checkpoint our loader reads, loss curves,
+                                                     held-out bits per byte dense vs sparse
+
+`--max-files N` is the CPU smoke mode (the first N files of the corpus)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer
+
+from dhisparse.train import dsa
 from dhisparse.train.corpus import Corpus
 from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
 
@@ -24,7 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--heldout", type=float, default=0.05, help="held-out share of files")
     t.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
+    m = sub.add_parser("model", help="the DSA recipe: dense, indexer warm-up, sparse")
+    m.add_argument("--tokenizer", required=True, help="a folder written by the tokenizer stage")
+    m.add_argument("--out", required=True, help="folder for the checkpoint and model_record.json")
+    for stage, steps in (("dense", 2000), ("warmup", 300), ("sparse", 1000)):
+        m.add_argument(f"--steps-{stage}", type=int, default=steps)
+    m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--batch", type=int, default=32)
+    m.add_argument("--lr", type=float, default=3e-3)
+    m.add_argument("--topk", type=int, default=64, help="index_topk of the sparse stage and the checkpoint")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--heldout", type=float, default=0.05)
+    m.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
+    m.add_argument("--max-heldout-bytes", type=int, default=200_000, help="held-out text evaluated (bits per byte)")
     ns = p.parse_args(argv)
+    if ns.stage == "model":
+        return model_stage(ns, argv)
     t0 = time.perf_counter()
     try:
         corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
@@ -41,6 +67,42 @@ def main(argv: list[str] | None = None) -> int:
               "seconds": round(time.perf_counter() - t0, 2)}
     (Path(out) / "train_record.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("vocab_size", "heldout_tokens", "heldout_bytes_per_token", "seconds")}))
+    return 0
+
+
+def model_stage(ns, argv) -> int:
+    t0 = time.perf_counter()
+    try:
+        corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
+        tok = Tokenizer.from_file(str(Path(ns.tokenizer) / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - a bad corpus or tokenizer folder (tokenizers raises plain Exception) is the user's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(ns.seed)
+    train = torch.tensor(tok.encode(Corpus.text(corpus.train)).ids)
+    held_text = Corpus.text(corpus.heldout)[: ns.max_heldout_bytes]
+    held = torch.tensor(tok.encode(held_text).ids)
+    config = dsa.small_config(tok.get_vocab_size(), index_topk=ns.topk)
+    model = dsa.build_model(config, ns.seed).to(ns.device)
+    stages = []
+    for stage in dsa.STAGES:
+        steps = getattr(ns, f"steps_{stage}")
+        r = dsa.train_stage(model, stage, train, steps, seq_len=ns.seq_len, batch=ns.batch, lr=ns.lr, topk=ns.topk,
+                            seed=ns.seed + len(stages))
+        stages.append({"stage": r.stage, "steps": r.steps, "lm_loss": r.lm_loss, "kl_loss": r.kl_loss})
+    nbytes = len(held_text.encode())
+    dense_bpb = dsa.bits_per_byte(model, held, nbytes, ns.seq_len)
+    sparse_bpb = dsa.bits_per_byte(model, held, nbytes, ns.seq_len, topk=ns.topk)
+    dsa.set_topk(model, ns.topk)
+    model.save_pretrained(ns.out)
+    save_tokenizer(tok, ns.out)
+    record = {"stage": "model", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
+              "corpus": corpus.manifest(), "config": config, "device": ns.device,
+              "params": sum(p.numel() for p in model.parameters()), "train_tokens": int(train.numel()),
+              "stages": stages, "heldout_bytes": nbytes, "heldout_bits_per_byte": {"dense": dense_bpb, "sparse": sparse_bpb},
+              "sparse_over_dense": sparse_bpb / dense_bpb, "seconds": round(time.perf_counter() - t0, 1)}
+    (Path(ns.out) / "model_record.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record[k] for k in ("params", "heldout_bits_per_byte", "sparse_over_dense", "seconds")}))
     return 0
 
 
