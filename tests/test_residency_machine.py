@@ -230,7 +230,7 @@ def test_breakages_are_caught(name, monkeypatch):
     with pytest.raises(AssertionError):
         run_state_machine_as_test(ResidencyMachine, settings=settings(
             max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
-            suppress_health_check=list(HealthCheck), print_blob=False))
+            suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False))
 
 
 def test_backup_ahead_takes_the_copy_off_the_reclaim():
