@@ -29,8 +29,7 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     kth = val[..., -1:]
     above = (val > kth).sum(-1, keepdim=True)  # entries strictly above the boundary: all of them are in
     pos = torch.arange(L, device=scores.device)
-    tied = torch.where(scores == kth, -pos.to(scores.dtype if scores.is_floating_point() else torch.float32),
-                       float("-inf"))
+    tied = torch.where(scores == kth, -pos.to(torch.float32), float("-inf"))  # exact for positions < 2^24
     low = (-torch.topk(tied, k, dim=-1).values).to(torch.int64)  # the k lowest tied positions, ascending
     j = torch.arange(k, device=scores.device)
     from_tie = j >= above

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dhisparse.server.protocol import MAX_TOOLS, ApiError, quote
+from dhisparse.server.protocol import ApiError, quote
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, up to 64
 
@@ -60,11 +60,10 @@ class ToolChoice:
 
 
 def parse_tools(raw: list[dict] | None) -> tuple[Tool, ...]:
-    """`tools` -> Tools; ApiError(param="tools") for anything malformed."""
+    """`tools` -> Tools; ApiError(param="tools") for anything malformed (their number is bounded by
+    ChatRequest.tools' max_length, MAX_TOOLS, when the body is parsed)."""
     if not raw:
         return ()
-    if len(raw) > MAX_TOOLS:
-        raise ApiError(f"tools holds {len(raw)} tools; at most {MAX_TOOLS} are allowed", param="tools")
     tools, seen = [], set()
     for i, t in enumerate(raw):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
