@@ -33,6 +33,9 @@ class CheckedContext(KVContext):
     def index_table(self, layer):
         return self.inner.index_table(layer)
 
+    def row_formats(self):
+        return self.inner.row_formats()
+
     def locate(self, layer, selection):
         rows, loc = self.inner.locate(layer, selection)
         want_rows, want_loc = self.dense.locate(layer, selection)
@@ -44,7 +47,7 @@ class CheckedContext(KVContext):
 
 def checked(llm: LLM) -> LLM:
     store = llm.engine.store
-    dense = DenseKV(llm.engine.model_config)
+    dense = DenseKV(llm.engine.model_config, formats=store.arena.formats)  # FP8: compares the stored bytes
     names: dict[object, int] = {}
     orig = store.context
 

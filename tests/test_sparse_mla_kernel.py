@@ -140,9 +140,9 @@ def _force_triton(monkeypatch) -> list:
     calls = []
     orig = sm.sparse_mla_triton
 
-    def traced(q_abs, q_pe, rows, loc, scale):
+    def traced(q_abs, q_pe, rows, loc, scale, fmt=None):
         calls.append(rows)
-        return orig(q_abs, q_pe, rows, loc, scale)
+        return orig(q_abs, q_pe, rows, loc, scale, fmt)
 
     kernel_backend.configure(KernelSettings("triton"))  # the conftest restores the default
     monkeypatch.setenv("DHISPARSE_TRITON_KERNELS", "1")  # engines built after this read it

@@ -120,8 +120,8 @@ FLAGS: list[Flag] = [
     Flag("--dtype", "dtype", _dtype, metavar="{" + ",".join(DTYPE_NAMES) + "}",
          help_="weights and KV dtype: auto = the checkpoint's (float32 for 'tiny'); half = float16, bf16 = bfloat16"),
     Flag("--kv-cache-dtype", "kv_cache_dtype", _lower, choices=KV_CACHE_DTYPES,
-         help_="KV cache dtype: auto = the model dtype; bfloat16 needs a bfloat16 model; fp8_e4m3 / fp8_e5m2 are not "
-               "supported yet (issue #28)"),
+         help_="KV cache rows: auto = the model dtype; bfloat16 needs a bfloat16 model; fp8_e4m3 = FP8 rows in every "
+               "tier (656-B MLA rows and 132-B index keys at GLM-5's shape; CPU or CUDA compute capability >= 8.9)"),
     Flag("--quantization", "quantization", _lower, choices=QUANTIZATIONS,
          help_="weights: none = as stored (block-scaled FP8 checkpoints are dequantized at load); fp8 = require a "
                "block-scaled FP8 checkpoint (dequantized at load; no online quantization)"),

@@ -26,6 +26,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from dhisparse.core.kvformat import KVFormats, RowFormat
+
 
 @dataclass
 class ForwardBatch:
@@ -92,15 +94,17 @@ class ForwardBatch:
 class IndexTable(NamedTuple):
     """Index keys of every request of a pass, as one paged row space plus location tables.
 
-    rows [P, ips, iD]  paged index-key space (may be a strided view); flat location l is
-                       rows[l // ips, l % ips]
+    rows [P, ips, Wi]  paged index-key space (may be a strided view); flat location l is
+                       rows[l // ips, l % ips]; Wi = iD for plain keys, fmt.width for FP8 keys
     locs [N, Lmax] int64  location of position s of request r (-1 padding past lens[r])
     lens [N] int64     number of index keys of request r (this pass included)
+    fmt                the keys' RowFormat (core/kvformat.py), or None: plain keys of the model dtype
     """
 
     rows: torch.Tensor
     locs: torch.Tensor
     lens: torch.Tensor
+    fmt: "RowFormat | None" = None
 
 
 class KVContext(Protocol):
@@ -121,6 +125,12 @@ class KVContext(Protocol):
         request by request over `index_keys`."""
         return None
 
+    def row_formats(self) -> KVFormats | None:
+        """How this context's stored rows are laid out (core/kvformat.py): `locate` returns row
+        spaces of `latent`-format rows, `index_table` keys of the `index` format. None (the
+        default): plain rows of the model dtype."""
+        return None
+
     def graph_pass(self) -> "GraphPass | None":
         """What a whole-step CUDA graph needs to replay this pass (`GraphPass`), or None (the
         default): the pass runs eagerly."""
@@ -129,7 +139,7 @@ class KVContext(Protocol):
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve a selection [T, k] (positions, -1 padding) of layer `layer`'s attention.
 
-        Returns (rows [P, per_page, latent_dim], loc [T, k]) where the row at flat location
+        Returns (rows [P, per_page, W], loc [T, k]) (W: `row_formats().latent.width`) where the row at flat location
         loc[t, i] is the row of position selection[t, i] of token t's request (invariant I2);
         loc is -1 where selection is -1.
         """

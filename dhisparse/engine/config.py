@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
 from dhisparse.spec.config import SpecConfig
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # accepted names; fp8 ones refused (issue #28)
 QUANTIZATIONS = ("none", "fp8")
 PRESETS = ("resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec")
 AVAILABLE_PRESETS = PRESETS
@@ -100,8 +100,10 @@ class EngineConfig:
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
-    kv_cache_dtype [--kv-cache-dtype]: "auto" (the model dtype) or "bfloat16" (needs a bfloat16
-        model); "fp8_e4m3" / "fp8_e5m2" are refused: FP8 KV is not supported yet (issue #28).
+    kv_cache_dtype [--kv-cache-dtype]: "auto" (the model dtype), "bfloat16" (needs a bfloat16
+        model) or "fp8_e4m3": FP8 rows in every tier (core/kvformat.py: 656-B MLA latent rows and
+        132-B index keys at GLM-5's shape, 584-B DeepSeek-V4 compressed rows), quantized once when
+        written; needs a CPU or a CUDA GPU of compute capability >= 8.9.
     quantization [--quantization]: None / "none" (weights as stored: block-scaled FP8 checkpoints
         are dequantized at load) or "fp8" (require a block-scaled FP8 checkpoint; no online
         quantization).
@@ -199,9 +201,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}; "
                                    f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ConfigValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: FP8 KV cache is not supported yet: see "
-                                   "issue #28; use auto or bfloat16")
         if self.kv_cache_dtype == "bfloat16" and self.dtype not in (None, "bfloat16"):
             raise ConfigValueError(f"--kv-cache-dtype bfloat16 needs a bfloat16 model; got --dtype {self.dtype} "
                                    "(the KV cache has the model's dtype: pass --dtype bfloat16 or --kv-cache-dtype auto)")
@@ -239,7 +238,7 @@ class EngineConfig:
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,
             max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,
-            debug=self.debug_checks)
+            debug=self.debug_checks, kv_cache_dtype=self.kv_cache_dtype)
 
     def kernel_settings(self) -> KernelSettings:
         """The kernel choice of this engine, before the environment overrides (`with_env`)."""

@@ -107,7 +107,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         per_request = config.speculative_num_draft_tokens if config.speculative else 1
-        n = self.model.capture_graphs(config.max_running_requests * per_request, self._row_spaces)
+        n = self.model.capture_graphs(config.max_running_requests * per_request, self._row_spaces,
+                                      self.arena.formats.latent)
         if n:
             log.info("captured %d CUDA graphs (pieces x layers x buckets <= %d tokens) in %.1f s", n,
                      self.model.graphs.limit, time.perf_counter() - t0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.core.batch import IndexTable
+from dhisparse.core.kvformat import RowFormat
 from dhisparse.kernels.backend import settings, use_triton
 from dhisparse.kernels.indexer_torch import indexer_topk_torch
 from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
@@ -29,12 +30,13 @@ def _triton_for(t: torch.Tensor, module) -> bool:
     return True
 
 
-def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float,
+               fmt: RowFormat | None = None) -> torch.Tensor:
     """Sparse latent attention; contract of `sparse_mla_reference` (q_abs [T, H, C], q_pe [T, H, R],
-    rows: a row space or a tuple of two, loc [T, k] -> [T, H, C])."""
+    rows: a row space or a tuple of two, stored in `fmt` (None: plain), loc [T, k] -> [T, H, C])."""
     if _triton_for(q_abs, _sparse_mla_triton):
-        return _sparse_mla_triton.sparse_mla_triton(q_abs, q_pe, rows, loc, scale)
-    return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
+        return _sparse_mla_triton.sparse_mla_triton(q_abs, q_pe, rows, loc, scale, fmt)
+    return sparse_mla_reference(q_abs, q_pe, rows, loc, scale, fmt=fmt)
 
 
 def indexer_topk_batched(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,

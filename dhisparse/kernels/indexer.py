@@ -37,19 +37,29 @@ from dhisparse.core.batch import IndexTable
 from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the kernel's reference)
     GATHER_ELEMS, SCORE_ELEMS, indexer_scores_torch, indexer_topk_torch, topk_in_chunks, topk_of_scores)
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification width); larger: per token
 
 
 @triton.jit
-def _key_block(k_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, BD: tl.constexpr):
+def _key_block(k_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, BD: tl.constexpr, FP8: tl.constexpr,
+               KDT: tl.constexpr):
     """Index keys of positions s [BS] below lim of one request (lp: its row of locations):
-    (k [BD, BS], zero where not loaded; ok [BS], the positions that hold a key)."""
+    (k [BD, BS], zero where not loaded; ok [BS], the positions that hold a key).
+    FP8: uint8 keys | D e4m3 | fp32 scale |, dequantized as e4m3 * scale in fp32, then KDT (the
+    model dtype), exactly as `RowFormat.decode`."""
     sm = s < lim
     loc = tl.load(lp + s, mask=sm, other=0).to(tl.int64)
     ok = sm & (loc >= 0)
     base = (loc // IPS) * ks0 + (loc % IPS) * ks1  # [BS]; IPS constexpr: a shift, not an int64 division
     d = tl.arange(0, BD)
-    k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=(d < D)[:, None] & ok[None, :], other=0.0)
+    kmask = (d < D)[:, None] & ok[None, :]
+    if FP8:
+        k8 = tl.load(k_ptr + base[None, :] + d[:, None], mask=kmask, other=0)
+        sc = tl.load((k_ptr + base + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+        k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(KDT)
+    else:
+        k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=kmask, other=0.0)
     return k, ok
 
 
@@ -74,7 +84,8 @@ def _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
 @triton.jit
 def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
                          Lmax, H, D, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
-                         IPS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+                         IPS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
+                         FP8: tl.constexpr, KDT: tl.constexpr):
     """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax])."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -83,7 +94,7 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
     lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
     res = tl.full([BS], float("-inf"), tl.float32)
     if j * BS < lim:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, BD)
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, BD, FP8, KDT)
         sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
         res = tl.where(ok, sc, float("-inf"))
     tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
@@ -93,7 +104,7 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
 def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
                                Lmax, H, D, G, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
                                IPS: tl.constexpr, QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                               IEEE: tl.constexpr):
+                               IEEE: tl.constexpr, FP8: tl.constexpr, KDT: tl.constexpr):
     """Program (g, j) writes out[g*G + u, j*BS : (j+1)*BS] for u < G: the G tokens of one request
     (QG = G rounded up to a power of two). The key block is loaded once, up to the furthest of
     the G tokens' limits; each token is then scored by `_token_scores`, as in the per-token kernel
@@ -108,7 +119,7 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, r
     pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
     lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
     if j * BS < lim_max:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, BD)
+        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, BD, FP8, KDT)
         for u in tl.static_range(QG):
             if u < G:
                 lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
@@ -130,13 +141,18 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
     when G <= MAX_GROUP, the per-token kernel above it)."""
     T, H, D = q.shape
-    rows, locs, lens = table
+    rows, locs, lens, fmt = table
+    fp8 = fmt is not None and fmt.fp8
     Lmax = locs.shape[1]
     if T == 0 or Lmax == 0 or rows.numel() == 0:
         return torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
     out = torch.empty((T, Lmax), dtype=torch.float32, device=q.device)  # the kernel writes every score (-inf: not visible)
-    assert rows.shape[-1] == D, (rows.shape, q.shape)
-    ieee = not (q.dtype == rows.dtype and q.dtype in (torch.bfloat16, torch.float16))
+    if fp8 and (fmt.dim, fmt.rope, fmt.tile, fmt.scale) != (D, 0, D, "fp32"):
+        raise ValueError(f"the indexer kernel reads FP8 keys of {D} e4m3 values and one fp32 scale; got {fmt}")
+    assert rows.shape[-1] == (fmt.width if fp8 else D), (rows.shape, q.shape)
+    key_dtype = fmt.dtype if fp8 else rows.dtype
+    ieee = not (q.dtype == key_dtype and q.dtype in (torch.bfloat16, torch.float16))
+    kdt = _TL_DTYPES.get(key_dtype, tl.float32)
     locs = locs.contiguous()
     if group > 1 and T % group:
         raise ValueError(f"grouped indexer scoring needs T ({T}) to be a multiple of group ({group})")
@@ -145,13 +161,13 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
-            IPS=rows.shape[1], QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
+            IPS=rows.shape[1], QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
         q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
         Lmax, H, D, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
-        IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee)
+        IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt)
     return out
 
 

@@ -16,9 +16,10 @@ GATHER_ELEMS = 1 << 24  # elements of gathered keys / logits per chunk of the to
 
 def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                          table: IndexTable, chunk_elems: int = GATHER_ELEMS) -> torch.Tensor:
-    """Plain-PyTorch twin of `indexer_scores_triton`: same inputs, scores [T, Lmax] fp32."""
+    """Plain-PyTorch twin of `indexer_scores_triton`: same inputs, scores [T, Lmax] fp32. Keys
+    stored in `table.fmt` are decoded to the model dtype first (FP8: e4m3 * scale)."""
     T, H, D = q.shape
-    rows, locs, lens = table
+    rows, locs, lens, fmt = table
     Lmax = locs.shape[1]
     out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or Lmax == 0 or rows.numel() == 0:
@@ -31,7 +32,8 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tens
         r = req_idx[a:b]
         lc = locs[r]  # [S, Lmax]
         vis = (s_idx[None, :] < torch.minimum(lens[r], positions[a:b] + 1)[:, None]) & (lc >= 0)
-        keys = gather_rows(rows, lc.clamp(min=0)).float()  # [S, Lmax, iD]
+        keys = gather_rows(rows, lc.clamp(min=0))  # [S, Lmax, Wi]
+        keys = (fmt.decode(keys) if fmt is not None else keys).float()  # [S, Lmax, iD]
         logit = torch.relu(torch.matmul(q[a:b].float(), keys.transpose(1, 2)) * scale)  # [S, iH, Lmax]
         score = torch.matmul(w[a:b].float().unsqueeze(-2), logit).squeeze(-2)  # [S, Lmax]
         out[a:b] = score.masked_fill(~vis, float("-inf"))

@@ -2,8 +2,11 @@
 
 Same semantics as `dhisparse.kernels.sparse_mla_ref.sparse_mla_reference`:
 
-    q_abs [T, H, C], q_pe [T, H, R], rows (paged row space [P, per_page, C + R], or a tuple of two:
-    location = space * SPACE + flat), loc [T, k] int64 (-1 = skip), scale  ->  out [T, H, C]
+    q_abs [T, H, C], q_pe [T, H, R], rows (paged row space [P, per_page, W], or a tuple of two:
+    location = space * SPACE + flat), loc [T, k] int64 (-1 = skip), scale, fmt  ->  out [T, H, C]
+    fmt None / plain: W = C + R model-dtype values. fmt FP8 (core/kvformat.py, the 656-B FlashMLA
+    layout): W bytes | C e4m3 | C/TILE fp32 scales | R bf16 |; c = e4m3 * scale in fp32, then the
+    query dtype, exactly as `RowFormat.decode` (the reference dequantizes the gathered rows).
     logit[t, h, i] = (q_abs[t, h] . c[loc[t, i]] + q_pe[t, h] . k_pe[loc[t, i]]) * scale
     out[t, h]      = softmax_i(logit[t, h]) . c          (fp32 softmax; no valid loc -> zeros)
 
@@ -48,6 +51,7 @@ from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
 import triton
 import triton.language as tl
 
+from dhisparse.core.kvformat import RowFormat
 from dhisparse.core.rows import SPACE
 
 __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "backend"]
@@ -60,7 +64,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
                   PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                  TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr):
+                  TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
     """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
     cdt = q.dtype
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -74,8 +79,18 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
         base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
     else:
         base = r0_ptr + (loc // PER0) * ps0 + (loc % PER0) * rs0
-    c = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(cdt)
-    kpe = tl.load(base[:, None] + C + rr[None, :], mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
+    cmask = valid[:, None] & cm[None, :]
+    rmask = valid[:, None] & rm[None, :]
+    if FP8:  # uint8 rows: e4m3 values, fp32 scales at byte SO (one per TILE), bf16 rope at byte RO
+        c8 = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0)
+        sc = tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=cmask,
+                     other=0.0)
+        c = (c8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(cdt)
+        kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask,
+                      other=0.0).to(cdt)
+    else:
+        c = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0.0).to(cdt)
+        kpe = tl.load(base[:, None] + C + rr[None, :], mask=rmask, other=0.0).to(cdt)
     if IEEE:
         s = tl.dot(q, tl.trans(c), input_precision="ieee")
         s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")
@@ -100,7 +115,8 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
                   H, PER0: tl.constexpr, ps0, rs0, PER1: tl.constexpr, ps1, rs1, qk_scale,
                   C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                  SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+                  SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
+                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
     """Token t's queries of `heads` over its locations lo .. hi-1 (lp at its row): the online-softmax
     state (m [BLOCK_H], l [BLOCK_H], unnormalised acc [BLOCK_H, BC], fp32).
 
@@ -123,12 +139,12 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
         k0 = lo
         while k0 < hi:
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE)
             k0 += BLOCK_K
     else:
         for k0 in range(lo, hi, BLOCK_K):
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE)
     return m_i, l_i, acc
 
 
@@ -138,13 +154,14 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       H, K, ps0, rs0, ps1, rs1, qk_scale, PER0: tl.constexpr, PER1: tl.constexpr,
                       C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+                      SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
+                      SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
     """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
-                                  TWO, SPACE_BITS, IEEE, INTERP)
+                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE)
     cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
@@ -157,7 +174,8 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
                             H, K, S, CHUNK, ps0, rs0, ps1, rs1, qk_scale, PER0: tl.constexpr, PER1: tl.constexpr,
                             C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                            SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+                            SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
+                            SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
     """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
     heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
     t = tl.program_id(0).to(tl.int64)
@@ -166,7 +184,7 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
     lo = j * CHUNK
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   lo, tl.minimum(K, lo + CHUNK), H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC,
-                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP)
+                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE)
     hm = heads < H
     cc = tl.arange(0, BC)
     row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
@@ -258,17 +276,20 @@ def _space(r: torch.Tensor) -> RowSpace:
 
 def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
                    rows: torch.Tensor | tuple[torch.Tensor, ...], loc: torch.Tensor, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """q_abs [T, H, C], q_pe [T, H, R], rows (one or two row spaces), loc [T, k] int64 -> out [T, H, C]."""
+                   fmt: RowFormat | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q_abs [T, H, C], q_pe [T, H, R], rows (one or two row spaces of `fmt` rows: None / plain =
+    C + R values; FP8 = the 656-B layout, dequantized in the kernel), loc [T, k] int64 -> out [T, H, C]."""
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
     assert (H, C, R) == (plan.H, plan.C, plan.R), f"plan is for {(plan.H, plan.C, plan.R)}, got {(H, C, R)}"
     spaces = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
     if not 1 <= len(spaces) <= 2:
         raise ValueError(f"the kernel reads one or two row spaces, got {len(spaces)}")
+    fp8 = _fp8_args(fmt, C, R)
+    width = fmt.width if fp8[0] else C + R
     for r in spaces:
-        if r.shape[-1] != C + R or r.dtype != spaces[0].dtype:
-            raise ValueError(f"row width {r.shape[-1]} != C + R = {C + R} or mixed row dtypes")
+        if r.shape[-1] != width or r.dtype != spaces[0].dtype:
+            raise ValueError(f"row width {r.shape[-1]} != {width} (C + R = {C + R}, format {fmt}) or mixed row dtypes")
     if out is None:
         out = q_abs.new_empty(T, H, C)
     k = loc.shape[1] if loc.dim() == 2 else 0
@@ -286,20 +307,32 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     r1 = spaces[1] if len(spaces) == 2 else spaces[0]
     ieee = q_abs.dtype == torch.float32 or _interpreting()
     if plan.split_rows and k > plan.split_rows:
-        return _run_split(plan, q_abs, q_pe, spaces[0], r1, s0, s1, loc, k, scale, out, ieee, len(spaces) == 2)
+        return _run_split(plan, q_abs, q_pe, spaces[0], r1, s0, s1, loc, k, scale, out, ieee, len(spaces) == 2, fp8)
     grid = (T, triton.cdiv(H, plan.block_h))
     sparse_mla_kernel[grid](
         q_abs, q_pe, out, loc, spaces[0], r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), loc.stride(0),
         H, k, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
-        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
 
 
+def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int]:
+    """(FP8, SO, RO, TILE) constexprs of the kernels for rows of `fmt`."""
+    if fmt is None or not fmt.fp8:
+        return (False, 0, 0, 1)
+    if fmt.scale != "fp32" or fmt.rope_first or (fmt.quantized, fmt.rope) != (C, R):
+        raise ValueError(f"the sparse-MLA kernel reads FlashMLA FP8 rows (C = {C} e4m3 values, fp32 scales, R = {R} "
+                         f"bf16 rope values); got {fmt}")
+    so, ro = fmt.offsets
+    return (True, so, ro, fmt.tile)
+
+
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
-               two: bool) -> torch.Tensor:
+               two: bool, fp8: tuple) -> torch.Tensor:
     """The split-rows launch (module docstring): partials over S = cdiv(k, split_rows) chunks, then
     the combine. Workspaces acc [T, S, H, C] and ml [T, S, H, 2] fp32."""
     T, H, C = q_abs.shape
@@ -313,7 +346,8 @@ def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, sc
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), loc.stride(0),
         H, k, S, plan.split_rows, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
-        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,
                                        S=S, C=C, BC=_p2(C), BLOCK_H=plan.block_h, num_warps=4)
@@ -328,13 +362,14 @@ _PLANS: dict[tuple[int, int, int], SparseMLAPlan] = {}
 on_configure(_PLANS.clear)  # a new split setting takes effect at the next engine build
 
 
-def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float,
+                      fmt: RowFormat | None = None) -> torch.Tensor:
     """`run_sparse_mla` with a cached default plan for this (H, C, R)."""
     key = (q_abs.shape[1], q_abs.shape[2], q_pe.shape[-1])
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = plan_sparse_mla(*key)
-    return run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale)
+    return run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale, fmt)
 
 
 def backend(q: torch.Tensor) -> str:
@@ -342,8 +377,9 @@ def backend(q: torch.Tensor) -> str:
     return "triton" if use_triton(q) else "torch"
 
 
-def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_mla(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float,
+               fmt: RowFormat | None = None) -> torch.Tensor:
     """Dispatcher: same contract as `sparse_mla_reference`."""
     if backend(q_abs) == "triton":
-        return sparse_mla_triton(q_abs, q_pe, rows, loc, scale)
-    return sparse_mla_reference(q_abs, q_pe, rows, loc, scale)
+        return sparse_mla_triton(q_abs, q_pe, rows, loc, scale, fmt)
+    return sparse_mla_reference(q_abs, q_pe, rows, loc, scale, fmt)

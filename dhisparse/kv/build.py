@@ -20,6 +20,7 @@ import torch
 
 from dhisparse.core.config import ModelConfig
 from dhisparse.core.contracts import KVStore
+from dhisparse.core.kvformat import KVFormats
 from dhisparse.core.v4_config import V4Config
 from dhisparse.kernels.resolver_ref import plan_reference, run_copies
 from dhisparse.kv.hier.adaptive import AdaptiveKV
@@ -56,6 +57,8 @@ class StoreSettings:
     reserve_pages, reclaim_order, repopulate_pages, backup_ahead_pages: adaptive residency
     max_running   request slots; max_queries: tokens a request verifies per pass (K_max, 1 = none)
     debug         integrity / selection checks
+    kv_cache_dtype  auto | bfloat16 (plain rows of the model dtype) | fp8_e4m3 (FP8 rows in every
+                  tier: `core/kvformat.py`)
     """
 
     preset: str = "resident"
@@ -73,6 +76,7 @@ class StoreSettings:
     max_running: int = 64
     max_queries: int = 1
     debug: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.preset not in BASE_PRESETS:
@@ -132,9 +136,10 @@ def build_store(s: StoreSettings, mc: ModelConfig | V4Config, pool_bytes: int, d
     if isinstance(mc, V4Config):
         return _build_v4(s, mc, pool_bytes, device, dtype, max_model_len)
     geometry = RowGeometry.of_model(mc)
-    page_bytes = KVArena.page_bytes(geometry, s.page_size, dtype.itemsize)
+    formats = KVFormats.mla(s.kv_cache_dtype, mc.latent_dim, mc.qk_rope_head_dim, mc.index_head_dim, dtype)
+    page_bytes = KVArena.page_bytes(geometry, s.page_size, formats.latent.nbytes)
     pages = _pages(pool_bytes, page_bytes)
-    arena = KVArena(geometry, pages, s.page_size, device, dtype)
+    arena = KVArena(geometry, pages, s.page_size, device, dtype, formats)
     if s.preset == "resident":
         return BuiltStore(ResidentKV(arena, side_loads=s.load_stream == "side"), arena, page_bytes, pages)
     return BuiltStore(_hierarchy(s, arena, geometry, pages * page_bytes, max_model_len, HierarchicalKV, AdaptiveKV, {}),
@@ -145,14 +150,16 @@ def _build_v4(s: StoreSettings, mc: V4Config, pool_bytes: int, device: torch.dev
               max_model_len: int) -> BuiltStore:
     """V4: a page is `page_size` tokens of a request's whole state (resident) or `page_size`
     compressed rows of every CSA source (hierarchical presets; positions are row ids)."""
+    formats = KVFormats.v4(s.kv_cache_dtype, mc.head_dim, mc.rope_head_dim, mc.index_head_dim, dtype)
     if s.preset == "resident":
-        page_bytes = v4_bytes(mc, s.page_size, dtype.itemsize)
+        page_bytes = v4_bytes(mc, s.page_size, dtype.itemsize, formats)
         pages = _pages(pool_bytes, page_bytes)
-        return BuiltStore(V4ResidentStore(mc, pages * page_bytes, page_bytes, device, dtype), None, page_bytes, pages)
+        return BuiltStore(V4ResidentStore(mc, pages * page_bytes, page_bytes, device, dtype, formats), None,
+                          page_bytes, pages)
     geometry = v4_row_geometry(mc)
-    page_bytes = KVArena.page_bytes(geometry, s.page_size, dtype.itemsize)
+    page_bytes = KVArena.page_bytes(geometry, s.page_size, formats.latent.nbytes)
     pages = _pages(pool_bytes, page_bytes)
-    arena = KVArena(geometry, pages, s.page_size, device, dtype)
+    arena = KVArena(geometry, pages, s.page_size, device, dtype, formats)
     kv = _hierarchy(s, arena, geometry, pages * page_bytes, max_model_len // mc.csa_rate + 1,
                     V4HierarchicalKV, V4AdaptiveKV, {"v4": mc})
     return BuiltStore(V4HierStore(mc, kv, device, dtype), arena, page_bytes, pages)
@@ -164,7 +171,7 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
     if hot < geometry.index_topk:
         raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({geometry.index_topk})")
     host_pages = max(1, host_pool_bytes(s.host_pool_bytes, pool_bytes) // arena.page_nbytes)
-    host = HostStore(host_pages, geometry.num_layers, s.page_size, geometry.latent_dim, arena.dtype,
+    host = HostStore(host_pages, geometry.num_layers, s.page_size, arena.row_width, arena.dtype,
                      pin=arena.device.type == "cuda")
     r = resolver_for(s.resolver, arena.device)
     kw = dict(plan_fn=r.plan_fn, copy_fn=r.copy_fn, deferred=r.deferred, debug=s.debug, max_queries=s.max_queries,

@@ -20,15 +20,18 @@ from dhisparse.layers.indexer import Indexer, IndexerProjection, indexer_topk
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, rope_fused, softmax_mscale
 from dhisparse.core.config import ModelConfig
+from dhisparse.core.kvformat import RowFormat
 
 
 class Located(NamedTuple):
-    """A layer's selection [T, k] (positions, -1 padding), the row space(s) it reads and the
-    locations loc [T, k] of the selected rows in them (-1: none)."""
+    """A layer's selection [T, k] (positions, -1 padding), the row space(s) it reads, the
+    locations loc [T, k] of the selected rows in them (-1: none) and the rows' format (None:
+    plain rows of the model dtype; core/kvformat.py)."""
 
     selection: torch.Tensor
     rows: object
     loc: torch.Tensor
+    fmt: RowFormat | None = None
 
 
 class PreAttention(NamedTuple):
@@ -100,7 +103,7 @@ class MLAttention(nn.Module):
         """The KV part: store the rows, select, locate, sparse attention ->
         (o_lat [T, heads, kv_lora_rank], selection [T, index_topk])."""
         found = self.locate(pre, batch, kv, prev_selection)
-        return self.sparse(pre.q_abs, pre.q_pe, found.rows, found.loc), found.selection
+        return self.sparse(pre.q_abs, pre.q_pe, found.rows, found.loc, found.fmt), found.selection
 
     def locate(self, pre: PreAttention, batch: ForwardBatch, kv: KVContext,
                prev_selection: torch.Tensor | None) -> "Located":
@@ -114,11 +117,14 @@ class MLAttention(nn.Module):
         else:
             selection = prev_selection
         rows, loc = kv.locate(self.layer, selection)
-        return Located(selection, rows, loc)
+        formats = kv.row_formats()
+        return Located(selection, rows, loc, formats.latent if formats is not None else None)
 
-    def sparse(self, q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA over the located rows: q_abs [T, H, C], q_pe [T, H, rope], loc [T, k] -> o_lat [T, H, C]."""
-        return sparse_mla(q_abs, q_pe, rows, loc, self.scale)
+    def sparse(self, q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor,
+               fmt: RowFormat | None = None) -> torch.Tensor:
+        """Sparse MLA over the located rows (stored in `fmt`): q_abs [T, H, C], q_pe [T, H, rope],
+        loc [T, k] -> o_lat [T, H, C]."""
+        return sparse_mla(q_abs, q_pe, rows, loc, self.scale, fmt)
 
     def post(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Value up-projection and out-projection, a pure per-token function (graph-capturable):

@@ -46,7 +46,8 @@ def v4_sparse_attention(
     q: torch.Tensor, spaces: list[LocatedRows], sinks: torch.Tensor, scale: float, chunk_elems: int = 1 << 24
 ) -> torch.Tensor:
     """q [T, H, D]; spaces: row spaces whose loc [T, k_i] are concatenated per token (-1 = drop;
-    rows may be a tuple of paged spaces addressed with `arena.SPACE` tags, e.g. + staging);
+    rows may be a tuple of paged spaces addressed with `arena.SPACE` tags, e.g. + staging; rows
+    stored in an FP8 format (`LocatedRows.fmt`) are decoded after the gather);
     sinks [H] per-head sink logits -> o [T, H, D] (fp32 math, q's dtype)."""
     T, H, D = q.shape
     out = q.new_zeros(T, H, D)
@@ -56,7 +57,7 @@ def v4_sparse_attention(
     sink = sinks.float().view(1, H, 1)
     for a in range(0, T, step):
         b = min(T, a + step)
-        rows = torch.cat([gather_rows(sp.rows, sp.loc[a:b].clamp(min=0)) for sp in spaces], dim=1).float()
+        rows = torch.cat([_gathered(sp, a, b) for sp in spaces], dim=1).float()
         valid = torch.cat([sp.loc[a:b] >= 0 for sp in spaces], dim=1)  # [S, K]
         logit = torch.einsum("shd,skd->shk", q[a:b].float(), rows) * scale
         logit = logit.masked_fill(~valid[:, None, :], float("-inf"))
@@ -64,6 +65,12 @@ def v4_sparse_attention(
         p = torch.softmax(logit, dim=-1)[..., :-1]
         out[a:b] = torch.einsum("shk,skd->shd", p, rows).to(out.dtype)
     return out
+
+
+def _gathered(sp: LocatedRows, a: int, b: int) -> torch.Tensor:
+    """Rows of tokens a..b-1 at sp.loc [S, k_i, D], decoded when stored in an FP8 format."""
+    g = gather_rows(sp.rows, sp.loc[a:b].clamp(min=0))
+    return sp.fmt.decode(g) if sp.fmt is not None else g
 
 
 def all_complete_rows(positions: torch.Tensor, m: int) -> torch.Tensor:

@@ -50,10 +50,11 @@ class DecoderLayer(nn.Module):
         input h [T, H] and the attention output o_lat [T, heads, kv_lora_rank] (graph-capturable)."""
         return self.ffn(h + self.self_attn.post(o_lat))
 
-    def attn_ffn(self, rows, h: torch.Tensor, q_abs: torch.Tensor, q_pe: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-        """Sparse attention over `rows` at loc [T, k], then `post_ffn`: a function of its tensor
-        inputs for fixed row spaces (graph-capturable per engine)."""
-        return self.post_ffn(h, self.self_attn.sparse(q_abs, q_pe, rows, loc))
+    def attn_ffn(self, rows, fmt, h: torch.Tensor, q_abs: torch.Tensor, q_pe: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """Sparse attention over `rows` (stored in RowFormat `fmt`, None = plain) at loc [T, k],
+        then `post_ffn`: a function of its tensor inputs for fixed row spaces (graph-capturable
+        per engine)."""
+        return self.post_ffn(h, self.self_attn.sparse(q_abs, q_pe, rows, loc, fmt))
 
     def pre(self, h: torch.Tensor, C: torch.Tensor, S: torch.Tensor):
         """Input norm + the KV-free part of attention: a pure function of h, C, S (graph-capturable)."""
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
             pre = self.pre(h, rope.C, rope.S)
         if graphs is not None and "attn" in graphs.pieces:
             found = self.self_attn.locate(pre, batch, kv, prev_selection)
-            out = graphs.attn(layer, found.rows, partial(self.attn_ffn, found.rows), h, pre.q_abs, pre.q_pe, found.loc)
+            out = graphs.attn(layer, found.rows, partial(self.attn_ffn, found.rows, found.fmt), h, pre.q_abs, pre.q_pe, found.loc)
             return out, found.selection
         o_lat, selection = self.self_attn.attend(pre, batch, kv, prev_selection)
         if graphs is not None and "ffn" in graphs.pieces:
@@ -98,13 +99,14 @@ class DsaForCausalLM(CausalLMHead):
         self._init_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     @torch.inference_mode()
-    def capture_graphs(self, max_tokens: int, spaces=None) -> int:
+    def capture_graphs(self, max_tokens: int, spaces=None, fmt=None) -> int:
         """Capture every layer's graph pieces for each bucket up to `max_tokens` tokens a pass (the
         decode / verification batches) now, so no step pays a capture; larger passes (prefill
         chunks) run eagerly. Pure pieces see zero inputs; the 'attn' piece sees no located rows
         (loc -1). spaces(layer) -> the row-space variants that layer reads (the engine's arena
         rows, and with staging the (rows, stage) pair); 'attn' graphs of other row spaces are
-        dropped, and without `spaces` none are captured here. Returns the number captured."""
+        dropped, and without `spaces` none are captured here; fmt: the RowFormat of those rows
+        (None: plain). Returns the number captured."""
         g = self.graphs
         if g is None:
             return 0
@@ -125,7 +127,7 @@ class DsaForCausalLM(CausalLMHead):
                     g.ffn(i, layer.post_ffn, h, o_lat)
                 if "attn" in g.pieces and spaces is not None:
                     for rows in spaces(i):
-                        g.attn(i, rows, partial(layer.attn_ffn, rows), h, o_lat, q_pe, loc)
+                        g.attn(i, rows, partial(layer.attn_ffn, rows, fmt), h, o_lat, q_pe, loc)
         return len(g.replays) - before
 
     @torch.inference_mode()

@@ -98,7 +98,7 @@ class MtpModule(nn.Module):
 
     def attend(self, u: torch.Tensor, pre: PreAttention, rows: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
         """Attention over rows [R, 1, D] at loc [T, L] (-1 = skip), then the FFN -> h' [T, H]."""
-        return self.decoder.attn_ffn(rows, u, pre.q_abs, pre.q_pe, loc)
+        return self.decoder.attn_ffn(rows, None, u, pre.q_abs, pre.q_pe, loc)
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
         """h' [T, H] -> the LM head's input shared_head.norm(h') [T, H]."""

@@ -119,7 +119,7 @@ class HierarchicalKV(KVStore):
         (eq. 11). It is a required allocation: its bytes are taken from the pool as pages."""
         a = self.arena
         per_slot = max_queries * a.cfg.index_topk
-        self.stage = torch.zeros(1, slots * per_slot, a.cfg.latent_dim, dtype=a.dtype, device=self.device)
+        self.stage = torch.zeros(1, slots * per_slot, a.row_width, dtype=a.dtype, device=self.device)
         nbytes = self.stage.numel() * self.stage.element_size()
         self.pool.alloc_permanent("staging", cdiv(nbytes, a.page_nbytes))
         base = torch.arange(slots * per_slot, dtype=torch.int64, device=self.device).view(slots, per_slot)

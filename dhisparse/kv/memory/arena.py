@@ -6,11 +6,16 @@ keys (index rows are narrower, so an index page packs more positions). One pool 
 the capacity M of eq. 3 is one number whatever the pages are used for.
 
   storage [P, page_elems]
-  latent view [P, L, page_size, latent_dim]          location = page * page_size + offset
-  index  view [P, F, index_page_size, index_dim]     location = page * index_page_size + offset
+  latent view [P, L, page_size, W]                   location = page * page_size + offset
+  index  view [P, F, index_page_size, Wi]            location = page * index_page_size + offset
 
-A layer's row space is `latent[:, layer]` ([P, page_size, latent_dim], strided); locations index
-it as (loc // page_size, loc % page_size).
+W / Wi are the stored widths of a latent row and an index key (`formats`, core/kvformat.py): the
+model's latent_dim / index_head_dim for plain rows; 656 / 132 bytes for FP8 rows at GLM-5's shape
+(the storage is then uint8). Rows are encoded once, when written (`WriteRows`); every reader either
+copies the bytes or decodes them with the same format.
+
+A layer's row space is `latent[:, layer]` ([P, page_size, W], strided); locations index it as
+(loc // page_size, loc % page_size).
 """
 
 from __future__ import annotations
@@ -20,18 +25,26 @@ import torch
 from dhisparse.kv.memory.layout import KVLayout, RowGeometry
 from dhisparse.kv.memory.pool import PagePool
 from dhisparse.core.config import ModelConfig
+from dhisparse.core.kvformat import KVFormats
 from dhisparse.core.rows import cdiv, scatter_rows
 
 
 class KVArena:
     def __init__(self, geometry: RowGeometry | ModelConfig, num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
-        """geometry: the rows' geometry (a ModelConfig is read as `RowGeometry.of_model`)."""
+                 dtype: torch.dtype, formats: KVFormats | None = None) -> None:
+        """geometry: the rows' geometry (a ModelConfig is read as `RowGeometry.of_model`); dtype:
+        the model dtype; formats: the stored row formats (None: plain rows of `dtype`). The
+        arena's `dtype` is the storage dtype (uint8 for FP8 rows)."""
         self.cfg = cfg = RowGeometry.of(geometry)
+        self.formats = formats or KVFormats.plain(cfg.latent_dim, cfg.index_head_dim, dtype)
+        if (self.formats.latent.dim, self.formats.index.dim) != (cfg.latent_dim, cfg.index_head_dim):
+            raise ValueError(f"row formats are for dims {(self.formats.latent.dim, self.formats.index.dim)}, "
+                             f"the geometry's are {(cfg.latent_dim, cfg.index_head_dim)}")
+        dtype = self.formats.storage_dtype
         self.page_size, self.device, self.dtype = page_size, torch.device(device), dtype
         self.layout = KVLayout.from_model(cfg)
-        L, d = cfg.num_layers, cfg.latent_dim
-        F, di = len(self.layout.index_layers), cfg.index_head_dim
+        L, d = cfg.num_layers, self.formats.latent.width
+        F, di = len(self.layout.index_layers), self.formats.index.width
         self.page_elems = L * page_size * d
         self.index_page_size = max(1, self.page_elems // (F * di))
         self.storage = torch.zeros(num_pages, self.page_elems, device=device, dtype=dtype)
@@ -41,8 +54,14 @@ class KVArena:
         self.pool = PagePool(num_pages, "kv pages")
 
     @staticmethod
-    def page_bytes(cfg: RowGeometry | ModelConfig, page_size: int, elem_bytes: int) -> int:
-        return cfg.num_layers * page_size * cfg.latent_dim * elem_bytes
+    def page_bytes(cfg: RowGeometry | ModelConfig, page_size: int, row_bytes: int) -> int:
+        """Bytes of one page: page_size latent rows of `row_bytes` (`RowFormat.nbytes`) per layer."""
+        return cfg.num_layers * page_size * row_bytes
+
+    @property
+    def row_width(self) -> int:
+        """W: stored elements of one latent row."""
+        return self.formats.latent.width
 
     @property
     def page_nbytes(self) -> int:
@@ -55,11 +74,11 @@ class KVArena:
         return cdiv(n_tokens, self.index_page_size)
 
     def latent_rows(self, layer: int) -> torch.Tensor:
-        """[P, page_size, latent_dim] row space of `layer`."""
+        """[P, page_size, W] row space of `layer` (stored rows: `formats.latent`)."""
         return self.latent[:, layer]
 
     def index_rows(self, layer: int) -> torch.Tensor:
-        """[P, index_page_size, index_dim] index-key space of full layer `layer`."""
+        """[P, index_page_size, Wi] index-key space of full layer `layer` (stored keys: `formats.index`)."""
         return self.index[:, self.index_slot[layer]]
 
     def write_rows(self, lat_loc: torch.Tensor, idx_loc: torch.Tensor) -> "WriteRows":
@@ -88,8 +107,8 @@ class KVArena:
 class WriteRows:
     """One pass's writes as flat rows of the arena storage: one `index_copy_` per layer.
 
-      storage [P, page_elems] viewed as rows of latent_dim:   row = page * (L * ps) + layer * ps + off
-      viewed as rows of index_dim (when page_elems % index_dim == 0):
+      storage [P, page_elems] viewed as rows of W:        row = page * (L * ps) + layer * ps + off
+      viewed as rows of Wi (when page_elems % Wi == 0):
                                                            row = page * (page_elems / iD) + slot * ips + off
     lat [L, n] and idx [F, n] hold those rows for each layer / index slot (idx None: the index
     rows do not tile the page; `scatter_rows` is used instead)."""
@@ -100,13 +119,14 @@ class WriteRows:
         self.idx_flat = arena.storage.view(-1, arena.index.shape[-1]) if idx is not None else None
 
     def latent(self, layer: int, values: torch.Tensor) -> None:
-        """values [n, latent_dim] -> layer `layer`'s rows at the pass's latent locations."""
-        self.lat_flat.index_copy_(0, self.lat[layer], values.to(self.lat_flat.dtype))
+        """values [n, latent_dim] -> layer `layer`'s rows at the pass's latent locations (encoded)."""
+        self.lat_flat.index_copy_(0, self.lat[layer], self.arena.formats.latent.encode(values))
 
     def index(self, layer: int, values: torch.Tensor, loc: torch.Tensor) -> None:
-        """values [n, index_dim] -> full layer `layer`'s index rows (loc: the same locations, flat
-        in the layer's index space, for the fallback)."""
+        """values [n, index_dim] -> full layer `layer`'s index rows, encoded (loc: the same
+        locations, flat in the layer's index space, for the fallback)."""
+        rows = self.arena.formats.index.encode(values)
         if self.idx is None:
-            scatter_rows(self.arena.index_rows(layer), loc, values)
+            scatter_rows(self.arena.index_rows(layer), loc, rows)
         else:
-            self.idx_flat.index_copy_(0, self.idx[self.arena.index_slot[layer]], values.to(self.idx_flat.dtype))
+            self.idx_flat.index_copy_(0, self.idx[self.arena.index_slot[layer]], rows)

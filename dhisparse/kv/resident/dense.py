@@ -10,13 +10,21 @@ import torch
 
 from dhisparse.core.batch import ForwardBatch, IndexTable, KVContext
 from dhisparse.core.config import ModelConfig
+from dhisparse.core.kvformat import KVFormats, RowFormat
 
 
 class DenseKV(KVContext):
-    """Holds latent rows [L_r, latent_dim] and index keys [L_r, iD] per (request slot, layer)."""
+    """Holds latent rows [L_r, W] and index keys [L_r, Wi] per (request slot, layer): plain rows
+    of `dtype` (W = latent_dim), or with `formats` rows encoded in those formats (the I2 row
+    checker then compares the bytes a paged store holds)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 formats: KVFormats | None = None) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.formats = formats if formats is not None and formats.fp8 else None
+        self._fmt = {"latent": RowFormat.plain(cfg.latent_dim, dtype), "index": RowFormat.plain(cfg.index_head_dim, dtype)}
+        if self.formats is not None:
+            self._fmt = {"latent": self.formats.latent, "index": self.formats.index}
         self.latent: dict[tuple[int, int], torch.Tensor] = {}
         self.index: dict[tuple[int, int], torch.Tensor] = {}
         self.slots: list[int] = []
@@ -27,7 +35,11 @@ class DenseKV(KVContext):
         self.batch, self.slots = batch, slots
         return self
 
-    def _append(self, store: dict, layer: int, rows: torch.Tensor) -> None:
+    def row_formats(self) -> KVFormats | None:
+        return self.formats
+
+    def _append(self, store: dict, layer: int, rows: torch.Tensor, fmt: RowFormat) -> None:
+        rows = fmt.encode(rows)
         b = self.batch
         for r in range(b.num_reqs):
             a, e = b.query_start[r], b.query_start[r + 1]
@@ -37,27 +49,28 @@ class DenseKV(KVContext):
             if start > old.shape[0]:
                 raise ValueError(f"request slot {self.slots[r]}: pass starts at {start}, cache holds {old.shape[0]}")
             old = old[:start]  # rows past `start` were uncommitted (rejected drafts): overwritten
-            store[key] = torch.cat([old, rows[a:e].to(self.dtype)])
+            store[key] = torch.cat([old, rows[a:e]])
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        self._append(self.latent, layer, latent)
+        self._append(self.latent, layer, latent, self._fmt["latent"])
         if index_key is not None:
-            self._append(self.index, layer, index_key)
+            self._append(self.index, layer, index_key, self._fmt["index"])
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
-        return self.index[(self.slots[req], layer)]
+        return self._fmt["index"].decode(self.index[(self.slots[req], layer)])
 
     def index_table(self, layer: int) -> IndexTable:
         """The requests' index keys concatenated into one page [1, sum L_r, iD]."""
         parts = [self.index.get((s, layer)) for s in self.slots]
-        width = next((p.shape[1] for p in parts if p is not None), self.cfg.index_head_dim)
-        parts = [p if p is not None else torch.empty(0, width, dtype=self.dtype, device=self.device) for p in parts]
+        f = self._fmt["index"]
+        width, sdt = f.width, f.storage_dtype
+        parts = [p if p is not None else torch.empty(0, width, dtype=sdt, device=self.device) for p in parts]
         lens = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=self.device)
         starts = lens.cumsum(0) - lens
         pos = torch.arange(max(int(lens.max()) if len(parts) else 0, 1), device=self.device)
         locs = torch.where(pos[None, :] < lens[:, None], starts[:, None] + pos[None, :], torch.full_like(pos, -1)[None, :])
-        rows = torch.cat(parts) if parts else torch.empty(0, width, dtype=self.dtype, device=self.device)
-        return IndexTable(rows[None], locs, lens)
+        rows = torch.cat(parts) if parts else torch.empty(0, width, dtype=sdt, device=self.device)
+        return IndexTable(rows[None], locs, lens, self.formats.index if self.formats is not None else None)
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.latent[(s, layer)] for s in self.slots]

@@ -13,6 +13,7 @@ import torch
 
 from dhisparse.core.batch import ForwardBatch, GraphPass, IndexTable, KVContext, ScratchRows
 from dhisparse.core.contracts import KVStore, RowPlace
+from dhisparse.core.kvformat import KVFormats
 from dhisparse.core.rows import cdiv, gather_rows, scatter_rows, table_locations
 from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.copies import page_runs
@@ -225,13 +226,17 @@ class PagedContext(KVContext):
         if index_key is not None:
             self.writes.index(layer, index_key, self.idx_write)
 
+    def row_formats(self) -> KVFormats:
+        return self.arena.formats
+
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
-        return gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]])
+        """[seq_lens[req], iD] decoded index keys of request `req`."""
+        return self.arena.formats.index.decode(gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]]))
 
     def index_table(self, layer: int) -> IndexTable:
-        """All requests' index keys: rows [P, ips, iD] (strided arena view), idx_of, seq_lens."""
+        """All requests' index keys: rows [P, ips, Wi] (strided arena view), idx_of, seq_lens, format."""
         lens = self.batch.seq_lens.to(self.idx_of.device)
-        return IndexTable(self.arena.index_rows(layer), self.idx_of, lens)
+        return IndexTable(self.arena.index_rows(layer), self.idx_of, lens, self.arena.formats.index)
 
 
 class ResidentContext(PagedContext):

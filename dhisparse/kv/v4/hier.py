@@ -32,6 +32,7 @@ import torch
 
 from dhisparse.kv.hier.adaptive import AdaptiveKV
 from dhisparse.core.contracts import KVStore
+from dhisparse.core.kvformat import KVFormats
 from dhisparse.core.rows import cdiv
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.hier.hierarchy import HierarchicalKV
@@ -55,11 +56,12 @@ def v4_row_geometry(cfg: V4Config) -> RowGeometry:
     return RowGeometry(G, cfg.head_dim, cfg.index_head_dim, cfg.index_topk, (True,) * G)
 
 
-def v4_dense_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
+def v4_dense_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None = None) -> int:
     """Device bytes of one request's required (untiered) V4 state after n_tokens: `v4_bytes`
     without the CSA sources' compressed KV rows and index keys (those live in the arena)."""
-    tiered = len(cfg.csa_sources) * (n_tokens // cfg.csa_rate) * (cfg.head_dim + cfg.index_head_dim)
-    return v4_bytes(cfg, n_tokens, elem) - tiered * elem
+    row = formats.latent.nbytes + formats.index.nbytes if formats is not None else (cfg.head_dim + cfg.index_head_dim) * elem
+    tiered = len(cfg.csa_sources) * (n_tokens // cfg.csa_rate) * row
+    return v4_bytes(cfg, n_tokens, elem, formats) - tiered
 
 
 def state_owner(req: object) -> tuple[str, object]:
@@ -84,7 +86,8 @@ class _V4Rows:
 
     def state_pages(self, max_rows: int) -> int:
         tokens = (max_rows + 1) * self.v4.csa_rate - 1  # the most tokens max_rows rows can stand for
-        return cdiv(v4_dense_bytes(self.v4, tokens, self.arena.dtype.itemsize), self.arena.page_nbytes)
+        f = self.arena.formats
+        return cdiv(v4_dense_bytes(self.v4, tokens, f.latent.dtype.itemsize, f), self.arena.page_nbytes)
 
     def required_pages(self, max_total: int) -> int:
         return super().required_pages(max_total) + self.state_pages(max_total)
@@ -137,7 +140,7 @@ class V4HierStore(KVStore):
         self.cfg, self.kv, self.pool, self.m = cfg, kv, kv.pool, cfg.csa_rate
         self.device, self.page_size = device, kv.page_size  # rows of every CSA source per page
         self.group = {layer: g for g, layer in enumerate(cfg.csa_sources)}
-        dense = DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype)
+        dense = DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype, kv.arena.formats)
         self.cache = V4Cache(cfg, device, dtype, store=TieredRows(set(self.group), dense))
         self.states: dict[object, object] = {}
         self.counters = SourceCounters()

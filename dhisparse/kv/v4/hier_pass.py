@@ -66,10 +66,11 @@ class V4HierPass(V4Pass):
         if a + n > self.row_start[req + 1]:
             raise StateError(f"source {layer}: request row {req} emitted {n} rows, the pass expected "
                              f"{self.row_start[req + 1] - a}")
+        fmts = self.kv.arena.formats  # rows are encoded once, here (core/kvformat.py)
         if kind == "kv":
-            scatter_rows(self.kv.arena.latent_rows(g), self.rc.lat_write[a : a + n], rows)
+            scatter_rows(self.kv.arena.latent_rows(g), self.rc.lat_write[a : a + n], fmts.latent.encode(rows))
         else:
-            scatter_rows(self.kv.arena.index_rows(g), self.rc.idx_write[a : a + n], rows)
+            scatter_rows(self.kv.arena.index_rows(g), self.rc.idx_write[a : a + n], fmts.index.encode(rows))
         self.store.append(self.rids[req], layer, kind, rows)
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
@@ -93,7 +94,8 @@ class V4HierPass(V4Pass):
         if staged is not None:
             self.stage_holds = g
         self.staged[layer] = staged
-        self.last[layer] = LocatedRows((rows, kv.stage) if staged is not None else rows, loc)
+        fmt = kv.arena.formats.latent
+        self.last[layer] = LocatedRows((rows, kv.stage) if staged is not None else rows, loc, fmt if fmt.fp8 else None)
         return self.last[layer]
 
     def reuse(self, source: int) -> LocatedRows:

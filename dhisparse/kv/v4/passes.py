@@ -29,17 +29,20 @@ from typing import Hashable, NamedTuple
 import torch
 
 from dhisparse.core.batch import ForwardBatch
+from dhisparse.core.kvformat import KVFormats, RowFormat
 from dhisparse.kv.v4.rows import DenseRowStore, RowStore
 from dhisparse.kv.v4.state import StateError, V4RequestState
 from dhisparse.core.v4_config import V4Config
 
 
 class LocatedRows(NamedTuple):
-    """rows [P, per_page, d] (or a tuple of row spaces, SPACE-encoded locations) and loc [T, k]
-    flat locations into it (-1 = no row): what attention reads for a window or a selection."""
+    """rows [P, per_page, W] (or a tuple of row spaces, SPACE-encoded locations) and loc [T, k]
+    flat locations into it (-1 = no row): what attention reads for a window or a selection; fmt:
+    the rows' RowFormat (core/kvformat.py; None: plain rows of width d)."""
 
     rows: torch.Tensor
     loc: torch.Tensor
+    fmt: RowFormat | None = None
 
 
 class PendingWindows(NamedTuple):
@@ -125,7 +128,7 @@ class V4Pass:
     def locate(self, layer: int, kind: str, selection: torch.Tensor) -> LocatedRows:
         """selection [T, k] compressed row ids (-1 = none) -> LocatedRows."""
         rows, loc = self.store.locate(layer, kind, self.rids, self.batch.req_idx, selection)
-        self.last[layer] = LocatedRows(rows, loc)
+        self.last[layer] = LocatedRows(rows, loc, self.store.row_format(kind))
         return self.last[layer]
 
     def reuse(self, source: int) -> LocatedRows:
@@ -143,9 +146,10 @@ class V4Cache:
     """Owns a RowStore and hands out request states; `begin(batch, states)` starts a pass."""
 
     def __init__(self, cfg: V4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 store: RowStore | None = None) -> None:
+                 store: RowStore | None = None, formats: KVFormats | None = None) -> None:
+        """formats: the compressed rows' formats of the default dense store (None: plain)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.store = store or DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype)
+        self.store = store or DenseRowStore({"kv": cfg.head_dim, "index": cfg.index_head_dim}, device, dtype, formats)
 
     def new_request(self, rid: Hashable, auto_commit: bool = True) -> V4RequestState:
         return V4RequestState(self.cfg, rid, self.store, self.device, self.dtype, auto_commit)

@@ -16,6 +16,10 @@ later serve compressed rows from its tiers behind the same call:
 
 The indexer scores every index key of a request, so `read(.., "index")` returns them all (they
 are small: 128 values per m tokens).
+
+Under `--kv-cache-dtype fp8_e4m3` rows are stored in their FP8 format (core/kvformat.py: 584-B
+compressed rows, 132-B index keys), encoded once on `append`; `read` decodes, `locate` returns the
+stored rows and `row_format(kind)` says how to read them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 from typing import Hashable, Protocol, Sequence
 
 import torch
+
+from dhisparse.core.kvformat import KVFormats, RowFormat
 
 KINDS = ("kv", "index")
 
@@ -54,30 +60,47 @@ class RowStore(Protocol):
     def drop(self, rid: Hashable) -> None:
         ...
 
+    def row_format(self, kind: str) -> RowFormat | None:
+        """How `locate` returns rows of `kind` (None: plain model-dtype rows)."""
+        ...
+
 
 class DenseRowStore:
     """One growing tensor per (request, layer, kind); `locate` concatenates the batch's requests
     into a single page. The reference store (tests, parity), not a memory-efficient one."""
 
-    def __init__(self, widths: dict[str, int], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, widths: dict[str, int], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 formats: KVFormats | None = None):
+        """widths: model values per row of each kind; formats: FP8 formats of "kv" (latent) and
+        "index" rows (None: plain rows of `dtype`)."""
         self.widths, self.device, self.dtype = dict(widths), torch.device(device), dtype
+        self.formats = {k: RowFormat.plain(w, dtype) for k, w in self.widths.items()}
+        if formats is not None:
+            self.formats.update({"kv": formats.latent, "index": formats.index})
         self.rows: dict[tuple[Hashable, int, str], torch.Tensor] = {}
 
     def _empty(self, kind: str) -> torch.Tensor:
-        return torch.empty(0, self.widths[kind], device=self.device, dtype=self.dtype)
+        f = self.formats[kind]
+        return torch.empty(0, f.width, device=self.device, dtype=f.storage_dtype)
+
+    def row_format(self, kind: str) -> RowFormat | None:
+        f = self.formats[kind]
+        return f if f.fp8 else None
 
     def append(self, rid: Hashable, layer: int, kind: str, rows: torch.Tensor) -> None:
+        """rows [n, d] model values, encoded in the kind's format."""
         if rows.shape[-1] != self.widths[kind]:
             raise ValueError(f"{kind} rows of layer {layer}: width {rows.shape[-1]} != {self.widths[kind]}")
         key = (rid, layer, kind)
-        self.rows[key] = torch.cat([self.rows.get(key, self._empty(kind)), rows.to(self.dtype)])
+        self.rows[key] = torch.cat([self.rows.get(key, self._empty(kind)), self.formats[kind].encode(rows)])
 
     def count(self, rid: Hashable, layer: int, kind: str) -> int:
         t = self.rows.get((rid, layer, kind))
         return 0 if t is None else int(t.shape[0])
 
     def read(self, rid: Hashable, layer: int, kind: str) -> torch.Tensor:
-        return self.rows.get((rid, layer, kind), self._empty(kind))
+        """All rows [count, d] of one request, decoded."""
+        return self.formats[kind].decode(self.rows.get((rid, layer, kind), self._empty(kind)))
 
     def truncate(self, rid: Hashable, layer: int, kind: str, n: int) -> None:
         key = (rid, layer, kind)
@@ -87,7 +110,7 @@ class DenseRowStore:
     def locate(
         self, layer: int, kind: str, rids: Sequence[Hashable], req_idx: torch.Tensor, selection: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [self.read(r, layer, kind) for r in rids]
+        parts = [self.rows.get((r, layer, kind), self._empty(kind)) for r in rids]  # stored rows
         sizes = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], dtype=torch.int64, device=selection.device)
         loc = sizes.cumsum(0)[req_idx][:, None] + selection
         return torch.cat(parts)[None], torch.where(selection >= 0, loc, torch.full_like(loc, -1))

@@ -16,37 +16,43 @@ import torch
 from dhisparse.core.contracts import KVStore
 from dhisparse.core.rows import cdiv
 from dhisparse.core.batch import ForwardBatch
+from dhisparse.core.kvformat import KVFormats
 from dhisparse.kv.memory.pool import PagePool, PoolUsage
 from dhisparse.kv.v4.passes import V4Cache, V4Pass
 from dhisparse.core.v4_config import V4Config
 
 
-def v4_bytes(cfg: V4Config, n_tokens: int, elem: int) -> int:
+def v4_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None = None) -> int:
     """Device bytes of one request's V4 state after n_tokens: per layer a window of head_dim rows,
-    compressed kv rows (head_dim / m per token) and, on CSA layers, index keys; plus raw tails
-    (< 2m tokens of [kv | gate], twice as wide on CSA)."""
+    compressed kv rows (head_dim / m per token) and, on CSA layers, index keys, in their stored
+    format (`formats`; None: plain rows of `elem` bytes a value); plus raw tails (< 2m tokens of
+    [kv | gate], twice as wide on CSA). Windows and tails stay in the model dtype."""
+    row = formats.latent.nbytes if formats is not None else cfg.head_dim * elem
+    key = formats.index.nbytes if formats is not None else cfg.index_head_dim * elem
     total = 0
     for i, t in enumerate(cfg.layer_types):
-        total += cfg.sliding_window * cfg.head_dim
+        total += cfg.sliding_window * cfg.head_dim * elem
         m = cfg.compress_rate(i)
         if m and cfg.produces_rows(i):  # reindex / reuse layers hold no rows of their own
             csa = cfg.has_indexer(i)
-            total += (n_tokens // m) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))
-            total += 2 * m * 2 * (2 if csa else 1) * (cfg.head_dim + (cfg.index_head_dim if csa else 0))
-    return total * elem
+            total += (n_tokens // m) * (row + (key if csa else 0))
+            total += 2 * m * 2 * (2 if csa else 1) * (cfg.head_dim + (cfg.index_head_dim if csa else 0)) * elem
+    return total
 
 
 class V4ResidentStore(KVStore):
     supports_prefix = False
 
-    def __init__(self, cfg: V4Config, pool_bytes: int, page_bytes: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.cfg, self.page_bytes, self.device, self.dtype = cfg, page_bytes, device, dtype
-        self.cache = V4Cache(cfg, device, dtype)
+    def __init__(self, cfg: V4Config, pool_bytes: int, page_bytes: int, device: torch.device, dtype: torch.dtype,
+                 formats: KVFormats | None = None) -> None:
+        """formats: the compressed rows' formats (None: plain rows of `dtype`)."""
+        self.cfg, self.page_bytes, self.device, self.dtype, self.formats = cfg, page_bytes, device, dtype, formats
+        self.cache = V4Cache(cfg, device, dtype, formats=formats)
         self.pool = PagePool(max(1, pool_bytes // page_bytes), "kv pages")
         self.states: dict[object, object] = {}
 
     def pages_for(self, max_total: int, prompt_len: int | None = None) -> int:
-        return cdiv(v4_bytes(self.cfg, max_total, self.dtype.itemsize), self.page_bytes)
+        return cdiv(v4_bytes(self.cfg, max_total, self.dtype.itemsize, self.formats), self.page_bytes)
 
     def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
         need = self.pages_for(max_total)

@@ -51,6 +51,10 @@ class TieredRows:
             raise StateError(f"rows of tiered source layer {layer} are located by the pass's resolver")
         return self.dense.locate(layer, kind, rids, req_idx, selection)
 
+    def row_format(self, kind: str):
+        """The format of the dense rows (the hierarchy's arena holds the tiered ones in the same)."""
+        return self.dense.row_format(kind)
+
     def drop(self, rid: Hashable) -> None:
         self.dense.drop(rid)
         for key in [k for k in self.counts if k[0] == rid]:
