@@ -82,8 +82,9 @@ class SourceCheck:
             orig_append(p, layer, kind, req, rows)
             if kind == "kv" and layer in p.group:
                 first = p.store.count(p.rids[req], layer, kind) - rows.shape[0]
+                stored = p.kv.arena.formats.latent.encode(rows)  # the bytes the arena holds (FP8 or plain)
                 for j in range(rows.shape[0]):
-                    ck.rows[(p.rids[req], layer, first + j)] = rows[j].clone()
+                    ck.rows[(p.rids[req], layer, first + j)] = stored[j].clone()
 
         def locate(p, layer, kind, sel):
             if layer not in p.group:

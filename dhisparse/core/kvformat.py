@@ -117,6 +117,8 @@ class RowFormat:
         if not self.fp8:
             return x.to(self.dtype)
         n, Q = x.shape[0], self.quantized
+        if n == 0:
+            return torch.zeros(0, self.width, dtype=torch.uint8, device=x.device)
         s = self.scales_of(x[:, :Q])
         q = (x[:, :Q].float().view(n, self.tiles, self.tile) / s[..., None]).clamp(-FP8_MAX, FP8_MAX)
         q8 = q.view(n, Q).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -134,6 +136,8 @@ class RowFormat:
         if not self.fp8:
             return rows.to(self.dtype)
         lead, Q = rows.shape[:-1], self.quantized
+        if rows.numel() == 0:
+            return torch.zeros(*lead, self.dim, dtype=self.dtype, device=rows.device)
         so, ro = self.offsets
         q = rows[..., :Q].contiguous().view(torch.float8_e4m3fn).float()
         sb = rows[..., so : so + self.tiles * self.scale_bytes].contiguous()
@@ -199,3 +203,15 @@ class KVFormats:
 
 def is_fp8(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype == "fp8_e4m3"
+
+
+def check_device(kv_cache_dtype: str, device: torch.device) -> None:
+    """Refuse FP8 rows where the kernels cannot read them: CUDA GPUs below compute capability 8.9
+    have no e4m3 conversions (Triton's fp8e4nv). CPUs decode with PyTorch."""
+    if not is_fp8(kv_cache_dtype) or device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs a GPU of compute capability >= 8.9 (e4m3 "
+                         f"conversions); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use "
+                         "--kv-cache-dtype auto")

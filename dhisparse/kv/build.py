@@ -20,7 +20,7 @@ import torch
 
 from dhisparse.core.config import ModelConfig
 from dhisparse.core.contracts import KVStore
-from dhisparse.core.kvformat import KVFormats
+from dhisparse.core.kvformat import KVFormats, check_device
 from dhisparse.core.v4_config import V4Config
 from dhisparse.kernels.resolver_ref import plan_reference, run_copies
 from dhisparse.kv.hier.adaptive import AdaptiveKV
@@ -133,10 +133,11 @@ def resolver_for(name: str, device: torch.device) -> Resolver:
 def build_store(s: StoreSettings, mc: ModelConfig | V4Config, pool_bytes: int, device: torch.device,
                 dtype: torch.dtype, max_model_len: int) -> BuiltStore:
     """The store of preset `s.preset` for model `mc` in a device pool of `pool_bytes`."""
+    check_device(s.kv_cache_dtype, torch.device(device))
     if isinstance(mc, V4Config):
         return _build_v4(s, mc, pool_bytes, device, dtype, max_model_len)
     geometry = RowGeometry.of_model(mc)
-    formats = KVFormats.mla(s.kv_cache_dtype, mc.latent_dim, mc.qk_rope_head_dim, mc.index_head_dim, dtype)
+    formats = _formats(KVFormats.mla, s.kv_cache_dtype, mc.latent_dim, mc.qk_rope_head_dim, mc.index_head_dim, dtype)
     page_bytes = KVArena.page_bytes(geometry, s.page_size, formats.latent.nbytes)
     pages = _pages(pool_bytes, page_bytes)
     arena = KVArena(geometry, pages, s.page_size, device, dtype, formats)
@@ -150,7 +151,7 @@ def _build_v4(s: StoreSettings, mc: V4Config, pool_bytes: int, device: torch.dev
               max_model_len: int) -> BuiltStore:
     """V4: a page is `page_size` tokens of a request's whole state (resident) or `page_size`
     compressed rows of every CSA source (hierarchical presets; positions are row ids)."""
-    formats = KVFormats.v4(s.kv_cache_dtype, mc.head_dim, mc.rope_head_dim, mc.index_head_dim, dtype)
+    formats = _formats(KVFormats.v4, s.kv_cache_dtype, mc.head_dim, mc.rope_head_dim, mc.index_head_dim, dtype)
     if s.preset == "resident":
         page_bytes = v4_bytes(mc, s.page_size, dtype.itemsize, formats)
         pages = _pages(pool_bytes, page_bytes)
@@ -183,6 +184,14 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
                         repopulate_pages=s.repopulate_pages, backup_ahead_pages=s.backup_ahead_pages,
                         keep_decode_pages=s.decode_pages == "optional",
                         side_stream=s.copy_stream == "side")
+
+
+def _formats(make, kv_cache_dtype: str, *dims) -> KVFormats:
+    """The model's row formats under `--kv-cache-dtype`, or a clear error naming the flag."""
+    try:
+        return make(kv_cache_dtype, *dims)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} cannot store this model's rows: {e}") from None
 
 
 def _pages(pool_bytes: int, page_bytes: int) -> int:
