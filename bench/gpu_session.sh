@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -89,6 +89,10 @@ case ",$STEPS," in *,servewarmup,*)  # dhisparse serve with and without the star
 case ",$STEPS," in *,exactall,*)  # the whole tests/ folder on CUDA, 10 workers (~2.5 min warm; carry .whl: transformers 5.24, fastapi, uvicorn, pydantic, openai, llguidance, jsonschema)
   run "exactness on CUDA, whole suite" timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 --dist loadfile tests -rfE \
       --junitxml="$OUT/exact_cuda.xml" ;; esac
+case ",$STEPS," in *,fp8kernels,*)  # issue 25: sparse-MLA attention and indexer scoring, FP8 vs bf16 rows (~1.5 min)
+  run "FP8 vs bf16 rows in the kernels" timeout 240 python3 bench/fp8_kernels.py --out "$OUT/fp8_kernels_h200.json" ;; esac
+case ",$STEPS," in *,fp8test,*)  # issue 25: the FP8 tests on CUDA (~1 min)
+  run "FP8 KV tests on CUDA" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_fp8.py -rfE ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \

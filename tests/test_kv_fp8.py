@@ -107,7 +107,7 @@ def _mla_case(C: int, R: int, T: int, H: int, k: int, P: int = 6, per: int = 16,
 
 
 @pytest.mark.parametrize("C,R,T,H,k,split", [(32, 8, 3, 5, 37, 0), (32, 8, 4, 3, 70, 16), (128, 16, 2, 16, 33, 32),
-                                            (32, 8, 0, 5, 9, 0), (32, 8, 3, 5, 0, 0)])
+                                            (48, 8, 3, 4, 21, 0), (32, 8, 0, 5, 9, 0), (32, 8, 3, 5, 0, 0)])
 def test_sparse_mla_kernel_reads_fp8_rows_like_its_reference(C, R, T, H, k, split):
     fmt, rows, q, qp, loc = _mla_case(C, R, T, H, k)
     want = sparse_mla_reference(q, qp, rows, loc, 0.3, fmt)
@@ -252,7 +252,7 @@ def test_breakages_are_caught(monkeypatch):
             test_quantizer_matches_a_plain_reference_bit_for_bit(fmt)
     with monkeypatch.context() as m:  # the kernel reads the scales one tile off
         orig = sm._fp8_args
-        m.setattr(sm, "_fp8_args", lambda f, C, R: (lambda a: (a[0], a[1] + 4, a[2], a[3]))(orig(f, C, R)))
+        m.setattr(sm, "_fp8_args", lambda f, C, R: (lambda a: (a[0], a[1] + 4, *a[2:]))(orig(f, C, R)))
         with pytest.raises(AssertionError):
             test_sparse_mla_kernel_reads_fp8_rows_like_its_reference(32, 8, 3, 5, 37, 0)
     with monkeypatch.context() as m:  # decoding forgets the scales

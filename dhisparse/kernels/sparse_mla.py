@@ -65,7 +65,8 @@ LOG2E = 1.4426950408889634
 def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
                   PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
                   TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
+                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
+                  BLOCKED: tl.constexpr):
     """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
     cdt = q.dtype
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -83,9 +84,16 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     rmask = valid[:, None] & rm[None, :]
     if FP8:  # uint8 rows: e4m3 values, fp32 scales at byte SO (one per TILE), bf16 rope at byte RO
         c8 = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0)
-        sc = tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=cmask,
-                     other=0.0)
-        c = (c8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(cdt)
+        cf = c8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if BLOCKED:  # C a power of two (= its block) = NT * TILE, NT too: one scale load per tile, broadcast
+            tt = tl.arange(0, C // TILE)
+            sc = tl.load((base[:, None] + SO + tt[None, :] * 4).to(tl.pointer_type(tl.float32)),
+                         mask=valid[:, None], other=0.0)
+            cf = tl.reshape(tl.reshape(cf, (BLOCK_K, C // TILE, TILE)) * sc[:, :, None], (BLOCK_K, C))
+        else:  # any C: each value's scale gathered
+            cf = cf * tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)),
+                              mask=cmask, other=0.0)
+        c = cf.to(cdt)
         kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask,
                       other=0.0).to(cdt)
     else:
@@ -116,7 +124,8 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
                   C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                   SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
-                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
+                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
+                  BLOCKED: tl.constexpr):
     """Token t's queries of `heads` over its locations lo .. hi-1 (lp at its row): the online-softmax
     state (m [BLOCK_H], l [BLOCK_H], unnormalised acc [BLOCK_H, BC], fp32).
 
@@ -139,12 +148,12 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
         k0 = lo
         while k0 < hi:
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, BLOCKED)
             k0 += BLOCK_K
     else:
         for k0 in range(lo, hi, BLOCK_K):
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, BLOCKED)
     return m_i, l_i, acc
 
 
@@ -155,13 +164,14 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                       SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
-                      SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
+                      SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
+                  BLOCKED: tl.constexpr):
     """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
-                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE)
+                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, BLOCKED)
     cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
@@ -175,7 +185,8 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
                             C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                             SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
-                            SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
+                            SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
+                  BLOCKED: tl.constexpr):
     """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
     heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
     t = tl.program_id(0).to(tl.int64)
@@ -184,7 +195,7 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
     lo = j * CHUNK
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   lo, tl.minimum(K, lo + CHUNK), H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC,
-                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE)
+                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, BLOCKED)
     hm = heads < H
     cc = tl.arange(0, BC)
     row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
@@ -315,20 +326,23 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
         H, k, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
+        BLOCKED=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
 
 
-def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int]:
-    """(FP8, SO, RO, TILE) constexprs of the kernels for rows of `fmt`."""
+def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int, bool]:
+    """(FP8, SO, RO, TILE, BLOCKED) constexprs of the kernels for rows of `fmt`; BLOCKED: scales
+    loaded once per tile (C a power of two, C / TILE too), else once per value."""
     if fmt is None or not fmt.fp8:
-        return (False, 0, 0, 1)
+        return (False, 0, 0, 1, False)
     if fmt.scale != "fp32" or fmt.rope_first or (fmt.quantized, fmt.rope) != (C, R):
         raise ValueError(f"the sparse-MLA kernel reads FlashMLA FP8 rows (C = {C} e4m3 values, fp32 scales, R = {R} "
                          f"bf16 rope values); got {fmt}")
     so, ro = fmt.offsets
-    return (True, so, ro, fmt.tile)
+    nt = C // fmt.tile
+    return (True, so, ro, fmt.tile, C == _p2(C) and nt == triton.next_power_of_2(nt))
 
 
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
@@ -347,6 +361,7 @@ def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, sc
         H, k, S, plan.split_rows, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
+        BLOCKED=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,
