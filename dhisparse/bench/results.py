@@ -1,7 +1,7 @@
 """Result files: plain dataclasses -> JSON, with the command line, machine and date.
 
 Schema (`schema_version` 1; `kind` = "bench" or "loadstep"; NaN / inf are written as null):
-    date (ISO, local tz), command ("dhisparse bench ..."), machine {platform, python, hostname,
+    date (ISO, local tz), commit (the source commit, `source_commit`), command ("dhisparse bench ..."), machine {platform, python, hostname,
     cpu_count, cpu, torch, gpus?}, config {engine {EngineConfig fields} | {url}, workload
     {Workload fields}, concurrency [..] (bench) | arms, unavailable_arms, phases (loadstep), wall_s},
     available_presets, unavailable_presets, notes [str],
@@ -63,6 +63,7 @@ class ResultFile:
     runs: list[RunResult]
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+    commit: str | None = None
 
 
 def new_result(kind: str, argv: list[str] | None, config: dict, runs: list, notes: list[str] | None = None) -> "ResultFile":
@@ -70,7 +71,22 @@ def new_result(kind: str, argv: list[str] | None, config: dict, runs: list, note
     from dhisparse.engine.config import AVAILABLE_PRESETS, PRESETS
 
     return ResultFile(kind, now_iso(), command_line(argv), machine_info(), config, list(AVAILABLE_PRESETS),
-                      [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs, list(notes or []))
+                      [p for p in PRESETS if p not in AVAILABLE_PRESETS], runs, list(notes or []), commit=source_commit())
+
+
+def source_commit() -> str | None:
+    """The commit the code ran at: $DHISPARSE_COMMIT (set by the caller where the tree has no .git,
+    e.g. a device machine), else `git rev-parse --short HEAD` in the package's checkout, else None."""
+    if os.environ.get("DHISPARSE_COMMIT"):
+        return os.environ["DHISPARSE_COMMIT"]
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def request_dict(r: RequestRecord) -> dict:
