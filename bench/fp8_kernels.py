@@ -8,7 +8,8 @@ Attention: one layer at the scaled GLM's shape (16 heads, latent 512 + rope 64),
 locations in a paged row space of --pages x --page-size rows, for a decode pass (T = requests) and
 a width-K verification pass (T = K x requests), with the engine's default plan (split rows). The
 same values are stored as 1,152-B bf16 rows and as 656-B FP8 rows (core/kvformat.py); the FP8
-kernel dequantizes in the kernel. Indexer: one full layer's scoring of T queries against --index-len
+kernel dequantizes in the kernel, once per way of applying the per-tile scales (reshape, select,
+gather: DHISPARSE_FP8_SCALES; they must agree bit for bit). Indexer: one full layer's scoring of T queries against --index-len
 keys per request (8 heads x 128), bf16 256-B keys vs FP8 132-B keys. On CUDA every time is the
 median replay of a CUDA graph of --graph calls (Python launch cost excluded, as in the engine's
 step graphs), L2 not flushed between calls (rows of k = 2,048 x 16 requests exceed the 60 MB L2 in
@@ -30,6 +31,9 @@ import torch  # noqa: E402
 
 from dhisparse.bench import results as R  # noqa: E402
 from bench.mla_tune_bench import Timing, ints, timed  # noqa: E402
+
+
+SCALE_MODES = ("reshape", "select", "gather")  # how the FP8 kernel applies per-tile scales (kernels/sparse_mla.py)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -80,19 +84,27 @@ def attention_runs(ns, dev, dtype, cuda, g) -> list[dict]:
             qp = torch.randn(T, H, Rr, generator=g).to(dev, dtype)
             loc = torch.randint(0, ns.pages * ns.page_size, (T, ns.topk), generator=g).to(dev)
             outs, ms = {}, {}
-            for name, rows, f in (("bf16", plain, None), ("fp8", fp8, fmt)):
+            variants = [("bf16", plain, None, "")] + [(f"fp8_{m}", fp8, fmt, m) for m in SCALE_MODES]
+            for name, rows, f, mode in variants:
+                os.environ["DHISPARSE_FP8_SCALES"] = mode
                 out = torch.empty(T, H, C, device=dev, dtype=dtype)
                 run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, f, out=out)
                 ms[name] = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, f, out=out), tm, cuda)
                 outs[name] = out.float()
-            diff = float((outs["fp8"] - outs["bf16"]).abs().max())
-            rel = float(((outs["fp8"] - outs["bf16"]).norm(dim=-1) / outs["bf16"].norm(dim=-1)).mean())
+            os.environ.pop("DHISPARSE_FP8_SCALES", None)
+            ref = outs["fp8_gather"]
+            same = all(torch.equal(outs[f"fp8_{m}"], ref) for m in SCALE_MODES)
+            diff = float((ref - outs["bf16"]).abs().max())
+            rel = float(((ref - outs["bf16"]).norm(dim=-1) / outs["bf16"].norm(dim=-1)).mean())
+            best = min(SCALE_MODES, key=lambda m: ms[f"fp8_{m}"])
             runs.append({"kernel": "sparse_mla", "requests": n, "width": K, "tokens": T, "topk": ns.topk,
-                         "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"], "fp8_over_bf16": ms["fp8"] / ms["bf16"],
-                         "row_bytes": {"bf16": (C + Rr) * 2, "fp8": fmt.nbytes}, "max_abs_diff": diff,
-                         "mean_rel_diff": rel})
-            print(f"attention n={n:3d} K={K}  bf16 {ms['bf16'] * 1e3:8.1f} us  fp8 {ms['fp8'] * 1e3:8.1f} us  "
-                  f"x{ms['fp8'] / ms['bf16']:.3f}  rel diff {rel:.3g}", flush=True)
+                         "bf16_ms": ms["bf16"], **{f"fp8_{m}_ms": ms[f"fp8_{m}"] for m in SCALE_MODES},
+                         "fp8_over_bf16": {m: ms[f"fp8_{m}"] / ms["bf16"] for m in SCALE_MODES}, "best_mode": best,
+                         "modes_bitwise_equal": same, "row_bytes": {"bf16": (C + Rr) * 2, "fp8": fmt.nbytes},
+                         "max_abs_diff": diff, "mean_rel_diff": rel})
+            print(f"attention n={n:3d} K={K}  bf16 {ms['bf16'] * 1e3:7.1f} us  fp8 " + "  ".join(
+                f"{m} {ms[f'fp8_{m}'] * 1e3:7.1f} (x{ms[f'fp8_{m}'] / ms['bf16']:.2f})" for m in SCALE_MODES)
+                + f"  equal {same}  rel diff {rel:.3g}", flush=True)
     return runs
 
 
@@ -108,7 +120,8 @@ def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
         keys = torch.randn(n * L, D, generator=g).to(dev)
         ips = 64 if (n * L) % 64 == 0 else 8
         plain = keys.to(dtype).view(-1, ips, D)
-        fp8 = fmt.encode(keys).view(-1, ips, fmt.width)
+        enc = fmt.encode(keys).view(-1, ips, fmt.width)  # the arena's split layout: values, then scales
+        fp8, fp8_scales = enc[..., :D].contiguous(), enc[..., D:].contiguous()
         locs = torch.arange(n * L, device=dev).view(n, L)
         lens = torch.full((n,), L, device=dev)
         for K in ints(ns.widths):
@@ -118,8 +131,8 @@ def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
             req = torch.arange(n, device=dev).repeat_interleave(K)
             pos = torch.full((T,), L - 1, device=dev)
             ms, outs = {}, {}
-            for name, rows, f in (("bf16", plain, None), ("fp8", fp8, fmt)):
-                tab = IndexTable(rows, locs, lens, f)
+            for name, rows, f, sc in (("bf16", plain, None, None), ("fp8", fp8, fmt, fp8_scales)):
+                tab = IndexTable(rows, locs, lens, f, sc)
                 fn = lambda: indexer_scores_triton(q, w, pos, req, tab, group=K)  # noqa: E731
                 outs[name] = fn()
                 ms[name] = timed(fn, tm, cuda)

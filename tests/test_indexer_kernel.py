@@ -41,7 +41,7 @@ def make_table(lens: list[int], dtype=torch.float32, page_size: int = 4, seed: i
         need = -(-n // ips)
         pages, perm = perm[:need], perm[need:]
         locs[r, :n] = arena.locations(pages, n, ips)
-    rows = arena.index_rows(LAYER)
+    rows = arena.index_spaces(LAYER)[0]
     assert not rows.is_contiguous()
     return IndexTable(rows, locs, torch.tensor(lens, dtype=torch.int64, device=DEV)), arena
 

@@ -140,14 +140,36 @@ def _index_case(D: int = 16, seed: int = 0):
 
 def test_indexer_kernels_score_fp8_keys_like_their_reference():
     fmt, tab, q, w, pos, req = _index_case()
+    D = fmt.quantized
+    split = tab._replace(rows=tab.rows[..., :D].contiguous(), scales=tab.rows[..., D:].contiguous())  # the arena's
     want = indexer_scores_torch(q, w, pos, req, tab)
     plain = indexer_scores_torch(q, w, pos, req, IndexTable(fmt.decode(tab.rows), tab.locs, tab.lens))
     assert torch.equal(want, plain)  # the reference scores the decoded keys
-    for group in (1, 3):
-        got = indexer_scores_triton(q, w, pos, req, tab, group=group)
+    assert torch.equal(indexer_scores_torch(q, w, pos, req, split), want)
+    for group, t in ((1, tab), (3, tab), (1, split), (3, split)):
+        got = indexer_scores_triton(q, w, pos, req, t, group=group)
         assert torch.equal(torch.isinf(got), torch.isinf(want))
         ok = torch.isfinite(want)
         torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_index_keys_are_split_in_the_arena_and_read_back_whole():
+    from dhisparse.kv.memory.arena import KVArena
+    from dhisparse.models.tiny import tiny_config
+
+    cfg = tiny_config()
+    f = KVFormats.mla("fp8_e4m3", cfg.latent_dim, cfg.qk_rope_head_dim, cfg.index_head_dim, torch.float32)
+    arena = KVArena(cfg, 3, 4, "cpu", torch.float32, f)
+    D, ips, layer = arena.index_split, arena.index_page_size, arena.layout.index_layers[-1]
+    assert D == cfg.index_head_dim and f.index.width == D + 4
+    keys = f.index.encode(torch.randn(5, D))
+    loc = torch.tensor([0, 3, ips, ips + 1, 2 * ips + ips - 1])
+    arena.write_index(layer, loc, keys)
+    assert torch.equal(arena.read_index(layer, loc), keys)
+    vals, scales = arena.index_spaces(layer)
+    assert vals.stride(1) == D and torch.equal(vals[1, 0], keys[2, :D]) and torch.equal(scales[1, 1], keys[3, D:])
+    region = arena.index_pages[1, arena.index_slot[layer]]  # page 1: values of its ips keys, then their scales
+    assert torch.equal(region[:D], keys[2, :D]) and torch.equal(region[ips * D : ips * D + 4], keys[2, D:])
 
 
 # -- placement is exact under FP8 ------------------------------------------------------------------
@@ -177,6 +199,19 @@ def test_every_preset_is_token_identical_under_fp8(fp8_reference, preset, kw):
         assert st["reclaimed_pages"] > 0
     if "spec" in preset or "speculative_algorithm" in kw:
         assert st["spec_rounds"] > 0
+
+
+@pytest.mark.parametrize("preset", ["resident", "adaptive"])
+def test_prepared_prefix_imports_fp8_pages_exactly(fp8_reference, preset):
+    prefix = PROMPTS[2]
+    reqs = [prefix + [50 + i] for i in range(3)]
+    ref = [o.token_ids for o in LLM("tiny", kv_cache_dtype="fp8_e4m3").generate(reqs, GREEDY)]
+    llm = checked(LLM("tiny", preset=preset, kv_cache_dtype="fp8_e4m3", hot_cache_rows=16, max_num_batched_tokens=9,
+                      page_size=8, debug_checks=True))
+    llm.prepare_prefix(prefix)
+    outs = llm.generate(reqs, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.metrics.imported_len == len(prefix) for o in outs)
 
 
 @pytest.mark.parametrize("arch", ["glm", "v32"])
@@ -210,7 +245,7 @@ def prefill_error(model, cfg, ids: list[int]) -> dict:
     for name, formats in (("plain", None), ("fp8", KVFormats.mla("fp8_e4m3", cfg.latent_dim, cfg.qk_rope_head_dim,
                                                                  cfg.index_head_dim, model.dtype))):
         kv = DenseKV(cfg, formats=formats, dtype=model.dtype)
-        batch = ForwardBatch.build([(list(ids), 0)], device=model.embed_tokens.weight.device)
+        batch = ForwardBatch.build([(list(ids), 0)], device=next(model.parameters()).device)
         out[name] = model.logits(model(batch, kv.begin(batch, [0])).hidden).float()
     d = (out["fp8"] - out["plain"]).norm(dim=-1) / out["plain"].norm(dim=-1)
     return {"mean": float(d.mean()), "max": float(d.max())}

@@ -99,12 +99,16 @@ class IndexTable(NamedTuple):
     locs [N, Lmax] int64  location of position s of request r (-1 padding past lens[r])
     lens [N] int64     number of index keys of request r (this pass included)
     fmt                the keys' RowFormat (core/kvformat.py), or None: plain keys of the model dtype
+    scales [P, ips, Wi - D]  FP8 keys split as the arena keeps them: `rows` [P, ips, D] holds the
+                       e4m3 values and this space their scales (same locations); None: `rows` holds
+                       whole stored keys
     """
 
     rows: torch.Tensor
     locs: torch.Tensor
     lens: torch.Tensor
     fmt: "RowFormat | None" = None
+    scales: torch.Tensor | None = None
 
 
 class KVContext(Protocol):

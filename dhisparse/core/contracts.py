@@ -130,9 +130,9 @@ class KVStore(abc.ABC):
         """Write positions start..start+n-1 of req: latent [L, n, d], index [F, n, iD]."""
         raise NotImplementedError(f"{type(self).__name__} cannot import rows (supports_prefix is False)")
 
-    def prefix_layout(self) -> tuple[int, int] | None:
-        """(page_size, index_page_size) of the page layout `import_prefix` copies whole pages from,
-        or None: the store imports a prefix row by row (`write_rows`)."""
+    def prefix_layout(self) -> tuple[int, int, int] | None:
+        """(page_size, index_page_size, index_split) of the page layout `import_prefix` copies whole
+        pages from (`StoredPrefix.paged`), or None: the store imports a prefix row by row (`write_rows`)."""
         return None
 
     def import_prefix(self, req: Hashable, item: Any, n: int) -> None:

@@ -42,12 +42,13 @@ MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification wid
 
 
 @triton.jit
-def _key_block(k_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, BD: tl.constexpr, FP8: tl.constexpr,
-               KDT: tl.constexpr):
+def _key_block(k_ptr, s_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, ss0, ss1, BD: tl.constexpr,
+               FP8: tl.constexpr, KDT: tl.constexpr):
     """Index keys of positions s [BS] below lim of one request (lp: its row of locations):
     (k [BD, BS], zero where not loaded; ok [BS], the positions that hold a key).
-    FP8: uint8 keys | D e4m3 | fp32 scale |, dequantized as e4m3 * scale in fp32, then KDT (the
-    model dtype), exactly as `RowFormat.decode`."""
+    FP8: e4m3 values at k_ptr (row strides ks0 / ks1, 16-B aligned in the arena's split layout) and
+    an fp32 scale per key at s_ptr (strides ss0 / ss1), dequantized as e4m3 * scale in fp32, then
+    KDT (the model dtype), exactly as `RowFormat.decode`."""
     sm = s < lim
     loc = tl.load(lp + s, mask=sm, other=0).to(tl.int64)
     ok = sm & (loc >= 0)
@@ -56,7 +57,8 @@ def _key_block(k_ptr, lp, s, lim, D, IPS: tl.constexpr, ks0, ks1, ks2, BD: tl.co
     kmask = (d < D)[:, None] & ok[None, :]
     if FP8:
         k8 = tl.load(k_ptr + base[None, :] + d[:, None], mask=kmask, other=0)
-        sc = tl.load((k_ptr + base + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+        sbase = (loc // IPS) * ss0 + (loc % IPS) * ss1
+        sc = tl.load((s_ptr + sbase).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
         k = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(KDT)
     else:
         k = tl.load(k_ptr + base[None, :] + d[:, None] * ks2, mask=kmask, other=0.0)
@@ -82,8 +84,8 @@ def _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
 
 
 @triton.jit
-def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
-                         Lmax, H, D, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
+def indexer_score_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
+                         Lmax, H, D, ks0, ks1, ks2, ss0, ss1, qs0, qs1, qs2, ws0, ws1, scale,
                          IPS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, KDT: tl.constexpr):
     """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax])."""
@@ -94,15 +96,15 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr
     lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
     res = tl.full([BS], float("-inf"), tl.float32)
     if j * BS < lim:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, BD, FP8, KDT)
+        k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
         sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
         res = tl.where(ok, sc, float("-inf"))
     tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
 
 
 @triton.jit
-def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
-                               Lmax, H, D, G, ks0, ks1, ks2, qs0, qs1, qs2, ws0, ws1, scale,
+def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
+                               Lmax, H, D, G, ks0, ks1, ks2, ss0, ss1, qs0, qs1, qs2, ws0, ws1, scale,
                                IPS: tl.constexpr, QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                                IEEE: tl.constexpr, FP8: tl.constexpr, KDT: tl.constexpr):
     """Program (g, j) writes out[g*G + u, j*BS : (j+1)*BS] for u < G: the G tokens of one request
@@ -119,7 +121,7 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, loc_ptr, len_ptr, pos_ptr, r
     pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
     lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
     if j * BS < lim_max:
-        k, ok = _key_block(k_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, BD, FP8, KDT)
+        k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
         for u in tl.static_range(QG):
             if u < G:
                 lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
@@ -141,7 +143,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
     when G <= MAX_GROUP, the per-token kernel above it)."""
     T, H, D = q.shape
-    rows, locs, lens, fmt = table
+    rows, locs, lens, fmt, scales = table
     fp8 = fmt is not None and fmt.fp8
     Lmax = locs.shape[1]
     if T == 0 or Lmax == 0 or rows.numel() == 0:
@@ -149,7 +151,11 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     out = torch.empty((T, Lmax), dtype=torch.float32, device=q.device)  # the kernel writes every score (-inf: not visible)
     if fp8 and (fmt.dim, fmt.rope, fmt.tile, fmt.scale) != (D, 0, D, "fp32"):
         raise ValueError(f"the indexer kernel reads FP8 keys of {D} e4m3 values and one fp32 scale; got {fmt}")
-    assert rows.shape[-1] == (fmt.width if fp8 else D), (rows.shape, q.shape)
+    if fp8 and scales is None:  # whole stored keys [.., Wi]: values and scales are two views of them
+        rows, scales = rows[..., :D], rows[..., D:]
+    assert rows.shape[-1] == D, (rows.shape, q.shape)
+    sc = scales if fp8 else rows
+    sstr = (sc.stride(0), sc.stride(1))
     key_dtype = fmt.dtype if fp8 else rows.dtype
     ieee = not (q.dtype == key_dtype and q.dtype in (torch.bfloat16, torch.float16))
     kdt = _TL_DTYPES.get(key_dtype, tl.float32)
@@ -159,14 +165,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     if 1 < group <= MAX_GROUP:
         qg = triton.next_power_of_2(group)
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
-            q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
-            Lmax, H, D, group, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
+            q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
+            Lmax, H, D, group, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
             IPS=rows.shape[1], QG=qg, BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
-        q, w, rows, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
-        Lmax, H, D, *rows.stride(), *q.stride(), *w.stride(), D**-0.5,
+        q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
+        Lmax, H, D, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
         IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt)
     return out
 

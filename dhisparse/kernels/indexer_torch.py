@@ -19,7 +19,7 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tens
     """Plain-PyTorch twin of `indexer_scores_triton`: same inputs, scores [T, Lmax] fp32. Keys
     stored in `table.fmt` are decoded to the model dtype first (FP8: e4m3 * scale)."""
     T, H, D = q.shape
-    rows, locs, lens, fmt = table
+    rows, locs, lens, fmt, scales = table
     Lmax = locs.shape[1]
     out = torch.full((T, Lmax), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or Lmax == 0 or rows.numel() == 0:
@@ -32,7 +32,9 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tens
         r = req_idx[a:b]
         lc = locs[r]  # [S, Lmax]
         vis = (s_idx[None, :] < torch.minimum(lens[r], positions[a:b] + 1)[:, None]) & (lc >= 0)
-        keys = gather_rows(rows, lc.clamp(min=0))  # [S, Lmax, Wi]
+        keys = gather_rows(rows, lc.clamp(min=0))  # [S, Lmax, Wi] (split FP8 keys: values [.., D], then scales)
+        if scales is not None:
+            keys = torch.cat([keys, gather_rows(scales, lc.clamp(min=0))], dim=-1)
         keys = (fmt.decode(keys) if fmt is not None else keys).float()  # [S, Lmax, iD]
         logit = torch.relu(torch.matmul(q[a:b].float(), keys.transpose(1, 2)) * scale)  # [S, iH, Lmax]
         score = torch.matmul(w[a:b].float().unsqueeze(-2), logit).squeeze(-2)  # [S, Lmax]

@@ -59,6 +59,7 @@ __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "
 SPACE_BITS = SPACE.bit_length() - 1
 assert SPACE == 1 << SPACE_BITS
 LOG2E = 1.4426950408889634
+FP8_SCALES_DEFAULT = 1  # reshape-broadcast of per-tile scales (bench/fp8_kernels.py compares the modes)
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
                   PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
                   TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
                   SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                  BLOCKED: tl.constexpr):
+                  SCALES: tl.constexpr):
     """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
     cdt = q.dtype
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -85,12 +86,19 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     if FP8:  # uint8 rows: e4m3 values, fp32 scales at byte SO (one per TILE), bf16 rope at byte RO
         c8 = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0)
         cf = c8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if BLOCKED:  # C a power of two (= its block) = NT * TILE, NT too: one scale load per tile, broadcast
+        if SCALES == 1:  # reshape: C a power of two = NT * TILE, NT too; one scale load per tile, broadcast
             tt = tl.arange(0, C // TILE)
             sc = tl.load((base[:, None] + SO + tt[None, :] * 4).to(tl.pointer_type(tl.float32)),
                          mask=valid[:, None], other=0.0)
             cf = tl.reshape(tl.reshape(cf, (BLOCK_K, C // TILE, TILE)) * sc[:, :, None], (BLOCK_K, C))
-        else:  # any C: each value's scale gathered
+        elif SCALES == 2:  # select: one scale load per tile, chosen per column (no gather, no layout change)
+            tile = cc // TILE
+            scale = tl.zeros_like(cf)
+            for t in tl.static_range(C // TILE):
+                st = tl.load((base + SO + t * 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+                scale = tl.where(tile[None, :] == t, st[:, None], scale)
+            cf = cf * scale
+        else:  # gather: each value's scale loaded (any C)
             cf = cf * tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)),
                               mask=cmask, other=0.0)
         c = cf.to(cdt)
@@ -125,7 +133,7 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                   SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
                   SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                  BLOCKED: tl.constexpr):
+                  SCALES: tl.constexpr):
     """Token t's queries of `heads` over its locations lo .. hi-1 (lp at its row): the online-softmax
     state (m [BLOCK_H], l [BLOCK_H], unnormalised acc [BLOCK_H, BC], fp32).
 
@@ -148,12 +156,12 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
         k0 = lo
         while k0 < hi:
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, BLOCKED)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, SCALES)
             k0 += BLOCK_K
     else:
         for k0 in range(lo, hi, BLOCK_K):
             m_i, l_i, acc = _attend_block(k0, q, qpe, m_i, l_i, acc, lp, r0_ptr, r1_ptr, hi, PER0, ps0, rs0, PER1, ps1,
-                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, BLOCKED)
+                                          rs1, qk_scale, cc, rr, cm, rm, C, BLOCK_K, TWO, SPACE_BITS, IEEE, FP8, SO, RO, TILE, SCALES)
     return m_i, l_i, acc
 
 
@@ -165,13 +173,13 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                       SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
                       SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                  BLOCKED: tl.constexpr):
+                  SCALES: tl.constexpr):
     """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
-                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, BLOCKED)
+                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
     cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
@@ -186,7 +194,7 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                             SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
                             SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                  BLOCKED: tl.constexpr):
+                  SCALES: tl.constexpr):
     """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
     heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
     t = tl.program_id(0).to(tl.int64)
@@ -195,7 +203,7 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
     lo = j * CHUNK
     m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
                                   lo, tl.minimum(K, lo + CHUNK), H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC,
-                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, BLOCKED)
+                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
     hm = heads < H
     cc = tl.arange(0, BC)
     row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
@@ -326,23 +334,26 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
         H, k, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
-        BLOCKED=fp8[4],
+        SCALES=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
 
 
-def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int, bool]:
-    """(FP8, SO, RO, TILE, BLOCKED) constexprs of the kernels for rows of `fmt`; BLOCKED: scales
-    loaded once per tile (C a power of two, C / TILE too), else once per value."""
+def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int, int]:
+    """(FP8, SO, RO, TILE, SCALES) constexprs of the kernels for rows of `fmt`. SCALES: how a tile's
+    scale reaches its values (0 gather per value: any C; 1 reshape-broadcast and 2 per-tile select:
+    C and C / TILE powers of two); DHISPARSE_FP8_SCALES=gather|reshape|select picks one (benchmarks)."""
     if fmt is None or not fmt.fp8:
-        return (False, 0, 0, 1, False)
+        return (False, 0, 0, 1, 0)
     if fmt.scale != "fp32" or fmt.rope_first or (fmt.quantized, fmt.rope) != (C, R):
         raise ValueError(f"the sparse-MLA kernel reads FlashMLA FP8 rows (C = {C} e4m3 values, fp32 scales, R = {R} "
                          f"bf16 rope values); got {fmt}")
     so, ro = fmt.offsets
     nt = C // fmt.tile
-    return (True, so, ro, fmt.tile, C == _p2(C) and nt == triton.next_power_of_2(nt))
+    pow2 = C == _p2(C) and nt == triton.next_power_of_2(nt)
+    mode = {"gather": 0, "reshape": 1, "select": 2}.get(os.environ.get("DHISPARSE_FP8_SCALES", ""), FP8_SCALES_DEFAULT)
+    return (True, so, ro, fmt.tile, mode if pow2 or mode == 0 else 0)
 
 
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
@@ -361,7 +372,7 @@ def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, sc
         H, k, S, plan.split_rows, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
-        BLOCKED=fp8[4],
+        SCALES=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,

@@ -16,6 +16,14 @@ copies the bytes or decodes them with the same format.
 
 A layer's row space is `latent[:, layer]` ([P, page_size, W], strided); locations index it as
 (loc // page_size, loc % page_size).
+
+FP8 index keys are split within a page slot, as SGLang's and DeepSeek's indexer caches keep them:
+the ips keys' e4m3 values first (128 B each, 16-B aligned: the indexer kernel reads them with
+vector loads), then their fp32 scales. A key is still 132 B of the page (`formats.index.width`).
+
+  index region of page p, slot f  [ips * Wi bytes]
+  | key 0 values | key 1 values | ... | key ips-1 values | scale 0 | scale 1 | ... | scale ips-1 |
+  0              D              2D                      ips*D     ips*D+4                  ips*Wi
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dhisparse.kv.memory.layout import KVLayout, RowGeometry
 from dhisparse.kv.memory.pool import PagePool
 from dhisparse.core.config import ModelConfig
 from dhisparse.core.kvformat import KVFormats
-from dhisparse.core.rows import cdiv, scatter_rows
+from dhisparse.core.rows import cdiv, gather_rows, scatter_rows
 
 
 class KVArena:
@@ -49,7 +57,15 @@ class KVArena:
         self.index_page_size = max(1, self.page_elems // (F * di))
         self.storage = torch.zeros(num_pages, self.page_elems, device=device, dtype=dtype)
         self.latent = self.storage.view(num_pages, L, page_size, d)
-        self.index = self.storage[:, : F * self.index_page_size * di].view(num_pages, F, self.index_page_size, di)
+        ips = self.index_page_size
+        self.index_pages = self.storage[:, : F * ips * di].view(num_pages, F, ips * di)  # whole index regions
+        self.index_split = self.formats.index.quantized if self.formats.index.fp8 else 0  # D, or 0: row layout
+        if self.index_split:
+            D = self.index_split
+            self._index_vals = self.index_pages[..., : ips * D].view(num_pages, F, ips, D)
+            self._index_scales = self.index_pages[..., ips * D :].view(num_pages, F, ips, di - D)
+        else:
+            self.index = self.index_pages.view(num_pages, F, ips, di)
         self.index_slot = {layer: j for j, layer in enumerate(self.layout.index_layers)}
         self.pool = PagePool(num_pages, "kv pages")
 
@@ -77,9 +93,28 @@ class KVArena:
         """[P, page_size, W] row space of `layer` (stored rows: `formats.latent`)."""
         return self.latent[:, layer]
 
-    def index_rows(self, layer: int) -> torch.Tensor:
-        """[P, index_page_size, Wi] index-key space of full layer `layer` (stored keys: `formats.index`)."""
-        return self.index[:, self.index_slot[layer]]
+    def index_spaces(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Index-key spaces of full layer `layer`: (keys [P, ips, Wi], None) for row-layout keys,
+        (values [P, ips, D], scales [P, ips, Wi - D]) for split FP8 keys (module docstring)."""
+        j = self.index_slot[layer]
+        if self.index_split:
+            return self._index_vals[:, j], self._index_scales[:, j]
+        return self.index[:, j], None
+
+    def read_index(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        """Stored keys [n, Wi] (`formats.index` rows, whatever the page layout) at locations loc [n]."""
+        vals, scales = self.index_spaces(layer)
+        if scales is None:
+            return gather_rows(vals, loc)
+        return torch.cat([gather_rows(vals, loc), gather_rows(scales, loc)], dim=-1)
+
+    def write_index(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stored keys rows [n, Wi] (already encoded) -> locations loc [n] of layer `layer`."""
+        vals, scales = self.index_spaces(layer)
+        if scales is None:
+            return scatter_rows(vals, loc, rows)
+        scatter_rows(vals, loc, rows[:, : self.index_split])
+        scatter_rows(scales, loc, rows[:, self.index_split :])
 
     def write_rows(self, lat_loc: torch.Tensor, idx_loc: torch.Tensor) -> "WriteRows":
         """Flat storage rows of latent locations lat_loc [n] in every layer and of index locations
@@ -88,8 +123,8 @@ class KVArena:
         lat = (lat_loc // ps) * (L * ps) + lat_loc % ps
         lat = lat[None] + (torch.arange(L, device=lat.device) * ps)[:, None]
         idx = None
-        F, ips, di = self.index.shape[1:]
-        if F and self.page_elems % di == 0:
+        F, ips, di = len(self.layout.index_layers), self.index_page_size, self.formats.index.width
+        if F and not self.index_split and self.page_elems % di == 0:
             base = (idx_loc // ips) * (self.page_elems // di) + idx_loc % ips
             idx = base[None] + (torch.arange(F, device=base.device) * ips)[:, None]
         return WriteRows(self, lat, idx)
@@ -108,7 +143,7 @@ class WriteRows:
     """One pass's writes as flat rows of the arena storage: one `index_copy_` per layer.
 
       storage [P, page_elems] viewed as rows of W:        row = page * (L * ps) + layer * ps + off
-      viewed as rows of Wi (when page_elems % Wi == 0):
+      viewed as rows of Wi (row-layout keys, when page_elems % Wi == 0; else `write_index`):
                                                            row = page * (page_elems / iD) + slot * ips + off
     lat [L, n] and idx [F, n] hold those rows for each layer / index slot (idx None: the index
     rows do not tile the page; `scatter_rows` is used instead)."""
@@ -116,7 +151,7 @@ class WriteRows:
     def __init__(self, arena: KVArena, lat: torch.Tensor, idx: torch.Tensor | None) -> None:
         self.arena, self.lat, self.idx = arena, lat, idx
         self.lat_flat = arena.storage.view(-1, arena.latent.shape[-1])
-        self.idx_flat = arena.storage.view(-1, arena.index.shape[-1]) if idx is not None else None
+        self.idx_flat = arena.storage.view(-1, arena.formats.index.width) if idx is not None else None
 
     def latent(self, layer: int, values: torch.Tensor) -> None:
         """values [n, latent_dim] -> layer `layer`'s rows at the pass's latent locations (encoded)."""
@@ -127,6 +162,6 @@ class WriteRows:
         locations, flat in the layer's index space, for the fallback)."""
         rows = self.arena.formats.index.encode(values)
         if self.idx is None:
-            scatter_rows(self.arena.index_rows(layer), loc, rows)
+            self.arena.write_index(layer, loc, rows)
         else:
             self.idx_flat.index_copy_(0, self.idx[self.arena.index_slot[layer]], rows)

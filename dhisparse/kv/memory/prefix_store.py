@@ -18,7 +18,7 @@ import torch
 class PagedPrefix(NamedTuple):
     """A stored prefix in the KV pools' page layout, so an import copies whole pages:
     latent [NP, L, ps, d] (page j holds positions j*ps .. j*ps+ps-1 of every layer), index
-    [NI, F, ips, iD]; the last page is zero-padded. Host tensors (pinned with the store)."""
+    [NI, F, ips, iD] (or [NI, F, ips * Wi] in the split FP8 layout); the last page is zero-padded. Host tensors (pinned with the store)."""
 
     latent: torch.Tensor
     index: torch.Tensor
@@ -52,13 +52,19 @@ class StoredPrefix:
     def nbytes(self) -> int:
         return self.latent.numel() * self.latent.element_size() + self.index.numel() * self.index.element_size()
 
-    def paged(self, page_size: int, index_page_size: int) -> PagedPrefix:
+    def paged(self, page_size: int, index_page_size: int, index_split: int = 0) -> PagedPrefix:
         """This prefix in page layout (built once per page geometry, then kept: a second host
-        copy of the prefix, pinned like the first)."""
-        key = (page_size, index_page_size)
+        copy of the prefix, pinned like the first). index_split D > 0: index pages in the arena's
+        split FP8 layout ([NI, F, ips * Wi]: every key's D values, then their scales)."""
+        key = (page_size, index_page_size, index_split)
         if key not in self._paged:
             pin = self.latent.is_pinned()
-            self._paged[key] = PagedPrefix(to_pages(self.latent, page_size, pin), to_pages(self.index, index_page_size, pin))
+            index = to_pages(self.index, index_page_size, pin)
+            if index_split:
+                NI, F = index.shape[:2]
+                index = torch.cat([index[..., :index_split].reshape(NI, F, -1), index[..., index_split:].reshape(NI, F, -1)], -1)
+                index = index.pin_memory() if pin else index
+            self._paged[key] = PagedPrefix(to_pages(self.latent, page_size, pin), index)
         return self._paged[key]
 
 

@@ -93,11 +93,12 @@ class ResidentKV(KVStore):
         for layer in range(latent.shape[0]):
             scatter_rows(self.arena.latent_rows(layer), lat, latent[layer].to(self.device))
         for j, layer in enumerate(self.arena.layout.index_layers):
-            scatter_rows(self.arena.index_rows(layer), idx, index[j].to(self.device))
+            self.arena.write_index(layer, idx, index[j].to(self.device))
 
-    def prefix_layout(self) -> tuple[int, int]:
-        """Stored prefixes are imported as whole pages of this layout (`import_prefix`)."""
-        return self.page_size, self.arena.index_page_size
+    def prefix_layout(self) -> tuple[int, int, int]:
+        """Stored prefixes are imported as whole pages of this layout (`import_prefix`): page size,
+        index page size, index split (StoredPrefix.paged)."""
+        return self.page_size, self.arena.index_page_size, self.arena.index_split
 
     def import_prefix(self, req: object, item, n: int) -> None:
         """Import positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req's pages as
@@ -110,7 +111,7 @@ class ResidentKV(KVStore):
             req pages     t0 t1 t2 ... tj      (consecutive ones move as one copy)
         """
         self.ensure(req, n)
-        paged = item.paged(self.page_size, self.arena.index_page_size)
+        paged = item.paged(*self.prefix_layout())
         lat = self.latent_tables[req][: cdiv(n, self.page_size)]
         idx = self.index_tables[req][: cdiv(n, self.arena.index_page_size)]
         arena = self.arena
@@ -120,7 +121,7 @@ class ResidentKV(KVStore):
                 s, d, c = run.host, run.device, run.count
                 arena.latent[d : d + c].copy_(paged.latent[s : s + c], non_blocking=True)
             for s, d in enumerate(idx):  # an index page is a slice of its storage row: one copy a page
-                arena.index[d].copy_(paged.index[s], non_blocking=True)
+                arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
 
         self.loads.run(req, copies)
 
@@ -129,7 +130,7 @@ class ResidentKV(KVStore):
         lat, idx = self.latent_locs(req, n), self.index_locs(req, n)
         a = self.arena
         latent = torch.stack([gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)])
-        index = torch.stack([gather_rows(a.index_rows(l), idx) for l in a.layout.index_layers])
+        index = torch.stack([a.read_index(l, idx) for l in a.layout.index_layers])
         return latent, index
 
     def row_place(self, req: object, position: int, layer: int = 0) -> RowPlace:
@@ -231,12 +232,14 @@ class PagedContext(KVContext):
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
         """[seq_lens[req], iD] decoded index keys of request `req`."""
-        return self.arena.formats.index.decode(gather_rows(self.arena.index_rows(layer), self.idx_of[req, : self.lens[req]]))
+        return self.arena.formats.index.decode(self.arena.read_index(layer, self.idx_of[req, : self.lens[req]]))
 
     def index_table(self, layer: int) -> IndexTable:
-        """All requests' index keys: rows [P, ips, Wi] (strided arena view), idx_of, seq_lens, format."""
+        """All requests' index keys: rows [P, ips, Wi] (strided arena view; split FP8 keys: values
+        [P, ips, D] and scales), idx_of, seq_lens, format."""
         lens = self.batch.seq_lens.to(self.idx_of.device)
-        return IndexTable(self.arena.index_rows(layer), self.idx_of, lens, self.arena.formats.index)
+        vals, scales = self.arena.index_spaces(layer)
+        return IndexTable(vals, self.idx_of, lens, self.arena.formats.index, scales)
 
 
 class ResidentContext(PagedContext):

@@ -70,7 +70,7 @@ class V4HierPass(V4Pass):
         if kind == "kv":
             scatter_rows(self.kv.arena.latent_rows(g), self.rc.lat_write[a : a + n], fmts.latent.encode(rows))
         else:
-            scatter_rows(self.kv.arena.index_rows(g), self.rc.idx_write[a : a + n], fmts.index.encode(rows))
+            self.kv.arena.write_index(g, self.rc.idx_write[a : a + n], fmts.index.encode(rows))
         self.store.append(self.rids[req], layer, kind, rows)
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
