@@ -185,6 +185,7 @@ PRESETS = [
     ("adaptive+spec", {"speculative_algorithm": "dflash2"}),
     ("adaptive+spec", {"speculative_algorithm": "dspark"}),
     ("hisparse", {"speculative_algorithm": "ngram"}),
+    ("adaptive+spec", {"speculative_algorithm": "mtp"}),
 ]
 
 
@@ -196,7 +197,7 @@ def test_every_preset_is_token_identical_under_fp8(fp8_reference, preset, kw):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == fp8_reference
     st = llm.engine.stats().as_dict()
     if preset == "adaptive":
-        assert st["reclaimed_pages"] > 0
+        assert st["reclaimed_pages"] > 0 and st["repopulated_pages"] > 0
     if "spec" in preset or "speculative_algorithm" in kw:
         assert st["spec_rounds"] > 0
 
@@ -258,7 +259,9 @@ def test_v4_presets_are_token_identical_under_fp8(monkeypatch):
     ref = generate(engine(loaded, kv_cache_dtype="fp8_e4m3"), prompts, GREEDY)
     assert engine(loaded, kv_cache_dtype="fp8_e4m3").store.cache.store.row_format("kv").nbytes == 24 + 16 + 1 + 7
     ck = SourceCheck().install(monkeypatch)
-    for preset, kw in (("hisparse", {}), ("adaptive", {"speculative_algorithm": "ngram"})):
+    for preset, kw in (("hisparse", {}), ("adaptive", {"speculative_algorithm": "ngram"}),
+                       ("adaptive", {"speculative_algorithm": "dspark", "kv_pool_bytes": 80 * 1024,
+                                     "admission_reserve_pages": 0})):
         eng = engine(loaded, preset=preset, hot_cache_rows=4, kv_cache_dtype="fp8_e4m3", **kw)
         assert eng.arena.formats.fp8
         assert generate(eng, prompts, GREEDY) == ref
