@@ -135,7 +135,7 @@ def test_stores_answer_every_declared_ability(stores):
         assert isinstance(store.graph_fingerprint(), tuple), name
         assert store.loading("no-such-request") is False, name
         layout = store.prefix_layout()
-        assert layout is None or (len(layout) == 2 and all(isinstance(x, int) for x in layout)), name
+        assert layout is None or (len(layout) == 3 and all(isinstance(x, int) for x in layout)), name
         base = name.split("/")[1].split("+")[0]
         hier = base != "resident"
         assert (store.resolver_census() is not None) == hier, name
