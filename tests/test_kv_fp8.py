@@ -245,7 +245,7 @@ def prefill_error(model, cfg, ids: list[int]) -> dict:
     out = {}
     for name, formats in (("plain", None), ("fp8", KVFormats.mla("fp8_e4m3", cfg.latent_dim, cfg.qk_rope_head_dim,
                                                                  cfg.index_head_dim, model.dtype))):
-        kv = DenseKV(cfg, formats=formats, dtype=model.dtype)
+        kv = DenseKV(cfg, next(model.parameters()).device, model.dtype, formats)
         batch = ForwardBatch.build([(list(ids), 0)], device=next(model.parameters()).device)
         out[name] = model.logits(model(batch, kv.begin(batch, [0])).hidden).float()
     d = (out["fp8"] - out["plain"]).norm(dim=-1) / out["plain"].norm(dim=-1)

@@ -59,7 +59,7 @@ __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "
 SPACE_BITS = SPACE.bit_length() - 1
 assert SPACE == 1 << SPACE_BITS
 LOG2E = 1.4426950408889634
-FP8_SCALES_DEFAULT = 1  # reshape-broadcast of per-tile scales (bench/fp8_kernels.py compares the modes)
+FP8_SCALES_DEFAULT = 2  # per-tile select: fastest of the three on the H200 (bench/results/fp8_kernels_s16b_h200.json)
 
 
 @triton.jit
