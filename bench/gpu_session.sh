@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -93,6 +93,14 @@ case ",$STEPS," in *,fp8kernels,*)  # issue 25: sparse-MLA attention and indexer
   run "FP8 vs bf16 rows in the kernels" timeout 240 python3 bench/fp8_kernels.py --out "$OUT/fp8_kernels_h200.json" ;; esac
 case ",$STEPS," in *,fp8test,*)  # issue 25: the FP8 tests on CUDA (~1 min)
   run "FP8 KV tests on CUDA" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_fp8.py -rfE ;; esac
+case ",$STEPS," in *,fp8serving100k,*)  # issue 25: 100K, k 2048, C48, FP8 rows then bf16 rows in one pool (bf16's) and 64 slots (~8 min)
+  for KV in fp8_e4m3 auto; do
+    run "serving at 100K, k 2048, C48, --kv-cache-dtype $KV, pool 27.4 GiB" timeout 290 python3 bench/gpu_serving.py \
+        --model glm52-scaled --input-len 102400 --output-len 512 --resident-fit 3 --host-pool-gib 24 --concurrency 48 \
+        --presets hisparse,adaptive,adaptive+spec --duration 15 --distinct-suffixes 8 --force --kv-cache-dtype $KV \
+        --engine-arg kv_pool_bytes=29438263296 --engine-arg max_running_requests=64 \
+        --out "$OUT/gpu_serving_100k_k2048_c48_${KV}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \
