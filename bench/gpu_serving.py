@@ -2,9 +2,11 @@
 
     python3 bench/gpu_serving.py --out bench/results/gpu_serving_h200.json           # H200
     python3 bench/gpu_serving.py --quick --out /tmp/smoke.json                       # CPU smoke, < 60 s
+    python3 bench/gpu_serving.py --kv-cache-dtype fp8_e4m3 --out $OUT/gpu_serving_fp8.json  # FP8 rows (656 B)
 
 Sizing (printed, and written under config.sizing): the KV pool holds `--resident-fit` full
-histories under `resident` (pages from KVArena.page_bytes and the stores' per-request page counts)
+histories under `resident` (pages from KVArena.page_bytes of the `--kv-cache-dtype` row format, the
+one every preset's engine is given, and the stores' per-request page counts)
 plus the whole-step graphs' scratch page;
 max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
 the host pool's histories: the prefix's complete pages once, which every request borrows, plus each
@@ -34,6 +36,7 @@ from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.core.params import SamplingParams  # noqa: E402
 from dhisparse.engine.step_graphs import StepGraphs  # noqa: E402
+from dhisparse.core.kvformat import KV_CACHE_DTYPES, KVFormats  # noqa: E402
 from dhisparse.kv.memory.arena import KVArena  # noqa: E402
 
 GIB = float(1 << 30)
@@ -63,6 +66,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--resident-fit", type=int, default=12, help="full histories the KV pool holds under resident")
     a("--admit-factor", type=float, default=10.0, help="max_running_requests target = factor x resident-fit")
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None, help="B (default 2k)")
+    a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+      help="stored KV row format of every preset (fp8_e4m3: 656-B latent rows at GLM-5's shape); the pools are sized from it")
     a("--host-pool-gib", type=float, default=None, help="host pool (default: what the slots need, <= 80%% of MemAvailable)")
     a("--max-batched-tokens", type=int, default=8192)
     a("--spec-tokens-per-round", type=float, default=2.88); a("--spec-width", type=int, default=4)
@@ -103,11 +108,24 @@ def model_config(name: str):
     return scaled_config(name)
 
 
-def sizing(ns, cfg, elem_bytes: int) -> dict:
-    """KV pool, slots and host pool from the stores' own page formulas (see the module docstring)."""
+def model_dtype(ns) -> torch.dtype:
+    return torch.bfloat16 if ns.dtype in (None, "auto") else getattr(torch, ns.dtype)
+
+
+def kv_formats(ns, cfg) -> KVFormats:
+    """The stored row formats the engine builds for `--kv-cache-dtype` (kv/build.py)."""
+    dtype = model_dtype(ns)
+    return KVFormats.mla(ns.kv_cache_dtype, cfg.latent_dim, cfg.qk_rope_head_dim, cfg.index_head_dim, dtype)
+
+
+def sizing(ns, cfg) -> dict:
+    """KV pool, slots and host pool from the stores' own page formulas (see the module docstring),
+    for rows of `--kv-cache-dtype` (a page is page_size x layers x the stored row's bytes)."""
     ps = ns.page_size
-    arena = KVArena(cfg, 1, ps, "meta", torch.bfloat16 if elem_bytes == 2 else torch.float32)
-    page_bytes = KVArena.page_bytes(cfg, ps, elem_bytes)
+    formats = kv_formats(ns, cfg)
+    arena = KVArena(cfg, 1, ps, "meta", model_dtype(ns), formats)
+    page_bytes = KVArena.page_bytes(cfg, ps, formats.latent.nbytes)
+    assert page_bytes == arena.page_nbytes, (page_bytes, arena.page_nbytes)
     total = ns.input_len + 8 + ns.output_len  # prefix + suffix (< 8 tokens) + output cap
     resident = arena.latent_pages_for(total) + arena.index_pages_for(total)  # ResidentKV.pages_for
     B = ns.hot_cache_rows or 2 * cfg.index_topk
@@ -127,7 +145,8 @@ def sizing(ns, cfg, elem_bytes: int) -> dict:
     host_slots = max(0, host_bytes - shared) // host_per_req
     slots = max(1, min(target, pool_pages // hier, host_slots))
     host_bytes = max(host_bytes, shared + host_per_req)
-    return dict(page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
+    return dict(kv_cache_dtype=ns.kv_cache_dtype, latent_row_bytes=formats.latent.nbytes,
+                index_row_bytes=formats.index.nbytes, page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
                 hierarchy_required_pages_per_request=hier, hierarchy_admission_transient_pages=arena.latent_pages_for(ns.input_len + 8),
                 hot_cache_rows=B, kv_pool_pages=pool_pages, kv_pool_bytes=pool_pages * page_bytes,
                 resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
@@ -182,7 +201,7 @@ def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec and ns.drafter == "oracle" else None,
-                        cuda_graphs=ns.cuda_graphs)
+                        cuda_graphs=ns.cuda_graphs, kv_cache_dtype=ns.kv_cache_dtype)
     return EngineConfig(**(base | engine_overrides(ns.engine_arg)))
 
 
@@ -268,9 +287,10 @@ def write(ns, sz, est, t0, runs):
 def main(argv=None) -> int:
     ns = parse(argv)
     cfg = model_config(ns.model)
-    sz = sizing(ns, cfg, 2 if ns.dtype in ("bfloat16", "float16") else 4)
+    sz = sizing(ns, cfg)
     est = estimate_s(ns, sz)
-    print(f"[sizing] page {sz['page_bytes'] / 2**20:.2f} MiB; resident {sz['resident_pages_per_request']} pages/request, "
+    print(f"[sizing] {ns.kv_cache_dtype} rows ({sz['latent_row_bytes']}-B latent, {sz['index_row_bytes']}-B index); "
+          f"page {sz['page_bytes'] / 2**20:.2f} MiB; resident {sz['resident_pages_per_request']} pages/request, "
           f"hierarchy {sz['hierarchy_required_pages_per_request']} (+{sz['hierarchy_admission_transient_pages']} at admission); "
           f"pool {sz['kv_pool_pages']} pages = {sz['kv_pool_bytes'] / GIB:.1f} GiB; slots: target {sz['slot_target']}, "
           f"device {sz['hierarchy_device_slots']}, host {sz['host_slots']} -> max_running_requests {sz['max_running_requests']}; "
