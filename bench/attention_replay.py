@@ -37,16 +37,16 @@ SWEEP = {True: ([0, 128], [16, 32, 64], [4, 8], [1, 2]), False: ([0], [16], [4],
 
 @contextlib.contextmanager
 def recording(layers: int):
-    """Patch `MLAttention.sparse` to keep (q_abs, q_pe, rows, loc, scale) of its first `layers` calls."""
+    """Patch `MLAttention.sparse` to keep (q_abs, q_pe, rows, loc, scale, fmt) of its first `layers` calls."""
     from dhisparse.layers.attention import MLAttention
 
     calls: list[tuple] = []
     orig = MLAttention.sparse
 
-    def sparse(self, q_abs, q_pe, rows, loc):
+    def sparse(self, q_abs, q_pe, rows, loc, fmt=None):
         if len(calls) < layers:
-            calls.append((q_abs.clone(), q_pe.clone(), rows, loc.clone(), self.scale))
-        return orig(self, q_abs, q_pe, rows, loc)
+            calls.append((q_abs.clone(), q_pe.clone(), rows, loc.clone(), self.scale, fmt))
+        return orig(self, q_abs, q_pe, rows, loc, fmt)
 
     MLAttention.sparse = sparse
     try:
@@ -97,19 +97,19 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
     timing = tune.Timing(warmup=2, reps=10, graph=10) if cuda else tune.Timing(warmup=1, reps=2, graph=1)
     per_request = spec_width if preset.endswith("+spec") else 1
     out = []
-    for i, (q, qp, rows, loc, scale) in enumerate(calls):
+    for i, (q, qp, rows, loc, scale, fmt) in enumerate(calls):
         H, C, R = q.shape[1], q.shape[2], qp.shape[2]
         shipped = plan_sparse_mla(H, C, R)
         rec = {"call": i, **describe(loc, per_request), "ms": {}}
         for name, (r, lc) in variants(q, qp, rows, loc).items():
             o = torch.empty_like(q)
-            rec["ms"][name] = tune.timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, out=o), timing, cuda)
+            rec["ms"][name] = tune.timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, fmt, out=o), timing, cuda)
         for plan in tune.plans(H, C, R, *SWEEP[cuda]):
             if plan == shipped:
                 continue
             o = torch.empty_like(q)
             key = f"plan split{plan.split_rows} bk{plan.block_k} w{plan.num_warps} s{plan.num_stages}"
-            rec["ms"][key] = tune.timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, scale, out=o), timing, cuda)
+            rec["ms"][key] = tune.timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, scale, fmt, out=o), timing, cuda)
         out.append(rec)
         best = min(rec["ms"], key=rec["ms"].get)
         print(f"    attention replay call {i}: T={rec['T']} staging {rec['staging_share']:.2f} "

@@ -174,7 +174,7 @@ def estimate_s(ns, sz: dict) -> float:
 
 def engine_overrides(pairs: list[str]) -> dict:
     """--engine-arg NAME=VALUE pairs -> EngineConfig keyword values, typed from the field's default
-    (int, float, bool or str; 'none' -> None)."""
+    (int, float, bool or str; a None default: an int or float when VALUE reads as one; 'none' -> None)."""
     from dataclasses import fields
 
     defaults = {f.name: f.default for f in fields(EngineConfig)}
@@ -188,9 +188,21 @@ def engine_overrides(pairs: list[str]) -> dict:
             out[name] = None
         elif isinstance(d, bool):
             out[name] = raw.lower() in ("1", "true", "yes", "on")
+        elif isinstance(d, (int, float)):
+            out[name] = type(d)(raw)
         else:
-            out[name] = type(d)(raw) if isinstance(d, (int, float)) else raw
+            out[name] = _number(raw) if d is None else raw
     return out
+
+
+def _number(raw: str):
+    """raw as an int, else a float, else the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
