@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -101,6 +101,18 @@ case ",$STEPS," in *,fp8serving100k,*)  # issue 25: 100K, k 2048, C48, FP8 rows 
         --engine-arg kv_pool_bytes=29438263296 --engine-arg max_running_requests=64 \
         --out "$OUT/gpu_serving_100k_k2048_c48_${KV}_h200.json"
   done ;; esac
+case ",$STEPS," in *,exactfp8,*)  # issue 25: the CUDA tests of the files the FP8 rows touched (~2.5 min)
+  run "exactness on CUDA, FP8-touched files" timeout 200 python3 -m pytest -q -p no:cacheprovider -n 10 --dist loadfile \
+      tests/test_kv_fp8.py tests/test_indexer_kernel.py tests/test_sparse_mla_kernel.py tests/test_hierarchy.py \
+      tests/test_engine.py tests/test_prefix_pages.py tests/test_adaptive.py tests/test_spec_engine.py tests/test_v4_hier.py \
+      tests/test_v4_engine.py tests/test_step_graphs.py tests/test_graphs.py tests/test_loads.py tests/test_row_place.py \
+      -rfE --junitxml="$OUT/exact_cuda_fp8.xml" ;; esac
+case ",$STEPS," in *,fp8spec100k,*)  # issue 25: fp8serving100k's adaptive+spec point with FP8 rows, 256-token outputs (~2 min)
+  run "serving at 100K, k 2048, C48, FP8 rows, adaptive+spec" timeout 170 python3 bench/gpu_serving.py \
+      --model glm52-scaled --input-len 102400 --output-len 256 --resident-fit 3 --host-pool-gib 24 --concurrency 48 \
+      --presets adaptive+spec --duration 12 --distinct-suffixes 4 --force --kv-cache-dtype fp8_e4m3 \
+      --engine-arg kv_pool_bytes=29438263296 --engine-arg max_running_requests=64 \
+      --out "$OUT/gpu_serving_100k_k2048_c48_fp8_spec_h200.json" ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \
