@@ -30,7 +30,7 @@ if "--quick" in sys.argv:  # before anything imports triton
 import torch  # noqa: E402
 
 from dhisparse.bench import results as R  # noqa: E402
-from bench.mla_tune_bench import Timing, ints, timed  # noqa: E402
+from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
 
 
 SCALE_MODES = ("reshape", "select", "gather")  # how the FP8 kernel applies per-tile scales (kernels/sparse_mla.py)
@@ -148,13 +148,8 @@ def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
 
 def main(argv=None) -> int:
     ns = parse(argv)
-    if ns.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    cuda = torch.cuda.is_available() and not ns.quick
-    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    g = torch.Generator().manual_seed(0)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
+    cuda, dev, dtype, g, gpu = device_setup(ns.quick)
+    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"gpu": gpu, "dtype": str(dtype)}
     runs = attention_runs(ns, dev, dtype, cuda, g) + indexer_runs(ns, dev, dtype, cuda, g)
     notes = ["fp8_over_bf16 < 1: the FP8 rows are faster; both formats timed in this run on the same locations",
              "CUDA times: median graph replay / calls per graph; L2 not flushed"]

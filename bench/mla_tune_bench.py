@@ -24,6 +24,8 @@ import time
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--quick" in sys.argv:  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -105,19 +107,25 @@ def plans(H: int, C: int, R: int, splits: list[int], block_ks: list[int], warps:
     return out
 
 
+def device_setup(quick: bool) -> tuple[bool, str, torch.dtype, torch.Generator, str]:
+    """(cuda, device, dtype, seeded generator, device name): bf16 on CUDA, fp32 under the CPU
+    interpreter (--quick)."""
+    if quick:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    cuda = torch.cuda.is_available() and not quick
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    return cuda, dev, dtype, torch.Generator().manual_seed(0), torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
-    if ns.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    cuda, dev, dtype, g, gpu = device_setup(ns.quick)
     from dhisparse.kernels.sparse_mla import run_sparse_mla
 
-    cuda = torch.cuda.is_available() and not ns.quick
-    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    g = torch.Generator().manual_seed(0)
     H, C, Rr = ns.heads, ns.latent, ns.rope
     rows = torch.randn(ns.pages, ns.page_size, C + Rr, generator=g).to(dev, dtype)
     config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "dtype": str(dtype)}
+        "gpu": gpu, "dtype": str(dtype)}
     runs, path = [], None
     tm = Timing(ns.warmup, ns.reps, ns.graph)
     for T in ints(ns.tokens):

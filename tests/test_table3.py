@@ -18,7 +18,8 @@ from v4_fixtures import one_thread as _one_thread
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
-def test_table3_cli_on_tiny_models(tmp_path, monkeypatch):
+def run_tiny_table3(tmp_path, monkeypatch, *extra: str) -> dict:
+    """table3.main on tiny stand-ins of GLM-5.2 (the built-in tiny) and V4.1; the result file."""
     def glm(setup, seed, device):
         cfg = build_tiny(seed).config
         return build_tiny(seed), dict(selecting=len(cfg.full_layers), payload=cfg.num_layers, sources=cfg.num_layers,
@@ -34,9 +35,13 @@ def test_table3_cli_on_tiny_models(tmp_path, monkeypatch):
     monkeypatch.setattr(table3, "_v41", v41)
     out = tmp_path / "t3.json"
     args = ["--out", str(out), "--glm-prompt", "40", "--v41-prompt", "40", "--glm-hot", "16", "--v41-hot", "4",
-            "--output-len", "8", "--warmup", "2", "--threads", "1", "--page-size", "4"]
+            "--output-len", "8", "--warmup", "2", "--threads", "1", "--page-size", "4", *extra]
     assert table3.main(args) == 0
-    d = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_table3_cli_on_tiny_models(tmp_path, monkeypatch):
+    d = run_tiny_table3(tmp_path, monkeypatch)
     assert d["kind"] == "table3" and d["command"].startswith("python -m dhisparse.bench.table3 --out")
     g, v = d["runs"]
     assert g["selections_per_token"] == 3 * 16 and g["resolver_calls_per_step"] == 3.0
@@ -60,23 +65,7 @@ def test_table3_fp8_rows_come_from_the_arena(tmp_path, monkeypatch):
     # rope + 1 e8m0 + pad to 8 = 48 B (float32 plain: 128 B)
     assert (glm_row, v4_row) == (52, 48)
 
-    def glm(setup, seed, device):
-        return build_tiny(seed), dict(selecting=len(tiny.full_layers), payload=tiny.num_layers, sources=tiny.num_layers,
-                                      k=tiny.index_topk, width=tiny.latent_dim, full_selecting=21, full_payload=78)
-
-    def v41(setup, seed, device):
-        loaded = loaded_v41()
-        c = loaded.config
-        return loaded, dict(selecting=len(c.selecting_layers), payload=len(c.csa_sources), sources=len(c.csa_sources),
-                            k=c.index_topk, width=c.head_dim, full_selecting=8, full_payload=4)
-
-    monkeypatch.setattr(table3, "_glm", glm)
-    monkeypatch.setattr(table3, "_v41", v41)
-    out = tmp_path / "t3.json"
-    args = ["--out", str(out), "--glm-prompt", "40", "--v41-prompt", "40", "--glm-hot", "16", "--v41-hot", "4",
-            "--output-len", "8", "--warmup", "2", "--threads", "1", "--page-size", "4", "--kv-cache-dtype", "fp8_e4m3"]
-    assert table3.main(args) == 0
-    d = json.loads(out.read_text())
+    d = run_tiny_table3(tmp_path, monkeypatch, "--kv-cache-dtype", "fp8_e4m3")
     g, v = d["runs"]
     assert (g["kv_cache_dtype"], g["row_bytes"], v["row_bytes"]) == ("fp8_e4m3", 52, 48)
     assert "--kv-cache-dtype fp8_e4m3" in d["command"]
