@@ -142,7 +142,7 @@ def test_stores_answer_every_declared_ability(stores):
         assert (store.residency() is not None) == (base == "adaptive"), name
     assert stores["glm/resident+spec"].staging_rows() is None  # resident never stages
     assert stores["glm/adaptive+spec"].staging_rows() is not None  # verification over the hierarchy does
-    assert stores["v4/resident"].supports_prefix is False
+    assert all(s.supports_prefix for s in stores.values())  # V4 prefixes too (kv/v4/prefix.py)
 
 
 # -- drafters --------------------------------------------------------------------------------------

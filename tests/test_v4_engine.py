@@ -1,5 +1,5 @@
 """DeepSeek-V4 checkpoints through the engine (`resident` preset): batched greedy generation equals
-transformers' generate per prompt; prefix import / export (not built for V4) fails clearly. The
+transformers' generate per prompt; a prefix is prepared (import / export: test_v4_prefix.py). The
 hierarchical presets and speculation over V4 are tested in test_v4_hier.py / test_v4_sources.py."""
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ def test_v4_engine_batch_matches_transformers(folder):
     assert llm.engine.stats().kv_pages_used == 0
 
 
-def test_v4_unsupported_paths_fail_clearly(folder):
+def test_v4_prefix_is_prepared_and_the_engine_serves_on(folder):
     llm = LLM(str(folder))
-    with pytest.raises(ValueError, match="deepseek_v4"):
-        llm.prepare_prefix(prompt_ids(9, seed=1))
+    assert llm.prepare_prefix(prompt_ids(9, seed=1)) == 9
     assert not llm.engine.has_unfinished()
     assert llm.generate([prompt_ids(9, seed=1)], SamplingParams(max_tokens=4))[0].finish_reason == "length"

@@ -135,8 +135,23 @@ class KVStore(abc.ABC):
         pages from (`StoredPrefix.paged`), or None: the store imports a prefix row by row (`write_rows`)."""
         return None
 
+    def export_prefix(self, req: Hashable, token_ids: list[int], features: dict, pin: bool) -> Any | None:
+        """A prefix item of req's first len(token_ids) positions, in this store's own form (host
+        tensors, pinned when `pin`; features: the drafter's, kept on it), for `import_prefix`; or
+        None: the engine stores `read_rows` as a `StoredPrefix` (rows by position). DeepSeek-V4
+        exports its whole streaming state (kv/v4/prefix.py `V4Prefix`)."""
+        return None
+
+    def import_len(self, item: Any, n: int) -> int:
+        """How many of the n positions `PrefixStore.match` offers of `item` this store imports
+        (0: none, the whole prompt is prefilled). Rows by position import any n; a streaming
+        state that cannot be rewound below its committed position (DeepSeek-V4) imports only the
+        whole prefix (n == len(item.token_ids)), so a prompt equal to the prefix imports nothing."""
+        return n
+
     def import_prefix(self, req: Hashable, item: Any, n: int) -> None:
-        """Positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req."""
+        """Positions 0..n-1 of a stored prefix `item` (kv/memory/prefix_store.py) into req
+        (n = `import_len(item, matched)` > 0)."""
         self.write_rows(req, item.latent[:, :n], item.index[:, :n])
 
     def set_prefix_match(self, match: PrefixMatch) -> None:

@@ -223,7 +223,8 @@ class Engine:
         self._alloc_wait += (req.admitted_at or req.arrival) - req.arrival
         item, n = self._prefix_match(req.request_id)
         self._matches.pop(req.request_id, None)
-        if item is not None and n > 0:
+        n = self.store.import_len(item, n) if item is not None else 0  # V4: whole prefixes only
+        if n > 0:
             self.store.import_prefix(req.request_id, item, n)  # whole pages where the store has a page layout
             req.num_computed = req.imported_len = n
             if self.spec is not None:
@@ -464,9 +465,15 @@ class Engine:
                              prompt_logprobs=req.prompt_logprobs)
 
     def _export(self, req: Request) -> None:
-        n = len(req.prompt_ids)
-        latent, index = self.store.read_rows(req.request_id, n)
-        feats = self.spec.take_features(req.request_id) if self.spec is not None else None
+        """Keep req's prompt KV as a prefix: the store's own item (`export_prefix`, DeepSeek-V4's
+        streaming state), else its rows by position (`read_rows`) as a `StoredPrefix`."""
+        feats = (self.spec.take_features(req.request_id) if self.spec is not None else None) or {}
+        own = self.store.export_prefix(req.request_id, req.prompt_ids, feats, self.prefixes.pin)
+        if own is not None:
+            self.prefixes.put(own)
+            self._finish(req, "prefix")
+            return
+        latent, index = self.store.read_rows(req.request_id, len(req.prompt_ids))
         item = self.prefixes.add(req.prompt_ids, latent, index, feats)
         layout = self.store.prefix_layout()
         if layout is not None:  # its page layout now, not on the first import
@@ -479,7 +486,7 @@ class Engine:
         features this engine's drafter reads (`SpecRuntime.serves`): then it is prefilled again,
         in full, and replaced."""
         if not self.store.supports_prefix:
-            raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
+            raise ValueError(f"prefix KV export (prepare_prefix) is not available for {type(self.store).__name__}")
         ids = self.encode_prompt(prompt)
         stored = self.prefixes.get(ids)
         if stored is not None and (self.spec is None or self.spec.serves(stored)):

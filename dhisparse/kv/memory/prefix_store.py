@@ -4,13 +4,14 @@ The paper's closed-loop benchmark gives every request the same long input from a
 with independent decode KV per request: each admitted request imports a *private copy* of the
 prefix rows into its device pages. Stored rows live on the host (pinned when CUDA is available);
 under the hierarchy the prefix's complete pages are also written to the host store once and
-borrowed by every importer as its host copy (kv/hier/prefix_pages.py).
+borrowed by every importer as its host copy (kv/hier/prefix_pages.py). A store whose KV is not
+rows by position keeps its own item beside them (`put`; DeepSeek-V4: kv/v4/prefix.py `V4Prefix`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,8 +62,9 @@ class StoredPrefix:
             pin = self.latent.is_pinned()
             index = to_pages(self.index, index_page_size, pin)
             if index_split:
-                NI, F = index.shape[:2]
-                index = torch.cat([index[..., :index_split].reshape(NI, F, -1), index[..., index_split:].reshape(NI, F, -1)], -1)
+                NI, F, ips, W = index.shape  # explicit sizes: an empty prefix has NI = 0
+                index = torch.cat([index[..., :index_split].reshape(NI, F, ips * index_split),
+                                   index[..., index_split:].reshape(NI, F, ips * (W - index_split))], -1)
                 index = index.pin_memory() if pin else index
             self._paged[key] = PagedPrefix(to_pages(self.latent, page_size, pin), index)
         return self._paged[key]
@@ -71,7 +73,7 @@ class StoredPrefix:
 class PrefixStore:
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin
-        self._items: dict[tuple[int, ...], StoredPrefix] = {}
+        self._items: dict[tuple[int, ...], Any] = {}  # StoredPrefix, or a store's own item (`put`)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -82,6 +84,12 @@ class PrefixStore:
             lat, idx = lat.pin_memory(), idx.pin_memory()
         item = StoredPrefix(tuple(token_ids), lat, idx, {l: f.cpu() for l, f in (features or {}).items()})
         self._items[item.token_ids] = item
+        return item
+
+    def put(self, item: Any) -> Any:
+        """Keep a store's own prefix item (`KVStore.export_prefix`: host tensors, a `token_ids`
+        tuple and `features`, e.g. kv/v4/prefix.py `V4Prefix`), matched like a `StoredPrefix`."""
+        self._items[tuple(item.token_ids)] = item
         return item
 
     def get(self, token_ids: list[int]) -> StoredPrefix | None:

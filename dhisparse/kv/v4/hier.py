@@ -22,6 +22,14 @@ hot cache, tail, host backing, staging, handoff (workspace -> host / optional hi
 and both resolver implementations (PyTorch reference; Triton on CUDA) apply to compressed rows.
 Units: the engine speaks tokens, the hierarchy rows (row w exists once tokens (w+1)m are
 committed, DESIGN §4 causality); `V4HierStore` converts (rows(n) = n // m).
+
+Prefixes (kv/v4/prefix.py): the exported `V4Prefix` holds the device state (tails, HCA rows) and,
+as `tiered`, the CSA sources' rows of the exporter's workspace in row units (a `StoredPrefix` of
+the row arena, stored bytes). An import restores the state and imports `tiered` through the row
+hierarchy's own `import_prefix`: whole pages into the workspace, and the complete pages borrowed
+as the prefix's shared host pages (kv/hier/prefix_pages.py; admission reserves no host page for
+them: `set_prefix_match` hands the row hierarchy a matcher in rows). The hand-off then treats
+them like any prompt's pages (I1), and the resolver fetches them like any other history.
 """
 
 from __future__ import annotations
@@ -31,15 +39,18 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.kv.hier.adaptive import AdaptiveKV
-from dhisparse.core.contracts import KVStore
+from dhisparse.core.contracts import KVStore, PrefixMatch
 from dhisparse.core.kvformat import KVFormats
 from dhisparse.core.rows import cdiv
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.hier.hierarchy import HierarchicalKV
 from dhisparse.kv.memory.pool import PoolUsage
+from dhisparse.kv.memory.prefix_store import StoredPrefix
 from dhisparse.kv.v4.hier_pass import V4HierPass
 from dhisparse.kv.v4.passes import V4Cache
-from dhisparse.kv.v4.rows import DenseRowStore
+from dhisparse.kv.v4.prefix import (V4Prefix, adopt_tails, export_rows, export_tails, host, import_len, put_rows,
+                                    row_matcher, row_token_ids)
+from dhisparse.kv.v4.rows import KINDS, DenseRowStore
 from dhisparse.kv.v4.store import v4_bytes
 from dhisparse.kv.v4.tiered import TieredRows
 from dhisparse.kv.memory.layout import RowGeometry
@@ -132,9 +143,7 @@ class V4HierStore(KVStore):
     streaming tails, HCA rows on device) + `kv`, the row hierarchy of the CSA sources. Speaks
     tokens; `kv` speaks rows. Its census, residency and loads are the row hierarchy's; its passes
     never replay from a step graph (no `graph_context`) and read the staging arena through their
-    own row spaces (no `staging_rows`)."""
-
-    supports_prefix = False
+    own row spaces (no `staging_rows`). Prefixes: whole states (module docstring)."""
 
     def __init__(self, cfg: V4Config, kv: HierarchicalKV, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg, self.kv, self.pool, self.m = cfg, kv, kv.pool, cfg.csa_rate
@@ -241,8 +250,45 @@ class V4HierStore(KVStore):
         self.kv.check_integrity()
         assert set(self.states) == set(self.kv.reqs), "V4 states and row-hierarchy requests disagree"
 
+    # -- prefixes (kv/v4/prefix.py; module docstring) ----------------------------------------------
+    def export_prefix(self, req: object, token_ids: list[int], features: dict, pin: bool) -> V4Prefix:
+        """req's state after its prompt: tails, HCA rows and its workspace's CSA rows (row units)."""
+        st, n = self.states[req], len(token_ids)
+        if st.length != n or self.kv.reqs[req].decoding:
+            raise ValueError(f"request {req!r} is not at its prompt's end ({st.length} of {n} tokens)")
+        latent, index = self.kv.read_rows(req, n // self.m)  # stored rows of the workspace
+        tiered = StoredPrefix(row_token_ids(token_ids, self.m), host(latent, pin), host(index, pin))
+        if n // self.m:  # its page layout now, not on the first import (none without a row)
+            tiered.paged(*self.kv.prefix_layout())
+        rows = export_rows(st, self.cache.store.dense, set(self.group), pin)
+        return V4Prefix(tuple(token_ids), export_tails(st, pin), rows, tiered, {l: f.cpu() for l, f in features.items()})
+
+    def import_len(self, item, n: int) -> int:
+        """Whole prefixes only (kv/v4/prefix.py `import_len`)."""
+        return import_len(item, n)
+
+    def import_prefix(self, req: object, item: V4Prefix, n: int) -> None:
+        """req's fresh state <- the item's tails and HCA rows; its R = n // m CSA rows of every
+        source -> the row hierarchy (workspace pages; complete pages borrow shared host pages)."""
+        if n != len(item.token_ids) or item.tiered is None:
+            raise ValueError(f"a hierarchical V4 state imports a whole hierarchical prefix ({len(item.token_ids)} "
+                             f"tokens), not {n} positions{' of a resident one' if item.tiered is None else ''}")
+        st, R, rows = self.states[req], n // self.m, self.cache.store
+        for layer in self.group:  # the tiered rows' counts (TieredRows counts what the hierarchy holds)
+            for kind in KINDS:
+                rows.set_count(req, layer, kind, R)
+        put_rows(rows.dense, req, item.rows)
+        adopt_tails(st, item, self.device)
+        if R:
+            self.kv.import_prefix(req, item.tiered, R)
+
+    def set_prefix_match(self, match: PrefixMatch) -> None:
+        """The row hierarchy's admission reserves no host page for the complete row pages a
+        request will borrow: it gets a matcher in rows (the tiered part, under `import_len`)."""
+        self.kv.set_prefix_match(row_matcher(match, self.m))
+
     def write_rows(self, req: object, latent, index, start: int = 0) -> None:
-        raise ValueError("prefix KV import is not available for deepseek_v4 models yet; send the whole prompt")
+        raise ValueError("deepseek_v4 prefixes are whole streaming states (import_prefix), not rows by position")
 
     def read_rows(self, req: object, n: int):
-        raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
+        raise ValueError("deepseek_v4 prefixes are whole streaming states (export_prefix), not rows by position")

@@ -98,6 +98,18 @@ class DenseRowStore:
         t = self.rows.get((rid, layer, kind))
         return 0 if t is None else int(t.shape[0])
 
+    def stored(self, rid: Hashable, layer: int, kind: str) -> torch.Tensor:
+        """All rows [count, W] of one request as stored (FP8 bytes or plain rows): what a prefix exports."""
+        return self.rows.get((rid, layer, kind), self._empty(kind))
+
+    def put_stored(self, rid: Hashable, layer: int, kind: str, rows: torch.Tensor) -> None:
+        """A request's rows [n, W], already in the kind's stored format (a prefix import: bytes unchanged)."""
+        f = self.formats[kind]
+        if rows.dtype != f.storage_dtype or rows.shape[1:] != (f.width,):
+            raise ValueError(f"stored {kind} rows of layer {layer}: {rows.dtype} x {tuple(rows.shape[1:])}, the store "
+                             f"keeps {f.storage_dtype} x ({f.width},) (another --kv-cache-dtype?)")
+        self.rows[(rid, layer, kind)] = rows.to(self.device, non_blocking=True)
+
     def read(self, rid: Hashable, layer: int, kind: str) -> torch.Tensor:
         """All rows [count, d] of one request, decoded."""
         return self.formats[kind].decode(self.rows.get((rid, layer, kind), self._empty(kind)))

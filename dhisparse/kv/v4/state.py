@@ -20,12 +20,14 @@ to p, rows to p // m, and the streaming buffer (< m tokens) and CSA overlap (the
 last complete window) are re-read from the raw tail. `snapshot()` / `restore()` give the same by
 reference (tail tensors are never written in place). With `auto_commit` (the default, no
 speculation) every pass commits its tokens, so the tails stay O(W + 2m) rows per layer.
+`adopt(n, layers)` starts a fresh state at n committed tokens from an imported prefix's tails
+(kv/v4/prefix.py): the only way to enter a state above position 0 without running the tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -197,6 +199,39 @@ class V4RequestState:
         self.layers = [s.copy() for s in snap.layers]
         self.length, self.committed = snap.length, snap.committed
         self._cut(snap.length)
+
+    def adopt(self, length: int, layers: Sequence[LayerState]) -> None:
+        """Start this fresh state at `length` committed tokens (an imported prefix: kv/v4/prefix.py).
+
+        layers[i]: layer i's tails, ending at `length` and holding at least what `keep_from(i,
+        length)` needs (window from max(0, length - W + 1), raws from (length // m - overlap) * m),
+        with this state's kinds and widths; the store must already hold length // m rows of every
+        (layer, kind) this state compresses. Anything else raises StateError, so an inconsistent
+        import is refused, never run. The tails are taken by reference (never written in place)."""
+        if self.length or self._seq:
+            raise StateError(f"adopt needs a fresh state; this one holds {self.length} tokens")
+        if len(layers) != len(self.layers):
+            raise StateError(f"{len(layers)} imported layers for a state of {len(self.layers)}")
+        for i, (mine, new) in enumerate(zip(self.layers, layers)):
+            w, r = self.keep_from(i, length)
+            self._check_tail(i, "window", mine.window, new.window, w, length)
+            if [k for k, _ in mine.raws()] != [k for k, _ in new.raws()]:
+                raise StateError(f"layer {i}: imported compressor tails {[k for k, _ in new.raws()]} != "
+                                 f"{[k for k, _ in mine.raws()]}")
+            for (kind, a), (_, b) in zip(mine.raws(), new.raws()):
+                self._check_tail(i, kind, a, b, r, length)
+                if self.rows(i, kind) != length // mine.m:
+                    raise StateError(f"layer {i} {kind}: the store holds {self.rows(i, kind)} rows, "
+                                     f"{length} tokens need {length // mine.m}")
+        self.layers = [s.copy() for s in layers]
+        self.length = self.committed = length
+
+    @staticmethod
+    def _check_tail(layer: int, name: str, mine: TokenTail, new: TokenTail, first: int, end: int) -> None:
+        if new.start > first or new.end != end or new.rows.shape[1:] != mine.rows.shape[1:]:
+            raise StateError(f"layer {layer} {name}: imported tail holds [{new.start}, {new.end}) x "
+                             f"{tuple(new.rows.shape[1:])}, resuming at {end} needs [{first}, {end}) x "
+                             f"{tuple(mine.rows.shape[1:])}")
 
     def release(self) -> None:
         self.store.drop(self.rid)

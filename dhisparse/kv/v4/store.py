@@ -6,7 +6,10 @@ pages for its sliding windows and raw tails plus the compressed rows its prompt 
 produce, so admission waits instead of overcommitting. States are committed after each pass up to
 the positions the engine keeps, and rolled back exactly when a pass restarts below their length.
 
-Prefix import / export are not built for V4 yet; the hierarchical presets live in `kv/v4/hier.py`.
+Prefixes (kv/v4/prefix.py): `export_prefix` copies the exporting request's whole state at its
+prompt's end to host (tails and every compressed row, stored bytes); `import_prefix` puts it into
+a fresh request's state (`V4RequestState.adopt`), whole prefixes only (`import_len`). The
+hierarchical presets live in `kv/v4/hier.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dhisparse.core.batch import ForwardBatch
 from dhisparse.core.kvformat import KVFormats
 from dhisparse.kv.memory.pool import PagePool, PoolUsage
 from dhisparse.kv.v4.passes import V4Cache, V4Pass
+from dhisparse.kv.v4.prefix import V4Prefix, adopt_tails, export_rows, export_tails, import_len, put_rows
 from dhisparse.core.v4_config import V4Config
 
 
@@ -41,7 +45,6 @@ def v4_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None 
 
 
 class V4ResidentStore(KVStore):
-    supports_prefix = False
 
     def __init__(self, cfg: V4Config, pool_bytes: int, page_bytes: int, device: torch.device, dtype: torch.dtype,
                  formats: KVFormats | None = None) -> None:
@@ -92,8 +95,31 @@ class V4ResidentStore(KVStore):
         self.pool.check_integrity()
         assert set(self.states) == {o for o in self.states if self.pool.owned_by(o)}, "a V4 state without pages"
 
+    # -- prefixes (kv/v4/prefix.py) -------------------------------------------------------------
+    def export_prefix(self, req: object, token_ids: list[int], features: dict, pin: bool) -> V4Prefix:
+        """req's state after its prompt (length len(token_ids)): tails and every compressed row."""
+        st = self.states[req]
+        if st.length != len(token_ids):
+            raise ValueError(f"request {req!r} holds {st.length} tokens, its prefix has {len(token_ids)}")
+        feats = {l: f.cpu() for l, f in features.items()}
+        return V4Prefix(tuple(token_ids), export_tails(st, pin), export_rows(st, self.cache.store, set(), pin),
+                        None, feats)
+
+    def import_len(self, item, n: int) -> int:
+        """Whole prefixes only (kv/v4/prefix.py `import_len`)."""
+        return import_len(item, n)
+
+    def import_prefix(self, req: object, item: V4Prefix, n: int) -> None:
+        """req's fresh state <- the item's rows and tails at n = len(item.token_ids)."""
+        if n != len(item.token_ids) or item.tiered is not None:
+            raise ValueError(f"a resident V4 state imports a whole resident prefix ({len(item.token_ids)} tokens), "
+                             f"not {n} positions{' of a hierarchical one' if item.tiered is not None else ''}")
+        st = self.states[req]
+        put_rows(self.cache.store, req, item.rows)
+        adopt_tails(st, item, self.device)
+
     def write_rows(self, req: object, latent, index, start: int = 0) -> None:
-        raise ValueError("prefix KV import is not available for deepseek_v4 models yet; send the whole prompt")
+        raise ValueError("deepseek_v4 prefixes are whole streaming states (import_prefix), not rows by position")
 
     def read_rows(self, req: object, n: int):
-        raise ValueError("prefix KV export (prepare_prefix) is not available for deepseek_v4 models yet")
+        raise ValueError("deepseek_v4 prefixes are whole streaming states (export_prefix), not rows by position")

@@ -34,6 +34,12 @@ class TieredRows:
             return self.dense.count(rid, layer, kind)
         return self.counts.get((rid, layer, kind), 0)
 
+    def set_count(self, rid: Hashable, layer: int, kind: str, n: int) -> None:
+        """A tiered key now holds n rows (a prefix import wrote them to the hierarchy)."""
+        if layer not in self.tiered:
+            raise StateError(f"layer {layer} is not tiered: its rows are stored, not counted")
+        self.counts[(rid, layer, kind)] = n
+
     def read(self, rid: Hashable, layer: int, kind: str) -> torch.Tensor:
         if layer in self.tiered:
             raise StateError(f"rows of tiered source layer {layer} are read through the pass (index_keys / locate)")
