@@ -117,6 +117,18 @@ def test_sparse_mla_kernel_reads_fp8_rows_like_its_reference(C, R, T, H, k, spli
     torch.testing.assert_close(want, sparse_mla_reference(q, qp, fmt.decode(rows), loc, 0.3), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["gather", "reshape", "select", "fold"])
+def test_every_fp8_scale_path_matches_the_reference(mode, monkeypatch):
+    """GLM's shape: 512 values in 4 tiles of 128 (fold: scales on per-tile scores and on p)."""
+    monkeypatch.setenv("DHISPARSE_FP8_SCALES", mode)
+    fmt, rows, q, qp, loc = _mla_case(512, 64, 2, 16, 40, P=2, per=32)
+    assert sm._fp8_args(fmt, 512, 64)[4] == {"gather": 0, "reshape": 1, "select": 2, "fold": 3}[mode]
+    want = sparse_mla_reference(q, qp, rows, loc, 0.05, fmt)
+    for split in (0, 32):
+        got = sm.run_sparse_mla(sm.plan_sparse_mla(16, 512, 64, split_rows=split), q, qp, rows, loc, 0.05, fmt)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_sparse_mla_kernel_reads_two_fp8_spaces():
     fmt, rows, q, qp, loc = _mla_case(32, 8, 3, 4, 20)
     stage = rows[:1].reshape(1, -1, fmt.width)[:, :40].contiguous()
@@ -290,7 +302,7 @@ def test_breakages_are_caught(monkeypatch):
             test_quantizer_matches_a_plain_reference_bit_for_bit(fmt)
     with monkeypatch.context() as m:  # the kernel reads the scales one tile off
         orig = sm._fp8_args
-        m.setattr(sm, "_fp8_args", lambda f, C, R: (lambda a: (a[0], a[1] + 4, *a[2:]))(orig(f, C, R)))
+        m.setattr(sm, "_fp8_args", lambda *args: (lambda a: (a[0], a[1] + 4, *a[2:]))(orig(*args)))
         with pytest.raises(AssertionError):
             test_sparse_mla_kernel_reads_fp8_rows_like_its_reference(32, 8, 3, 5, 37, 0)
     with monkeypatch.context() as m:  # decoding forgets the scales

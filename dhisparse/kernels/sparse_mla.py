@@ -127,6 +127,51 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
 
 
 @triton.jit
+def _attend_block_fold(k0, q3, qpe, m_i, l_i, acc3, loc_ptr, r0_ptr, K, PER0: tl.constexpr, ps0, rs0, qk_scale,
+                       cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                       SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
+    """`_attend_block` for FP8 rows with the scales folded out of the values (SCALES = 3, one row
+    space): per tile t of the C values, its scores q_t . e4m3_t are scaled by the row's s_t, and
+    its output columns take (p * s_t) . e4m3_t. The values are only converted (e4m3 -> the query
+    dtype is exact), never multiplied.
+
+      q3 [NT, BLOCK_H, TILE]   acc3 [NT, BLOCK_H, TILE]   (NT = C / TILE)"""
+    cdt = q3.dtype
+    NT: tl.constexpr = C // TILE
+    kk = k0 + tl.arange(0, BLOCK_K)
+    loc = tl.load(loc_ptr + kk, mask=kk < K, other=-1)
+    valid = loc >= 0
+    base = r0_ptr + (loc // PER0) * ps0 + (loc % PER0) * rs0
+    c8 = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0)
+    cq = c8.to(tl.float8e4nv, bitcast=True).to(cdt)  # [BLOCK_K, C]
+    c3 = tl.permute(tl.reshape(cq, (BLOCK_K, NT, TILE)), (1, 2, 0))  # [NT, TILE, BLOCK_K]
+    tt = tl.arange(0, NT)
+    sc = tl.load((base[None, :] + SO + tt[:, None] * 4).to(tl.pointer_type(tl.float32)), mask=valid[None, :],
+                 other=0.0)  # [NT, BLOCK_K]
+    kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)),
+                  mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
+    if IEEE:
+        part = tl.dot(q3, c3, input_precision="ieee")  # [NT, BLOCK_H, BLOCK_K]
+        s = tl.dot(qpe, tl.trans(kpe), tl.sum(part * sc[:, None, :], 0), input_precision="ieee")
+    else:
+        part = tl.dot(q3, c3)
+        s = tl.dot(qpe, tl.trans(kpe), tl.sum(part * sc[:, None, :], 0))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p3 = p[None, :, :] * sc[:, None, :]  # [NT, BLOCK_H, BLOCK_K]
+    c3t = tl.permute(c3, (0, 2, 1))  # [NT, BLOCK_K, TILE]
+    if IEEE:
+        acc3 = tl.dot(p3, c3t.to(tl.float32), acc3 * alpha[None, :, None], input_precision="ieee")
+    else:
+        acc3 = tl.dot(p3.to(cdt), c3t, acc3 * alpha[None, :, None])
+    return m_new, l_i, acc3
+
+
+@triton.jit
 def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t, heads, lo, hi,
                   H, PER0: tl.constexpr, ps0, rs0, PER1: tl.constexpr, ps1, rs1, qk_scale,
                   C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
@@ -151,6 +196,20 @@ def _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t,
     qpe = qpe.to(q.dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    if FP8 and SCALES == 3:  # scales folded into scores and p (`_attend_block_fold`)
+        q3 = tl.permute(tl.reshape(q, (BLOCK_H, C // TILE, TILE)), (1, 0, 2))
+        acc3 = tl.zeros([C // TILE, BLOCK_H, TILE], tl.float32)
+        if INTERP:
+            k0 = lo
+            while k0 < hi:
+                m_i, l_i, acc3 = _attend_block_fold(k0, q3, qpe, m_i, l_i, acc3, lp, r0_ptr, hi, PER0, ps0, rs0, qk_scale,
+                                                    cc, rr, cm, rm, C, BLOCK_K, IEEE, SO, RO, TILE)
+                k0 += BLOCK_K
+        else:
+            for k0 in range(lo, hi, BLOCK_K):
+                m_i, l_i, acc3 = _attend_block_fold(k0, q3, qpe, m_i, l_i, acc3, lp, r0_ptr, hi, PER0, ps0, rs0, qk_scale,
+                                                    cc, rr, cm, rm, C, BLOCK_K, IEEE, SO, RO, TILE)
+        return m_i, l_i, tl.reshape(tl.permute(acc3, (1, 0, 2)), (BLOCK_H, BC))
     acc = tl.zeros([BLOCK_H, BC], tl.float32)
     if INTERP:
         k0 = lo
@@ -304,7 +363,7 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     spaces = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
     if not 1 <= len(spaces) <= 2:
         raise ValueError(f"the kernel reads one or two row spaces, got {len(spaces)}")
-    fp8 = _fp8_args(fmt, C, R)
+    fp8 = _fp8_args(fmt, C, R, len(spaces) == 2)
     width = fmt.width if fp8[0] else C + R
     for r in spaces:
         if r.shape[-1] != width or r.dtype != spaces[0].dtype:
@@ -340,10 +399,12 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     return out
 
 
-def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, int, int]:
+def _fp8_args(fmt: RowFormat | None, C: int, R: int, two: bool = False) -> tuple[bool, int, int, int, int]:
     """(FP8, SO, RO, TILE, SCALES) constexprs of the kernels for rows of `fmt`. SCALES: how a tile's
     scale reaches its values (0 gather per value: any C; 1 reshape-broadcast and 2 per-tile select:
-    C and C / TILE powers of two); DHISPARSE_FP8_SCALES=gather|reshape|select picks one (benchmarks)."""
+    C and C / TILE powers of two; 3 fold: scales applied to per-tile scores and to p, the values only
+    converted - C, C / TILE powers of two, TILE >= 16, one row space); DHISPARSE_FP8_SCALES=gather|
+    reshape|select|fold picks one (benchmarks)."""
     if fmt is None or not fmt.fp8:
         return (False, 0, 0, 1, 0)
     if fmt.scale != "fp32" or fmt.rope_first or (fmt.quantized, fmt.rope) != (C, R):
@@ -352,7 +413,10 @@ def _fp8_args(fmt: RowFormat | None, C: int, R: int) -> tuple[bool, int, int, in
     so, ro = fmt.offsets
     nt = C // fmt.tile
     pow2 = C == _p2(C) and nt == triton.next_power_of_2(nt)
-    mode = {"gather": 0, "reshape": 1, "select": 2}.get(os.environ.get("DHISPARSE_FP8_SCALES", ""), FP8_SCALES_DEFAULT)
+    mode = {"gather": 0, "reshape": 1, "select": 2, "fold": 3}.get(os.environ.get("DHISPARSE_FP8_SCALES", ""),
+                                                                   FP8_SCALES_DEFAULT)
+    if mode == 3 and (two or fmt.tile < 16):
+        mode = FP8_SCALES_DEFAULT  # fold reads one row space with tiles tl.dot can take
     return (True, so, ro, fmt.tile, mode if pow2 or mode == 0 else 0)
 
 
