@@ -64,6 +64,17 @@ positive_float = _number(float, 1e-300, "a number > 0")
 nonneg_float = _number(float, 0, "a number >= 0")
 
 
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """'8192,4096,4096' -> (8192, 4096, 4096); every entry a whole number >= 1."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of whole numbers >= 1; got {text!r}")
+    return tuple(positive_int(p) for p in parts)
+
+
+_positive_ints.__name__ = "a comma-separated list of whole numbers >= 1"
+
+
 def _fraction(text: str) -> float:
     try:
         v = float(text)
@@ -145,6 +156,8 @@ FLAGS: list[Flag] = [
          help_="tensor parallelism: only 1 (dhisparse runs one model on one device)"),
     Flag("--hot-cache-rows", "hot_cache_rows", positive_int,
          "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
+    Flag("--source-hot-cache-rows", "source_hot_cache_rows", _positive_ints,
+         "one hot-cache budget per KV source, comma-separated in source order (the paper's V4.1: 8192,4096,...)"),
     Flag("--host-pool-bytes", "host_pool_bytes", positive_int,
          "host backing capacity in bytes (default 4 x the KV pool, capped at half of the available memory)"),
     Flag("--admission-reserve-pages", "admission_reserve_pages", nonneg_int,

@@ -39,6 +39,9 @@ class EngineConfig:
     max_model_len [--max-model-len]: prompt + output limit; None = model's max positions.
     hot_cache_rows [--hot-cache-rows]: hot-cache rows B per request and source (hierarchical
         presets); None = 2 x the model's index_topk. Must be >= index_topk.
+    source_hot_cache_rows [--source-hot-cache-rows]: one budget per KV source / selection group
+        instead (comma list in source order; the paper's V4.1 setting: 8192 for the shared source,
+        4096 for the others); each >= index_topk. A request's hot-cache pages hold the largest.
     host_pool_bytes [--host-pool-bytes]: host backing capacity; None = 4 x the KV pool bytes, capped at
         half of the host's available memory.
     admission_reserve_pages [--admission-reserve-pages]: pages M_res kept free for admissions
@@ -121,6 +124,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     hot_cache_rows: int | None = None
+    source_hot_cache_rows: tuple[int, ...] | None = None
     host_pool_bytes: int | None = None
     admission_reserve_pages: int | None = None
     reclaim_order: str = "remaining"
@@ -193,6 +197,11 @@ class EngineConfig:
         for name in ("hot_cache_rows", "host_pool_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
+        per = self.source_hot_cache_rows
+        if per is not None and (not isinstance(per, tuple) or not per or any(isinstance(b, bool) or not isinstance(b, int)
+                                                                              or b < 1 for b in per)):
+            raise ConfigValueError(f"source_hot_cache_rows (--source-hot-cache-rows) must be a tuple of positive ints, "
+                                   f"one per KV source; got {per!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         self._check_new_fields()
@@ -233,6 +242,7 @@ class EngineConfig:
         """The KV store settings of this engine (kv/build.py)."""
         return StoreSettings(
             preset=self.base_preset, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows,
+            source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
             load_stream=self.load_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,

@@ -50,6 +50,7 @@ class StoreSettings:
     preset        resident | hisparse | adaptive (speculation is orthogonal: max_queries)
     page_size     token positions per latent page
     hot_cache_rows  B per request and source (None: 2 x index_topk; must be >= index_topk)
+    source_hot_cache_rows  one B per KV source / selection group instead (None: hot_cache_rows for each)
     host_pool_bytes host backing bytes (None: 4 x the device pool, capped at half of MemAvailable)
     resolver      auto | torch | triton
     copy_stream   adaptive's backup / repopulation copies: side | compute
@@ -64,6 +65,7 @@ class StoreSettings:
     preset: str = "resident"
     page_size: int = 16
     hot_cache_rows: int | None = None
+    source_hot_cache_rows: tuple[int, ...] | None = None
     host_pool_bytes: int | None = None
     resolver: str = "auto"
     copy_stream: str = "side"
@@ -171,12 +173,17 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
     hot = s.hot_cache_rows or 2 * geometry.index_topk
     if hot < geometry.index_topk:
         raise ValueError(f"hot_cache_rows ({hot}) must be >= the model's index_topk ({geometry.index_topk})")
+    per = s.source_hot_cache_rows
+    groups = len(arena.layout.index_layers)
+    if per is not None and (len(per) != groups or min(per) < geometry.index_topk):
+        raise ValueError(f"--source-hot-cache-rows needs {groups} budgets (one per KV source), each >= the model's "
+                         f"index_topk ({geometry.index_topk}); got {list(per)}")
     host_pages = max(1, host_pool_bytes(s.host_pool_bytes, pool_bytes) // arena.page_nbytes)
     host = HostStore(host_pages, geometry.num_layers, s.page_size, arena.row_width, arena.dtype,
                      pin=arena.device.type == "cuda")
     r = resolver_for(s.resolver, arena.device)
     kw = dict(plan_fn=r.plan_fn, copy_fn=r.copy_fn, deferred=r.deferred, debug=s.debug, max_queries=s.max_queries,
-              side_loads=s.load_stream == "side", max_len=max_len, **extra)
+              side_loads=s.load_stream == "side", max_len=max_len, source_hot_rows=per, **extra)
     args = (arena, host, hot, s.max_running)
     if s.preset == "hisparse":
         return hier_cls(*args, **kw)

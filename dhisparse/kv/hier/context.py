@@ -115,7 +115,7 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
     the host."""
     if kv.deferred:
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True)
-        if per_req.shape[1] * per_req.shape[2] <= kv.B:
+        if per_req.shape[1] * per_req.shape[2] <= kv.B_of[g]:
             return plan, None
         return plan, stage_overflow_deferred(plan, per_req, slots_t, kv)
     plan = direct_plan(per_req, slots_t, kv)

@@ -73,7 +73,7 @@ class HierarchicalKV(KVStore):
 
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
-                 side_loads: bool = False, deferred: bool = False) -> None:
+                 side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -81,7 +81,13 @@ class HierarchicalKV(KVStore):
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
         side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
-        resolver: kv/build.py's `Resolver`)."""
+        resolver: kv/build.py's `Resolver`). source_hot_rows: one hot-cache budget B_g per selection
+        group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
+        from, 4,096 for the others), each page-rounded and >= index_topk; None: `hot_rows` for every
+        one. A request holds max_g B_g rows of pages (a page holds every source's rows), and group
+        g's resolver sees only its first B_g entries (`resolver_state`).
+
+          hot_pos [S, G, B_max]   group g uses entries 0 .. B_g - 1; the rest stay -1 forever"""
         self.arena, self.host, self.pool, self.debug = arena, host, arena.pool, debug
         self.page_size, self.device = arena.page_size, arena.device
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
@@ -89,8 +95,12 @@ class HierarchicalKV(KVStore):
         self.handoffs = make_loads(arena.device, side_loads)  # hand-off backups device -> host
         self.prefix_pages = PrefixPages(host, arena.page_size, arena.index_page_size)  # shared prefix host pages
         self.prefix_match = None  # set by the engine: req -> (stored prefix or None, rows it imports)
-        self.B = cdiv(hot_rows, self.page_size) * self.page_size
         self.groups = arena.layout.index_layers
+        budgets = source_hot_rows if source_hot_rows is not None else (hot_rows,) * len(self.groups)
+        if len(budgets) != len(self.groups):
+            raise ValueError(f"source_hot_cache_rows needs one budget per KV source ({len(self.groups)}); got {len(budgets)}")
+        self.B_of = tuple(cdiv(b, self.page_size) * self.page_size for b in budgets)  # B_g per group
+        self.B = max(self.B_of, default=cdiv(hot_rows, self.page_size) * self.page_size)
         self.group_of = {p.layer: self.groups.index(p.producer) for p in arena.layout.layers}
         self.group_size = [sum(1 for g in self.group_of.values() if g == i) for i in range(len(self.groups))]
         self.group_span = [_span(sorted(l for l, g in self.group_of.items() if g == i), p)
@@ -461,5 +471,8 @@ class HierarchicalKV(KVStore):
         return self.host_pages.fingerprint() + self.index_pages.fingerprint()
 
     def resolver_state(self, group: int) -> ResolverState:
-        return ResolverState(self.hot_pos[:, group], self.hot_stamp[:, group], self.hot_loc, self.tail_start,
-                             self.tail_loc, self.host_table, self.host.page_size)
+        """Group `group`'s resolver state: its B_g hot entries (strided views of the [S, G, B_max]
+        tables), the tails and the host table."""
+        b = self.B_of[group]
+        return ResolverState(self.hot_pos[:, group, :b], self.hot_stamp[:, group, :b], self.hot_loc[:, :b],
+                             self.tail_start, self.tail_loc, self.host_table, self.host.page_size)
