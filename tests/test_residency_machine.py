@@ -16,7 +16,7 @@ reserve, `can_keep` without the reserve) and shows the machine fails on each.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
@@ -228,9 +228,10 @@ def test_breakages_are_caught(name, monkeypatch):
     method, broken = BREAKAGES[name]
     monkeypatch.setattr(ResidencyManager, method, broken)
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(ResidencyMachine, settings=settings(
+        run_state_machine_as_test(ResidencyMachine, settings=settings(  # no shrinking: finding the bug is the test
             max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
-            suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False))
+            suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
+            phases=[Phase.explicit, Phase.reuse, Phase.generate]))
 
 
 def test_backup_ahead_takes_the_copy_off_the_reclaim():
