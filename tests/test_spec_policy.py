@@ -138,3 +138,46 @@ def test_factory_builds_each_algorithm():
     dspark = build_drafter(SpecConfig(algorithm="dspark", draft_window_size=16, page_size=4), target, max_requests=2)
     assert isinstance(dspark, DSparkDrafter) and dspark.capture_layers == (1, 3)
     assert dspark.inner.window == 16 and dspark.inner.ring_rows == 28  # ceil((16 + 3 + 8) / 4) * 4
+
+
+def scripted(policy: OnlineWidthPolicy, rounds: int, accepted, t1: float, tw: float) -> list[int]:
+    """A scripted load at C8: each decision runs; a speculative round of width w accepts
+    accepted(w) drafts and costs tw, a width-1 step costs t1 (what the engine feeds back)."""
+    widths = []
+    for _ in range(rounds):
+        d = policy.decide(8)
+        widths.append(d.width)
+        if d.width > 1:
+            policy.observe(d.width, accepted(d.width))
+            policy.observe_cost(d.width, tw)
+        else:
+            policy.observe_cost(1, t1)
+    return widths
+
+
+@pytest.mark.parametrize("probe_every", [8, 0])
+def test_probes_turn_a_drafter_that_became_useful_back_on(probe_every):
+    policy = OnlineWidthPolicy(k_max=4, cost=VerifyCost({1: 1.0, 4: 1.6}), widths=(4,), ema=0.2, probe_every=probe_every)
+    first = scripted(policy, 100, lambda w: 0, 1.0, 1.6)  # a useless drafter: speculation off
+    assert first[-1] == 1 and policy.best(8)[0].width == 1
+    frozen = policy.acceptance[0]
+    later = scripted(policy, 200, lambda w: w - 1, 1.0, 1.6)  # every draft accepted from now on
+    if probe_every:  # on again: every round wide but one narrow probe in nine
+        assert policy.best(8)[0].width == 4 and later[-27:].count(4) == 24 and policy.acceptance[0] > 0.9
+    else:  # no probes: no round is ever verified again, the estimate stays frozen and speculation off
+        assert set(later) == {1} and policy.acceptance[0] == frozen
+
+
+@pytest.mark.parametrize("probe_every", [8, 0])
+def test_narrow_probes_measure_tpot0_instead_of_a_prior(probe_every):
+    # only width 4 measured: cost(1) comes from the prior's shape (1.6 / 1.3), so speculation looks
+    # worth it; the true plain step costs 0.3, and 2.5 tokens a round at 1.6 s lose to it
+    policy = OnlineWidthPolicy(k_max=4, cost=VerifyCost({4: 1.6}), widths=(4,), ema=0.2, probe_every=probe_every)
+    for _ in range(100):
+        policy.observe(4, 1 if _ % 2 else 2)
+    assert policy.best(8)[0].width == 4
+    widths = scripted(policy, 60, lambda w: 1 if len(policy.cost._table) % 2 else 2, 0.3, 1.6)
+    if probe_every:
+        assert policy.cost.cost(1) == pytest.approx(0.3) and widths[-10:].count(1) >= 9  # off, measured
+    else:
+        assert set(widths) == {4} and policy.cost.cost(1) > 1.0  # never measured: on, on a prior

@@ -67,13 +67,15 @@ class MemoryModel:
 
 
 class WidthDecision(NamedTuple):
-    """width 1 means speculation off. ratio: eq. 13 estimate of Q_width / Q_0."""
+    """width 1 means speculation off. ratio: eq. 13 estimate of Q_width / Q_0. probe: a round run
+    against the decision to keep its inputs measured (`OnlineWidthPolicy.probe_every`)."""
 
     width: int
     tokens_per_round: float
     ratio: float
     sessions: int
     sessions_without: int
+    probe: bool = False
 
     @property
     def speculate(self) -> bool:
@@ -86,19 +88,28 @@ class OnlineWidthPolicy:
 
     Acceptance at position i is the conditional rate P(x_i accepted | x_1..x_{i-1} accepted);
     positions never judged keep `prior`.
+
+    Probes keep both sides of eq. 13 measured: after `probe_every` decisions in a row with
+    speculation off, one round runs at the best speculative width (its acceptance and cost are
+    observed, so a drafter that became useful turns speculation back on); after `probe_every` in
+    a row with it on, one step runs at width 1 (TPOT_0, `cost(1)`, is measured, not a prior).
+    0 disables probes.
     """
 
     def __init__(self, k_max: int, cost: VerifyCost, memory: MemoryModel | None = None,
                  widths: Sequence[int] | None = None, ema: float = 0.05, prior: float = 0.6,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, probe_every: int = 32) -> None:
         if k_max < 2:
             raise ValueError(f"OnlineWidthPolicy.k_max must be >= 2, got {k_max}")
         self.k_max, self.cost, self.memory = k_max, cost, memory
         self.widths = sorted(set(widths or range(2, k_max + 1)))
         if self.widths[0] < 2 or self.widths[-1] > k_max:
             raise ValueError(f"OnlineWidthPolicy.widths must lie in [2, k_max={k_max}], got {self.widths}")
-        self.ema, self.margin = ema, margin
+        if probe_every < 0:
+            raise ValueError(f"OnlineWidthPolicy.probe_every must be >= 0 (0: no probes), got {probe_every}")
+        self.ema, self.margin, self.probe_every = ema, margin, probe_every
         self.acceptance = [prior] * (k_max - 1)  # index i-1 for draft position i
+        self._streak = (1, 0)  # (width class of the last decisions: 1 off / 2 on, how many in a row)
 
     def observe(self, width: int, accepted: int) -> None:
         """One verified round: drafts 1..accepted accepted, draft accepted+1 (if any) rejected."""
@@ -115,17 +126,33 @@ class OnlineWidthPolicy:
         return expected_emitted(self.acceptance, width)
 
     def decide(self, concurrency: int, capacity_bytes: int | None = None) -> WidthDecision:
-        """Best width for `concurrency` offered sessions (and, optionally, the live capacity)."""
+        """Width of the next round for `concurrency` offered sessions (and, optionally, the live
+        capacity): the eq. 13 best, or a probe of the other side (class docstring)."""
+        best, top = self.best(concurrency, capacity_bytes)
+        kind = 2 if best.speculate else 1
+        n = self._streak[1] + 1 if self._streak[0] == kind else 1
+        if self.probe_every and n > self.probe_every:
+            self._streak = (kind, 0)
+            probe = top if kind == 1 else WidthDecision(1, 1.0, 1.0, best.sessions_without, best.sessions_without)
+            return probe._replace(probe=True)
+        self._streak = (kind, n)
+        return best
+
+    def best(self, concurrency: int, capacity_bytes: int | None = None) -> tuple[WidthDecision, WidthDecision]:
+        """(the eq. 13 decision, the best speculative width even when it does not pay)."""
         b0 = self._sessions(concurrency, False, capacity_bytes)
         tpot0 = self.cost.cost(1)
-        best = WidthDecision(1, 1.0, 1.0, b0, b0)
+        best = top = WidthDecision(1, 1.0, 1.0, b0, b0)
         for w in self.widths:
             bs = self._sessions(concurrency, True, capacity_bytes)
             e = self.tokens_per_round(w)
             ratio = output_ratio(bs, b0, self.cost.cost(w) / e, tpot0) if b0 > 0 else 0.0
+            d = WidthDecision(w, e, ratio, bs, b0)
+            if top.width == 1 or ratio > top.ratio:
+                top = d
             if ratio > max(best.ratio, 1.0 + self.margin):
-                best = WidthDecision(w, e, ratio, bs, b0)
-        return best
+                best = d
+        return best, top
 
     def _sessions(self, concurrency: int, speculative: bool, capacity_bytes: int | None) -> int:
         if self.memory is None:
