@@ -43,7 +43,7 @@ GIB = float(1 << 30)
 BUDGET_S = 9 * 60
 METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "queue_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
            "active", "slots", "requests_completed")
-QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2,4", duration=2.0,
+QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2", duration=1.5,
              resident_fit=2, page_size=16, distinct_suffixes=4, max_batched_tokens=512)
 
 

@@ -63,6 +63,18 @@ FP8_SCALES_DEFAULT = 2  # per-tile select: fastest of the three on the H200 (ben
 
 
 @triton.jit
+def _online_softmax(s, valid, qk_scale, m_i, l_i):
+    """Scores s [BLOCK_H, BLOCK_K] (masked by valid [BLOCK_K]) into the running state: (m_new,
+    l_i, alpha = 2^(m_i - m_new), p = 2^(s - m_new)), fp32, empty rows kept at -inf / 0."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
                   PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
                   TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
@@ -113,12 +125,7 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     else:
         s = tl.dot(q, tl.trans(c))
         s = tl.dot(qpe, tl.trans(kpe), s)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, alpha, p = _online_softmax(s, valid, qk_scale, m_i, l_i)
     if IEEE:
         acc = tl.dot(p, c.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
@@ -156,12 +163,7 @@ def _attend_block_fold(k0, q3, qpe, m_i, l_i, acc3, loc_ptr, r0_ptr, K, PER0: tl
     else:
         part = tl.dot(q3, c3)
         s = tl.dot(qpe, tl.trans(kpe), tl.sum(part * sc[:, None, :], 0))
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, alpha, p = _online_softmax(s, valid, qk_scale, m_i, l_i)
     p3 = p[None, :, :] * sc[:, None, :]  # [NT, BLOCK_H, BLOCK_K]
     c3t = tl.permute(c3, (0, 2, 1))  # [NT, BLOCK_K, TILE]
     if IEEE:
