@@ -81,7 +81,15 @@ class Engine:
         self.step_graphs = self.make_step_graphs(CudaGraphRunner()) if self.graph_mode == "step" else None
         if self.step_graphs is not None and config.step_graph_warmup:
             self.step_graphs.warm(config.max_running_requests, self.spec.capture if self.spec else ())
-        log.info("KV pool: %d pages x %s = %s on %s", pages, format_bytes(self.page_bytes), format_bytes(pages * self.page_bytes), self.device)
+        log.info("KV pool: %d pages x %s = %s on %s; %s", pages, format_bytes(self.page_bytes),
+                 format_bytes(pages * self.page_bytes), self.device, self._row_format_note(config))
+
+    def _row_format_note(self, config: EngineConfig) -> str:
+        """'<kv_cache_dtype> rows: <latent> B latent, <index> B index keys' for the start-up log."""
+        if self.arena is None:  # DeepSeek-V4 resident: rows live in its dense store
+            return f"--kv-cache-dtype {config.kv_cache_dtype}"
+        f = self.arena.formats
+        return f"--kv-cache-dtype {config.kv_cache_dtype}: {f.latent.nbytes}-B rows, {f.index.nbytes}-B index keys"
 
     @property
     def grammars(self) -> Grammars:
