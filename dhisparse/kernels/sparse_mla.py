@@ -6,7 +6,8 @@ Same semantics as `dhisparse.kernels.sparse_mla_ref.sparse_mla_reference`:
     location = space * SPACE + flat), loc [T, k] int64 (-1 = skip), scale, fmt  ->  out [T, H, C]
     fmt None / plain: W = C + R model-dtype values. fmt FP8 (core/kvformat.py, the 656-B FlashMLA
     layout): W bytes | C e4m3 | C/TILE fp32 scales | R bf16 |; c = e4m3 * scale in fp32, then the
-    query dtype, exactly as `RowFormat.decode` (the reference dequantizes the gathered rows).
+    query dtype, exactly as `RowFormat.decode` (the reference dequantizes the gathered rows). How
+    the kernel reads FP8 rows (four scale paths) lives in `kernels/sparse_mla_rows.py`.
     logit[t, h, i] = (q_abs[t, h] . c[loc[t, i]] + q_pe[t, h] . k_pe[loc[t, i]]) * scale
     out[t, h]      = softmax_i(logit[t, h]) . c          (fp32 softmax; no valid loc -> zeros)
 
@@ -53,25 +54,13 @@ import triton.language as tl
 
 from dhisparse.core.kvformat import RowFormat
 from dhisparse.core.rows import SPACE
+from dhisparse.kernels.sparse_mla_rows import _attend_block_fold, _fp8_args, _fp8_rows, _online_softmax
 
 __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "backend"]
 
 SPACE_BITS = SPACE.bit_length() - 1
 assert SPACE == 1 << SPACE_BITS
 LOG2E = 1.4426950408889634
-FP8_SCALES_DEFAULT = 2  # per-tile select: fastest of the three on the H200 (bench/results/fp8_kernels_s16b_h200.json)
-
-
-@triton.jit
-def _online_softmax(s, valid, qk_scale, m_i, l_i):
-    """Scores s [BLOCK_H, BLOCK_K] (masked by valid [BLOCK_K]) into the running state: (m_new,
-    l_i, alpha = 2^(m_i - m_new), p = 2^(s - m_new)), fp32, empty rows kept at -inf / 0."""
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
 
 
 @triton.jit
@@ -96,26 +85,8 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     cmask = valid[:, None] & cm[None, :]
     rmask = valid[:, None] & rm[None, :]
     if FP8:  # uint8 rows: e4m3 values, fp32 scales at byte SO (one per TILE), bf16 rope at byte RO
-        c8 = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0)
-        cf = c8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if SCALES == 1:  # reshape: C a power of two = NT * TILE, NT too; one scale load per tile, broadcast
-            tt = tl.arange(0, C // TILE)
-            sc = tl.load((base[:, None] + SO + tt[None, :] * 4).to(tl.pointer_type(tl.float32)),
-                         mask=valid[:, None], other=0.0)
-            cf = tl.reshape(tl.reshape(cf, (BLOCK_K, C // TILE, TILE)) * sc[:, :, None], (BLOCK_K, C))
-        elif SCALES == 2:  # select: one scale load per tile, chosen per column (no gather, no layout change)
-            tile = cc // TILE
-            scale = tl.zeros_like(cf)
-            for t in tl.static_range(C // TILE):
-                st = tl.load((base + SO + t * 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-                scale = tl.where(tile[None, :] == t, st[:, None], scale)
-            cf = cf * scale
-        else:  # gather: each value's scale loaded (any C)
-            cf = cf * tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)),
-                              mask=cmask, other=0.0)
-        c = cf.to(cdt)
-        kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask,
-                      other=0.0).to(cdt)
+        cf, kpe8 = _fp8_rows(base, valid, cc, rr, cmask, rmask, C, BLOCK_K, SO, RO, TILE, SCALES)
+        c, kpe = cf.to(cdt), kpe8.to(cdt)
     else:
         c = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0.0).to(cdt)
         kpe = tl.load(base[:, None] + C + rr[None, :], mask=rmask, other=0.0).to(cdt)
@@ -131,46 +102,6 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     else:
         acc = tl.dot(p.to(cdt), c, acc * alpha[:, None])
     return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_block_fold(k0, q3, qpe, m_i, l_i, acc3, loc_ptr, r0_ptr, K, PER0: tl.constexpr, ps0, rs0, qk_scale,
-                       cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                       SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr):
-    """`_attend_block` for FP8 rows with the scales folded out of the values (SCALES = 3, one row
-    space): per tile t of the C values, its scores q_t . e4m3_t are scaled by the row's s_t, and
-    its output columns take (p * s_t) . e4m3_t. The values are only converted (e4m3 -> the query
-    dtype is exact), never multiplied.
-
-      q3 [NT, BLOCK_H, TILE]   acc3 [NT, BLOCK_H, TILE]   (NT = C / TILE)"""
-    cdt = q3.dtype
-    NT: tl.constexpr = C // TILE
-    kk = k0 + tl.arange(0, BLOCK_K)
-    loc = tl.load(loc_ptr + kk, mask=kk < K, other=-1)
-    valid = loc >= 0
-    base = r0_ptr + (loc // PER0) * ps0 + (loc % PER0) * rs0
-    c8 = tl.load(base[:, None] + cc[None, :], mask=valid[:, None] & cm[None, :], other=0)
-    cq = c8.to(tl.float8e4nv, bitcast=True).to(cdt)  # [BLOCK_K, C]
-    c3 = tl.permute(tl.reshape(cq, (BLOCK_K, NT, TILE)), (1, 2, 0))  # [NT, TILE, BLOCK_K]
-    tt = tl.arange(0, NT)
-    sc = tl.load((base[None, :] + SO + tt[:, None] * 4).to(tl.pointer_type(tl.float32)), mask=valid[None, :],
-                 other=0.0)  # [NT, BLOCK_K]
-    kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)),
-                  mask=valid[:, None] & rm[None, :], other=0.0).to(cdt)
-    if IEEE:
-        part = tl.dot(q3, c3, input_precision="ieee")  # [NT, BLOCK_H, BLOCK_K]
-        s = tl.dot(qpe, tl.trans(kpe), tl.sum(part * sc[:, None, :], 0), input_precision="ieee")
-    else:
-        part = tl.dot(q3, c3)
-        s = tl.dot(qpe, tl.trans(kpe), tl.sum(part * sc[:, None, :], 0))
-    m_new, l_i, alpha, p = _online_softmax(s, valid, qk_scale, m_i, l_i)
-    p3 = p[None, :, :] * sc[:, None, :]  # [NT, BLOCK_H, BLOCK_K]
-    c3t = tl.permute(c3, (0, 2, 1))  # [NT, BLOCK_K, TILE]
-    if IEEE:
-        acc3 = tl.dot(p3, c3t.to(tl.float32), acc3 * alpha[None, :, None], input_precision="ieee")
-    else:
-        acc3 = tl.dot(p3.to(cdt), c3t, acc3 * alpha[None, :, None])
-    return m_new, l_i, acc3
 
 
 @triton.jit
@@ -399,27 +330,6 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
-
-
-def _fp8_args(fmt: RowFormat | None, C: int, R: int, two: bool = False) -> tuple[bool, int, int, int, int]:
-    """(FP8, SO, RO, TILE, SCALES) constexprs of the kernels for rows of `fmt`. SCALES: how a tile's
-    scale reaches its values (0 gather per value: any C; 1 reshape-broadcast and 2 per-tile select:
-    C and C / TILE powers of two; 3 fold: scales applied to per-tile scores and to p, the values only
-    converted - C, C / TILE powers of two, TILE >= 16, one row space); DHISPARSE_FP8_SCALES=gather|
-    reshape|select|fold picks one (benchmarks)."""
-    if fmt is None or not fmt.fp8:
-        return (False, 0, 0, 1, 0)
-    if fmt.scale != "fp32" or fmt.rope_first or (fmt.quantized, fmt.rope) != (C, R):
-        raise ValueError(f"the sparse-MLA kernel reads FlashMLA FP8 rows (C = {C} e4m3 values, fp32 scales, R = {R} "
-                         f"bf16 rope values); got {fmt}")
-    so, ro = fmt.offsets
-    nt = C // fmt.tile
-    pow2 = C == _p2(C) and nt == triton.next_power_of_2(nt)
-    mode = {"gather": 0, "reshape": 1, "select": 2, "fold": 3}.get(os.environ.get("DHISPARSE_FP8_SCALES", ""),
-                                                                   FP8_SCALES_DEFAULT)
-    if mode == 3 and (two or fmt.tile < 16):
-        mode = FP8_SCALES_DEFAULT  # fold reads one row space with tiles tl.dot can take
-    return (True, so, ro, fmt.tile, mode if pow2 or mode == 0 else 0)
 
 
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
