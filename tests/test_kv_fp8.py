@@ -309,3 +309,13 @@ def test_breakages_are_caught(monkeypatch):
         m.setattr(RowFormat, "scales_of", lambda self, v: torch.ones(*v.shape[:-1], self.tiles))
         with pytest.raises(AssertionError):
             test_round_trip_error_is_within_the_e4m3_bound(fmt)
+
+
+def test_a_prefix_is_paged_once_under_fp8():
+    """The hierarchy's shared host pages and its imports use one paged copy of a prefix (a second
+    layout would be a second pinned host copy of every row)."""
+    llm = LLM("tiny", preset="hisparse", kv_cache_dtype="fp8_e4m3", hot_cache_rows=16, page_size=8)
+    llm.prepare_prefix(PROMPTS[2])
+    llm.generate([PROMPTS[2] + [50]], GREEDY)
+    item = llm.engine.prefixes.get(PROMPTS[2])
+    assert list(item._paged) == [llm.engine.store.prefix_layout()]

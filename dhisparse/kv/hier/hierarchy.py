@@ -93,7 +93,7 @@ class HierarchicalKV(KVStore):
         self.tail_pages = 1 + cdiv(max_queries, arena.page_size)
         self.resident = ResidentKV(arena, side_loads)  # index pages + prefill workspace (+ its imports)
         self.handoffs = make_loads(arena.device, side_loads)  # hand-off backups device -> host
-        self.prefix_pages = PrefixPages(host, arena.page_size, arena.index_page_size)  # shared prefix host pages
+        self.prefix_pages = PrefixPages(host, arena.page_size, arena.index_page_size, arena.index_split)  # shared prefix host pages
         self.prefix_match = None  # set by the engine: req -> (stored prefix or None, rows it imports)
         self.groups = arena.layout.index_layers
         budgets = source_hot_rows if source_hot_rows is not None else (hot_rows,) * len(self.groups)

@@ -34,8 +34,10 @@ class PrefixPages:
     """Shares stored prefixes into one host store (keys: small ints, one per prefix item; an item
     is kept alive while it has a key, so its id names it)."""
 
-    def __init__(self, host: HostStore, page_size: int, index_page_size: int) -> None:
-        self.host, self.page_size, self.index_page_size = host, page_size, index_page_size
+    def __init__(self, host: HostStore, page_size: int, index_page_size: int, index_split: int = 0) -> None:
+        """index_split: the arena's index layout (`KVArena.index_split`), so a prefix is paged once
+        in the layout its importers copy (`StoredPrefix.paged` keeps one host copy per layout)."""
+        self.host, self.page_size, self.index_page_size, self.index_split = host, page_size, index_page_size, index_split
         self._keys: dict[int, tuple[object, int]] = {}  # id(item) -> (item, key); the item is kept alive
         self._refused: set[int] = set()
         self._next = 0
@@ -76,6 +78,6 @@ class PrefixPages:
 
     def _fill(self, item, pages: list[int]) -> None:
         """Host pages <- the prefix's first len(pages) pages, from its page layout [NP, L, ps, d]."""
-        paged = item.paged(self.page_size, self.index_page_size)
+        paged = item.paged(self.page_size, self.index_page_size, self.index_split)
         idx = torch.tensor(pages, dtype=torch.int64, device=self.host.rows.device)
         self.host.rows.index_copy_(0, idx, paged.latent[: len(pages)].to(self.host.rows.device))
