@@ -70,16 +70,24 @@ def module_state(found: dict[str, torch.Tensor], tcfg: ModelConfig) -> tuple[Mtp
         else:
             state[name if name.startswith(OWN) else "decoder." + name] = t
     if experts:
-        E = tcfg.n_routed_experts
-        absent = [f"mlp.experts.{e}.{k}.weight" for e in range(E) for k in ("gate_proj", "up_proj", "down_proj")
-                  if (e, k) not in experts]
-        if absent or max(e for e, _ in experts) >= E:
-            raise SpecConfigError(f"{FLAG}: model.layers.{tcfg.num_layers}.mlp.experts are incomplete for "
-                                  f"n_routed_experts={E} (e.g. missing {absent[:3]}); the checkpoint does not match config.json")
-        state["decoder.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[(e, "gate_proj")], experts[(e, "up_proj")]]) for e in range(E)])
-        state["decoder.mlp.experts.down_proj"] = torch.stack([experts[(e, "down_proj")] for e in range(E)])
+        state["decoder.mlp.experts.gate_up_proj"], state["decoder.mlp.experts.down_proj"] = stack_experts(
+            experts, tcfg.n_routed_experts, ("gate_proj", "up_proj", "down_proj"),
+            lambda e, k: f"mlp.experts.{e}.{k}.weight", f"model.layers.{tcfg.num_layers}.mlp.experts")
     return cfg, state
+
+
+def stack_experts(experts: dict[tuple[int, str], torch.Tensor], E: int, keys: tuple[str, str, str], missing_name,
+                  where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert tensors {(e, gate | up | down key): [I, H] / [H, I]} -> (gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]); every expert 0..E-1 must have all three (missing_name(e, key) names an
+    absent one in the error, `where` the checkpoint's expert block)."""
+    gate, up, down = keys
+    absent = [missing_name(e, k) for e in range(E) for k in keys if (e, k) not in experts]
+    if absent or max(e for e, _ in experts) >= E:
+        raise SpecConfigError(f"{FLAG}: {where} are incomplete for n_routed_experts={E} (e.g. missing "
+                              f"{absent[:3]}); the checkpoint does not match config.json")
+    return (torch.stack([torch.cat([experts[(e, gate)], experts[(e, up)]]) for e in range(E)]),
+            torch.stack([experts[(e, down)] for e in range(E)]))
 
 
 def build_module(tensors: dict[str, torch.Tensor], tcfg: ModelConfig, dtype: torch.dtype,

@@ -24,7 +24,7 @@ import torch
 from dhisparse.core.v4_config import V4Config
 from dhisparse.models.v4_loader import canonical_name
 from dhisparse.spec.config import SpecConfigError
-from dhisparse.spec.mtp_io import check_state
+from dhisparse.spec.mtp_io import check_state, stack_experts
 from dhisparse.spec.mtp_v4_model import MtpV4Config, MtpV4Module
 
 FLAG = "--speculative-algorithm mtp"
@@ -82,13 +82,8 @@ def module_state(found: dict[str, torch.Tensor], tcfg: V4Config) -> tuple[MtpV4C
                                   "sliding-window MTP layer (compress ratio 0) is supported")
         state["block." + rel] = t
     if experts:
-        absent = [f"mtp.0.ffn.experts.{e}.{k}" for e in range(E) for k in ("gate", "up", "down") if (e, k) not in experts]
-        if absent or max(e for e, _ in experts) >= E:
-            raise SpecConfigError(f"{FLAG}: mtp.0.ffn.experts are incomplete for n_routed_experts={E} (e.g. missing "
-                                  f"{absent[:3]}); the checkpoint does not match config.json")
-        state["block.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[(e, "gate")], experts[(e, "up")]]) for e in range(E)])
-        state["block.mlp.experts.down_proj"] = torch.stack([experts[(e, "down")] for e in range(E)])
+        state["block.mlp.experts.gate_up_proj"], state["block.mlp.experts.down_proj"] = stack_experts(
+            experts, E, ("gate", "up", "down"), lambda e, k: f"mtp.0.ffn.experts.{e}.{k}", "mtp.0.ffn.experts")
     cfg = MtpV4Config(layer=L, hashed="block.mlp.gate.tid2eid" in state, own_embed="embed.weight" in state,
                       own_head="head.weight" in state)
     return cfg, state
