@@ -39,9 +39,7 @@ class Bf16Rows(RowFormat):
 def dsa_logits(lm, ids: list[int], formats) -> torch.Tensor:
     from dhisparse.kv.resident.dense import DenseKV
 
-    kv = DenseKV(lm.config, dtype=lm.model.dtype)
-    if formats is not None:  # the store's formats, set directly (the yardstick is not an FP8 format)
-        kv.formats, kv._fmt = formats, {"latent": formats.latent, "index": formats.index}
+    kv = DenseKV(lm.config, dtype=lm.model.dtype, formats=formats)
     batch = ForwardBatch.build([(list(ids), 0)])
     return lm.model.logits(lm.model(batch, kv.begin(batch, [0])).hidden).float()
 

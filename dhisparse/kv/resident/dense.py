@@ -15,16 +15,13 @@ from dhisparse.core.kvformat import KVFormats, RowFormat
 
 class DenseKV(KVContext):
     """Holds latent rows [L_r, W] and index keys [L_r, Wi] per (request slot, layer): plain rows
-    of `dtype` (W = latent_dim), or with `formats` rows encoded in those formats (the I2 row
+    of `dtype` (W = latent_dim), or with `formats` rows encoded in those formats (FP8: the I2 row
     checker then compares the bytes a paged store holds)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  formats: KVFormats | None = None) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.formats = formats if formats is not None and formats.fp8 else None
-        self._fmt = {"latent": RowFormat.plain(cfg.latent_dim, dtype), "index": RowFormat.plain(cfg.index_head_dim, dtype)}
-        if self.formats is not None:
-            self._fmt = {"latent": self.formats.latent, "index": self.formats.index}
+        self.formats = formats or KVFormats.plain(cfg.latent_dim, cfg.index_head_dim, dtype)
         self.latent: dict[tuple[int, int], torch.Tensor] = {}
         self.index: dict[tuple[int, int], torch.Tensor] = {}
         self.slots: list[int] = []
@@ -36,7 +33,7 @@ class DenseKV(KVContext):
         return self
 
     def row_formats(self) -> KVFormats | None:
-        return self.formats
+        return self.formats if self.formats.fp8 else None
 
     def _append(self, store: dict, layer: int, rows: torch.Tensor, fmt: RowFormat) -> None:
         rows = fmt.encode(rows)
@@ -52,17 +49,17 @@ class DenseKV(KVContext):
             store[key] = torch.cat([old, rows[a:e]])
 
     def store(self, layer: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        self._append(self.latent, layer, latent, self._fmt["latent"])
+        self._append(self.latent, layer, latent, self.formats.latent)
         if index_key is not None:
-            self._append(self.index, layer, index_key, self._fmt["index"])
+            self._append(self.index, layer, index_key, self.formats.index)
 
     def index_keys(self, layer: int, req: int) -> torch.Tensor:
-        return self._fmt["index"].decode(self.index[(self.slots[req], layer)])
+        return self.formats.index.decode(self.index[(self.slots[req], layer)])
 
     def index_table(self, layer: int) -> IndexTable:
         """The requests' index keys concatenated into one page [1, sum L_r, iD]."""
         parts = [self.index.get((s, layer)) for s in self.slots]
-        f = self._fmt["index"]
+        f = self.formats.index
         width, sdt = f.width, f.storage_dtype
         parts = [p if p is not None else torch.empty(0, width, dtype=sdt, device=self.device) for p in parts]
         lens = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=self.device)
@@ -70,7 +67,7 @@ class DenseKV(KVContext):
         pos = torch.arange(max(int(lens.max()) if len(parts) else 0, 1), device=self.device)
         locs = torch.where(pos[None, :] < lens[:, None], starts[:, None] + pos[None, :], torch.full_like(pos, -1)[None, :])
         rows = torch.cat(parts) if parts else torch.empty(0, width, dtype=sdt, device=self.device)
-        return IndexTable(rows[None], locs, lens, self.formats.index if self.formats is not None else None)
+        return IndexTable(rows[None], locs, lens, f if f.fp8 else None)
 
     def locate(self, layer: int, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.latent[(s, layer)] for s in self.slots]
