@@ -258,8 +258,7 @@ class V4HierStore(KVStore):
             raise ValueError(f"request {req!r} is not at its prompt's end ({st.length} of {n} tokens)")
         latent, index = self.kv.read_rows(req, n // self.m)  # stored rows of the workspace
         tiered = StoredPrefix(row_token_ids(token_ids, self.m), host(latent, pin), host(index, pin))
-        if n // self.m:  # its page layout now, not on the first import (none without a row)
-            tiered.paged(*self.kv.prefix_layout())
+        tiered.paged(*self.kv.prefix_layout())  # its page layout now, not on the first import
         rows = export_rows(st, self.cache.store.dense, set(self.group), pin)
         return V4Prefix(tuple(token_ids), export_tails(st, pin), rows, tiered, {l: f.cpu() for l, f in features.items()})
 
