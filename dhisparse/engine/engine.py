@@ -479,13 +479,12 @@ class Engine:
         own = self.store.export_prefix(req.request_id, req.prompt_ids, feats, self.prefixes.pin)
         if own is not None:
             self.prefixes.put(own)
-            self._finish(req, "prefix")
-            return
-        latent, index = self.store.read_rows(req.request_id, len(req.prompt_ids))
-        item = self.prefixes.add(req.prompt_ids, latent, index, feats)
-        layout = self.store.prefix_layout()
-        if layout is not None:  # its page layout now, not on the first import
-            item.paged(*layout)
+        else:
+            latent, index = self.store.read_rows(req.request_id, len(req.prompt_ids))
+            item = self.prefixes.add(req.prompt_ids, latent, index, feats)
+            layout = self.store.prefix_layout()
+            if layout is not None:  # its page layout now, not on the first import
+                item.paged(*layout)
         self._finish(req, "prefix")
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:

@@ -51,7 +51,7 @@ from dhisparse.kv.v4.passes import V4Cache
 from dhisparse.kv.v4.prefix import (V4Prefix, adopt_tails, export_rows, export_tails, host, import_len, put_rows,
                                     row_matcher, row_token_ids)
 from dhisparse.kv.v4.rows import KINDS, DenseRowStore
-from dhisparse.kv.v4.store import v4_bytes
+from dhisparse.kv.v4.store import v4_bytes, v4_row_bytes
 from dhisparse.kv.v4.tiered import TieredRows
 from dhisparse.kv.memory.layout import RowGeometry
 from dhisparse.core.v4_config import V4Config
@@ -70,8 +70,7 @@ def v4_row_geometry(cfg: V4Config) -> RowGeometry:
 def v4_dense_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None = None) -> int:
     """Device bytes of one request's required (untiered) V4 state after n_tokens: `v4_bytes`
     without the CSA sources' compressed KV rows and index keys (those live in the arena)."""
-    row = formats.latent.nbytes + formats.index.nbytes if formats is not None else (cfg.head_dim + cfg.index_head_dim) * elem
-    tiered = len(cfg.csa_sources) * (n_tokens // cfg.csa_rate) * row
+    tiered = len(cfg.csa_sources) * (n_tokens // cfg.csa_rate) * sum(v4_row_bytes(cfg, elem, formats))
     return v4_bytes(cfg, n_tokens, elem, formats) - tiered
 
 

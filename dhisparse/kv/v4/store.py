@@ -31,8 +31,7 @@ def v4_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None 
     compressed kv rows (head_dim / m per token) and, on CSA layers, index keys, in their stored
     format (`formats`; None: plain rows of `elem` bytes a value); plus raw tails (< 2m tokens of
     [kv | gate], twice as wide on CSA). Windows and tails stay in the model dtype."""
-    row = formats.latent.nbytes if formats is not None else cfg.head_dim * elem
-    key = formats.index.nbytes if formats is not None else cfg.index_head_dim * elem
+    row, key = v4_row_bytes(cfg, elem, formats)
     total = 0
     for i, t in enumerate(cfg.layer_types):
         total += cfg.sliding_window * cfg.head_dim * elem
@@ -42,6 +41,14 @@ def v4_bytes(cfg: V4Config, n_tokens: int, elem: int, formats: KVFormats | None 
             total += (n_tokens // m) * (row + (key if csa else 0))
             total += 2 * m * 2 * (2 if csa else 1) * (cfg.head_dim + (cfg.index_head_dim if csa else 0)) * elem
     return total
+
+
+def v4_row_bytes(cfg: V4Config, elem: int, formats: KVFormats | None) -> tuple[int, int]:
+    """(bytes of a stored compressed row, of a stored index key): the formats', else plain rows
+    of `elem` bytes a value."""
+    if formats is not None:
+        return formats.latent.nbytes, formats.index.nbytes
+    return cfg.head_dim * elem, cfg.index_head_dim * elem
 
 
 class V4ResidentStore(KVStore):
