@@ -103,7 +103,7 @@ class RowFormat:
     @property
     def nbytes(self) -> int:
         """Bytes of one stored row."""
-        return self.width * (1 if self.fp8 else torch.empty(0, dtype=self.dtype).element_size())
+        return self.width * (1 if self.fp8 else self.dtype.itemsize)
 
     # -- encode / decode (the plain-PyTorch definition every kernel follows) ------------------
     def scales_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,12 +124,11 @@ class RowFormat:
         q8 = q.view(n, Q).to(torch.float8_e4m3fn).view(torch.uint8)
         sb = s.contiguous().view(torch.uint8) if self.scale == "fp32" else _e8m0(s)
         rope = x[:, Q:].to(torch.bfloat16).contiguous().view(torch.uint8)
-        out = torch.zeros(n, self.width, dtype=torch.uint8, device=x.device)
-        so, ro = self.offsets
-        out[:, :Q] = q8
-        out[:, so : so + sb.shape[1]] = sb
-        out[:, ro : ro + 2 * self.rope] = rope
-        return out
+        parts = [q8, rope, sb] if self.rope_first else [q8, sb, rope]
+        pad = self.width - sum(p.shape[1] for p in parts)
+        if pad:
+            parts.append(torch.zeros(n, pad, dtype=torch.uint8, device=x.device))
+        return torch.cat(parts, dim=1)  # one write of the row, in the layout's order
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows [..., width] -> values [..., dim] in `dtype` (q * s in fp32, then `dtype`)."""
