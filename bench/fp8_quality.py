@@ -62,7 +62,7 @@ def formats_of(lm, v4: bool):
         fp8 = KVFormats.v4("fp8_e4m3", c.head_dim, c.rope_head_dim, c.index_head_dim, dt)
         dims = (c.head_dim, c.index_head_dim)
     else:
-        fp8 = KVFormats.mla("fp8_e4m3", c.latent_dim, c.qk_rope_head_dim, c.index_head_dim, dt)
+        fp8 = KVFormats.of_model("fp8_e4m3", c, dt)
         dims = (c.latent_dim, c.index_head_dim)
     bf16 = KVFormats(Bf16Rows(dims[0], dt), Bf16Rows(dims[1], dt))
     return fp8, bf16

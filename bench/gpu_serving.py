@@ -114,8 +114,7 @@ def model_dtype(ns) -> torch.dtype:
 
 def kv_formats(ns, cfg) -> KVFormats:
     """The stored row formats the engine builds for `--kv-cache-dtype` (kv/build.py)."""
-    dtype = model_dtype(ns)
-    return KVFormats.mla(ns.kv_cache_dtype, cfg.latent_dim, cfg.qk_rope_head_dim, cfg.index_head_dim, dtype)
+    return KVFormats.of_model(ns.kv_cache_dtype, cfg, model_dtype(ns))
 
 
 def sizing(ns, cfg) -> dict:

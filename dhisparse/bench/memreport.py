@@ -50,7 +50,7 @@ def glm52_config(**over) -> ModelConfig:
 
 def kv_formats(cfg: ModelConfig, kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.bfloat16) -> KVFormats:
     """The stored row formats of `cfg` under `--kv-cache-dtype` (what kv/build.py builds)."""
-    return KVFormats.mla(kv_cache_dtype, cfg.latent_dim, cfg.qk_rope_head_dim, cfg.index_head_dim, dtype)
+    return KVFormats.of_model(kv_cache_dtype, cfg, dtype)
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,11 @@ class KVFormats:
                    RowFormat(index_dim, dtype, True, 0, index_dim))
 
     @classmethod
+    def of_model(cls, kv_cache_dtype: str, cfg, dtype: torch.dtype) -> "KVFormats":
+        """`mla` with the dims of a GLM-5.x / V3.2 `ModelConfig` (what kv/build.py stores)."""
+        return cls.mla(kv_cache_dtype, cfg.latent_dim, cfg.qk_rope_head_dim, cfg.index_head_dim, dtype)
+
+    @classmethod
     def v4(cls, kv_cache_dtype: str, head_dim: int, rope: int, index_dim: int, dtype: torch.dtype) -> "KVFormats":
         """DeepSeek-V4 compressed rows: fp8_e4m3 gives the 584-B "MODEL1" rows (448 e4m3 in tiles
         of 64 with e8m0 scales, 64 bf16 rope, padded to 8 B) and 132-B index keys."""

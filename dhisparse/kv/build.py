@@ -139,7 +139,7 @@ def build_store(s: StoreSettings, mc: ModelConfig | V4Config, pool_bytes: int, d
     if isinstance(mc, V4Config):
         return _build_v4(s, mc, pool_bytes, device, dtype, max_model_len)
     geometry = RowGeometry.of_model(mc)
-    formats = _formats(KVFormats.mla, s.kv_cache_dtype, mc.latent_dim, mc.qk_rope_head_dim, mc.index_head_dim, dtype)
+    formats = _formats(KVFormats.of_model, s.kv_cache_dtype, mc, dtype)
     page_bytes = KVArena.page_bytes(geometry, s.page_size, formats.latent.nbytes)
     pages = _pages(pool_bytes, page_bytes)
     arena = KVArena(geometry, pages, s.page_size, device, dtype, formats)
