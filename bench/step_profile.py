@@ -34,6 +34,7 @@ from bench.host_phases import phase_steps  # noqa: E402
 from bench.kernel_families import family, family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
+from dhisparse.core.kvformat import KV_CACHE_DTYPES  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.core.params import SamplingParams  # noqa: E402
@@ -51,6 +52,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--steps", type=int, default=10); a("--warmup", type=int, default=4)
     a("--kv-pool-gib", type=float, default=40.0); a("--host-pool-gib", type=float, default=40.0)
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
+    a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="stored row format (auto, bfloat16, fp8_e4m3: 656-B rows)")
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions (and CUDA kernels) listed per preset")
     a("--drafter", default="ngram", choices=("ngram", "oracle"),
@@ -85,7 +87,7 @@ def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
-                        cuda_graphs=graphs)
+                        cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype)
 
 
 def placeholder_reference(prompt: list[int]) -> list[int]:
@@ -354,7 +356,7 @@ def main(argv=None) -> int:
             print(f"    {k:22} {v:8.3f} ms  alone {r['kernels']['alone_ms'].get(k, 0.0):8.3f} ms")
         for t in r["kernels"].get("top_kernels", [])[:12]:
             print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x  [{t['family']}] {t['name'][:90]}")
-    doc = {"kind": "step_profile", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
+    doc = {"kind": "step_profile", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
            "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
            "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs,
            "wall_s": time.perf_counter() - t0}

@@ -52,7 +52,10 @@ def engine(loaded: LoadedModel, reference: dict | None = None, **kw) -> Engine:
 
 
 def generate(eng: Engine, prompts, params) -> list[list[int]]:
-    ids = [eng.add_request(p, params) for p in prompts]
+    """Run `prompts` to completion. Request ids are fixed (`g0`, `g1`, ...): the oracle drafter
+    seeds its corruption per request id, so a process-wide id counter would make a test's draft
+    stream (and whether a rollback cuts a compression window) depend on the tests before it."""
+    ids = [eng.add_request(p, params, request_id=f"g{i}") for i, p in enumerate(prompts)]
     done: dict[str, list[int]] = {}
     while eng.has_unfinished():
         for o in eng.step():
