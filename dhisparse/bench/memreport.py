@@ -221,7 +221,7 @@ def _how(comp: str, r: dict, cfg: ModelConfig, page_size: int, hot_rows: int, pa
     L, F, n = cfg.num_layers, len(cfg.full_layers), r["context"]
     W, Wi = (PAPER_LATENT_ROW, PAPER_INDEX_ROW) if paper else (r["latent_row_bytes"], r["index_row_bytes"])
     pb = L * page_size * W
-    ips = max(1, pb // (F * Wi))
+    ips = KVArena.keys_per_index_page(pb, F, Wi, 1)  # bytes: itemsize 1
     if comp == "latent_history":
         return f"{cdiv(n, page_size)} pages x {page_size} positions x {L} layers x {W} B"
     if comp == "hot_cache":

@@ -19,7 +19,8 @@ A layer's row space is `latent[:, layer]` ([P, page_size, W], strided); location
 
 FP8 index keys are split within a page slot, as SGLang's and DeepSeek's indexer caches keep them:
 the ips keys' e4m3 values first (128 B each, 16-B aligned: the indexer kernel reads them with
-vector loads), then their fp32 scales. A key is still 132 B of the page (`formats.index.width`).
+vector loads), then their fp32 scales. ips is rounded down so every slot starts 16-B aligned
+(`keys_per_index_page`). A key is still 132 B of the page (`formats.index.width`).
 
   index region of page p, slot f  [ips * Wi bytes]
   | key 0 values | key 1 values | ... | key ips-1 values | scale 0 | scale 1 | ... | scale ips-1 |
@@ -27,6 +28,8 @@ vector loads), then their fp32 scales. A key is still 132 B of the page (`format
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -54,7 +57,7 @@ class KVArena:
         L, d = cfg.num_layers, self.formats.latent.width
         F, di = len(self.layout.index_layers), self.formats.index.width
         self.page_elems = L * page_size * d
-        self.index_page_size = max(1, self.page_elems // (F * di))
+        self.index_page_size = self.keys_per_index_page(self.page_elems, F, di, self.formats.storage_dtype.itemsize)
         self.storage = torch.zeros(num_pages, self.page_elems, device=device, dtype=dtype)
         self.latent = self.storage.view(num_pages, L, page_size, d)
         ips = self.index_page_size
@@ -68,6 +71,17 @@ class KVArena:
             self.index = self.index_pages.view(num_pages, F, ips, di)
         self.index_slot = {layer: j for j, layer in enumerate(self.layout.index_layers)}
         self.pool = PagePool(num_pages, "kv pages")
+
+    @staticmethod
+    def keys_per_index_page(page_elems: int, slots: int, key_width: int, itemsize: int) -> int:
+        """ips: index keys per page slot, the most that fit with every slot starting 16-B aligned
+        (ips * key_width * itemsize a multiple of 16 where the page holds more than one such
+        group). A misaligned slot costs the indexer kernel its vector loads: at GLM-5's shape FP8
+        keys (132 B) gave ips 1181, so slots 1, 3, ... started off 16 B and scoring ran ~10x slower
+        than bf16 on the H200 (step_profile, 100K C21, session 17)."""
+        n = max(1, page_elems // (slots * key_width))
+        unit = 16 // math.gcd(16, key_width * itemsize)  # keys per 16-B-aligned group
+        return n - n % unit if n >= unit else n
 
     @staticmethod
     def page_bytes(cfg: RowGeometry | ModelConfig, page_size: int, row_bytes: int) -> int:
