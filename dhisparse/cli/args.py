@@ -176,6 +176,9 @@ FLAGS: list[Flag] = [
          "forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it",
          choices=("auto", "none", "ffn", "layer", "step")),
     Flag("--copy-stream", "copy_stream", help_="adaptive on CUDA: where page copies run", choices=("side", "compute")),
+    Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
+         "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",
+         choices=("compute", "side")),
     Flag("--load-stream", "load_stream", help_="CUDA: where admission copies (prefix import, hisparse hand-off) run",
          choices=("compute", "side")),
     Flag("--speculative-algorithm", "speculative_algorithm",

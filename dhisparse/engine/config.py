@@ -69,6 +69,11 @@ class EngineConfig:
         width), instead of on first use while serving; costs start-up time per engine.
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
+    prefetch_stream [--prefetch-stream]: where a selection group's follower layers copy their
+        missed rows on CUDA (kv/hier/prefetch.py): "compute" (default: one layered copy of every
+        layer of the group by the producer, before its attention) or "side" (HiSparse's layer-wise
+        prefetch: each follower's copy on a side stream, waited on by that follower alone, so it
+        runs under the intervening layers' compute).
     load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
         host -> device; hisparse's hand-off backup device -> host): "compute" (default: in stream
         order on the compute stream; the batch waits, the request does not) or "side" (side
@@ -133,6 +138,7 @@ class EngineConfig:
     decode_pages: str = "optional"
     copy_stream: str = "side"
     load_stream: str = "compute"
+    prefetch_stream: str = "compute"
     cuda_graphs: str = "auto"
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
@@ -178,7 +184,7 @@ class EngineConfig:
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
         if self.cuda_graphs not in ("auto", "none", "ffn", "layer", "step"):
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
-        for name in ("copy_stream", "load_stream"):
+        for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
         if self.admission_lookahead < 0 or not self.admission_age_bound_s >= 0:
@@ -244,7 +250,7 @@ class EngineConfig:
             preset=self.base_preset, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows,
             source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
-            load_stream=self.load_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
+            load_stream=self.load_stream, prefetch_stream=self.prefetch_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,
             max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,

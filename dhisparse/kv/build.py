@@ -55,6 +55,7 @@ class StoreSettings:
     resolver      auto | torch | triton
     copy_stream   adaptive's backup / repopulation copies: side | compute
     load_stream   admission copies (prefix import, hand-off backup): compute | side
+    prefetch_stream  follower layers' copies of a shared selection: compute | side (kv/hier/prefetch.py)
     reserve_pages, reclaim_order, repopulate_pages, backup_ahead_pages: adaptive residency
     max_running   request slots; max_queries: tokens a request verifies per pass (K_max, 1 = none)
     debug         integrity / selection checks
@@ -70,6 +71,7 @@ class StoreSettings:
     resolver: str = "auto"
     copy_stream: str = "side"
     load_stream: str = "compute"
+    prefetch_stream: str = "compute"
     reserve_pages: int | None = None  # None: AdaptiveKV.default_reserve
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
@@ -183,7 +185,7 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
                      pin=arena.device.type == "cuda")
     r = resolver_for(s.resolver, arena.device)
     kw = dict(plan_fn=r.plan_fn, copy_fn=r.copy_fn, deferred=r.deferred, debug=s.debug, max_queries=s.max_queries,
-              side_loads=s.load_stream == "side", max_len=max_len, source_hot_rows=per, **extra)
+              side_loads=s.load_stream == "side", prefetch=s.prefetch_stream, max_len=max_len, source_hot_rows=per, **extra)
     args = (arena, host, hot, s.max_running)
     if s.preset == "hisparse":
         return hier_cls(*args, **kw)

@@ -21,6 +21,7 @@ CSA source, its own arena layer, with no followers):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -157,15 +158,25 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
     (by the producer: the call's counters and every layer's bytes). A deferred plan's copies for
     a whole group of consecutive layers are launched once, by the producer: followers would copy
     the same rows into their own row spaces, and nothing reads a follower's victim rows before
-    the follower itself runs in this pass. Staged rows share one buffer across layers, so each
+    the follower itself runs in this pass. With `kv.prefetch` (prefetch_stream "side") the
+    producer copies its own rows and issues each follower's on the side stream; a follower waits
+    for its own copy. Staged rows share one buffer across layers, so each
     layer still stages its own. zero: a 0-d int64 device tensor (the bytes of a direct call)."""
     if isinstance(plan, DirectPlan):
         if producer and plan.counts is not None:  # None: counted on the host for the whole pass
             kv.census.add_device(plan.counts, zero if zero is not None else plan.counts.new_zeros(()))  # nothing copied
         return
     if plan.deferred:
-        span = kv.group_span[kv.group_of[layer]]
-        if span is None:
+        g = kv.group_of[layer]
+        span = kv.group_span[g]
+        if kv.prefetch is not None and kv.followers[g]:  # layer-wise prefetch (kv/hier/prefetch.py)
+            if producer:
+                launch_copies(plan, kv.host.layer_rows(layer), rows)
+                kv.prefetch.issue({f: partial(launch_copies, plan, kv.host.layer_rows(f), kv.arena.latent_rows(f))
+                                   for f in kv.followers[g]})
+            else:
+                kv.prefetch.wait(layer)
+        elif span is None:
             launch_copies(plan, kv.host.layer_rows(layer), rows)
         elif producer:  # one layered launch copies the rows of every layer of the group
             launch_copies(plan, kv.host.rows[:, span], kv.arena.latent[:, span])

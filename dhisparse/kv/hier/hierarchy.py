@@ -33,6 +33,7 @@ from dhisparse.kv.memory.host import HostStore
 from dhisparse.kv.memory.copies import page_runs
 from dhisparse.kv.memory.loads import make_loads
 from dhisparse.kv.memory.pool import PoolUsage
+from dhisparse.kv.hier.prefetch import make_prefetch
 from dhisparse.kv.hier.prefix_pages import PrefixPages
 from dhisparse.kv.resident.store import ResidentKV
 from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
@@ -73,13 +74,16 @@ class HierarchicalKV(KVStore):
 
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
-                 side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None) -> None:
+                 side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None,
+                 prefetch: str = "compute") -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
         union rows that do not fit the hot cache. max_len: the longest request (prompt + output);
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
         side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py).
+        prefetch: "compute" or "side": where follower layers copy a deferred plan's rows
+        (kv/hier/prefetch.py; "side" takes effect on CUDA only).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
         resolver: kv/build.py's `Resolver`). source_hot_rows: one hot-cache budget B_g per selection
         group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
@@ -122,6 +126,9 @@ class HierarchicalKV(KVStore):
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = deferred  # plan(defer=True) never waits for the device
+        self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
+        self.followers = [[l for l in sorted(self.group_of) if self.group_of[l] == i and l != p]
+                          for i, p in enumerate(self.groups)]  # group -> its follower layers
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
         """One staging arena (chi = 1: layers run one after another, so the next layer reuses it

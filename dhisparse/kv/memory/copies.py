@@ -102,12 +102,17 @@ class Streams(Protocol):
 
 
 class CudaStreams:
-    """Streams over torch.cuda: one side stream per engine."""
+    """Streams over torch.cuda: one side stream per engine. "The compute stream" is the current
+    stream when `fence` / `wait` run (the default stream eagerly, the capture stream inside a CUDA
+    graph capture: kv/hier/prefetch.py issues its copies there)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compute = torch.cuda.current_stream(device)
         self.side = torch.cuda.Stream(device)
+
+    @property
+    def compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
     def fence(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
