@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -119,6 +119,12 @@ case ",$STEPS," in *,fp8profile100k,*)  # issue 25: where a 100K k 2048 step goe
     run "decode-step profile, 100K k 2048, C$C, --kv-cache-dtype $KV" timeout 200 python3 bench/step_profile.py --model glm52-scaled \
         --input-len 102400 --concurrency $C --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype $KV \
         --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c${C}_${KV}_h200.json"
+  done ;; esac
+case ",$STEPS," in *,prefetch100k,*)  # issue 26 item 2 (+ issue 25's indexer fix): FP8 100K k 2048 C47, follower copies with the producer vs layer-wise on a side stream (~4 min)
+  for PF in compute side; do
+    run "decode-step profile, 100K k 2048, C47, FP8, --prefetch-stream $PF" timeout 200 python3 bench/step_profile.py --model glm52-scaled \
+        --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 --prefetch-stream $PF \
+        --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c47_fp8_prefetch_${PF}_h200.json"
   done ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \

@@ -52,6 +52,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--steps", type=int, default=10); a("--warmup", type=int, default=4)
     a("--kv-pool-gib", type=float, default=40.0); a("--host-pool-gib", type=float, default=40.0)
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
+    a("--prefetch-stream", default="compute", choices=("compute", "side"),
+      help="follower layers' copies: with the producer's (compute) or layer-wise on a side stream (side)")
     a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="stored row format (auto, bfloat16, fp8_e4m3: 656-B rows)")
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions (and CUDA kernels) listed per preset")
@@ -87,7 +89,7 @@ def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
-                        cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype)
+                        cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype, prefetch_stream=ns.prefetch_stream)
 
 
 def placeholder_reference(prompt: list[int]) -> list[int]:

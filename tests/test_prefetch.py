@@ -138,3 +138,16 @@ def test_a_follower_that_does_not_wait_reads_stale_rows(monkeypatch, reference):
     monkeypatch.setattr(LayerPrefetch, "wait", lambda self, layer: self.pending.pop(layer, None))
     with pytest.raises(AssertionError):
         model.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real side stream needs CUDA")
+@pytest.mark.parametrize("graphs", ["none", "step"])
+def test_side_stream_prefetch_on_cuda_is_exact(graphs, reference):
+    """The real thing: CUDA side stream and events, eager and inside whole-step graphs (the side
+    branch forks from and joins back into the capture stream within the pass)."""
+    model = checked(LLM("tiny", preset="hisparse", page_size=4, hot_cache_rows=16, cuda_graphs=graphs,
+                        prefetch_stream="side", device="cuda"))
+    pf = model.engine.store.prefetch
+    assert isinstance(pf, LayerPrefetch)
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert pf.issued > 0 and not pf.pending
