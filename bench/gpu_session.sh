@@ -94,8 +94,8 @@ case ",$STEPS," in *,fp8kernels,*)  # issue 25: sparse-MLA attention and indexer
 case ",$STEPS," in *,fp8test,*)  # issue 25: the FP8 tests on CUDA (~1 min)
   run "FP8 KV tests on CUDA" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_fp8.py -rfE ;; esac
 case ",$STEPS," in *,fp8serving100k,*)  # issue 25: 100K, k 2048, C48, FP8 rows then bf16 rows in one pool (bf16's) and 64 slots (~8 min)
-  for KV in fp8_e4m3 auto; do
-    run "serving at 100K, k 2048, C48, --kv-cache-dtype $KV, pool 27.4 GiB" timeout 290 python3 bench/gpu_serving.py \
+  for KV in ${SERVE_KVS:-fp8_e4m3 auto}; do  # SERVE_KVS: one format per call where a call cannot hold both
+    run "serving at 100K, k 2048, C48, --kv-cache-dtype $KV, pool 27.4 GiB" timeout ${SERVE_TIMEOUT:-290} python3 bench/gpu_serving.py \
         --model glm52-scaled --input-len 102400 --output-len 512 --resident-fit 3 --host-pool-gib 24 --concurrency 48 \
         --presets hisparse,adaptive,adaptive+spec --duration 15 --distinct-suffixes 8 --force --kv-cache-dtype $KV \
         --engine-arg kv_pool_bytes=29438263296 --engine-arg max_running_requests=64 \
