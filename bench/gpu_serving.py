@@ -291,7 +291,8 @@ def write(ns, sz, est, t0, runs):
     result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[f"+spec presets use the ORACLE drafter (measurement tool), calibrated to "
                                  f"{ns.spec_tokens_per_round} tokens/round at width {ns.spec_width}" if ns.drafter == "oracle"
-                                 else f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)"])
+                                 else f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)"],
+                          commit=R.source_commit())
     return R.write_json(result, ns.out), ratios
 
 
