@@ -131,3 +131,24 @@ def test_deferred_staging_matches_reference_staging(preset):
         census[resolver] = llm.engine.store.census
     if preset == "hisparse":  # adaptive keeps these short histories resident: every row is direct
         assert census["torch"].overflow > 0 and census["triton"].overflow > 0
+
+
+def test_staging_rows_are_a_view_of_their_pool_pages():
+    """The verification staging arena lives in the pages the pool holds for it (one allocation,
+    counted once): its rows are a view of those pages' storage, so a staged row lands in the
+    arena's bytes. (Breakage tried: a separate `torch.zeros` staging tensor, as before: fails.)"""
+    from dhisparse.kv.memory.arena import KVArena
+    from dhisparse.kv.memory.host import HostStore
+    from dhisparse.models.tiny import tiny_config
+
+    cfg = tiny_config()
+    arena = KVArena(cfg, 64, 4, "cpu", torch.float32)
+    host = HostStore(16, cfg.num_layers, 4, arena.row_width, arena.dtype, pin=False)
+    kv = HierarchicalKV(arena, host, 16, 3, max_queries=4)
+    pages = arena.pool.owned_by("staging")
+    assert pages == list(range(len(pages))) and kv.stage.shape == (1, 3 * 4 * cfg.index_topk, arena.row_width)
+    assert kv.stage.untyped_storage().data_ptr() == arena.storage.untyped_storage().data_ptr()
+    kv.stage[0, 5] = 7.0
+    assert torch.equal(arena.storage[pages[0]].view(-1)[5 * arena.row_width : 6 * arena.row_width],
+                       torch.full((arena.row_width,), 7.0))
+    kv.check_integrity()

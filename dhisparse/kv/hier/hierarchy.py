@@ -51,6 +51,14 @@ class ReqKV:
     tail_start: int = 0
 
 
+def _page_run(storage: torch.Tensor, pages: list[int]) -> torch.Tensor:
+    """The flat storage [len(pages) * page_elems] of consecutive `pages` of an arena's storage
+    [P, page_elems] (a view: no copy, no new allocation)."""
+    if pages != list(range(pages[0], pages[0] + len(pages))):
+        raise RuntimeError(f"staging needs consecutive pages, got {pages[:4]}...: build it before other allocations")
+    return storage[pages[0] : pages[0] + len(pages)].reshape(-1)
+
+
 def _span(layers: list[int], producer: int) -> slice | None:
     """slice(first, last + 1) of a group whose layers are consecutive and start at its producer
     (one layered copy serves the whole group), else None (each layer copies its own rows)."""
@@ -133,12 +141,14 @@ class HierarchicalKV(KVStore):
     def _build_staging(self, slots: int, max_queries: int) -> None:
         """One staging arena (chi = 1: layers run one after another, so the next layer reuses it
         after the previous layer's attention finished) of K_max * k rows per request slot
-        (eq. 11). It is a required allocation: its bytes are taken from the pool as pages."""
+        (eq. 11). It is a required allocation, and it lives in the pool's own pages: the rows
+        [1, slots * K_max * k, W] are a view of the permanent pages' storage (consecutive pages,
+        taken first from a fresh pool), so its bytes are counted once and allocated once."""
         a = self.arena
         per_slot = max_queries * a.cfg.index_topk
-        self.stage = torch.zeros(1, slots * per_slot, a.row_width, dtype=a.dtype, device=self.device)
-        nbytes = self.stage.numel() * self.stage.element_size()
-        self.pool.alloc_permanent("staging", cdiv(nbytes, a.page_nbytes))
+        n = slots * per_slot * a.row_width  # storage elements
+        pages = self.pool.alloc_permanent("staging", cdiv(n, a.page_elems))
+        self.stage = _page_run(a.storage, pages)[:n].view(1, slots * per_slot, a.row_width)
         base = torch.arange(slots * per_slot, dtype=torch.int64, device=self.device).view(slots, per_slot)
         self.stage_loc = SPACE + base
 
@@ -198,7 +208,9 @@ class HierarchicalKV(KVStore):
         self.pool.check_integrity()
         self.host.check_integrity()
         if self.stage is not None:
-            assert len(self.pool.owned_by("staging")) * self.arena.page_nbytes >= self.stage.numel() * self.stage.element_size()
+            pages = self.pool.owned_by("staging")
+            assert len(pages) * self.arena.page_nbytes >= self.stage.numel() * self.stage.element_size()
+            assert self.stage.data_ptr() == self.arena.storage[min(pages)].data_ptr(), "staging is not its pages' storage"
         for req, st in self.reqs.items():
             held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
             assert sorted(self.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"
