@@ -7,6 +7,12 @@
                                                      checkpoint our loader reads, loss curves,
                                                      held-out bits per byte dense vs sparse
 
+    python -m dhisparse.train mtp --model DIR [--steps N --device cuda]
+                                                     the MTP block (train/mtp.py) on the frozen
+                                                     target's hidden states, written into DIR;
+                                                     held-out next-next-token accuracy, and the
+                                                     engine's acceptance with --speculative-algorithm mtp
+
 `--max-files N` is the CPU smoke mode (the first N files of the corpus)."""
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
 
-from dhisparse.train import dsa
+from dhisparse.train import dsa, mtp
 from dhisparse.train.corpus import Corpus
 from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
 
@@ -48,9 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--heldout", type=float, default=0.05)
     m.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
     m.add_argument("--max-heldout-bytes", type=int, default=200_000, help="held-out text evaluated (bits per byte)")
+    q = sub.add_parser("mtp", help="the MTP block, trained on the frozen target and written into its folder")
+    q.add_argument("--model", required=True, help="a folder written by the model stage (changed in place)")
+    q.add_argument("--steps", type=int, default=1000)
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--batch", type=int, default=32)
+    q.add_argument("--lr", type=float, default=3e-3)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--heldout", type=float, default=0.05)
+    q.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
+    q.add_argument("--max-heldout-bytes", type=int, default=200_000)
+    q.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts served with the block as drafter")
+    q.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens generated per evaluation prompt")
     ns = p.parse_args(argv)
     if ns.stage == "model":
         return model_stage(ns, argv)
+    if ns.stage == "mtp":
+        return mtp_stage(ns, argv)
     t0 = time.perf_counter()
     try:
         corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
@@ -103,6 +125,40 @@ def model_stage(ns, argv) -> int:
               "sparse_over_dense": sparse_bpb / dense_bpb, "seconds": round(time.perf_counter() - t0, 1)}
     (Path(ns.out) / "model_record.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("params", "heldout_bits_per_byte", "sparse_over_dense", "seconds")}))
+    return 0
+
+
+def mtp_stage(ns, argv) -> int:
+    t0 = time.perf_counter()
+    folder = Path(ns.model)
+    try:
+        corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        target = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").to(ns.device).eval()
+    except Exception as e:  # noqa: BLE001 - a bad folder / corpus is the user's (tokenizers / transformers raise plain errors)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    topk = target.config.index_topk
+    train = torch.tensor(tok.encode(Corpus.text(corpus.train)).ids)
+    held_text = Corpus.text(corpus.heldout)[: ns.max_heldout_bytes]
+    held = torch.tensor(tok.encode(held_text).ids)
+    block = mtp.build_block(target, ns.seed)
+    before = mtp.accuracy(target, block, held, ns.seq_len, topk)
+    r = mtp.train_block(target, block, train, ns.steps, seq_len=ns.seq_len, batch=ns.batch, lr=ns.lr, topk=topk,
+                        seed=ns.seed)
+    after = mtp.accuracy(target, block, held, ns.seq_len, topk)
+    mtp.write_mtp(folder, block)
+    g = torch.Generator().manual_seed(ns.seed)
+    starts = torch.randint(0, max(1, held.numel() - 129), (ns.eval_prompts,), generator=g).tolist()
+    prompts = [held[s : s + 128].tolist() for s in starts]
+    served = mtp.engine_acceptance(folder, prompts, ns.eval_tokens, ns.device)
+    record = {"stage": "mtp", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
+              "corpus": corpus.manifest(), "device": ns.device, "steps": r.steps, "loss": r.loss,
+              "params": sum(p.numel() for p in block.parameters()), "window": block.tcfg.index_topk,
+              "heldout_next_next": {"untrained": before, "trained": after}, "served": served,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    (folder / "mtp_record.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({"trained_top1": after["top1"], "served": served, "seconds": record["seconds"]}))
     return 0
 
 
