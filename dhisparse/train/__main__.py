@@ -13,6 +13,9 @@
                                                      held-out next-next-token accuracy, and the
                                                      engine's acceptance with --speculative-algorithm mtp
 
+    python -m dhisparse.train evaluate --model DIR   greedy completions of 20 held-out signatures
+                                                     (the share that ast.parse accepts), curves.png
+
 `--max-files N` is the CPU smoke mode (the first N files of the corpus)."""
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from dhisparse.train import dsa, mtp
+from dhisparse.train import dsa, evaluate, mtp
 from dhisparse.train.corpus import Corpus
 from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
 
@@ -68,7 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--max-heldout-bytes", type=int, default=200_000)
     q.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts served with the block as drafter")
     q.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens generated per evaluation prompt")
+    e = sub.add_parser("evaluate", help="greedy completions of held-out signatures (ast.parse share) and the curves")
+    e.add_argument("--model", required=True, help="a trained model folder (its records are plotted)")
+    e.add_argument("--signatures", type=int, default=20)
+    e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--heldout", type=float, default=0.05)
+    e.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
+    e.add_argument("--plot", default=None, help="PNG of the training curves (default: the model folder's curves.png)")
     ns = p.parse_args(argv)
+    if ns.stage == "evaluate":
+        return evaluate_stage(ns, argv)
     if ns.stage == "model":
         return model_stage(ns, argv)
     if ns.stage == "mtp":
@@ -159,6 +172,21 @@ def mtp_stage(ns, argv) -> int:
               "seconds": round(time.perf_counter() - t0, 1)}
     (folder / "mtp_record.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({"trained_top1": after["top1"], "served": served, "seconds": record["seconds"]}))
+    return 0
+
+
+def evaluate_stage(ns, argv) -> int:
+    folder = Path(ns.model)
+    if not (folder / "config.json").is_file():
+        print(f"error: {folder} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
+    check = evaluate.completion_check(folder, corpus.heldout, ns.signatures, ns.max_tokens, ns.device)
+    png = evaluate.plot_curves(evaluate.load_records(folder), ns.plot or folder / "curves.png")
+    record = {"stage": "evaluate", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
+              "corpus": corpus.manifest(), "completions": check, "plot": str(png)}
+    (folder / "eval_record.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({"parsed": check["parsed"], "of": check["of"], "plot": str(png)}))
     return 0
 
 

@@ -1,0 +1,45 @@
+"""The completion check and curves of a trained model (dhisparse/train/evaluate.py)."""
+
+from __future__ import annotations
+
+import json
+
+from dhisparse.train import evaluate
+from dhisparse.train.corpus import Corpus, CorpusFile
+
+
+def test_body_of_keeps_the_indented_lines_and_stops_at_the_next_statement():
+    sig = "    def area(self, r):"
+    completion = "\n        return r * r\n\n    def other(self):\n        pass"
+    assert evaluate.body_of(sig, completion) == "        return r * r"
+    assert evaluate.parses(sig, completion)
+    assert not evaluate.parses(sig, "\n    def other(self):\n        pass")  # no body: not a completion
+    assert not evaluate.parses("def f(x):", "\n    return (x +")  # unbalanced: does not parse
+    assert evaluate.parses("def f(x):", '\n    """Doc."""\n    if x:\n        return 1\n\n    return 2\nclass A: pass')
+
+
+def test_signatures_are_fixed_and_spread_over_files():
+    files = [CorpusFile(f"m{i}.py", f"def a{i}(x):\n    pass\n\nclass C:\n    def b{i}(self, y) -> int:\n        return 1\n")
+             for i in range(5)]
+    sigs = evaluate.signatures(files, 7)
+    assert len(sigs) == 7 and sigs == evaluate.signatures(list(reversed(files)), 7)
+    assert len({s.strip().split("(")[0][-1] for s in sigs[:5]}) == 5  # the first five: one per file
+    assert all(evaluate.SIGNATURE.fullmatch(s) for s in sigs)
+
+
+def test_the_evaluate_stage_writes_completions_and_curves(tmp_path):
+    from dhisparse.train.__main__ import main
+
+    assert main(["tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "400", "--max-files", "12",
+                 "--heldout", "0.2"]) == 0
+    assert main(["model", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "m"), "--max-files", "12",
+                 "--heldout", "0.2", "--steps-dense", "4", "--steps-warmup", "2", "--steps-sparse", "2", "--seq-len",
+                 "64", "--batch", "2", "--topk", "16", "--max-heldout-bytes", "2000"]) == 0
+    assert main(["evaluate", "--model", str(tmp_path / "m"), "--max-files", "12", "--heldout", "0.2",
+                 "--signatures", "3", "--max-tokens", "8"]) == 0
+    record = json.loads((tmp_path / "m" / "eval_record.json").read_text())
+    c = record["completions"]
+    assert c["of"] == 3 and 0 <= c["parsed"] <= 3 and len(c["samples"]) == 3
+    assert (tmp_path / "m" / "curves.png").stat().st_size > 1000
+    assert main(["evaluate", "--model", str(tmp_path / "absent")]) == 2
+    assert len(Corpus.build(max_files=12, share=0.2).heldout) > 0
