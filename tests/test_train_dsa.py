@@ -77,12 +77,9 @@ def test_the_model_stage_writes_a_checkpoint_and_a_record(tmp_path):
     import json
 
     from dhisparse.train.__main__ import main
+    from train_fixtures import cli_model
 
-    assert main(["tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "400", "--max-files", "12",
-                 "--heldout", "0.2"]) == 0
-    assert main(["model", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "m"), "--max-files", "12",
-                 "--heldout", "0.2", "--steps-dense", "4", "--steps-warmup", "2", "--steps-sparse", "2", "--seq-len",
-                 "64", "--batch", "2", "--topk", "16", "--max-heldout-bytes", "2000"]) == 0
+    cli_model(tmp_path)
     record = json.loads((tmp_path / "m" / "model_record.json").read_text())
     assert [s["stage"] for s in record["stages"]] == ["dense", "warmup", "sparse"]
     assert record["heldout_bits_per_byte"]["dense"] > 0 and record["config"]["index_topk"] == 16

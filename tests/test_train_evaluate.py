@@ -29,17 +29,13 @@ def test_signatures_are_fixed_and_spread_over_files():
 
 def test_the_evaluate_stage_writes_completions_and_curves(tmp_path):
     from dhisparse.train.__main__ import main
+    from train_fixtures import SMOKE, cli_model
 
-    assert main(["tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "400", "--max-files", "12",
-                 "--heldout", "0.2"]) == 0
-    assert main(["model", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "m"), "--max-files", "12",
-                 "--heldout", "0.2", "--steps-dense", "4", "--steps-warmup", "2", "--steps-sparse", "2", "--seq-len",
-                 "64", "--batch", "2", "--topk", "16", "--max-heldout-bytes", "2000", "--save-dtype", "bfloat16"]) == 0
+    cli_model(tmp_path, "--save-dtype", "bfloat16")
     saved = json.loads((tmp_path / "m" / "model_record.json").read_text())["saved_weights_bits_per_byte"]
     assert saved["dtype"] == "bfloat16" and saved["sparse"] > 0
     assert json.loads((tmp_path / "m" / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
-    assert main(["evaluate", "--model", str(tmp_path / "m"), "--max-files", "12", "--heldout", "0.2",
-                 "--signatures", "3", "--max-tokens", "8"]) == 0
+    assert main(["evaluate", "--model", str(tmp_path / "m"), *SMOKE, "--signatures", "3", "--max-tokens", "8"]) == 0
     record = json.loads((tmp_path / "m" / "eval_record.json").read_text())
     c = record["completions"]
     assert c["of"] == 3 and 0 <= c["parsed"] <= 3 and len(c["samples"]) == 3

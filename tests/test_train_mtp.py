@@ -13,18 +13,16 @@ from dhisparse import SamplingParams
 from dhisparse.engine.llm import LLM
 from dhisparse.spec.mtp_io import build_module
 from dhisparse.train import dsa, mtp
-from dhisparse.train.corpus import Corpus
-from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
+from dhisparse.train.tokenizer import save_tokenizer
 from test_train_dsa import SEQ, SMALL
+from train_fixtures import SMOKE, cli_model, smoke_corpus
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     torch.set_num_threads(1)
-    corpus = Corpus.build(max_files=12, share=0.2)
-    tok = train_tokenizer([f.text for f in corpus.train], 400)
-    train = torch.tensor(tok.encode(Corpus.text(corpus.train)).ids[:20000])
-    held = torch.tensor(tok.encode(Corpus.text(corpus.heldout)[:4000]).ids)
+    tok, train, held_text = smoke_corpus()
+    held = torch.tensor(tok.encode(held_text[:4000]).ids)
     model = dsa.build_model(dsa.small_config(tok.get_vocab_size(), **SMALL), seed=0)
     dsa.train_stage(model, "dense", train, 40, seq_len=SEQ, batch=4, log_every=5)
     model.eval()
@@ -83,12 +81,8 @@ def test_the_written_block_is_the_trained_block_and_serves_exactly(trained, tmp_
 def test_the_mtp_stage_cli(tmp_path):
     from dhisparse.train.__main__ import main
 
-    assert main(["tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "400", "--max-files", "12",
-                 "--heldout", "0.2"]) == 0
-    assert main(["model", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "m"), "--max-files", "12",
-                 "--heldout", "0.2", "--steps-dense", "4", "--steps-warmup", "2", "--steps-sparse", "2", "--seq-len",
-                 "64", "--batch", "2", "--topk", "16", "--max-heldout-bytes", "2000"]) == 0
-    assert main(["mtp", "--model", str(tmp_path / "m"), "--max-files", "12", "--heldout", "0.2", "--steps", "4",
+    cli_model(tmp_path)
+    assert main(["mtp", "--model", str(tmp_path / "m"), *SMOKE, "--steps", "4",
                  "--seq-len", "64", "--batch", "2", "--max-heldout-bytes", "2000", "--eval-prompts", "2",
                  "--eval-tokens", "6"]) == 0
     record = json.loads((tmp_path / "m" / "mtp_record.json").read_text())

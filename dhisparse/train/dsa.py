@@ -132,6 +132,19 @@ def batches(tokens: torch.Tensor, seq_len: int, batch: int, seed: int):
         yield torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list, clip: float = 1.0) -> None:
+    """One update of `params` on `loss`: fresh gradients, clipped to norm `clip`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
+def logged(step: int, steps: int, every: int) -> bool:
+    """Whether a loss curve records step `step` of `steps` (every `every` steps, and the last)."""
+    return step % every == 0 or step == steps - 1
+
+
 def train_stage(model, stage: str, tokens: torch.Tensor, steps: int, *, seq_len: int = 256, batch: int = 8,
                 lr: float = 3e-3, topk: int = 64, seed: int = 0, log_every: int = 10) -> StageResult:
     """Run one stage (see the module docstring) on `tokens` [N] (int64); returns its loss curves."""
@@ -155,11 +168,8 @@ def train_stage(model, stage: str, tokens: torch.Tensor, steps: int, *, seq_len:
             lm = F.cross_entropy(out.logits.float().flatten(0, 1), xb[:, 1:].flatten())
             kl = indexer_kl(model, catch, out.attentions, stage == "sparse") if stage != "dense" else lm * 0
             loss = (lm if stage != "warmup" else 0) + kl
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            if step % log_every == 0 or step == steps - 1:
+            optimizer_step(opt, loss, params)
+            if logged(step, steps, log_every):
                 result.lm_loss.append(round(float(lm.detach()), 4))
                 result.kl_loss.append(round(float(kl.detach()), 4))
     finally:

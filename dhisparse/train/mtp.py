@@ -39,7 +39,7 @@ from dhisparse.kernels.backend import configure, settings
 from dhisparse.layers import rope as rope_module
 from dhisparse.spec.mtp_io import checkpoint_tensors
 from dhisparse.spec.mtp_model import MtpModule
-from dhisparse.train.dsa import batches, set_topk
+from dhisparse.train.dsa import batches, logged, optimizer_step, set_topk
 
 MTP_SHARD = "model-mtp.safetensors"
 
@@ -110,11 +110,8 @@ def train_block(model, block: MtpModule, tokens: torch.Tensor, steps: int, *, se
         for step, xb in zip(range(steps), batches(tokens, seq_len + 1, batch, seed)):
             xb = xb.to(device)
             loss = F.cross_entropy(block_logits(model, block, xb, topk), xb[:, 2:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            if step % log_every == 0 or step == steps - 1:
+            optimizer_step(opt, loss, params)
+            if logged(step, steps, log_every):
                 result.loss.append(round(float(loss.detach()), 4))
     block.eval()
     return result
