@@ -11,7 +11,8 @@ same values are stored as 1,152-B bf16 rows and as 656-B FP8 rows (core/kvformat
 kernel dequantizes in the kernel, once per way of applying the per-tile scales (reshape, select,
 gather, which agree bit for bit, and fold, which scales per-tile scores and p instead of the values:
 DHISPARSE_FP8_SCALES). Indexer: one full layer's scoring of T queries against --index-len
-keys per request (8 heads x 128), bf16 256-B keys vs FP8 132-B keys. On CUDA every time is the
+keys per request (8 heads x 128), bf16 256-B keys vs FP8 132-B keys, stored in a page slot of a
+KVArena as the engine stores them (`--key-layout arena`, the default). On CUDA every time is the
 median replay of a CUDA graph of --graph calls (Python launch cost excluded, as in the engine's
 step graphs), L2 not flushed between calls (rows of k = 2,048 x 16 requests exceed the 60 MB L2 in
 bf16, not always in FP8: the FP8 advantage includes that). Each row reports fp8 / bf16 measured in
@@ -47,6 +48,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--topk", type=int, default=2048); a("--pages", type=int, default=16384); a("--page-size", type=int, default=64)
     a("--index-heads", type=int, default=8); a("--index-dim", type=int, default=128)
     a("--index-len", type=int, default=32768, help="keys per request scored by the indexer")
+    a("--key-layout", default="arena", choices=("arena", "contiguous"),
+      help="index keys in a KVArena page slot as the engine stores them, or one contiguous block")
+    a("--index-model", default="glm52-scaled", help="the layer layout of --key-layout arena")
+    a("--index-slot", type=int, default=1, help="which full layer's slot of the page holds the keys")
     a("--reps", type=int, default=15); a("--warmup", type=int, default=3); a("--graph", type=int, default=10)
     a("--quick", action="store_true", help="tiny shapes on CPU under the interpreter")
     a("--out", default="bench/results/fp8_kernels.json")
@@ -111,20 +116,47 @@ def attention_runs(ns, dev, dtype, cuda, g) -> list[dict]:
     return runs
 
 
+def index_keys(ns, kv: str, keys, dev, dtype):
+    """keys [n * L, D] stored as the engine stores them -> (table rows, scales, row format or None).
+    --key-layout arena: written into index slot --index-slot of a KVArena at --index-model's layer
+    layout (the engine's page slots: their alignment is the arena's, `keys_per_index_page`);
+    contiguous: one [n*L/ips, ips, W] block per format, always 16-B aligned (the fifteenth round's
+    layout, which hid the misaligned slots)."""
+    from dhisparse.core.kvformat import KVFormats
+    from dhisparse.kv.memory.arena import KVArena
+    from dhisparse.models.scaled import scaled_config
+    from dhisparse.models.tiny import tiny_config
+
+    D = keys.shape[1]
+    if ns.key_layout == "arena":
+        cfg = tiny_config() if ns.quick else scaled_config(ns.index_model)
+        cfg = cfg.with_updates(index_head_dim=D)
+        fmts = KVFormats.of_model(kv, cfg, dtype)
+        probe = KVArena(cfg, 1, ns.page_size, "meta", dtype, fmts)
+        arena = KVArena(cfg, -(-keys.shape[0] // probe.index_page_size), ns.page_size, dev, dtype, fmts)
+        layer = arena.layout.index_layers[ns.index_slot % len(arena.layout.index_layers)]
+        loc = torch.arange(keys.shape[0], device=dev)
+        for a in range(0, keys.shape[0], 1 << 16):
+            arena.write_index(layer, loc[a : a + (1 << 16)], fmts.index.encode(keys[a : a + (1 << 16)]))
+        vals, scales = arena.index_spaces(layer)
+        return vals, scales, fmts.index if fmts.index.fp8 else None
+    fmt = KVFormats.mla("fp8_e4m3", ns.latent + ns.rope, ns.rope, D, dtype).index
+    ips = 64 if keys.shape[0] % 64 == 0 else 8
+    if kv == "auto":
+        return keys.to(dtype).view(-1, ips, D), None, None
+    enc = fmt.encode(keys).view(-1, ips, fmt.width)  # values, then scales
+    return enc[..., :D].contiguous(), enc[..., D:].contiguous(), fmt
+
+
 def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
     from dhisparse.core.batch import IndexTable
-    from dhisparse.core.kvformat import KVFormats
     from dhisparse.kernels.indexer import indexer_scores_triton
 
     D, Hi, L = ns.index_dim, ns.index_heads, ns.index_len
-    fmt = KVFormats.mla("fp8_e4m3", ns.latent + ns.rope, ns.rope, D, dtype).index
     tm, runs = Timing(ns.warmup, ns.reps, ns.graph), []
     for n in ints(ns.requests):
         keys = torch.randn(n * L, D, generator=g).to(dev)
-        ips = 64 if (n * L) % 64 == 0 else 8
-        plain = keys.to(dtype).view(-1, ips, D)
-        enc = fmt.encode(keys).view(-1, ips, fmt.width)  # the arena's split layout: values, then scales
-        fp8, fp8_scales = enc[..., :D].contiguous(), enc[..., D:].contiguous()
+        stored = {name: index_keys(ns, kv, keys, dev, dtype) for name, kv in (("bf16", "auto"), ("fp8", "fp8_e4m3"))}
         locs = torch.arange(n * L, device=dev).view(n, L)
         lens = torch.full((n,), L, device=dev)
         for K in ints(ns.widths):
@@ -134,18 +166,21 @@ def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
             req = torch.arange(n, device=dev).repeat_interleave(K)
             pos = torch.full((T,), L - 1, device=dev)
             ms, outs = {}, {}
-            for name, rows, f, sc in (("bf16", plain, None, None), ("fp8", fp8, fmt, fp8_scales)):
+            for name, (rows, sc, f) in stored.items():
                 tab = IndexTable(rows, locs, lens, f, sc)
                 fn = lambda: indexer_scores_triton(q, w, pos, req, tab, group=K)  # noqa: E731
                 outs[name] = fn()
                 ms[name] = timed(fn, tm, cuda)
             agree = float((outs["fp8"].topk(min(ns.topk, L)).indices.sort().values
                            == outs["bf16"].topk(min(ns.topk, L)).indices.sort().values).float().mean())
+            fp8_rows, fp8_scales = stored["fp8"][0], stored["fp8"][1]
             runs.append({"kernel": "indexer_scores", "requests": n, "width": K, "tokens": T, "keys": L,
-                         "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"], "fp8_over_bf16": ms["fp8"] / ms["bf16"],
-                         "key_bytes": {"bf16": D * 2, "fp8": fmt.nbytes}, "topk_position_agreement": agree})
+                         "key_layout": ns.key_layout, "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"],
+                         "fp8_over_bf16": ms["fp8"] / ms["bf16"], "fp8_values_ptr_mod16": fp8_rows.data_ptr() % 16,
+                         "fp8_scales_ptr_mod4": fp8_scales.data_ptr() % 4,
+                         "key_bytes": {"bf16": D * 2, "fp8": D + 4}, "topk_position_agreement": agree})
             print(f"indexer   n={n:3d} K={K}  bf16 {ms['bf16'] * 1e3:8.1f} us  fp8 {ms['fp8'] * 1e3:8.1f} us  "
-                  f"x{ms['fp8'] / ms['bf16']:.3f}", flush=True)
+                  f"x{ms['fp8'] / ms['bf16']:.3f}  ({ns.key_layout}, fp8 base mod 16 = {fp8_rows.data_ptr() % 16})", flush=True)
     return runs
 
 

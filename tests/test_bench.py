@@ -373,3 +373,20 @@ def test_warmup_runs_until_a_round_verified_drafts(speculative, drafts_from, bat
     loop = InProcessLoop(eng, Workload(input_len=8, output_len=100, duration_s=1.0), Phases.constant(3, 1.0))
     loop.warmup()
     assert eng.asked == [b for b in batches for _ in range(3)]  # one request per client per batch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
+def test_fp8_kernels_bench_scores_keys_where_the_engine_stores_them(tmp_path):
+    """bench/fp8_kernels.py --quick: the indexer's keys live in a KVArena page slot (the engine's
+    layout, so slot alignment is measured, not assumed), both formats agree on the top-k, and the
+    contiguous layout of the fifteenth round stays available."""
+    import json
+
+    from bench import fp8_kernels
+
+    for layout in ("arena", "contiguous"):
+        out = tmp_path / f"fp8_{layout}.json"
+        assert fp8_kernels.main(["--quick", "--key-layout", layout, "--out", str(out)]) == 0
+        idx = [r for r in json.loads(out.read_text())["runs"] if r["kernel"] == "indexer_scores"]
+        assert len(idx) == 2 and all(r["key_layout"] == layout and r["fp8_values_ptr_mod16"] == 0 for r in idx)
+        assert all(r["topk_position_agreement"] > 0.5 for r in idx)
