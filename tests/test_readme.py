@@ -48,6 +48,8 @@ def expensive(cmd: str) -> str | None:
         return "needs a checkpoint folder or a running server"
     if any(c in argv for c in ("serve", "bench", "loadstep", "plot", "demo")):
         return "serves or benchmarks for minutes"
+    if "dhisparse.train" in cmd or "m/" in argv:
+        return "trains a model for minutes on a GPU, or needs the folder it writes"
     if "dhisparse.bench.table3" in cmd:
         return "a benchmark run"
     if "bench/results/" in cmd:
