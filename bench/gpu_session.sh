@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -126,13 +126,17 @@ case ",$STEPS," in *,prefetch100k,*)  # issue 26 item 2 (+ issue 25's indexer fi
         --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 --prefetch-stream $PF \
         --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c47_fp8_prefetch_${PF}_h200.json"
   done ;; esac
-case ",$STEPS," in *,train29,*)  # issue 29: tokenizer, DSA model (bf16 weights), MTP block, completions + curves, into $OUT/tiny-code (~8 min; carry .whl: transformers)
+case ",$STEPS," in *,train29model,*)  # issue 29, call 1: tokenizer + DSA model (bf16 weights) into $OUT/tiny-code (~6 min; carry .whl only: the tree + a cache would pass 64 MiB)
   M=$OUT/tiny-code
   run "train: tokenizer" timeout 120 python3 -m dhisparse.train tokenizer --out "$M"
   run "train: model (dense, indexer warm-up, sparse)" timeout ${TRAIN_MODEL_TIMEOUT:-420} python3 -m dhisparse.train model \
       --tokenizer "$M" --out "$M" --device cuda --batch 32 --seq-len 256 --steps-dense ${STEPS_DENSE:-4000} \
-      --steps-warmup ${STEPS_WARMUP:-400} --steps-sparse ${STEPS_SPARSE:-2000} --save-dtype bfloat16
+      --steps-warmup ${STEPS_WARMUP:-400} --steps-sparse ${STEPS_SPARSE:-2000} --save-dtype bfloat16 ;; esac
+case ",$STEPS," in *,train29draft,*)  # issue 29, call 2: MTP block, DFlash2 drafter, completions + curves for the committed folder $TINY_CODE (~6 min)
+  M=$OUT/tiny-code; mkdir -p "$M"; cp -r "${TINY_CODE:?set TINY_CODE to the committed model folder}"/. "$M"/
   run "train: MTP block" timeout 200 python3 -m dhisparse.train mtp --model "$M" --device cuda --steps ${STEPS_MTP:-1500}
+  run "train: DFlash2 drafter" timeout 240 python3 -m dhisparse.train drafter --target "$M" --out "$M/dflash2" --device cuda \
+      --steps ${STEPS_DRAFTER:-2000}
   run "train: completions and curves" timeout 120 python3 -m dhisparse.train evaluate --model "$M" --device cuda ;; esac
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \

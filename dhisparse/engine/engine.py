@@ -22,6 +22,7 @@ from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import format_bytes, kv_pool_bytes, release_memory, resolve_device
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import Request, RequestOutput, Status, next_request_id
+from dhisparse.engine.spec_memory import spec_memory
 from dhisparse.core.sampling import Sampler, make_generator
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
@@ -57,11 +58,12 @@ class Engine:
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self._set_graphs(config.cuda_graphs)
-        self.store, pages = self._build_kv(config)
         spec_cfg = config.spec_config()
         if spec_cfg is not None:  # a full-attention drafter's window is the whole context
             spec_cfg = dataclasses.replace(spec_cfg, max_context=self.max_model_len)
+        # the drafter (weights, ring) first: a pool sized from free device memory leaves it out
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
+        self.store, pages = self._build_kv(config)
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, self._on_admit,
                                    config.admission_lookahead, config.admission_age_bound_s)
@@ -83,6 +85,10 @@ class Engine:
             self.step_graphs.warm(config.max_running_requests, self.spec.capture if self.spec else ())
         log.info("KV pool: %d pages x %s = %s on %s; %s", pages, format_bytes(self.page_bytes),
                  format_bytes(pages * self.page_bytes), self.device, self._row_format_note(config))
+        self.spec_memory = None if self.spec is None else spec_memory(
+            self.store, self.spec.drafter.device_bytes(), self.page_bytes, self.max_model_len, self._fixed_pages)
+        if self.spec_memory is not None:
+            log.info("%s", self.spec_memory.note())
 
     def _row_format_note(self, config: EngineConfig) -> str:
         """'<kv_cache_dtype> rows: <latent> B latent, <index> B index keys' for the start-up log."""
@@ -515,6 +521,7 @@ class Engine:
                            self._peak, self.page_bytes, self._steps, self._generated, self._prefilled,
                            self._decoding, self._admitted, self._alloc_wait,
                            store_counters(self.store, self.spec.stats() if self.spec else {})
+                           | (self.spec_memory.counters() if self.spec_memory is not None else {})
                            | pool_counters(self.store, len(self.scheduler.running), self.config.max_running_requests)
                            | graph_counters(self.model.graphs)
                            | (self.step_graphs.counters() if self.step_graphs is not None else {}))

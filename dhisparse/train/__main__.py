@@ -13,6 +13,9 @@
                                                      held-out next-next-token accuracy, and the
                                                      engine's acceptance with --speculative-algorithm mtp
 
+    python -m dhisparse.train drafter --target DIR --out DIR [--steps N --device cuda]
+                                                     a DFlash2 drafter trained on the target's own
+                                                     greedy outputs (train/drafter.py)
     python -m dhisparse.train evaluate --model DIR   greedy completions of 20 held-out signatures
                                                      (the share that ast.parse accepts), curves.png
 
@@ -30,7 +33,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from dhisparse.train import dsa, evaluate, mtp
+from dhisparse.train import drafter, dsa, evaluate, mtp
 from dhisparse.train.corpus import Corpus
 from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
 
@@ -82,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--heldout", type=float, default=0.05)
     e.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")
     e.add_argument("--plot", default=None, help="PNG of the training curves (default: the model folder's curves.png)")
+    drafter.add_parser(sub)
     ns = p.parse_args(argv)
+    if ns.stage == "drafter":
+        return drafter.drafter_stage(ns, argv)
     if ns.stage == "evaluate":
         return evaluate_stage(ns, argv)
     if ns.stage == "model":

@@ -23,6 +23,7 @@ cross-entropy towards the greedy token, on rows where that token is among the ca
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -31,17 +32,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from tokenizers import Tokenizer
 from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
 
 from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
 from dhisparse.spec.dflash_io import save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.factory import RANDOM_SELECTOR
+from dhisparse.train.corpus import Corpus
 
-# the engine's own drafter code, without torch.inference_mode (so it records gradients)
-_CONTEXT_KV = getattr(DFlashModel.context_kv, "__wrapped__", DFlashModel.context_kv)
-_BLOCK_HIDDEN = getattr(DFlashModel.block_hidden, "__wrapped__", DFlashModel.block_hidden)
+# the engine's own drafter code without its torch.inference_mode wrapper (so it records gradients)
+_CONTEXT_KV = DFlashModel.context_kv.__wrapped__
+_BLOCK_HIDDEN = DFlashModel.block_hidden.__wrapped__
 
 
 class DrafterData(NamedTuple):
@@ -179,7 +183,8 @@ def _batches(data: DrafterData, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     n, length = data.seqs.shape
     while True:
-        yield torch.randint(0, n, (batch,), generator=g), torch.randint(data.prompt_len, length - 1, (batch,), generator=g)
+        rows = torch.randint(0, n, (batch,), generator=g)
+        yield rows, torch.randint(data.prompt_len, length - 1, (batch,), generator=g)
 
 
 def train_drafter(target, drafter: DFlashModel, cfg: DFlashConfig, data: DrafterData, steps: int, *, batch: int = 16,
@@ -198,7 +203,8 @@ def train_drafter(target, drafter: DFlashModel, cfg: DFlashConfig, data: Drafter
     try:
         for step, (rows, starts) in zip(range(steps), _batches(data, batch, seed)):
             seqs = data.seqs[rows]
-            anchors, labels = seqs.gather(1, starts[:, None])[:, 0], block_labels(seqs, starts, cfg.block_size).to(dev)
+            anchors = seqs.gather(1, starts[:, None])[:, 0]
+            labels = block_labels(seqs, starts, cfg.block_size).to(dev)
             hidden, logits = block_forward(drafter, target, data.feats[rows].to(dev), anchors, starts)
             draft = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
             select = selector_loss(drafter, hidden, logits, anchors.to(dev), labels) if cfg.is_dflash2 else draft * 0
@@ -223,12 +229,14 @@ def draft_tokens(model: DFlashModel, target, feats, anchors, starts, use_selecto
     hidden, logits = block_forward(model, target, feats, anchors, starts)
     if use_selector and model.cfg.is_dflash2:
         n = anchors.shape[0]
-        return model.candidate_selector.select(hidden, logits, anchors.to(logits.device), [0.0] * n, [None] * n).tokens
+        sel = model.candidate_selector.select(hidden, logits, anchors.to(logits.device), [0.0] * n, [None] * n)
+        return sel.tokens
     return logits.argmax(-1)
 
 
 @torch.no_grad()
-def eval_acceptance(model: DFlashModel, target, data: DrafterData, use_selector: bool = True, batch: int = 64) -> float:
+def eval_acceptance(model: DFlashModel, target, data: DrafterData, use_selector: bool = True,
+                    batch: int = 64) -> float:
     """Held-out block accuracy: mean over every anchor n in [P, L - B] of every sequence of the
     number of leading drafts equal to the target's greedy tokens (= drafts accepted per round
     under greedy verification, the bonus token not counted)."""
@@ -242,7 +250,8 @@ def eval_acceptance(model: DFlashModel, target, data: DrafterData, use_selector:
         rows, starts = (torch.tensor(c) for c in zip(*pairs[i:i + batch]))
         seqs = data.seqs[rows]
         anchors, labels = seqs.gather(1, starts[:, None])[:, 0], block_labels(seqs, starts, b)
-        drafts = draft_tokens(model, target, data.feats[rows].to(model.fc.weight.device), anchors, starts, use_selector)
+        feats = data.feats[rows].to(model.fc.weight.device)
+        drafts = draft_tokens(model, target, feats, anchors, starts, use_selector)
         total += float((drafts.cpu() == labels).long().cumprod(1).sum())
     return total / len(pairs)
 
@@ -278,20 +287,30 @@ def add_parser(subparsers):
 
 
 def _load_target(folder: str, device: str):
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
+    for name in ("config.json", "tokenizer.json"):
+        if not (Path(folder) / name).is_file():
+            raise ValueError(f"--target {folder}: no {name} there; pass a folder written by the model stage")
     tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-    target = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", torch_dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
     return tok, target.to(device).eval()
+
+
+def _with_selector(model: DFlashModel, other: DFlashModel) -> DFlashModel:
+    """A copy of `model` with `other`'s candidate selector."""
+    out = copy.deepcopy(model)
+    out.candidate_selector.load_state_dict(other.candidate_selector.state_dict())
+    return out
 
 
 def drafter_stage(ns, argv) -> int:
     """Run the stage: data, training, held-out acceptance trained vs untrained, checkpoint + record."""
-    from dhisparse.train.corpus import Corpus
-
     t0 = time.perf_counter()
     try:
+        if ns.gen_len < ns.block_size:
+            raise ValueError(f"--gen-len {ns.gen_len} is shorter than --block-size {ns.block_size}: "
+                             "no full block to score")
+        if min(ns.steps, ns.seqs, ns.eval_seqs, ns.batch, ns.prompt_len) < 1:
+            raise ValueError("--steps, --seqs, --eval-seqs, --batch and --prompt-len must be >= 1")
         corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
         tok, target = _load_target(ns.target, ns.device)
         cfg = drafter_config(target.config, ns.block_size, ns.layers)
@@ -299,7 +318,7 @@ def drafter_stage(ns, argv) -> int:
         held = torch.tensor(tok.encode(Corpus.text(corpus.heldout)).ids)
         data = make_data(target, train, cfg, ns.seqs, ns.prompt_len, ns.gen_len, ns.seed, ns.device)
         held_data = make_data(target, held, cfg, ns.eval_seqs, ns.prompt_len, ns.gen_len, ns.seed + 1, ns.device)
-    except Exception as e:  # noqa: BLE001 - a bad folder / corpus / shape is the user's (tokenizers raises plain Exception)
+    except Exception as e:  # noqa: BLE001 - a bad folder / corpus / shape is the user's (tokenizers: plain Exception)
         print(f"error: {e}", file=sys.stderr)
         return 2
     drafter = new_drafter(cfg, ns.seed).to(ns.device)
@@ -307,6 +326,7 @@ def drafter_stage(ns, argv) -> int:
     r = train_drafter(target, drafter, cfg, data, ns.steps, batch=ns.batch, lr=ns.lr, seed=ns.seed)
     acceptance = {"trained": eval_acceptance(drafter, target, held_data),
                   "trained_argmax": eval_acceptance(drafter, target, held_data, use_selector=False),
+                  "trained_untrained_selector": eval_acceptance(_with_selector(drafter, init), target, held_data),
                   "untrained": eval_acceptance(init, target, held_data)}
     save_dflash(ns.out, cfg, drafter.cpu())
     record = {"stage": "drafter", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
