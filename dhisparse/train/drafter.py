@@ -42,6 +42,7 @@ from dhisparse.spec.dflash_io import save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.factory import RANDOM_SELECTOR
 from dhisparse.train.corpus import Corpus
+from dhisparse.train.dsa import logged, optimizer_step
 
 # the engine's own drafter code without its torch.inference_mode wrapper (so it records gradients)
 _CONTEXT_KV = DFlashModel.context_kv.__wrapped__
@@ -208,11 +209,8 @@ def train_drafter(target, drafter: DFlashModel, cfg: DFlashConfig, data: Drafter
             hidden, logits = block_forward(drafter, target, data.feats[rows].to(dev), anchors, starts)
             draft = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
             select = selector_loss(drafter, hidden, logits, anchors.to(dev), labels) if cfg.is_dflash2 else draft * 0
-            opt.zero_grad(set_to_none=True)
-            (draft + select).backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            opt.step()
-            if step % log_every == 0 or step == steps - 1:
+            optimizer_step(opt, draft + select, list(drafter.parameters()))
+            if logged(step, steps, log_every):
                 result.loss.append(round(float((draft + select).detach()), 4))
                 result.draft_loss.append(round(float(draft.detach()), 4))
                 result.selector_loss.append(round(float(select.detach()), 4))
