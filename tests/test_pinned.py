@@ -121,7 +121,7 @@ def test_host_store_pins_its_exact_size(rt):
     assert store.page_nbytes == 3 * 4 * 8 * 2
 
 
-@settings(max_examples=20, deadline=None)  # each free runs gc.collect(): keep the suite short
+@settings(max_examples=10, deadline=None)  # each free runs gc.collect() (slow late in the suite): keep it short
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), min_size=1, max_size=16))
 def test_registrations_follow_live_pools(ops):
     """Any sequence of allocations (size in KiB) and frees: live pools never overlap, each live

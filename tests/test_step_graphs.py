@@ -15,7 +15,8 @@ from dhisparse.models.graphs import EagerRunner
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(20 + 9 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on CPU only where CUDA is absent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_POOL = 8 << 20  # lockstep tests compare every KV byte after every step: a small pool keeps that cheap  # Triton runs interpreted on CPU only where CUDA is absent
 
 
 def llm(preset: str = "resident", **kw) -> LLM:
@@ -104,7 +105,7 @@ def test_padded_requests_leave_every_real_state_as_an_eager_step_does(preset):
     """Two engines in lockstep, one eager, one replaying step graphs: 3 requests run in a bucket
     of 4 (one padded request), and after every step all KV rows (but the scratch page; up to float
     rounding), the hot caches with their LRU stamps and the tails are identical."""
-    eager, graphed = llm(preset), llm(preset)
+    eager, graphed = llm(preset, kv_pool_bytes=SMALL_POOL), llm(preset, kv_pool_bytes=SMALL_POOL)
     eager.engine.make_step_graphs(EagerRunner())  # the same scratch page, so pages line up
     g = with_steps(graphed)
     g.token_buckets = (1, 2, 4, 8)  # three requests run in a bucket of four
@@ -154,7 +155,7 @@ def test_ragged_verification_passes_replay_padded_tokens_and_keep_state():
     """n-gram drafts of different lengths per request: verification passes are ragged (1..4 tokens a
     request) and replay with padded tokens; lockstep with an eager engine, every KV row, hot-cache
     slot, stamp and tail stays identical, and so do the tokens."""
-    kw = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    kw = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4, kv_pool_bytes=SMALL_POOL)
     eager, graphed = llm("hisparse", **kw), llm("hisparse", **kw)
     eager.engine.make_step_graphs(EagerRunner())
     g = with_steps(graphed)
