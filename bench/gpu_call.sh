@@ -20,6 +20,15 @@ ls .tcache/tc.txz.part* >/dev/null 2>&1 && cat .tcache/tc.txz.part* | tar xJf - 
 "$@"
 rc=$?
 [ -n "${SKIP_CACHE_OUT:-}" ] && exit $rc  # a session's last call: the cache is not needed back
+# keep the cache under TC_KEEP_MB (default 250 MB raw, ~15 MB packed): the tree, the wheels and the
+# cache must travel under the device tool's 64-MiB carry limit; the entries compiled longest ago go
+# first (a dropped entry still in use is compiled again, which costs time, not correctness)
+keep=$(( ${TC_KEEP_MB:-250} * 1024 ))
+while [ "$(du -sk /tmp/tc | cut -f1)" -gt "$keep" ]; do
+  oldest=$(ls -1tr -d /tmp/tc/*/ 2>/dev/null | head -1)
+  [ -z "$oldest" ] && break
+  rm -rf "$oldest"
+done
 tar cf - -C /tmp/tc . | xz -6 -T0 > "$OUT/tc.txz"
 # over the 16 MiB file limit it comes back in parts (tc.txz.part00, ...; copy them all into .tcache/)
 if [ "$(stat -c %s "$OUT/tc.txz")" -ge 16000000 ]; then
