@@ -38,3 +38,15 @@ def test_the_full_load_bar():
     assert (m.sessions(True), m.sessions(False)) == (9, 10)
     assert "TPOT_0 / TPOT_s > 1.111" in m.note()
     assert "never" in SpecMemory(0, 0, 0, 50, 100).note()
+
+
+def test_deepseek_v4_staging_counts_too():
+    """V4's row hierarchy stages verification unions in its own arena: its permanent pages are
+    speculation's memory as well (the store does not expose them as a GLM row space)."""
+    from v4_engine_util import engine, loaded_v41
+
+    e = engine(loaded_v41(), None, preset="hisparse", hot_cache_rows=4, speculative_algorithm="ngram",
+               speculative_num_draft_tokens=3)
+    st, u = e.stats().as_dict(), e.store.usage()
+    assert u.permanent > 0 and st["spec_staging_bytes"] == u.permanent * e.page_bytes == st["spec_bytes"]
+    assert st["sessions_fit_no_spec"] > st["sessions_fit_spec"]

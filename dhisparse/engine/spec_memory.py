@@ -63,10 +63,11 @@ class SpecMemory:
 
 
 def spec_memory(store, drafter_bytes, page_bytes: int, max_model_len: int, fixed_pages: int = 0) -> SpecMemory:
-    """From the engine's store (its pool, staging rows and pages per session; `fixed_pages` the
-    engine's own pages, e.g. the step graphs' scratch) and the drafter's `device_bytes()`."""
-    stage = store.staging_rows()
-    stage_pages = 0 if stage is None else -(-stage.numel() * stage.element_size() // page_bytes)
-    pool = max(0, store.usage().total - stage_pages - fixed_pages) * page_bytes  # what requests can hold
+    """From the engine's store (its pool usage and pages per session; `fixed_pages` the engine's
+    own permanent pages, e.g. the step graphs' scratch: every other permanent page is the
+    verification staging arena, GLM's or DeepSeek-V4's) and the drafter's `device_bytes()`."""
+    u = store.usage()
+    stage_pages = max(0, u.permanent - fixed_pages)
+    pool = max(0, u.total - u.permanent) * page_bytes  # what requests can hold
     return SpecMemory(drafter_bytes.weights, drafter_bytes.state, stage_pages * page_bytes, pool,
                       max(1, store.pages_for(max_model_len, 0) * page_bytes))

@@ -17,9 +17,13 @@ class PoolExhausted(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolUsage:
+    """Pages: total, used (allocated), reserved (promised, not yet allocated), permanent (held
+    for the pool's life: the staging arena, the step graphs' scratch; counted in used)."""
+
     total: int
     used: int
     reserved: int
+    permanent: int = 0
 
     @property
     def free(self) -> int:
@@ -55,7 +59,7 @@ class PagePool:
         return len(self._free) - self.num_reserved
 
     def usage(self) -> PoolUsage:
-        return PoolUsage(self.num_pages, len(self._owner), self.num_reserved)
+        return PoolUsage(self.num_pages, len(self._owner), self.num_reserved, self._permanent_pages)
 
     @property
     def capacity(self) -> int:
