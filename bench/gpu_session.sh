@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -258,6 +258,13 @@ case ",$STEPS," in *,decodepages,*)  # issue 26 item 4: adaptive with completed 
     run "adaptive, --decode-pages $mode, 8K C2 and C18" timeout 150 python3 bench/gpu_serving.py --model glm52-scaled \
         --input-len 8192 --resident-fit 6 --concurrency 2,18 --presets adaptive --duration 15 --force \
         --engine-arg decode_pages=$mode --out "$OUT/decode_pages_${mode}_8k_h200.json"
+  done ;; esac
+case ",$STEPS," in *,decodepagesrot,*)  # issue 26 item 4's spread: decodepages once more, order rotated by DP_REP (1, 2, 3: one call each, ~3.5 min)
+  rep=${DP_REP:-1}; order="optional hot-cache"; [ $((rep % 2)) -eq 0 ] && order="hot-cache optional"
+  for mode in $order; do
+    run "adaptive, --decode-pages $mode, 8K C2 and C18, run $rep" timeout 150 python3 bench/gpu_serving.py --model glm52-scaled \
+        --input-len 8192 --resident-fit 6 --concurrency 2,18 --presets adaptive --duration 15 --force \
+        --engine-arg decode_pages=$mode --out "$OUT/decode_pages_${mode}_8k_run${rep}_h200.json"
   done ;; esac
 case ",$STEPS," in *,mtptest,*)  # the MTP drafter files on CUDA (~1 min)
   run "MTP on CUDA" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile tests/test_spec_mtp*.py \
