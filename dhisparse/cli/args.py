@@ -176,6 +176,9 @@ FLAGS: list[Flag] = [
          "forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it",
          choices=("auto", "none", "ffn", "layer", "step")),
     Flag("--copy-stream", "copy_stream", help_="adaptive on CUDA: where page copies run", choices=("side", "compute")),
+    Flag("--admission-placement", "admission_placement", help_="hierarchical presets: where a prompt's prepared "
+         "prefix goes at admission (import: copied to the device first; host: its shared host pages are the history "
+         "at once; auto: import while spare pages hold it)", choices=("auto", "import", "host")),
     Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
          "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",
          choices=("compute", "side")),

@@ -158,6 +158,11 @@ class KVStore(abc.ABC):
         """The engine's prefix matcher; stores whose admission depends on it keep it (default: unused)."""
 
     # -- what the engine reports and the step graphs need (defaults: none) -------------------------
+    def prompt_chunk_limit(self, req: Hashable) -> int | None:
+        """The most prompt tokens req may compute in one pass, or None (the step's token budget
+        alone): a hierarchy's host-first request feeds its prompt through the decode path."""
+        return None
+
     def staging_rows(self) -> torch.Tensor | None:
         """The verification staging arena [1, R, latent_dim] attention may read besides a layer's
         pages (a second row space), or None."""

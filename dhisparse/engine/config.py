@@ -69,6 +69,13 @@ class EngineConfig:
         width), instead of on first use while serving; costs start-up time per engine.
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
+    admission_placement [--admission-placement]: where a request whose prompt starts with a
+        prepared prefix (shared on host) keeps that prefix when admitted to a hierarchical preset:
+        "import" (the prefix's pages are copied onto the device as the prefill workspace, then
+        handed off), "host" (host-first: the shared host pages are its history at once, only the
+        index keys and the partial last page come to the device, and the rest of the prompt runs
+        K_max tokens a pass through the resolver) or "auto" (default: import while the workspace
+        fits in spare pages, else host-first).
     prefetch_stream [--prefetch-stream]: where a selection group's follower layers copy their
         missed rows on CUDA (kv/hier/prefetch.py): "compute" (default: one layered copy of every
         layer of the group by the producer, before its attention) or "side" (HiSparse's layer-wise
@@ -139,6 +146,7 @@ class EngineConfig:
     copy_stream: str = "side"
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
+    admission_placement: str = "auto"
     cuda_graphs: str = "auto"
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
@@ -184,6 +192,8 @@ class EngineConfig:
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
         if self.cuda_graphs not in ("auto", "none", "ffn", "layer", "step"):
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
+        if self.admission_placement not in ("auto", "import", "host"):
+            raise ConfigValueError(f"admission_placement must be 'auto', 'import' or 'host', got {self.admission_placement!r}")
         for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
@@ -250,7 +260,8 @@ class EngineConfig:
             preset=self.base_preset, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows,
             source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
-            load_stream=self.load_stream, prefetch_stream=self.prefetch_stream, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
+            load_stream=self.load_stream, prefetch_stream=self.prefetch_stream,
+            admission_placement=self.admission_placement, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,
             max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,

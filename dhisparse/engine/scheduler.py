@@ -99,7 +99,7 @@ class Scheduler:
                 budget -= 1
         for req in ready:
             if req.in_prefill and budget > 0:
-                n = min(budget, len(req.prompt_ids) - req.num_computed)
+                n = min(budget, len(req.prompt_ids) - req.num_computed, self.store.prompt_chunk_limit(req.request_id) or budget)
                 end = req.num_computed + n
                 chunks.append(Chunk(req, req.num_computed, req.prompt_ids[req.num_computed : end], end == req.num_tokens))
                 budget -= n

@@ -124,9 +124,9 @@ class AdaptiveKV(HierarchicalKV):
     def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
         if not self.free_slots:
             return False  # no request slot: reclaiming memory would not help
-        need = self.pages_for(max_total, prompt_len)
-        self._last_need = need
         self.progress()
+        need, host_first = self._placement(req, max_total, prompt_len)
+        self._last_need = need
         if self.res.deficit(need) > 0:
             self._blocked_at = self._steps  # this step's attempt lacks memory (reset if it succeeds)
             if not self.res.reclaim(need):
@@ -137,11 +137,20 @@ class AdaptiveKV(HierarchicalKV):
             self.progress()
             if self.res.deficit(need) > 0:
                 return False  # backups / readers still in flight; retry next step
-        if not super().admit(req, max_total, prompt_len):
+        if not self._admit_with(req, max_total, need, host_first):
             return False
         self.max_total[req] = max_total
         self._blocked_at = -1
         return True
+
+    def _import_fits(self, pages: int) -> bool:
+        """The import fits without reclaiming optional history (the reserve stays untouched)."""
+        return self.res.deficit(pages) <= 0
+
+    def _place_host_first(self, req: object, full: int, n: int) -> None:
+        """Host-first: the `full` borrowed prefix pages are req's eligible history, all backed up
+        (on host), none resident: repopulation may bring them onto the device while memory is spare."""
+        self.res.register(req, full, {}, set(range(full)), self.max_total.get(req, n) - n)
 
     def _host_backed(self, req: object, st: ReqKV, j: int) -> bool:
         """Complete pages before the tail that are not optional history were backed up when they

@@ -51,6 +51,9 @@ class ReqKV:
     tail_start: int = 0
 
 
+PLACEMENTS = ("import", "host", "auto")  # where a prefix-matched admission puts the prefix (`_placement`)
+
+
 def _page_run(storage: torch.Tensor, pages: list[int]) -> torch.Tensor:
     """The flat storage [len(pages) * page_elems] of consecutive `pages` of an arena's storage
     [P, page_elems] (a view: no copy, no new allocation)."""
@@ -83,7 +86,7 @@ class HierarchicalKV(KVStore):
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
                  side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None,
-                 prefetch: str = "compute") -> None:
+                 prefetch: str = "compute", placement: str = "import") -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -91,7 +94,8 @@ class HierarchicalKV(KVStore):
         sizes the slot tables up front, so they never move (a captured step graph keeps them).
         side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py).
         prefetch: "compute" or "side": where follower layers copy a deferred plan's rows
-        (kv/hier/prefetch.py; "side" takes effect on CUDA only).
+        (kv/hier/prefetch.py; "side" takes effect on CUDA only). placement: "import", "host" or
+        "auto", where a prefix-matched admission puts the prefix (`_placement`).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
         resolver: kv/build.py's `Resolver`). source_hot_rows: one hot-cache budget B_g per selection
         group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
@@ -135,6 +139,11 @@ class HierarchicalKV(KVStore):
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = deferred  # plan(defer=True) never waits for the device
         self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
+        if placement not in PLACEMENTS:
+            raise ValueError(f"admission placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.placement, self.max_queries = placement, max_queries
+        self._host_first: set[object] = set()  # admitted host-first, until freed
+        self.host_first_admits = 0
         self.followers = [[l for l in sorted(self.group_of) if self.group_of[l] == i and l != p]
                           for i, p in enumerate(self.groups)]  # group -> its follower layers
 
@@ -163,7 +172,82 @@ class HierarchicalKV(KVStore):
     def admit(self, req: object, max_total: int, prompt_len: int | None = None) -> bool:
         if not self.free_slots:
             return False
-        if not self.pool.reserve(req, self.pages_for(max_total, prompt_len)):
+        return self._admit_with(req, max_total, *self._placement(req, max_total, prompt_len))
+
+    # -- host-first admission: a shared prefix's host pages become the history directly ----------
+    HOST_FIRST = True  # DeepSeek-V4's row hierarchy imports its own prefixes (kv/v4/prefix.py): False there
+
+    def _placement(self, req: object, max_total: int, prompt_len: int | None) -> tuple[int, bool]:
+        """(pages to reserve, host-first) for admitting req (`placement`, the module docstring):
+
+            import   the prompt's workspace too: the prefix is imported onto the device first
+            host     host-first whenever req's prefix is shared on host: no workspace
+            auto     import while the workspace fits (`_import_fits`), else host-first
+        """
+        full = self.pages_for(max_total, prompt_len)
+        if self.placement == "import" or not self._can_host_first(req):
+            return full, False
+        if self.placement == "host" or not self._import_fits(full):
+            return self.required_pages(max_total), True
+        return full, False
+
+    def _import_fits(self, pages: int) -> bool:
+        """Hook: whether `pages` can be reserved now without taking anything back (AdaptiveKV: no
+        reclaim of optional history)."""
+        return self.pool.available >= pages
+
+    def _can_host_first(self, req: object) -> bool:
+        """req's prefix match is shared on host for every complete page it imports."""
+        if not self.HOST_FIRST or self.prefix_match is None:
+            return False
+        item, n = self.prefix_match(req)
+        full = n // self.page_size
+        return item is not None and full >= 1 and self.prefix_pages.borrowable(item, n) >= full
+
+    def prompt_chunk_limit(self, req: object) -> int | None:
+        """A host-first request feeds its prompt through the decode path: at most K_max tokens a
+        pass (the tail and staging are sized for that)."""
+        return self.max_queries if req in self._host_first else None
+
+    def _import_host_first(self, req: object, item, n: int) -> None:
+        """The prefix's complete pages become req's history as borrowed shared host pages (I1 by
+        construction); its index keys are imported (they stay on device); the partial last page's
+        rows become tail page 0; req then decodes from position n, its prompt's rest fed K_max tokens
+        a pass through the resolver (`prompt_chunk_limit`).
+
+            positions  0 ........... full*ps | full*ps .. n-1 | n ..
+            host       borrowed shared pages | (also on host)  |
+            device     index keys 0 .. n-1   | tail page 0     | tail: the suffix, backed up as it fills
+        """
+        ps, st = self.page_size, self.reqs[req]
+        full = n // ps
+        if self.prefix_pages.borrow(req, item, n) < full:
+            raise RuntimeError(f"host-first admission of {req!r}: its prefix's {full} host pages are not all shared")
+        self.sync_host_table(req)
+        res = self.resident
+        res.ensure_index(req, n)
+        paged = item.paged(*res.prefix_layout())
+        idx = res.index_tables[req][: cdiv(n, self.arena.index_page_size)]
+        st.tail_start, st.decoding = full * ps, True
+        self._set_tail(st)
+        arena, tail0 = self.arena, st.tail_pages[0]
+
+        def copies() -> None:
+            for s, d in enumerate(idx):
+                arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
+            if n > full * ps:
+                arena.latent[tail0].copy_(paged.latent[full], non_blocking=True)
+
+        res.loads.run(req, copies)
+        self.host_first_admits += 1
+        self._place_host_first(req, full, n)
+
+    def _place_host_first(self, req: object, full: int, n: int) -> None:
+        """Hook: a host-first request's history is its `full` borrowed pages (AdaptiveKV registers
+        them as eligible optional history, all backed, none resident)."""
+
+    def _admit_with(self, req: object, max_total: int, need: int, host_first: bool) -> bool:
+        if not self.pool.reserve(req, need):
             return False
         if not self.host.admit(req, max_total, self._borrowable(req)):
             self.pool.unreserve(req)
@@ -175,6 +259,8 @@ class HierarchicalKV(KVStore):
         self.hot_loc[st.slot] = self.arena.locations(st.hot_pages, self.B, self.page_size)
         self.hot_pos[st.slot], self.hot_stamp[st.slot] = -1, -1
         self._set_tail(st)
+        if host_first:
+            self._host_first.add(req)
         return True
 
     def never_fits(self, max_total: int, prompt_len: int | None = None) -> str | None:
@@ -188,6 +274,7 @@ class HierarchicalKV(KVStore):
         return msg
 
     def free(self, req: object) -> None:
+        self._host_first.discard(req)
         self.handoffs.settle(req)  # its host pages are reused only after its hand-off copy
         st = self.reqs.pop(req, None)
         self.resident.loads.settle(req)
@@ -228,7 +315,10 @@ class HierarchicalKV(KVStore):
 
     def import_prefix(self, req: object, item, n: int) -> None:
         """A stored prefix into req's prefill workspace (ResidentKV.import_prefix); its complete
-        imported pages borrow the prefix's shared host pages (kv/hier/prefix_pages.py)."""
+        imported pages borrow the prefix's shared host pages (kv/hier/prefix_pages.py). A request
+        admitted host-first takes `_import_host_first` instead."""
+        if req in self._host_first:
+            return self._import_host_first(req, item, n)
         self.resident.import_prefix(req, item, n)
         self.prefix_pages.borrow(req, item, n)
 

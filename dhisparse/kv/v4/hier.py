@@ -89,6 +89,7 @@ class _V4Rows:
     `AdaptiveKV`: side_stream, residency copies on a side stream) plus v4, the model config."""
 
     host_census = False
+    HOST_FIRST = False  # V4 prefixes are whole streaming states, imported by V4HierStore
 
     def __init__(self, *args, v4: V4Config, **kw) -> None:
         self.v4, self.state_need = v4, {}  # first: AdaptiveKV's default reserve counts the V4 state pages
