@@ -7,7 +7,7 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -265,6 +265,15 @@ case ",$STEPS," in *,decodepagesrot,*)  # issue 26 item 4's spread: decodepages 
     run "adaptive, --decode-pages $mode, 8K C2 and C18, run $rep" timeout 150 python3 bench/gpu_serving.py --model glm52-scaled \
         --input-len 8192 --resident-fit 6 --concurrency 2,18 --presets adaptive --duration 15 --force \
         --engine-arg decode_pages=$mode --out "$OUT/decode_pages_${mode}_8k_run${rep}_h200.json"
+  done ;; esac
+case ",$STEPS," in *,hostfirst27,*)  # issue 26 item 5: --admission-placement import vs auto (host-first under pressure), 32K and 100K at C27, hisparse + adaptive (~8 min; CTX=32768 or 102400 for one context per call)
+  for ctx in ${CTX:-32768 102400}; do
+    for pl in import auto; do
+      run "admission placement $pl, ${ctx} tokens, C27" timeout 280 python3 bench/gpu_serving.py --model glm52-scaled \
+          --input-len $ctx --output-len 256 --resident-fit 3 --host-pool-gib 48 --concurrency 27 --presets hisparse,adaptive \
+          --duration 15 --distinct-suffixes 8 --force --kv-cache-dtype fp8_e4m3 --engine-arg admission_placement=$pl \
+          --out "$OUT/gpu_serving_${ctx}_c27_placement_${pl}_h200.json"
+    done
   done ;; esac
 case ",$STEPS," in *,mtptest,*)  # the MTP drafter files on CUDA (~1 min)
   run "MTP on CUDA" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile tests/test_spec_mtp*.py \
