@@ -35,7 +35,7 @@ from dhisparse.kv.memory.loads import make_loads
 from dhisparse.kv.memory.pool import PoolUsage
 from dhisparse.kv.hier.prefetch import make_prefetch
 from dhisparse.kv.hier.prefix_pages import PrefixPages
-from dhisparse.kv.resident.store import ResidentKV
+from dhisparse.kv.resident.store import ResidentKV, copy_index_pages
 from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
 from dhisparse.kv.memory.slot_tables import SlotTable
 
@@ -233,8 +233,7 @@ class HierarchicalKV(KVStore):
         arena, tail0 = self.arena, st.tail_pages[0]
 
         def copies() -> None:
-            for s, d in enumerate(idx):
-                arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
+            copy_index_pages(arena, paged, idx)
             if n > full * ps:
                 arena.latent[tail0].copy_(paged.latent[full], non_blocking=True)
 

@@ -21,6 +21,14 @@ from dhisparse.kv.memory.loads import make_loads
 from dhisparse.kv.memory.pool import PoolUsage
 
 
+def copy_index_pages(arena: KVArena, paged, pages: list[int]) -> None:
+    """A stored prefix's index pages 0 .. len(pages)-1 (`paged.index`, the arena's layout) into
+    the arena's index pages `pages`: an index page is a slice of its storage row, one copy a page
+    (asynchronous from pinned memory on CUDA)."""
+    for s, d in enumerate(pages):
+        arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
+
+
 class ResidentKV(KVStore):
     def __init__(self, arena: KVArena, side_loads: bool = False) -> None:
         self.arena, self.pool = arena, arena.pool
@@ -120,8 +128,7 @@ class ResidentKV(KVStore):
             for run in page_runs([("import", j, d) for j, d in enumerate(lat)]):  # host = the prefix's page j
                 s, d, c = run.host, run.device, run.count
                 arena.latent[d : d + c].copy_(paged.latent[s : s + c], non_blocking=True)
-            for s, d in enumerate(idx):  # an index page is a slice of its storage row: one copy a page
-                arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
+            copy_index_pages(arena, paged, idx)
 
         self.loads.run(req, copies)
 
