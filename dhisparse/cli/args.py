@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from dhisparse import __version__
-from dhisparse.engine.config import KV_CACHE_DTYPES, PRESETS, QUANTIZATIONS, EngineConfig
+from dhisparse.engine.config import KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, EngineConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # --dtype spellings (vLLM's and SGLang's) -> EngineConfig.dtype (None = the checkpoint's)
@@ -178,7 +178,7 @@ FLAGS: list[Flag] = [
     Flag("--copy-stream", "copy_stream", help_="adaptive on CUDA: where page copies run", choices=("side", "compute")),
     Flag("--admission-placement", "admission_placement", help_="hierarchical presets: where a prompt's prepared "
          "prefix goes at admission (import: copied to the device first; host: its shared host pages are the history "
-         "at once; auto: import while spare pages hold it)", choices=("auto", "import", "host")),
+         "at once; auto: import while spare pages hold it)", choices=PLACEMENTS),
     Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
          "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",
          choices=("compute", "side")),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
+from dhisparse.kv.hier.hierarchy import PLACEMENTS  # import, host, auto
 from dhisparse.spec.config import SpecConfig
 
 QUANTIZATIONS = ("none", "fp8")
@@ -192,8 +193,8 @@ class EngineConfig:
             raise ConfigValueError(f"reclaim_order must be remaining, largest or newest; got {self.reclaim_order!r}")
         if self.cuda_graphs not in ("auto", "none", "ffn", "layer", "step"):
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
-        if self.admission_placement not in ("auto", "import", "host"):
-            raise ConfigValueError(f"admission_placement must be 'auto', 'import' or 'host', got {self.admission_placement!r}")
+        if self.admission_placement not in PLACEMENTS:
+            raise ConfigValueError(f"admission_placement must be one of {PLACEMENTS}; got {self.admission_placement!r}")
         for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
