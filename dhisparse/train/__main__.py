@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
 from dhisparse.train import drafter, dsa, evaluate, mtp
 from dhisparse.train.corpus import Corpus
+from dhisparse.train.records import write_record
 from dhisparse.train.tokenizer import save_tokenizer, train_tokenizer
 
 
@@ -105,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     out = save_tokenizer(tok, ns.out)
     held = Corpus.text(corpus.heldout)
     n_tokens = len(tok.encode(held).ids)
-    record = {"stage": "tokenizer", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
-              "corpus": corpus.manifest(), "vocab_size": tok.get_vocab_size(),
-              "heldout_tokens": n_tokens, "heldout_bytes_per_token": len(held.encode()) / max(n_tokens, 1),
-              "seconds": round(time.perf_counter() - t0, 2)}
-    (Path(out) / "train_record.json").write_text(json.dumps(record, indent=1))
+    record = write_record(out, "train_record.json", "tokenizer", argv, corpus=corpus.manifest(),
+                          vocab_size=tok.get_vocab_size(), heldout_tokens=n_tokens,
+                          heldout_bytes_per_token=len(held.encode()) / max(n_tokens, 1),
+                          seconds=round(time.perf_counter() - t0, 2))
     print(json.dumps({k: record[k] for k in ("vocab_size", "heldout_tokens", "heldout_bytes_per_token", "seconds")}))
     return 0
 
@@ -135,24 +134,24 @@ def model_stage(ns, argv) -> int:
                             seed=ns.seed + len(stages))
         stages.append({"stage": r.stage, "steps": r.steps, "lm_loss": r.lm_loss, "kl_loss": r.kl_loss})
     nbytes = len(held_text.encode())
-    bpb = {"dense": dsa.bits_per_byte(model, held, nbytes, ns.seq_len),
-           "sparse": dsa.bits_per_byte(model, held, nbytes, ns.seq_len, topk=ns.topk)}
-    saved = None
+
+    def bpb() -> dict:  # held-out bits per byte, dense attention and sparse selection
+        return {"dense": dsa.bits_per_byte(model, held, nbytes, ns.seq_len),
+                "sparse": dsa.bits_per_byte(model, held, nbytes, ns.seq_len, topk=ns.topk)}
+
+    trained, saved = bpb(), None
     if ns.save_dtype != "float32":  # the shipped weights' own numbers
         model = model.to(getattr(torch, ns.save_dtype))
-        saved = {"dtype": ns.save_dtype, "dense": dsa.bits_per_byte(model, held, nbytes, ns.seq_len),
-                 "sparse": dsa.bits_per_byte(model, held, nbytes, ns.seq_len, topk=ns.topk)}
-    dense_bpb, sparse_bpb = bpb["dense"], bpb["sparse"]
+        saved = {"dtype": ns.save_dtype, **bpb()}
     dsa.set_topk(model, ns.topk)
     model.save_pretrained(ns.out)
     save_tokenizer(tok, ns.out)
-    record = {"stage": "model", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
-              "corpus": corpus.manifest(), "config": config, "device": ns.device,
-              "params": sum(p.numel() for p in model.parameters()), "train_tokens": int(train.numel()),
-              "stages": stages, "heldout_bytes": nbytes, "heldout_bits_per_byte": {"dense": dense_bpb, "sparse": sparse_bpb},
-              "saved_weights_bits_per_byte": saved,
-              "sparse_over_dense": sparse_bpb / dense_bpb, "seconds": round(time.perf_counter() - t0, 1)}
-    (Path(ns.out) / "model_record.json").write_text(json.dumps(record, indent=1))
+    record = write_record(ns.out, "model_record.json", "model", argv, corpus=corpus.manifest(), config=config,
+                          device=ns.device, params=sum(p.numel() for p in model.parameters()),
+                          train_tokens=int(train.numel()), stages=stages, heldout_bytes=nbytes,
+                          heldout_bits_per_byte=trained, saved_weights_bits_per_byte=saved,
+                          sparse_over_dense=trained["sparse"] / trained["dense"],
+                          seconds=round(time.perf_counter() - t0, 1))
     print(json.dumps({k: record[k] for k in ("params", "heldout_bits_per_byte", "sparse_over_dense", "seconds")}))
     return 0
 
@@ -162,8 +161,7 @@ def mtp_stage(ns, argv) -> int:
     folder = Path(ns.model)
     try:
         corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        target = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").to(ns.device).eval()
+        tok, target = dsa.load_target(folder, ns.device, flag="--model")
     except Exception as e:  # noqa: BLE001 - a bad folder / corpus is the user's (tokenizers / transformers raise plain errors)
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -181,12 +179,10 @@ def mtp_stage(ns, argv) -> int:
     starts = torch.randint(0, max(1, held.numel() - 129), (ns.eval_prompts,), generator=g).tolist()
     prompts = [held[s : s + 128].tolist() for s in starts]
     served = mtp.engine_acceptance(folder, prompts, ns.eval_tokens, ns.device)
-    record = {"stage": "mtp", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
-              "corpus": corpus.manifest(), "device": ns.device, "steps": r.steps, "loss": r.loss,
-              "params": sum(p.numel() for p in block.parameters()), "window": block.tcfg.index_topk,
-              "heldout_next_next": {"untrained": before, "trained": after}, "served": served,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    (folder / "mtp_record.json").write_text(json.dumps(record, indent=1))
+    record = write_record(folder, "mtp_record.json", "mtp", argv, corpus=corpus.manifest(), device=ns.device,
+                          steps=r.steps, loss=r.loss, params=sum(p.numel() for p in block.parameters()),
+                          window=block.tcfg.index_topk, heldout_next_next={"untrained": before, "trained": after},
+                          served=served, seconds=round(time.perf_counter() - t0, 1))
     print(json.dumps({"trained_top1": after["top1"], "served": served, "seconds": record["seconds"]}))
     return 0
 
@@ -199,9 +195,7 @@ def evaluate_stage(ns, argv) -> int:
     corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
     check = evaluate.completion_check(folder, corpus.heldout, ns.signatures, ns.max_tokens, ns.device)
     png = evaluate.plot_curves(evaluate.load_records(folder), ns.plot or folder / "curves.png")
-    record = {"stage": "evaluate", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
-              "corpus": corpus.manifest(), "completions": check, "plot": str(png)}
-    (folder / "eval_record.json").write_text(json.dumps(record, indent=1))
+    write_record(folder, "eval_record.json", "evaluate", argv, corpus=corpus.manifest(), completions=check, plot=str(png))
     print(json.dumps({"parsed": check["parsed"], "of": check["of"], "plot": str(png)}))
     return 0
 

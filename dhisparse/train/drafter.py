@@ -28,13 +28,10 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from tokenizers import Tokenizer
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM
 
 from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
@@ -42,7 +39,8 @@ from dhisparse.spec.dflash_io import save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.factory import RANDOM_SELECTOR
 from dhisparse.train.corpus import Corpus
-from dhisparse.train.dsa import logged, optimizer_step
+from dhisparse.train.dsa import load_target, logged, optimizer_step
+from dhisparse.train.records import write_record
 
 # the engine's own drafter code without its torch.inference_mode wrapper (so it records gradients)
 _CONTEXT_KV = DFlashModel.context_kv.__wrapped__
@@ -284,15 +282,6 @@ def add_parser(subparsers):
     return d
 
 
-def _load_target(folder: str, device: str):
-    for name in ("config.json", "tokenizer.json"):
-        if not (Path(folder) / name).is_file():
-            raise ValueError(f"--target {folder}: no {name} there; pass a folder written by the model stage")
-    tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-    target = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
-    return tok, target.to(device).eval()
-
-
 def _with_selector(model: DFlashModel, other: DFlashModel) -> DFlashModel:
     """A copy of `model` with `other`'s candidate selector."""
     out = copy.deepcopy(model)
@@ -310,7 +299,7 @@ def drafter_stage(ns, argv) -> int:
         if min(ns.steps, ns.seqs, ns.eval_seqs, ns.batch, ns.prompt_len) < 1:
             raise ValueError("--steps, --seqs, --eval-seqs, --batch and --prompt-len must be >= 1")
         corpus = Corpus.build(share=ns.heldout, max_files=ns.max_files)
-        tok, target = _load_target(ns.target, ns.device)
+        tok, target = load_target(ns.target, ns.device, dtype=torch.float32, flag="--target")
         cfg = drafter_config(target.config, ns.block_size, ns.layers)
         train = torch.tensor(tok.encode(Corpus.text(corpus.train)).ids)
         held = torch.tensor(tok.encode(Corpus.text(corpus.heldout)).ids)
@@ -327,12 +316,10 @@ def drafter_stage(ns, argv) -> int:
                   "trained_untrained_selector": eval_acceptance(_with_selector(drafter, init), target, held_data),
                   "untrained": eval_acceptance(init, target, held_data)}
     save_dflash(ns.out, cfg, drafter.cpu())
-    record = {"stage": "drafter", "command": "python -m dhisparse.train " + " ".join(argv or sys.argv[1:]),
-              "corpus": corpus.manifest(), "target": str(ns.target), "config": cfg.to_hf(), "device": str(ns.device),
-              "params": sum(p.numel() for p in drafter.parameters()), "train_seqs": list(data.seqs.shape),
-              "heldout_seqs": list(held_data.seqs.shape), "steps": ns.steps, "batch": ns.batch, "lr": ns.lr,
-              "seed": ns.seed, **asdict(r), "heldout_acceptance": acceptance,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    (Path(ns.out) / "drafter_record.json").write_text(json.dumps(record, indent=1))
+    record = write_record(ns.out, "drafter_record.json", "drafter", argv, corpus=corpus.manifest(), target=str(ns.target),
+                          config=cfg.to_hf(), device=str(ns.device), params=sum(p.numel() for p in drafter.parameters()),
+                          train_seqs=list(data.seqs.shape), heldout_seqs=list(held_data.seqs.shape),
+                          batch=ns.batch, lr=ns.lr, seed=ns.seed, **asdict(r), heldout_acceptance=acceptance,
+                          seconds=round(time.perf_counter() - t0, 1))
     print(json.dumps({k: record[k] for k in ("params", "heldout_acceptance", "seconds")}))
     return 0

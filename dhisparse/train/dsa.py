@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
@@ -48,6 +50,19 @@ def small_config(vocab_size: int, **over) -> dict:
 def build_model(config: dict, seed: int):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="eager")
+
+
+def load_target(folder: str | Path, device: str, dtype: torch.dtype | None = None, flag: str = "--model"):
+    """(tokenizer, model in eval mode on `device`) of a folder the model stage wrote; dtype None
+    keeps the saved weights' dtype. A folder without config.json / tokenizer.json is a ValueError
+    naming `flag`."""
+    for name in ("config.json", "tokenizer.json"):
+        if not (Path(folder) / name).is_file():
+            raise ValueError(f"{flag} {folder}: no {name} there; pass a folder written by the model stage")
+    tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    kw = {} if dtype is None else {"dtype": dtype}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager", **kw)
+    return tok, model.to(device).eval()
 
 
 def indexers(model) -> list:
