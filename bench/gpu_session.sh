@@ -7,7 +7,8 @@
 #        specprofile,specprofile2,serving32kc18,profile4step,specprofile32k,specprofile8ko,mlatune,specprofile32ksplit,
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
-#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27
+#        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
+#        train29drafter,tinyspec,exactint
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -278,3 +279,14 @@ case ",$STEPS," in *,hostfirst27,*)  # issue 26 item 5: --admission-placement im
 case ",$STEPS," in *,mtptest,*)  # the MTP drafter files on CUDA (~1 min)
   run "MTP on CUDA" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile tests/test_spec_mtp*.py \
       tests/test_drafters_models.py tests/test_adaptive.py -rfE --junitxml="$OUT/mtp_cuda.xml" ;; esac
+case ",$STEPS," in *,train29drafter,*)  # issue 29: the DFlash2 drafter of the committed tiny-code into its dflash2/ folder, packed as one file (~3.5 min)
+  M=dhisparse/models/builtin/tiny-code
+  run "train: DFlash2 drafter" timeout 260 python3 -m dhisparse.train drafter --target "$M" --out "$M/dflash2" --device cuda \
+      --steps ${STEPS_DRAFTER:-2000}
+  tar cf "$OUT/dflash2.tar" -C "$M" dflash2 ;; esac  # one file: the tool returns at most 8
+case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mtp / dflash2 / ngram at width 4 on tiny-code, 3 presets (~3 min)
+  run "tiny-code drafters through the engine" timeout ${TINYSPEC_TIMEOUT:-200} python3 bench/tiny_code_spec.py --device cuda \
+      --out "$OUT/tiny_code_spec_h200.json" ;; esac
+case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
+  run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
+      -n 10 --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac

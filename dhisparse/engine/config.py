@@ -8,6 +8,7 @@ from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.hierarchy import PLACEMENTS  # import, host, auto
+from dhisparse.models.registry import builtin_drafter
 from dhisparse.spec.config import SpecConfig
 
 QUANTIZATIONS = ("none", "fp8")
@@ -96,7 +97,7 @@ class EngineConfig:
         None = the drafter checkpoint's (its sliding window, the whole context for full attention;
         2048 for random weights).
     speculative_draft_model_path [--speculative-draft-model-path]: DFlash checkpoint folder (None =
-        seeded random weights).
+        the built-in trained model's own drafter for `tiny-code`, else seeded random weights).
     speculative_policy [--speculative-policy]: fixed (K_max), static (8 up to C32, 6 up to C127, 4
         beyond, capped by K_max) or online.
     speculative_oracle_tokens_per_round [--speculative-oracle-tokens-per-round]: oracle calibration.
@@ -250,9 +251,11 @@ class EngineConfig:
         """The SpecConfig of this engine (None without speculation)."""
         if not self.speculative:
             return None
-        return SpecConfig(algorithm=self.speculative_algorithm or "dflash", num_draft_tokens=self.speculative_num_draft_tokens,
+        algorithm = self.speculative_algorithm or "dflash"
+        path = self.speculative_draft_model_path or builtin_drafter(self.model, algorithm)  # tiny-code ships its own
+        return SpecConfig(algorithm=algorithm, num_draft_tokens=self.speculative_num_draft_tokens,
                           draft_window_size=self.speculative_draft_window_size, page_size=self.page_size,
-                          draft_model_path=self.speculative_draft_model_path, policy=self.speculative_policy,
+                          draft_model_path=path, policy=self.speculative_policy,
                           oracle_tokens_per_round=self.speculative_oracle_tokens_per_round, seed=self.seed)
 
     def store_settings(self) -> StoreSettings:

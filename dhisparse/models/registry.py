@@ -1,6 +1,7 @@
 """`load_model(spec)`: one entry point for the CLI, server and benchmarks.
 
-spec is the name of a built-in model (`tiny`), a checkpoint folder (config.json + safetensors,
+spec is the name of a built-in model (`tiny-code`: the trained checkpoint shipped in
+`models/builtin/`; `tiny` and the `*-scaled` models: seeded random weights), a checkpoint folder (config.json + safetensors,
 optionally tokenizer.json) or a Hub id `org/name` already in the local Hugging Face cache (found
 offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
 `load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
@@ -58,6 +59,30 @@ BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int]
 }
 
 
+# trained checkpoints shipped with the package (package data), loaded like any folder
+BUILTIN_FOLDERS: dict[str, Path] = {"tiny-code": Path(__file__).resolve().parent / "builtin" / "tiny-code"}
+# each one's own drafter checkpoint, used when --speculative-draft-model-path is left out
+BUILTIN_DRAFTERS: dict[str, dict[str, str]] = {"tiny-code": {"dflash2": "dflash2", "dflash": "dflash2"}}
+
+
+def builtin_names() -> list[str]:
+    return sorted([*BUILTINS, *BUILTIN_FOLDERS])
+
+
+def builtin_folder(name: str) -> Path:
+    """The folder of a shipped trained checkpoint (`tiny-code`); ModelLoadError if it is missing."""
+    folder = BUILTIN_FOLDERS[name]
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"--model {name!r}: the built-in checkpoint is missing from {folder} (a broken install?)")
+    return folder
+
+
+def builtin_drafter(model: str, algorithm: str | None) -> str | None:
+    """The shipped drafter folder of a built-in trained model for `algorithm`, else None."""
+    sub = BUILTIN_DRAFTERS.get(str(model), {}).get(algorithm or "")
+    return str(BUILTIN_FOLDERS[str(model)] / sub) if sub else None
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else huggingface_hub's default
     (read from the environment now, not at huggingface_hub's import)."""
@@ -92,6 +117,10 @@ def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
 def resolve_folder(spec: str | Path, revision: str | None = None) -> Path:
     """A checkpoint folder, or the cached snapshot of a Hub id (ModelLoadError naming both otherwise)."""
     name = str(spec)
+    if name in BUILTIN_FOLDERS:
+        if revision is not None:
+            raise ModelLoadError(f"--revision applies to Hub ids (org/name), not to the built-in model {name!r}")
+        return builtin_folder(name)
     folder = Path(name).expanduser()
     if folder.is_dir():
         if revision is not None:
@@ -100,7 +129,7 @@ def resolve_folder(spec: str | Path, revision: str | None = None) -> Path:
     if _HUB_ID.fullmatch(name) and not name.startswith((".", "/")):
         return resolve_hub(name, revision)
     raise ModelLoadError(
-        f"--model {name!r} is neither a built-in model ({', '.join(sorted(BUILTINS))}), an existing folder nor a "
+        f"--model {name!r} is neither a built-in model ({', '.join(builtin_names())}), an existing folder nor a "
         "Hub id org/name; pass a built-in name, a folder holding config.json and *.safetensors, or a cached Hub id"
     )
 

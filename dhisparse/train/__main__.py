@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("evaluate", help="greedy completions of held-out signatures (ast.parse share) and the curves")
     e.add_argument("--model", required=True, help="a trained model folder (its records are plotted)")
     e.add_argument("--signatures", type=int, default=20)
-    e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--device", default="cpu")
     e.add_argument("--heldout", type=float, default=0.05)
     e.add_argument("--max-files", type=int, default=None, help="CPU smoke mode: only the first N files")

@@ -4,9 +4,11 @@ the training curves.
 Completion check (issue 29): `signatures` picks n function signatures (`def name(args):` on one
 line at any indentation) spread over the held-out files, deterministically; each is completed
 greedily by our engine; the signature plus the completion's lines that belong to its body (the
-lines up to the first non-blank one indented no deeper than the signature) must `ast.parse`.
+lines up to the first non-blank one indented no deeper than the signature) must `ast.parse`. A
+completion the token limit cut keeps only its complete lines (the line being written when the limit
+came is dropped: the model had not finished it).
 
-    signature   "    def area(self, r):"           (dedented before parsing)
+    signature   "    def area(self, r):"           (the prompt, as is; dedented before parsing)
     completion  "\\n        return r * r\\n\\n    def ..."   -> body "        return r * r"
     parsed      "def area(self, r):\\n    return r * r"
 """
@@ -43,10 +45,13 @@ def signatures(files: list[CorpusFile], n: int = 20) -> list[str]:
     return out
 
 
-def body_of(signature: str, completion: str) -> str:
-    """The completion's lines that belong to the signature's body (module docstring)."""
+def body_of(signature: str, completion: str, cut: bool = False) -> str:
+    """The completion's lines that belong to the signature's body (module docstring); `cut` (the
+    token limit ended the completion) drops the unfinished last line."""
     indent = len(signature) - len(signature.lstrip())
     lines = completion.split("\n")
+    if cut:
+        lines = lines[:-1]
     if lines and not lines[0].strip():
         lines = lines[1:]  # the newline that ends the signature's line
     body = []
@@ -57,9 +62,9 @@ def body_of(signature: str, completion: str) -> str:
     return "\n".join(body).rstrip()
 
 
-def parses(signature: str, completion: str) -> bool:
+def parses(signature: str, completion: str, cut: bool = False) -> bool:
     """Whether the signature plus its completed body is valid Python (a body is required)."""
-    body = body_of(signature, completion)
+    body = body_of(signature, completion, cut)
     if not body.strip():
         return False
     try:
@@ -69,16 +74,21 @@ def parses(signature: str, completion: str) -> bool:
     return True
 
 
-def completion_check(folder: str | Path, files: list[CorpusFile], n: int = 20, max_tokens: int = 96,
+def completion_check(folder: str | Path, files: list[CorpusFile], n: int = 20, max_tokens: int = 256,
                      device: str = "cpu", preset: str = "resident") -> dict:
     """Greedy completions of `signatures(files, n)` by our engine; the share that parses."""
     sigs = signatures(files, n)
     llm = LLM(str(folder), device=device, preset=preset)
-    outs = llm.generate([s + "\n" for s in sigs], SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    samples = [{"signature": s, "completion": o.text, "parses": parses(s, "\n" + o.text)} for s, o in zip(sigs, outs)]
+    # the prompt is the signature without its newline: the tokenizer merges a newline with the next
+    # line's indentation ("\n" + 8 spaces is one token), so a prompt ending in a bare "\n" would ask
+    # for a line at column 0
+    outs = llm.generate(sigs, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    samples = [{"signature": s, "completion": o.text, "finish_reason": o.finish_reason,
+                "parses": parses(s, o.text, cut=o.finish_reason == "length")} for s, o in zip(sigs, outs)]
     ok = sum(x["parses"] for x in samples)
     return {"rule": "signatures `def name(args):` spread over the held-out files; greedy completion; the signature "
-                    "plus the completion's body lines must ast.parse", "preset": preset, "max_tokens": max_tokens,
+                    "plus the completion's body lines must ast.parse (a completion cut by the token limit "
+                    "keeps only its complete lines)", "preset": preset, "max_tokens": max_tokens,
             "parsed": ok, "of": len(samples), "share": ok / max(len(samples), 1), "samples": samples}
 
 
