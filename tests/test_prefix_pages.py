@@ -19,6 +19,7 @@ from dhisparse.engine.llm import LLM
 from dhisparse.kv.memory.host import HostStore
 from dhisparse.kv.hier.prefix_pages import PrefixPages
 from kv_check import checked
+from test_adaptive import DelayedStreams
 
 PREFIX = [3 + (5 * j) % 97 for j in range(100)]  # 6 complete pages of 16, and a partial one
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -96,10 +97,18 @@ def test_hisparse_importer_borrows_and_hands_off_nothing():
     store.check_integrity()
 
 
-@pytest.mark.parametrize("preset", ["hisparse", "adaptive"])
-def test_importers_stay_exact_and_back_up_fewer_pages(preset, monkeypatch):
+@pytest.mark.parametrize("preset,copies", [("hisparse", "sync"), ("adaptive", "sync"), ("adaptive", "delayed")])
+def test_importers_stay_exact_and_back_up_fewer_pages(preset, copies, monkeypatch):
     """Same tokens as resident with and without sharing; with it no borrowed page is ever backed
-    up (the copy would raise), and fewer pages go device -> host."""
+    up (the copy would raise), and fewer pages go device -> host. "delayed": side-stream copies
+    that finish late (as on CUDA): a repopulation still in flight when the last request ends is
+    settled by the engine (`KVStore.idle`), so the idle pool is empty (CUDA found 2 pages left)."""
+    if copies == "delayed":
+        from dhisparse.kv.hier import adaptive as adaptive_mod
+        from dhisparse.kv.memory.copies import StreamCopyEngine
+
+        monkeypatch.setattr(adaptive_mod, "copy_engine_for", lambda device, copy, side, copy_many=None:
+                            StreamCopyEngine(copy, DelayedStreams(100), copy_many))
     ref = [o.token_ids for o in LLM("tiny").generate(_reqs(5), GREEDY)]
     backed: dict[bool, int] = {}
     for share in (True, False):

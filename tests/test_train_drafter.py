@@ -62,7 +62,11 @@ def setup(tmp_path_factory):
 def test_loss_falls_and_acceptance_beats_the_untrained_drafter(setup):
     r = setup.result
     assert r.draft_loss[-1] < r.draft_loss[0] - 2.0, r.draft_loss
-    assert r.selector_loss[-1] < r.selector_loss[0], r.selector_loss
+    # the selector's loss is 0 while no label is among the untrained drafter's candidates (it was at
+    # step 0 on the H200's interpreter, whose standard library is another corpus): compare against
+    # the first logged loss that had a target
+    first = next(x for x in r.selector_loss if x > 0)
+    assert r.selector_loss[-1] < first, r.selector_loss
     trained = D.eval_acceptance(setup.model, setup.target, setup.held)
     untrained = D.eval_acceptance(setup.init, setup.target, setup.held)
     assert trained > untrained + 1.0, (trained, untrained)

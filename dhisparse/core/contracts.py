@@ -114,6 +114,10 @@ class KVStore(abc.ABC):
     def after_step(self, computed: Mapping[Hashable, tuple[int, bool]]) -> None:
         """After the step's results: computed[req] = (positions with KV, prompt done)."""
 
+    def idle(self) -> None:
+        """The engine had nothing to run this step: settle the copies still in flight (wait for
+        them and free the pages they held), so an idle engine's pool holds only live requests."""
+
     def loading(self, req: Hashable) -> bool:
         """Whether req waits for a background copy (prefix import, hand-off): it sits the step out."""
         return False

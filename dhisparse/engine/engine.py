@@ -257,9 +257,13 @@ class Engine:
         failed = self._fail_pending()
         chunks = [c for c in chunks if c.req.status is not Status.FINISHED]
         if not chunks:
+            self.store.idle()  # nothing to run: settle copies in flight (an idle pool holds no dead pages)
             return held + failed
         try:
-            return held + failed + self._step(chunks)
+            outs = held + failed + self._step(chunks)
+            if not self.has_unfinished():
+                self.store.idle()  # the last request just finished: its draining pages go now
+            return outs
         except AssertionError:  # a violated invariant or debug check: never a request's own fault
             raise
         except Exception as e:  # noqa: BLE001 - the batched pass failed: its requests fail, the engine serves on

@@ -228,6 +228,14 @@ class AdaptiveKV(HierarchicalKV):
             self.res.backup_ahead(self.backup_ahead_pages)
         self.progress()
 
+    def idle(self) -> None:
+        """Also wait out backups and repopulations in flight: a finished request's optional pages
+        still draining (owned by ("opt", req)) are collected, so an idle pool holds no dead pages."""
+        super().idle()
+        while self.copies.in_flight():
+            self.progress()
+        self.progress()
+
     def _waiting(self) -> bool:
         """An admission attempt of this step lacked memory (the scheduler retries the head of its
         queue every step, so an aborted or admitted waiter stops counting by the next step)."""

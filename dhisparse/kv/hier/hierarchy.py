@@ -440,6 +440,11 @@ class HierarchicalKV(KVStore):
         workspace pages of finished hand-offs (AdaptiveKV's residency adds more)."""
         self.handoffs.poll()
 
+    def idle(self) -> None:
+        """Wait out the hand-offs in flight (their workspace pages are freed as each finishes)."""
+        while self.handoffs.pending:
+            self.handoffs.poll()
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """computed: req -> (positions with KV, prompt done). Hand off requests whose prompt just
         finished; back up completed tail pages of decoding requests. A request whose work raises

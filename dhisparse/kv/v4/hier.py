@@ -220,6 +220,9 @@ class V4HierStore(KVStore):
     def before_sync(self) -> None:
         self.kv.before_sync()
 
+    def idle(self) -> None:
+        self.kv.idle()
+
     def after_step(self, computed: dict[object, tuple[int, bool]]) -> None:
         """Commit tokens < n (streaming state trimmed); rows < n // m become history of the row
         hierarchy (handoff of a finished prompt, host backup of completed tail pages)."""
