@@ -132,13 +132,15 @@ case ",$STEPS," in *,train29model,*)  # issue 29, call 1: tokenizer + DSA model 
   run "train: tokenizer" timeout 120 python3 -m dhisparse.train tokenizer --out "$M"
   run "train: model (dense, indexer warm-up, sparse)" timeout ${TRAIN_MODEL_TIMEOUT:-420} python3 -m dhisparse.train model \
       --tokenizer "$M" --out "$M" --device cuda --batch 32 --seq-len 256 --steps-dense ${STEPS_DENSE:-4000} \
-      --steps-warmup ${STEPS_WARMUP:-400} --steps-sparse ${STEPS_SPARSE:-2000} --save-dtype bfloat16 ;; esac
+      --steps-warmup ${STEPS_WARMUP:-400} --steps-sparse ${STEPS_SPARSE:-2000} --save-dtype bfloat16
+  tar cf "$OUT/tiny-code.tar" -C "$OUT" tiny-code && rm -rf "$M" ;; esac  # one file: the tool returns at most 8
 case ",$STEPS," in *,train29draft,*)  # issue 29, call 2: MTP block, DFlash2 drafter, completions + curves for the committed folder $TINY_CODE (~6 min)
   M=$OUT/tiny-code; mkdir -p "$M"; cp -r "${TINY_CODE:?set TINY_CODE to the committed model folder}"/. "$M"/
   run "train: MTP block" timeout 200 python3 -m dhisparse.train mtp --model "$M" --device cuda --steps ${STEPS_MTP:-1500}
   run "train: DFlash2 drafter" timeout 240 python3 -m dhisparse.train drafter --target "$M" --out "$M/dflash2" --device cuda \
       --steps ${STEPS_DRAFTER:-2000}
-  run "train: completions and curves" timeout 120 python3 -m dhisparse.train evaluate --model "$M" --device cuda ;; esac
+  run "train: completions and curves" timeout 120 python3 -m dhisparse.train evaluate --model "$M" --device cuda
+  tar cf "$OUT/tiny-code.tar" -C "$OUT" tiny-code && rm -rf "$M" ;; esac  # one file: the tool returns at most 8 (s18 lost mtp_record.json so)
 case ",$STEPS," in *,exactplain,*)  # the exactness suite with split-row attention and grouped indexer scoring off (~4 min)
   run "exactness on CUDA, no split rows, per-token indexer" timeout 420 env DHISPARSE_MLA_SPLIT_ROWS=0 DHISPARSE_INDEXER_GROUP=0 \
       python3 -m pytest -q -p no:cacheprovider tests/test_hierarchy.py tests/test_adaptive.py tests/test_spec_engine.py \

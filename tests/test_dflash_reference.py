@@ -3,7 +3,8 @@ reference only): checkpoints written by its `save_pretrained` load into our draf
 block hidden states, logits and greedy drafts equal the reference's within 1e-4 (fp32) over
 random configs - layer counts, block sizes, target_layer_ids, sliding windows and causal layers,
 attention bias, output_multiplier, softcapping, the input embedding scale, DFlash2's grouped
-dynamic convolutions and candidate selector. Each breakage named in issue 27 (a causal block,
+dynamic convolutions and candidate selector, and the trained drafter shipped with the built-in
+`tiny-code` checkpoint (over tiny-code's own embedding and LM head). Each breakage named in issue 27 (a causal block,
 context K/V dropped, the selector's codebooks swapped, the convolution offset off by one) makes
 the comparison fail.
 """
@@ -35,6 +36,35 @@ CASES = {
     "dflash2": dict(layers=2, block=5, ids=[1, 4], two=True, extra=dict(is_causal=False),
                     dflash=dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)),
 }
+TRAINED = "trained-tiny-code"  # models/builtin/tiny-code/dflash2, loaded by both from its folder
+
+
+def trained_case() -> dict:
+    import json
+
+    from dhisparse.models.registry import builtin_folder
+
+    folder = builtin_folder("tiny-code") / "dflash2"
+    cfg = json.loads((folder / "config.json").read_text())
+    d = cfg["dflash_config"]
+    return dict(folder=folder, two=True, block=d["block_size"], ids=d["target_layer_ids"], H=cfg["hidden_size"], V=cfg["vocab_size"],
+                mask=d["mask_token_id"], dflash={"input_embedding_scale": d["input_embedding_scale"]})
+
+
+def trained_target():
+    """tiny-code's embedding and LM head (all a drafter round reads of its target)."""
+    from safetensors.torch import load_file
+
+    from dhisparse.models.registry import builtin_folder
+
+    w = load_file(str(builtin_folder("tiny-code") / "model.safetensors"))
+    emb, head = w["model.embed_tokens.weight"].float(), w["lm_head.weight"].float()
+    embed = torch.nn.Embedding(*emb.shape)
+    lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(emb), lm_head.weight.copy_(head)
+    cfg = SimpleNamespace(vocab_size=emb.shape[0], hidden_size=emb.shape[1], num_layers=6)
+    return SimpleNamespace(model=SimpleNamespace(embed_tokens=embed), lm_head=lm_head, config=cfg)
 
 
 def reference(case: dict, seed: int = 0):
@@ -62,8 +92,13 @@ def fake_target(seed: int = 1):
     return SimpleNamespace(model=SimpleNamespace(embed_tokens=embed), lm_head=head, config=cfg)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[*sorted(CASES), TRAINED])
 def pair(request, tmp_path_factory):
+    if request.param == TRAINED:
+        case = trained_case()
+        ref = dflash_model.DFlash2DraftModel.from_pretrained(str(case["folder"]), dtype=torch.float32).eval()
+        target = trained_target()
+        return TRAINED, case, ref, DFlashDrafter.load(case["folder"], target, max_context=512), target
     case = CASES[request.param]
     ref = reference(case)
     folder = tmp_path_factory.mktemp(request.param)
@@ -74,8 +109,9 @@ def pair(request, tmp_path_factory):
 
 def inputs(case: dict, n: int, requests: int, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
-    feats = torch.randn(requests, n, len(case["ids"]) * H, generator=g)
-    anchors = torch.randint(4, V, (requests,), generator=g)
+    h, v = case.get("H", H), case.get("V", V)
+    feats = torch.randn(requests, n, len(case["ids"]) * h, generator=g)
+    anchors = torch.randint(4, v, (requests,), generator=g)
     return feats, anchors
 
 
@@ -83,7 +119,7 @@ def run_reference(ref, case, target, feats, anchors):
     """The reference's round: its forward over [context ; block] with the target's embedding and
     head, as dflash_generate calls it -> (hidden rows 1.., logits rows 1.., greedy drafts)."""
     n, b = feats.shape[1], case["block"]
-    ids = torch.full((feats.shape[0], b), 3)
+    ids = torch.full((feats.shape[0], b), case.get("mask", 3))
     ids[:, 0] = anchors
     scale = float(case.get("dflash", {}).get("input_embedding_scale", 1.0))
     with torch.no_grad():
@@ -102,7 +138,8 @@ def run_ours(drafter: DFlashDrafter, case, feats, anchors):
     reqs, states = [], []
     for r in range(feats.shape[0]):
         rid = f"r{r}-{id(feats)}"
-        split = {l: feats[r, :, i * H:(i + 1) * H] for i, l in enumerate(case["ids"])}
+        h = case.get("H", H)
+        split = {l: feats[r, :, i * h:(i + 1) * h] for i, l in enumerate(case["ids"])}
         drafter.observe(rid, split, 0)
         req = DraftRequest(rid, list(range(n)), int(anchors[r]), case["block"])
         reqs.append(req), states.append(drafter._prepare(req))

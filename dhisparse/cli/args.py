@@ -119,7 +119,8 @@ class Flag:
 
 FLAGS: list[Flag] = [
     Flag(("--model-path", "--model"), "model",
-         help_="'tiny' (built-in GLM-5-architecture model, random weights), another built-in, a Hugging Face checkpoint "
+         help_="'tiny' (built-in GLM-5-architecture model, random weights), 'tiny-code' (the same architecture trained on "
+               "Python's standard library; the demo's default), another built-in, a Hugging Face checkpoint "
                "folder, or a Hub id org/name found in the local Hugging Face cache (offline; HF_HUB_CACHE / HF_HOME)"),
     Flag("--revision", "revision", help_="Hub revision (branch, tag or commit) of a --model-path org/name (default: main)"),
     Flag(("--tokenizer-path", "--tokenizer"), "tokenizer",

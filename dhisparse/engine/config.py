@@ -27,8 +27,9 @@ DECODE_PAGES = ("optional", "hot-cache")  # adaptive: where completed decode pag
 class EngineConfig:
     """Engine settings (CLI flags in brackets).
 
-    model [--model-path]: "tiny" (built-in), a Hugging Face checkpoint folder, or a Hub id org/name
-        in the local Hugging Face cache (models/registry.py resolve_hub; offline).
+    model [--model-path]: "tiny" (built-in, random weights), "tiny-code" (built-in, trained), a
+        Hugging Face checkpoint folder, or a Hub id org/name in the local Hugging Face cache
+        (models/registry.py resolve_hub; offline).
     preset [--preset]: KV policy, one of PRESETS.
     device [--device]: "auto" (cuda if available), "cpu" or "cuda".
     dtype [--dtype]: weights/KV dtype; None = checkpoint dtype (fp32 for tiny).
