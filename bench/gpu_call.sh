@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device-call preamble/epilogue: carried wheels onto PYTHONPATH and a persistent Triton cache.
 #   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.txz)
+# Carry budget (64 MiB in all): the tree is 44 MB with the shipped tiny-code checkpoint, so .whl
+# holds transformers slimmed by bench/slim_wheel.py (3.1 MB, the model folders the tests import;
+# the whole suite's transformers tests pass with it) and .tcache fits only when pruned small.
 # Triton compiles each kernel shape once (~30-50 s for the resolver); the cache tarball carried
 # between calls keeps later calls from paying that again. It comes back only under the device
 # tool's 16 MiB file limit (xz keeps the text IRs small); over it, in 15 MB parts.
