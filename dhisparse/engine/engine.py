@@ -261,15 +261,15 @@ class Engine:
             return held + failed
         try:
             outs = held + failed + self._step(chunks)
-            if not self.has_unfinished():
-                self.store.idle()  # the last request just finished: its draining pages go now
-            return outs
         except AssertionError:  # a violated invariant or debug check: never a request's own fault
             raise
         except Exception as e:  # noqa: BLE001 - the batched pass failed: its requests fail, the engine serves on
             log.exception("engine step failed; its %d requests are aborted", len(chunks))
             msg = f"engine step failed: {type(e).__name__}: {e}"
             return held + failed + [self._fail(c.req, msg) for c in chunks if c.req.status is not Status.FINISHED]
+        if not self.has_unfinished():
+            self.store.idle()  # the last request just finished: its draining pages go now
+        return outs
 
     def _fail(self, req: Request, msg: str) -> RequestOutput:
         """Finish `req` with finish_reason "error" (its KV freed) and report it."""

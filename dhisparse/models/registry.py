@@ -1,9 +1,9 @@
 """`load_model(spec)`: one entry point for the CLI, server and benchmarks.
 
 spec is the name of a built-in model (`tiny-code`: the trained checkpoint shipped in
-`models/builtin/`; `tiny` and the `*-scaled` models: seeded random weights), a checkpoint folder (config.json + safetensors,
-optionally tokenizer.json) or a Hub id `org/name` already in the local Hugging Face cache (found
-offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
+`models/builtin/`; `tiny` and the `*-scaled` models: seeded random weights), a checkpoint folder
+(config.json + safetensors, optionally tokenizer.json) or a Hub id `org/name` already in the local
+Hugging Face cache (found offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
 `load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
 template and quantization settings.
 """
