@@ -75,6 +75,7 @@ CASES = {
     "adaptive-tight": dict(preset="adaptive", kv_pool_bytes=38 * 15360, admission_reserve_pages=2),  # 38 pages
     "resident+mtp": dict(preset="resident", speculative_algorithm="mtp"),
     "adaptive+dflash2": dict(preset="adaptive+spec"),
+    "resident+dflash2": dict(preset="resident+spec"),
     "hisparse+ngram": dict(preset="hisparse", speculative_algorithm="ngram"),
     "adaptive+mtp": dict(preset="adaptive", speculative_algorithm="mtp"),
 }
