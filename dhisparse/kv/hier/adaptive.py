@@ -232,9 +232,9 @@ class AdaptiveKV(HierarchicalKV):
         """Also wait out backups and repopulations in flight: a finished request's optional pages
         still draining (owned by ("opt", req)) are collected, so an idle pool holds no dead pages."""
         super().idle()
+        self.progress()
         while self.copies.in_flight():
             self.progress()
-        self.progress()
 
     def _waiting(self) -> bool:
         """An admission attempt of this step lacked memory (the scheduler retries the head of its

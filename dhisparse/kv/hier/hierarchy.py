@@ -200,9 +200,8 @@ class HierarchicalKV(KVStore):
         """req's prefix match is shared on host for every complete page it imports."""
         if not self.HOST_FIRST or self.prefix_match is None:
             return False
-        item, n = self.prefix_match(req)
-        full = n // self.page_size
-        return item is not None and full >= 1 and self.prefix_pages.borrowable(item, n) >= full
+        full = self.prefix_match(req)[1] // self.page_size  # 0 without a match
+        return full >= 1 and self._borrowable(req) >= full
 
     def prompt_chunk_limit(self, req: object) -> int | None:
         """A host-first request feeds its prompt through the decode path: at most K_max tokens a
