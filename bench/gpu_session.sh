@@ -295,7 +295,7 @@ case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C4 / C18 / C36 (~7 min)
   # one oracle acceptance for every width: the corruption rate that gives 2.88 tokens a round at width 4,
   # so width K is calibrated to what that rate gives at K (a MEASUREMENT TOOL: the oracle runs no network)
-  tpr() { python3 -c "from dhisparse.spec.oracle import *; c=corrupt_rate_for_tokens_per_round(2.88, 4); import dhisparse.spec.oracle as o; print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
+  tpr() { python3 -c "import dhisparse.spec.oracle as o; c = o.corrupt_rate_for_tokens_per_round(2.88, 4); print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
   for POL in ${SPECPOLICY_ORDER:-online:8 fixed:2 fixed:4 fixed:6 fixed:8}; do  # rotate the order between calls
     P=${POL%%:*}; K=${POL##*:}
     run "adaptive+spec, --speculative-policy $P, K_max $K, 8K C4/C18/C36" timeout 160 python3 bench/gpu_serving.py \
