@@ -36,6 +36,9 @@ class CheckedContext(KVContext):
     def row_formats(self):
         return self.inner.row_formats()
 
+    def finish(self):
+        self.inner.finish()
+
     def locate(self, layer, selection):
         rows, loc = self.inner.locate(layer, selection)
         want_rows, want_loc = self.dense.locate(layer, selection)

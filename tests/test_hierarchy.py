@@ -99,7 +99,8 @@ def test_deferred_triton_resolver_matches_reference_resolver(preset, hot, spec):
     ref = [o.token_ids for o in LLM("tiny", page_size=4).generate(ps, short)]
     census = {}
     for resolver in ("torch", "triton"):
-        llm = LLM("tiny", preset=preset, resolver=resolver, hot_cache_rows=hot, page_size=4, kv_pool_bytes=1 << 20, **spec)
+        llm = LLM("tiny", preset=preset, resolver=resolver, hot_cache_rows=hot, page_size=4, kv_pool_bytes=1 << 20,
+                  max_running_requests=8, **spec)
         assert llm.engine.store.deferred == (resolver == "triton")
         assert [o.token_ids for o in llm.generate(ps, short)] == ref
         c = llm.engine.store.census
@@ -123,7 +124,7 @@ def test_deferred_staging_matches_reference_staging(preset):
     for resolver in ("torch", "triton"):
         llm = LLM.__new__(LLM)
         llm.engine = Engine(EngineConfig(preset=preset, resolver=resolver, hot_cache_rows=16, page_size=4,
-                                         kv_pool_bytes=1 << 20, speculative_algorithm="oracle",
+                                         kv_pool_bytes=1 << 20, max_running_requests=8, speculative_algorithm="oracle",
                                          speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0),
                             oracle_reference=ref)
         assert [o.token_ids for o in llm.generate(ps, sp)] == [ref[tuple(p)] for p in ps]

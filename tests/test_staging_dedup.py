@@ -47,7 +47,7 @@ def test_staging_copies_each_distinct_row_once(resolver, monkeypatch):
     ref = {tuple(p): o.token_ids for p, o in zip(ps, LLM("tiny").generate(ps, sp))}
     llm = LLM.__new__(LLM)
     llm.engine = Engine(EngineConfig(preset="hisparse", resolver=resolver, hot_cache_rows=16, page_size=4,
-                                     kv_pool_bytes=1 << 20, speculative_algorithm="oracle",
+                                     kv_pool_bytes=1 << 20, max_running_requests=8, speculative_algorithm="oracle",
                                      speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0),
                         oracle_reference=ref)
     assert [o.token_ids for o in llm.generate(ps, sp)] == [ref[tuple(p)] for p in ps]

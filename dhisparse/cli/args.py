@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from dhisparse import __version__
-from dhisparse.engine.config import KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, EngineConfig
+from dhisparse.engine.config import KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, STAGING_MODES, EngineConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # --dtype spellings (vLLM's and SGLang's) -> EngineConfig.dtype (None = the checkpoint's)
@@ -180,6 +180,10 @@ FLAGS: list[Flag] = [
     Flag("--admission-placement", "admission_placement", help_="hierarchical presets: where a prompt's prepared "
          "prefix goes at admission (import: copied to the device first; host: its shared host pages are the history "
          "at once; auto: import while spare pages hold it)", choices=PLACEMENTS),
+    Flag("--staging-mode", "staging_mode", help_="hierarchical presets with speculation: verification staging "
+         "(paper: one arena per layer of a selection group, staged rows promoted into the hot cache with copy-back; "
+         "single: one arena, staged rows dropped after each layer; auto: paper, single for DeepSeek-V4)",
+         choices=STAGING_MODES),
     Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
          "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",
          choices=("compute", "side")),

@@ -150,6 +150,12 @@ class KVContext(Protocol):
         ...
 
 
+    def finish(self) -> None:
+        """The model's last layer has been issued: work the pass deferred until every layer of a
+        selection group had read its rows (paper staging's copy-back, kv/hier/promotion.py) is
+        issued now, in stream order (inside a step graph's capture too). Default: nothing."""
+
+
 class GraphPass(NamedTuple):
     """What a context offers a whole-step CUDA graph (`engine.step_graphs`) for its pass.
 

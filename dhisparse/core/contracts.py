@@ -167,9 +167,9 @@ class KVStore(abc.ABC):
         alone): a hierarchy's host-first request feeds its prompt through the decode path."""
         return None
 
-    def staging_rows(self) -> torch.Tensor | None:
-        """The verification staging arena [1, R, latent_dim] attention may read besides a layer's
-        pages (a second row space), or None."""
+    def staging_rows(self, layer: int = 0) -> torch.Tensor | None:
+        """The verification staging arena [1, R, latent_dim] layer `layer`'s attention may read
+        besides its pages (a second row space), or None."""
         return None
 
     def resolver_census(self) -> Any:

@@ -14,6 +14,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
 def row_bytes(rows: torch.Tensor) -> int:
     """Bytes of one row of a [pages, rows_per_page, W] row space."""
     return rows.shape[-1] * rows.element_size()

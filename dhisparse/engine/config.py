@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
-from dhisparse.kv.hier.hierarchy import PLACEMENTS  # import, host, auto
+from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
 from dhisparse.models.registry import builtin_drafter
 from dhisparse.spec.config import SpecConfig
 
@@ -79,6 +79,12 @@ class EngineConfig:
         index keys and the partial last page come to the device, and the rest of the prompt runs
         K_max tokens a pass through the resolver) or "auto" (default: import while the workspace
         fits in spare pages, else host-first).
+    staging_mode [--staging-mode]: verification staging over the hierarchical presets
+        (kv/hier/promotion.py): "paper" (chi arenas, one per layer of a selection group; staged
+        rows of higher rank than the round's weakest hot rows are promoted into the hot cache and
+        copied back once the group's readers are done; stamps rank rows within a round), "single"
+        (one arena, staged rows dropped after each layer) or "auto" (default: paper, single for
+        DeepSeek-V4, whose sources are read again after other sources' calls).
     prefetch_stream [--prefetch-stream]: where a selection group's follower layers copy their
         missed rows on CUDA (kv/hier/prefetch.py): "compute" (default: one layered copy of every
         layer of the group by the producer, before its attention) or "side" (HiSparse's layer-wise
@@ -150,6 +156,7 @@ class EngineConfig:
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
     admission_placement: str = "auto"
+    staging_mode: str = "auto"
     cuda_graphs: str = "auto"
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
@@ -197,6 +204,8 @@ class EngineConfig:
             raise ConfigValueError(f"cuda_graphs must be 'auto', 'none', 'ffn', 'layer' or 'step', got {self.cuda_graphs!r}")
         if self.admission_placement not in PLACEMENTS:
             raise ConfigValueError(f"admission_placement must be one of {PLACEMENTS}; got {self.admission_placement!r}")
+        if self.staging_mode not in STAGING_MODES:
+            raise ConfigValueError(f"staging_mode must be one of {STAGING_MODES}; got {self.staging_mode!r}")
         for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
@@ -266,7 +275,7 @@ class EngineConfig:
             source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
             load_stream=self.load_stream, prefetch_stream=self.prefetch_stream,
-            admission_placement=self.admission_placement, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
+            admission_placement=self.admission_placement, staging_mode=self.staging_mode, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,
             max_running=self.max_running_requests, max_queries=self.speculative_num_draft_tokens if self.speculative else 1,

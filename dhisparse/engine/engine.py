@@ -135,7 +135,7 @@ class Engine:
         """Row spaces a layer's sparse attention reads: the arena's rows, and with a staging arena
         (speculative verification over the hierarchy) also the (rows, stage) pair."""
         rows = self.arena.latent_rows(layer)
-        stage = self.store.staging_rows()
+        stage = self.store.staging_rows(layer)
         return [rows] if stage is None else [rows, (rows, stage)]
 
     def _build_kv(self, config: EngineConfig):

@@ -57,6 +57,8 @@ def store_counters(store, spec_counters: dict) -> dict:
         "resolver_direct_calls": census.direct_calls,
         "resolver_bytes_moved": census.bytes_moved,
         "resolver_overflow": census.overflow,
+        "staging_promoted_rows": census.promoted,
+        "staging_copyback_bytes": census.copyback_bytes,
         "host_selections_per_row": census.host_selected / census.host if census.host else 0.0,
     }
 

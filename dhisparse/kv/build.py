@@ -57,6 +57,7 @@ class StoreSettings:
     load_stream   admission copies (prefix import, hand-off backup): compute | side
     prefetch_stream  follower layers' copies of a shared selection: compute | side (kv/hier/prefetch.py)
     admission_placement  a prefix-matched admission: auto | import | host (HierarchicalKV._placement)
+    staging_mode  verification staging: auto | paper | single (kv/hier/promotion.py)
     reserve_pages, reclaim_order, repopulate_pages, backup_ahead_pages: adaptive residency
     max_running   request slots; max_queries: tokens a request verifies per pass (K_max, 1 = none)
     debug         integrity / selection checks
@@ -74,6 +75,7 @@ class StoreSettings:
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
     admission_placement: str = "auto"
+    staging_mode: str = "auto"
     reserve_pages: int | None = None  # None: AdaptiveKV.default_reserve
     reclaim_order: str = "remaining"
     repopulate_pages: int = 8
@@ -188,6 +190,7 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
     r = resolver_for(s.resolver, arena.device)
     kw = dict(plan_fn=r.plan_fn, copy_fn=r.copy_fn, deferred=r.deferred, debug=s.debug, max_queries=s.max_queries,
               side_loads=s.load_stream == "side", prefetch=s.prefetch_stream, placement=s.admission_placement,
+              staging_mode=s.staging_mode,
               max_len=max_len, source_hot_rows=per, **extra)
     args = (arena, host, hot, s.max_running)
     if s.preset == "hisparse":

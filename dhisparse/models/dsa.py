@@ -144,4 +144,5 @@ class DsaForCausalLM(CausalLMHead):
             h, selection = layer(h, rope, batch, kv, selection, graphs)
             if i in capture_layers:
                 captured[i] = h
+        kv.finish()
         return ModelOutput(m.norm(h), captured)

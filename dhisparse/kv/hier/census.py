@@ -22,15 +22,25 @@ class Census:
     of pending tensors would hold only the capture's own outputs."""
 
     FIELDS = ResolveCounters._fields + ("bytes_moved", "direct_calls")
+    PROMO_FIELDS = ("promoted", "copyback_bytes")  # paper staging (kv/hier/promotion.py)
     REDUCE_EVERY = 256
 
     def __init__(self) -> None:
-        self._tot = dict.fromkeys(self.FIELDS, 0)
+        self._tot = dict.fromkeys(self.FIELDS + self.PROMO_FIELDS, 0)
         self._dev: torch.Tensor | None = None  # [len(FIELDS)] int64 on the device, not yet folded
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (counts [6], bytes) per call
         self._acc: torch.Tensor | None = None  # [len(FIELDS) + 1] int64 device accumulator (in_place calls)
         self.in_place = False
         self.calls = 0
+        self._promo: torch.Tensor | None = None  # [2] int64 device: promoted rows, copy-back bytes
+
+    def add_promoted(self, rows: torch.Tensor, nbytes: torch.Tensor) -> None:
+        """Paper staging's promotions (kv/hier/promotion.py): 0-d device tensors, added in place
+        into one persistent accumulator (a step graph records the add)."""
+        if self._promo is None:
+            with torch.inference_mode(False):  # a normal tensor: it is read and zeroed outside the forward
+                self._promo = torch.zeros(2, dtype=torch.int64, device=rows.device)
+        self._promo.add_(torch.stack([rows, nbytes.to(torch.int64)]))
 
     def add(self, c: ResolveCounters, nbytes: int, calls: int = 1, direct_calls: int = 0) -> None:
         """Host counters of `calls` calls (summed), `direct_calls` of them wholly direct."""
@@ -77,15 +87,22 @@ class Census:
         out._tot, out.calls = dict(self._tot), self.calls
         return out
 
+    def _fold_promo(self) -> None:
+        if self._promo is not None:
+            for k, v in zip(self.PROMO_FIELDS, self._promo.tolist()):
+                self._tot[k] += int(v)
+            self._promo.zero_()
+
     def minus(self, base: "Census") -> "Census":
         """Counters accumulated since the snapshot `base`."""
         out = self.copy()
-        for k in self.FIELDS:
+        for k in self.FIELDS + self.PROMO_FIELDS:
             out._tot[k] -= base._tot[k]
         out.calls -= base.calls
         return out
 
     def _fold(self) -> None:
+        self._fold_promo()
         if self._pending:
             self._reduce()
         if self._dev is not None:
@@ -112,5 +129,5 @@ def _census_field(name: str) -> property:
     return property(get, put)
 
 
-for _name in Census.FIELDS:
+for _name in Census.FIELDS + Census.PROMO_FIELDS:
     setattr(Census, _name, _census_field(_name))

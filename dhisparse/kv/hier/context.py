@@ -30,6 +30,7 @@ from dhisparse.core.rows import SPACE, row_bytes, table_locations
 from dhisparse.kv.resident.store import PagedContext
 from dhisparse.core.batch import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
+from dhisparse.kv.hier.promotion import Promotion, copy_layered_torch, flush, plan_promotion, rank_stamps
 from dhisparse.kv.hier.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
 try:  # Triton is optional: only a deferred (Triton) plan launches its copies here
@@ -102,12 +103,14 @@ def direct_counts(sel: torch.Tensor, dt: DecodeTokens) -> torch.Tensor:
 
 
 def resolve_group(kv, g: int, per_req: torch.Tensor,
-                  slots_t: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None]:
+                  slots_t: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None, Promotion | None]:
     """The resolver call of selection group g of hierarchy `kv`: per_req [Nd, K, k] positions of
     the decoding requests' queries (-1 padded, each request's K queries resolved as one union);
-    slots_t [Nd] int64 on the device, their slots. Returns (plan, staged): plan.loc [Nd, K, k]
-    locations (SPACE-encoded staging rows where staged), staged: the copy plan of union rows that
-    found no hot-cache victim (None when none can exist / none did).
+    slots_t [Nd] int64 on the device, their slots. Returns (plan, staged, promotion): plan.loc
+    [Nd, K, k] locations (SPACE-encoded staging rows where staged), staged: the copy plan of union
+    rows that found no hot-cache victim (None when none can exist / none did), promotion: paper
+    staging's pending promotion of staged rows (kv/hier/promotion.py; None under single staging
+    or when nothing can be staged).
 
     With a deferrable (Triton) resolver nothing here waits for the device: the kernel takes the
     direct path per request, the counters stay on the device, and rows of a verification union
@@ -116,15 +119,29 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
     the host."""
     if kv.deferred:
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True)
-        if per_req.shape[1] * per_req.shape[2] <= kv.B_of[g]:
-            return plan, None
-        return plan, stage_overflow_deferred(plan, per_req, slots_t, kv)
-    plan = direct_plan(per_req, slots_t, kv)
-    if plan is None:
-        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now)
+        staged = None
+        if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
+            staged = stage_overflow_deferred(plan, per_req, slots_t, kv)
     else:
-        kv.census.direct_calls += 1
-    return stage_overflow(plan, per_req, slots_t, kv)
+        plan = direct_plan(per_req, slots_t, kv)
+        if plan is None:
+            plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.stamp_now)
+        else:
+            kv.census.direct_calls += 1
+        plan, staged = stage_overflow(plan, per_req, slots_t, kv)
+    return plan, staged, _paper_round(kv, g, per_req, slots_t, plan, staged)
+
+
+def _paper_round(kv, g: int, per_req: torch.Tensor, slots_t: torch.Tensor, plan, staged) -> Promotion | None:
+    """Paper staging after group g's resolver call (kv/hier/promotion.py): rank the touched rows'
+    stamps and, where the union could overflow the hot cache, plan the promotion of its staged rows.
+    Nothing under single staging or for one query a request."""
+    if kv.staging_mode != "paper" or per_req.shape[1] == 1:
+        return None
+    ranks, touched = rank_stamps(kv, g, per_req, slots_t)
+    if per_req.shape[1] * per_req.shape[2] <= kv.B_of[g] or (staged is None and not kv.deferred):
+        return None
+    return plan_promotion(kv, g, ranks, touched, plan.loc, slots_t)
 
 
 def locate_group(kv, g: int, selection: torch.Tensor, dt: DecodeTokens, slots_t: torch.Tensor, lat_of: torch.Tensor,
@@ -136,19 +153,20 @@ def locate_group(kv, g: int, selection: torch.Tensor, dt: DecodeTokens, slots_t:
     location, no resolver call; `count_direct`: the call's census is counted on the device, else
     the caller counted it on the host). req_idx [T]: each token's batch row.
 
-    Returns (loc [T, k], plan, staged); plan is None when no request decodes, a `DirectPlan` when
-    all-direct. Pass (plan, staged) to `copy_group` for every layer of the group."""
-    plan = staged = None
+    Returns (loc [T, k], plan, staged, promotion); plan is None when no request decodes, a
+    `DirectPlan` when all-direct. Pass (plan, staged) to `copy_group` for every layer of the group,
+    and a promotion to `promotion.flush` once the group's last layer has run."""
+    plan = staged = promo = None
     if dt.n and not all_direct:
-        plan, staged = resolve_group(kv, g, per_request(selection, dt), slots_t)
+        plan, staged, promo = resolve_group(kv, g, per_request(selection, dt), slots_t)
         if dt.dense:  # every token decodes: the plan's locations are the pass's
-            return plan.loc.reshape(selection.shape), plan, staged
+            return plan.loc.reshape(selection.shape), plan, staged, promo
     loc = lat_of[req_idx[:, None], selection.clamp(min=0)].masked_fill_(selection < 0, -1)
     if dt.n and all_direct:  # lat_of already holds every location (decode_locations, direct)
         plan = DirectPlan(direct_counts(selection, dt) if count_direct else None)
     elif dt.n:
         loc[dt.tok] = plan.loc[dt.i, dt.j]
-    return loc, plan, staged
+    return loc, plan, staged, promo
 
 
 def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
@@ -180,7 +198,10 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
             launch_copies(plan, kv.host.layer_rows(layer), rows)
         elif producer:  # one layered launch copies the rows of every layer of the group
             launch_copies(plan, kv.host.rows[:, span], kv.arena.latent[:, span])
-        if staged is not None:
+        if staged is not None and kv.staging_mode == "paper":  # chi arenas: every layer's, once
+            if producer:
+                launch_copies(staged, kv.host.rows[:, span], kv.stage_arenas[:, : span.stop - span.start])
+        elif staged is not None:
             launch_copies(staged, kv.host.layer_rows(layer), kv.stage)
         if producer:  # every layer of the group copies the same rows: count them all here, once
             copied, counts = plan.copy_n.sum(), plan.counts
@@ -190,7 +211,7 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
         return
     host = kv.host.layer_rows(layer)
     nbytes = kv.copy_fn(plan, host, rows)
-    nbytes += kv.copy_fn(staged, host, kv.stage) if staged is not None else 0
+    nbytes += kv.copy_fn(staged, host, kv.staging_rows(layer)) if staged is not None else 0
     if producer:
         kv.census.add(plan.counters, nbytes)
     else:
@@ -242,6 +263,7 @@ class HierContext(PagedContext):
         self.plans: dict[int, tuple[ResolvePlan, ResolvePlan | None]] = {}
         self._zero = torch.zeros((), dtype=torch.int64, device=kv.device)  # bytes copied by a direct call
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (selection, locations)
+        self.pending: dict[int, Promotion] = {}  # group -> its promotion, flushed after its last layer
 
     HOST_CENSUS = True  # count K = 1 all-direct passes on the host (False: per group on the device)
 
@@ -318,7 +340,7 @@ class HierContext(PagedContext):
         ctx.idx_of = kv.index_locations(ctx.slots_t, batch.seq_lens, gp.width)
         ctx.lat_of = decode_locations(kv, ctx.slots_t, batch.seq_lens, gp.width, ctx.all_direct)
         ctx._finish_tables(scratch)
-        ctx.plans, ctx.memo = {}, {}
+        ctx.plans, ctx.memo, ctx.pending = {}, {}, {}
         ctx._zero = torch.zeros((), dtype=torch.int64, device=dev)
         return ctx
 
@@ -349,6 +371,7 @@ class HierContext(PagedContext):
         """Rows and locations of `selection` [T, k] (positions, -1 padding) for `layer`."""
         kv = self.kv
         g = kv.group_of[layer]
+        self._flush(but=g)  # an earlier group's layers have all run (groups are consecutive layers)
         memo = self.memo.get(g)
         if memo is not None and memo[0] is selection:  # a follower layer: same selection, same locations
             loc = memo[1]
@@ -362,7 +385,17 @@ class HierContext(PagedContext):
             return rows, loc
         plan, staged = self.plans[g]
         copy_group(kv, layer, plan, staged, rows, layer == kv.groups[g], self._zero)
-        return ((rows, kv.stage) if staged is not None else rows), loc
+        return ((rows, kv.staging_rows(layer)) if staged is not None else rows), loc
+
+    def finish(self) -> None:
+        """After the model's last layer: flush the last group's promotion (`KVContext.finish`)."""
+        self._flush(but=None)
+
+    def _flush(self, but: int | None) -> None:
+        """Apply the pending promotions of every group but `but` (kv/hier/promotion.py), in stream
+        order after those groups' attention."""
+        for g in [g for g in self.pending if g != but]:
+            flush(self.kv, self.pending.pop(g), launch_copies if self.kv.deferred else copy_layered_torch)
 
     def _locate_new(self, g: int, layer: int, selection: torch.Tensor) -> torch.Tensor:
         """Locations [T, k] of a new selection (`locate_group`): workspace rows for prefilling
@@ -373,8 +406,10 @@ class HierContext(PagedContext):
         if self.decode_rows and layer != kv.groups[g]:
             raise RuntimeError(f"layer {layer} brings a new selection but is a follower of layer {kv.groups[g]}")
         # positions past a request's length are errors (the indexer masks them; `_check` in debug)
-        loc, plan, staged = locate_group(kv, g, selection, self.tokens, self.slots_t, self.lat_of, self.batch.req_idx,
-                                         self.all_direct, count_direct=not self.host_counted)
+        loc, plan, staged, promo = locate_group(kv, g, selection, self.tokens, self.slots_t, self.lat_of,
+                                                self.batch.req_idx, self.all_direct, count_direct=not self.host_counted)
         if plan is not None:
             self.plans[g] = (plan, staged)
+        if promo is not None:
+            self.pending[g] = promo
         return loc

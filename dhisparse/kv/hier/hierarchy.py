@@ -25,7 +25,7 @@ import torch
 
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.core.contracts import KVStore, PrefixMatch, RequestFailures, RowPlace
-from dhisparse.core.rows import SPACE, cdiv
+from dhisparse.core.rows import SPACE, cdiv, next_pow2
 from dhisparse.kv.hier.census import Census
 from dhisparse.kv.hier.context import HierContext
 from dhisparse.kv.memory.arena import KVArena
@@ -51,7 +51,8 @@ class ReqKV:
     tail_start: int = 0
 
 
-PLACEMENTS = ("import", "host", "auto")  # where a prefix-matched admission puts the prefix (`_placement`)
+PLACEMENTS = ("import", "host", "auto")
+STAGING_MODES = ("auto", "paper", "single")  # verification staging (`_build_staging`, kv/hier/promotion.py)  # where a prefix-matched admission puts the prefix (`_placement`)
 
 
 def _page_run(storage: torch.Tensor, pages: list[int]) -> torch.Tensor:
@@ -86,7 +87,7 @@ class HierarchicalKV(KVStore):
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
                  side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None,
-                 prefetch: str = "compute", placement: str = "import") -> None:
+                 prefetch: str = "compute", placement: str = "import", staging_mode: str = "auto") -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -95,7 +96,8 @@ class HierarchicalKV(KVStore):
         side_loads: prefix imports and hand-off backups run beside the batch (kv/memory/loads.py).
         prefetch: "compute" or "side": where follower layers copy a deferred plan's rows
         (kv/hier/prefetch.py; "side" takes effect on CUDA only). placement: "import", "host" or
-        "auto", where a prefix-matched admission puts the prefix (`_placement`).
+        "auto", where a prefix-matched admission puts the prefix (`_placement`). staging_mode:
+        "paper", "single" or "auto" (`STAGING_MODES`, kv/hier/promotion.py).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
         resolver: kv/build.py's `Resolver`). source_hot_rows: one hot-cache budget B_g per selection
         group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
@@ -122,8 +124,11 @@ class HierarchicalKV(KVStore):
         self.group_span = [_span(sorted(l for l, g in self.group_of.items() if g == i), p)
                            for i, p in enumerate(self.groups)]
         G, S, dev = len(self.groups), max_slots, self.device
-        self.hot_pos = torch.full((S, G, self.B), -1, dtype=torch.int64, device=dev)
-        self.hot_stamp = torch.full_like(self.hot_pos, -1)
+        # one trailing trash entry each: a graph-safe masked update writes there (kv/hier/promotion.py)
+        self._hot_pos_flat = torch.full((S * G * self.B + 1,), -1, dtype=torch.int64, device=dev)
+        self._hot_stamp_flat = torch.full_like(self._hot_pos_flat, -1)
+        self.hot_pos = self._hot_pos_flat[:-1].view(S, G, self.B)
+        self.hot_stamp = self._hot_stamp_flat[:-1].view(S, G, self.B)
         self.hot_loc = torch.zeros(S, self.B, dtype=torch.int64, device=dev)
         self.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
         self.tail_loc = torch.zeros(S, self.tail_pages * self.page_size, dtype=torch.int64, device=dev)
@@ -131,7 +136,11 @@ class HierarchicalKV(KVStore):
         ml = max_len or 1
         self.host_pages = SlotTable(S, dev, cdiv(ml, host.page_size))  # each slot's host page list (the resolver's host_table)
         self.index_pages = SlotTable(S, dev, cdiv(ml, arena.index_page_size))  # each slot's index page list (index_locations)
-        self.stage = self.stage_loc = None
+        self.stage = self.stage_loc = self.stage_arenas = None
+        self.staging_mode = self._staging_mode(staging_mode, max_queries)
+        ks = next_pow2(max_queries) if self.staging_mode == "paper" else 1
+        self.rank_span, self.stamp_scale = ks, ks * ks  # stamps are now * KS^2 + rank (promotion.py)
+        self.arena_of = dict.fromkeys(self.group_of, 0)  # layer -> its staging arena (chi = 1)
         if max_queries > 1:
             self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
@@ -147,19 +156,51 @@ class HierarchicalKV(KVStore):
         self.followers = [[l for l in sorted(self.group_of) if self.group_of[l] == i and l != p]
                           for i, p in enumerate(self.groups)]  # group -> its follower layers
 
+    STAGING_PAPER = True  # DeepSeek-V4's row hierarchy keeps one arena (its sources' readers interleave)
+
+    def _staging_mode(self, mode: str, max_queries: int) -> str:
+        """`staging_mode` resolved: "auto" is "paper" where the store supports it, else "single"."""
+        if mode not in STAGING_MODES:
+            raise ValueError(f"staging_mode must be one of {STAGING_MODES}, got {mode!r}")
+        if mode == "paper" and not self.STAGING_PAPER:
+            raise ValueError("staging_mode 'paper' (chi arenas with promotion) is not available for this model's "
+                             "row hierarchy (DeepSeek-V4 restages per source); use 'single' or 'auto'")
+        if mode == "auto":
+            return "paper" if self.STAGING_PAPER else "single"
+        return mode
+
     def _build_staging(self, slots: int, max_queries: int) -> None:
-        """One staging arena (chi = 1: layers run one after another, so the next layer reuses it
-        after the previous layer's attention finished) of K_max * k rows per request slot
-        (eq. 11). It is a required allocation, and it lives in the pool's own pages: the rows
-        [1, slots * K_max * k, W] are a view of the permanent pages' storage (consecutive pages,
-        taken first from a fresh pool), so its bytes are counted once and allocated once."""
+        """Verification staging (eq. 11): chi arenas of K_max * k rows per request slot.
+
+        single  chi = 1: layers run one after another, so the next layer reuses the arena after the
+                previous layer's attention; every layer stages its own rows again
+        paper   chi = the most layers of one selection group (4 for GLM-5's groups, 1 for V3.2):
+                the group's producer stages every layer of the group at once, layer l of the group
+                into arena l - producer; the arenas stay live until the group's promoted rows are
+                copied back to the hot cache (`promotion.flush`), then the next group reuses them
+
+        A required allocation living in the pool's own pages: [1, chi, slots * K_max * k, W] is a
+        view of the permanent pages' storage (consecutive pages, taken first from a fresh pool), so
+        its bytes are counted once and allocated once. stage_loc [slots, K_max * k]: SPACE + the
+        staging rows of each slot (the same rows in every arena)."""
         a = self.arena
+        chi = max(self.group_size) if self.staging_mode == "paper" else 1
+        if self.staging_mode == "paper":
+            if any(sp is None for sp in self.group_span):
+                raise ValueError("staging_mode 'paper' needs every selection group's layers consecutive")
+            self.arena_of = {l: l - self.groups[g] for l, g in self.group_of.items()}
         per_slot = max_queries * a.cfg.index_topk
-        n = slots * per_slot * a.row_width  # storage elements
+        n = chi * slots * per_slot * a.row_width  # storage elements
         pages = self.pool.alloc_permanent("staging", cdiv(n, a.page_elems))
-        self.stage = _page_run(a.storage, pages)[:n].view(1, slots * per_slot, a.row_width)
+        self.stage_arenas = _page_run(a.storage, pages)[:n].view(1, chi, slots * per_slot, a.row_width)
+        self.stage = self.stage_arenas[:, 0]
         base = torch.arange(slots * per_slot, dtype=torch.int64, device=self.device).view(slots, per_slot)
         self.stage_loc = SPACE + base
+
+    @property
+    def chi(self) -> int:
+        """Staging arenas (eq. 11's chi); 0 without staging."""
+        return 0 if self.stage_arenas is None else self.stage_arenas.shape[1]
 
     # -- admission / release -------------------------------------------------------------------
     def required_pages(self, max_total: int) -> int:
@@ -294,7 +335,7 @@ class HierarchicalKV(KVStore):
         self.host.check_integrity()
         if self.stage is not None:
             pages = self.pool.owned_by("staging")
-            assert len(pages) * self.arena.page_nbytes >= self.stage.numel() * self.stage.element_size()
+            assert len(pages) * self.arena.page_nbytes >= self.stage_arenas.numel() * self.stage.element_size()
             assert self.stage.data_ptr() == self.arena.storage[min(pages)].data_ptr(), "staging is not its pages' storage"
         for req, st in self.reqs.items():
             held = self.resident.latent_tables[req] + self.resident.index_tables[req] + st.hot_pages + st.tail_pages
@@ -306,6 +347,29 @@ class HierarchicalKV(KVStore):
                 for p in {0, st.tail_start // 2, st.tail_start - 1} if st.tail_start else ():
                     place = self.row_place(req, p)
                     assert place.host >= 0 or place.tier == "optional", f"I1: row {p} of {req!r} has no host copy ({place})"
+                if not self.loading(req):
+                    self._check_hot_rows(req, st)
+
+    def _check_hot_rows(self, req: object, st: ReqKV) -> None:
+        """I2 at rest: every hot-cache entry of req names a history position whose row, in every
+        layer of its group, is byte-identical to its host copy (paper staging's copy-back and
+        promotion write these entries outside the resolver)."""
+        ps, hps = self.page_size, self.host.page_size
+        table = self.host.tables[req]
+        for g in range(len(self.groups)):
+            pos = self.hot_pos[st.slot, g, : self.B_of[g]]
+            live = (pos >= 0).nonzero().squeeze(1)
+            if not live.numel():
+                continue
+            p = pos[live].cpu()
+            assert bool((p < st.tail_start).all()), f"hot entries of {req!r} hold tail positions {p.tolist()[:4]}"
+            hloc = torch.tensor([table[int(q) // hps] * hps + int(q) % hps for q in p])
+            dloc = self.hot_loc[st.slot, live].cpu()
+            for layer in (l for l, gg in self.group_of.items() if gg == g):
+                dev = self.arena.latent_rows(layer)[dloc // ps, dloc % ps].cpu()
+                host = self.host.layer_rows(layer)[hloc // hps, hloc % hps].cpu()
+                assert torch.equal(dev.view(torch.uint8), host.view(torch.uint8)), \
+                    f"hot rows of {req!r}, group {g}, layer {layer} differ from their host copies"
 
     # -- prefix import / export (prefill workspace) --------------------------------------------
     def write_rows(self, req: object, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:
@@ -327,8 +391,15 @@ class HierarchicalKV(KVStore):
         """Admission reserves no host page for the complete pages a request will borrow."""
         self.prefix_match = match
 
-    def staging_rows(self) -> torch.Tensor | None:
-        return self.stage
+    def staging_rows(self, layer: int = 0) -> torch.Tensor | None:
+        """[1, slots * K_max * k, W] the staging arena layer `layer` reads (None: no staging)."""
+        return None if self.stage is None else self.stage_arenas[:, self.arena_of[layer]]
+
+    @property
+    def stamp_now(self) -> int:
+        """The LRU stamp of this pass's resolver calls: now * KS^2 (paper staging: a row's rank in
+        its round is added, `promotion.rank_stamps`); `now_t` holds the same on the device."""
+        return self.now * self.stamp_scale
 
     @property
     def hot_cache_rows(self) -> int:
@@ -407,7 +478,7 @@ class HierarchicalKV(KVStore):
     def context(self, batch: ForwardBatch, reqs: list[object]) -> HierContext:
         self.now += 1
         if self.deferred:
-            self.now_t.fill_(self.now)  # no sync; a replayed step graph reads the stamp from here
+            self.now_t.fill_(self.stamp_now)  # no sync; a replayed step graph reads the stamp from here
         for r, req in enumerate(reqs):
             n = batch.lens[r]
             self.resident.ensure_index(req, n) if self.reqs[req].decoding else self.resident.ensure(req, n)

@@ -90,6 +90,7 @@ class _V4Rows:
 
     host_census = False
     HOST_FIRST = False  # V4 prefixes are whole streaming states, imported by V4HierStore
+    STAGING_PAPER = False  # a source's rows are read again after other sources' calls: one arena, restaged
 
     def __init__(self, *args, v4: V4Config, **kw) -> None:
         self.v4, self.state_need = v4, {}  # first: AdaptiveKV's default reserve counts the V4 state pages

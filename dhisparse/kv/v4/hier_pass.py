@@ -86,7 +86,7 @@ class V4HierPass(V4Pass):
             return super().locate(layer, kind, selection)
         kv, g, rc = self.kv, self.group[layer], self.rc
         # V4's row passes count every call on the device (host_census = False): count_direct
-        loc, plan, staged = locate_group(kv, g, selection, self.tokens, rc.slots_t, rc.lat_of, self.batch.req_idx,
+        loc, plan, staged, _ = locate_group(kv, g, selection, self.tokens, rc.slots_t, rc.lat_of, self.batch.req_idx,
                                          rc.all_direct, count_direct=True)
         rows = kv.arena.latent_rows(g)
         if plan is not None:
