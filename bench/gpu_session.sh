@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy
+#        train29drafter,tinyspec,exactint,specpolicy,staging26
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -292,14 +292,24 @@ case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mt
 case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
   run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
       -n 10 --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
-case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C4 / C18 / C36 (~7 min)
+case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18 (~2.5 min warm)
+  for SM in ${STAGING_ORDER:-paper single}; do  # rotate the order between calls
+    run "adaptive+spec, --staging-mode $SM, 8K C18" timeout ${STAGING_TIMEOUT:-150} python3 bench/gpu_serving.py \
+        --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 18 --presets adaptive+spec \
+        --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 --engine-arg staging_mode=$SM \
+        --out "$OUT/staging_${SM}_8k_c18_h200.json"
+  done ;; esac
+case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11 (~9 min)
+  # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6), and the
+  # online run (graphs for every width 1..8) did not finish C4 in 160 s: loads within the device's
+  # slots, a 32-GiB host pool, 300 s a run
   # one oracle acceptance for every width: the corruption rate that gives 2.88 tokens a round at width 4,
   # so width K is calibrated to what that rate gives at K (a MEASUREMENT TOOL: the oracle runs no network)
   tpr() { python3 -c "import dhisparse.spec.oracle as o; c = o.corrupt_rate_for_tokens_per_round(2.88, 4); print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
   for POL in ${SPECPOLICY_ORDER:-online:8 fixed:2 fixed:4 fixed:6 fixed:8}; do  # rotate the order between calls
     P=${POL%%:*}; K=${POL##*:}
-    run "adaptive+spec, --speculative-policy $P, K_max $K, 8K C4/C18/C36" timeout 160 python3 bench/gpu_serving.py \
-        --model glm52-scaled --input-len 8192 --resident-fit 6 --concurrency 4,18,36 --presets adaptive+spec \
+    run "adaptive+spec, --speculative-policy $P, K_max $K, 8K C2/C6/C11" timeout 300 python3 bench/gpu_serving.py \
+        --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 2,6,11 --presets adaptive+spec \
         --duration 10 --force --spec-width $K --spec-tokens-per-round $(tpr $K) --engine-arg speculative_policy=$P \
         --out "$OUT/spec_policy_${P}_k${K}_8k_h200.json"
   done ;; esac

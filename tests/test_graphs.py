@@ -71,7 +71,8 @@ def test_attention_piece_over_the_hierarchy_generates_the_same_tokens(preset, sp
     prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 7 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in tiny_llm().generate(prompts, params)]
-    llm = LLM("tiny", preset=preset, page_size=4, device="cpu", hot_cache_rows=16, kv_pool_bytes=1 << 20, **spec)
+    llm = LLM("tiny", preset=preset, page_size=4, device="cpu", hot_cache_rows=16, kv_pool_bytes=1 << 20,
+              max_running_requests=8, **spec)  # 8 slots: paper staging (chi 3) fits the 1-MiB pool
     e = llm.engine
     graphs = e.model.graphs = PiecewiseGraphs(EagerRunner(), buckets=(1, 2, 4, 8, 16, 32), pieces=("pre", "attn"))
     try:

@@ -21,6 +21,8 @@ share of chi = 4 arenas).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -121,13 +123,13 @@ def ring_gib(d: DrafterShape, dtype: torch.dtype) -> float:
 def spec_row(row: MemoryRow, cfg: ModelConfig, page_size: int, hot_rows: int, dtype: torch.dtype, d: DrafterShape,
              formats: KVFormats | None = None) -> MemoryRow:
     """`row` plus the speculative required state: the drafter's ring and, on hierarchical presets,
-    the request slot's share of the verification staging arena (eq. 11, chi = 1; staged rows are
-    stored rows, so their bytes follow the row format)."""
+    the request slot's share of the verification staging arenas (eq. 11, chi of them under the
+    default paper staging; staged rows are stored rows, so their bytes follow the row format)."""
     staging = 0.0
     if row.preset != "resident":
         arena = _arena(cfg, page_size, 1 << 20, dtype, formats)
         kv = HierarchicalKV(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=d.k_max)
-        staging = kv.stage.numel() * kv.stage.element_size() / GIB
+        staging = kv.stage_arenas.numel() * kv.stage.element_size() / GIB
         tail = kv.tail_pages * arena.page_nbytes / GIB
         row = replace(row, tail=tail)
     return replace(row, preset=row.preset + "+spec", draft_ring=ring_gib(d, dtype), staging=staging)
@@ -184,7 +186,7 @@ PAPER_TABLE1 = {  # GiB per session, GLM-5.3, FP8 KV, k 2048, B 4096 (Table 1; d
 PAPER_HOST_100K = 4.186
 PAPER_LATENT_ROW = 576  # bytes: what the paper's Table 1 figures imply per latent row (512 + 64 values x 1 B)
 PAPER_INDEX_ROW = 132   # bytes: 128 e4m3 + 1 fp32 scale (the same as ours)
-PAPER_CHI = 4           # staging arenas live together in the paper's layout (section 3.4); ours: 1
+PAPER_CHI = 4           # staging arenas live together in the paper's layout (section 3.4); ours: the same (paper staging)
 COMPONENTS = ("latent_history", "hot_cache", "tail", "index_state", "metadata", "draft_ring", "staging")
 
 
@@ -241,8 +243,9 @@ def _how(comp: str, r: dict, cfg: ModelConfig, page_size: int, hot_rows: int, pa
     if comp == "draft_ring":
         return "12,288 B x R_d 2176 rows (model dtype)"
     if comp == "staging":
+        chi = max(Counter(cfg.producer_of(layer) for layer in range(cfg.num_layers)).values())
         return (f"chi {PAPER_CHI} x K_max 8 x k {cfg.index_topk} x {W} B" if paper
-                else f"chi 1 x K_max 8 x k {cfg.index_topk} x {W} B (one arena, layers run one after another)")
+                else f"chi {chi} x K_max 8 x k {cfg.index_topk} x {W} B (one arena per layer of a selection group)")
     return ""
 
 
