@@ -292,9 +292,9 @@ case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mt
 case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
   run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
       -n 10 --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
-case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18 (~2.5 min warm)
+case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18 (~5 min; s19: 120 s a run was too short)
   for SM in ${STAGING_ORDER:-paper single}; do  # rotate the order between calls
-    run "adaptive+spec, --staging-mode $SM, 8K C18" timeout ${STAGING_TIMEOUT:-150} python3 bench/gpu_serving.py \
+    run "adaptive+spec, --staging-mode $SM, 8K C18" timeout ${STAGING_TIMEOUT:-240} python3 bench/gpu_serving.py \
         --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 18 --presets adaptive+spec \
         --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 --engine-arg staging_mode=$SM \
         --out "$OUT/staging_${SM}_8k_c18_h200.json"
