@@ -17,6 +17,7 @@ import logging
 
 from dhisparse import __version__
 from dhisparse.engine.config import KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, STAGING_MODES, EngineConfig
+from dhisparse.spec.config import COSTED
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # --dtype spellings (vLLM's and SGLang's) -> EngineConfig.dtype (None = the checkpoint's)
@@ -203,6 +204,9 @@ FLAGS: list[Flag] = [
          choices=("fixed", "static", "online")),
     Flag("--speculative-oracle-tokens-per-round", "speculative_oracle_tokens_per_round", positive_float,
          "oracle drafter calibration, e.g. 2.88"),
+    Flag("--speculative-oracle-drafter", "speculative_oracle_drafter",
+         help_="costed oracle (a benchmark tool): this drafter's network runs every round, the oracle's tokens "
+         "replace its drafts", choices=COSTED),
     Flag("--resolver", "resolver", help_="resolver implementation", choices=("auto", "torch", "triton")),
     Flag("--kernel-backend", "kernel_backend", help_="attention / indexer kernels (auto: Triton on CUDA)",
          choices=("auto", "torch", "triton")),

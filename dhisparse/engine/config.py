@@ -108,6 +108,9 @@ class EngineConfig:
     speculative_policy [--speculative-policy]: fixed (K_max), static (8 up to C32, 6 up to C127, 4
         beyond, capped by K_max) or online.
     speculative_oracle_tokens_per_round [--speculative-oracle-tokens-per-round]: oracle calibration.
+    speculative_oracle_drafter [--speculative-oracle-drafter]: with the oracle, the network drafter
+        (dflash, dflash2, dspark, mtp) that runs every round for its cost and memory while the
+        oracle's tokens replace its drafts (a costed oracle, spec/oracle.py `CostedOracle`).
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
         tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).
@@ -165,6 +168,7 @@ class EngineConfig:
     speculative_draft_model_path: str | None = None
     speculative_policy: str = "fixed"
     speculative_oracle_tokens_per_round: float | None = None
+    speculative_oracle_drafter: str | None = None
     resolver: str = "auto"
     kernel_backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
@@ -262,11 +266,13 @@ class EngineConfig:
         if not self.speculative:
             return None
         algorithm = self.speculative_algorithm or "dflash"
-        path = self.speculative_draft_model_path or builtin_drafter(self.model, algorithm)  # tiny-code ships its own
+        network = self.speculative_oracle_drafter or algorithm  # a costed oracle runs that drafter's network
+        path = self.speculative_draft_model_path or builtin_drafter(self.model, network)  # tiny-code ships its own
         return SpecConfig(algorithm=algorithm, num_draft_tokens=self.speculative_num_draft_tokens,
                           draft_window_size=self.speculative_draft_window_size, page_size=self.page_size,
                           draft_model_path=path, policy=self.speculative_policy,
-                          oracle_tokens_per_round=self.speculative_oracle_tokens_per_round, seed=self.seed)
+                          oracle_tokens_per_round=self.speculative_oracle_tokens_per_round,
+                          oracle_drafter=self.speculative_oracle_drafter, seed=self.seed)
 
     def store_settings(self) -> StoreSettings:
         """The KV store settings of this engine (kv/build.py)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dhisparse.spec.ring import ring_rows
 
 ALGORITHMS = ("dflash", "dflash2", "dspark", "mtp", "ngram", "oracle")
+COSTED = ("dflash", "dflash2", "dspark", "mtp")  # network drafters a costed oracle can run (oracle_drafter)
 ALIASES = {"nextn": "mtp"}  # SGLang's name for the same drafter
 POLICIES = ("fixed", "static", "online")
 DEFAULT_WINDOW = 2048  # W of random-weight drafters (and of a full-attention one without a context length)
@@ -40,6 +41,9 @@ class SpecConfig:
         random weights (dflash / dspark).
     ngram_min_n / ngram_max_n: suffix lengths the n-gram drafter tries, longest first.
     oracle_corrupt_rate / oracle_tokens_per_round: oracle calibration, give at most one.
+    oracle_drafter [--speculative-oracle-drafter]: with the oracle, a network drafter (dflash,
+        dflash2, dspark, mtp) that runs every round for its cost and memory while the oracle's
+        tokens replace its drafts (`CostedOracle`, a measurement tool); None: the plain oracle.
     policy: fixed (always `fixed_width` or K_max), static (width by concurrency), online.
     static_schedule / static_default_width: ((max concurrency, width), ...), width above them all.
     fixed_width: width for the fixed policy; None = K_max.
@@ -56,6 +60,7 @@ class SpecConfig:
     ngram_max_n: int = 4
     oracle_corrupt_rate: float | None = None
     oracle_tokens_per_round: float | None = None
+    oracle_drafter: str | None = None
     policy: str = "fixed"
     static_schedule: tuple[tuple[int, int], ...] = ((32, 8), (127, 6))
     static_default_width: int = 4
@@ -113,6 +118,9 @@ class SpecConfig:
             raise SpecConfigError(f"static_schedule concurrency bounds must increase; got {bounds}")
 
     def _check_oracle(self) -> None:
+        if self.oracle_drafter is not None and (self.algorithm != "oracle" or self.oracle_drafter not in COSTED):
+            raise SpecConfigError(f"--speculative-oracle-drafter needs --speculative-algorithm oracle and one of "
+                                  f"{', '.join(COSTED)}; got {self.oracle_drafter!r} with {self.algorithm!r}")
         if self.oracle_corrupt_rate is not None and self.oracle_tokens_per_round is not None:
             raise SpecConfigError("give oracle_corrupt_rate or oracle_tokens_per_round, not both")
         if self.oracle_corrupt_rate is not None and not 0.0 <= self.oracle_corrupt_rate <= 1.0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dhisparse.spec.config import DEFAULT_WINDOW, SpecConfig, SpecConfigError
 from dhisparse.spec.dflash import DFlashDrafter, target_parts
 from dhisparse.spec.dflash_config import DFlashConfig, default_target_layer_ids
@@ -9,7 +11,7 @@ from dhisparse.spec.drafter import Drafter
 from dhisparse.spec.dspark import DSparkDrafter, VerifyCost
 from dhisparse.spec.mtp import build_mtp
 from dhisparse.spec.ngram import NgramDrafter
-from dhisparse.spec.oracle import OracleDrafter, Reference, corrupt_rate_for_tokens_per_round
+from dhisparse.spec.oracle import CostedOracle, OracleDrafter, Reference, corrupt_rate_for_tokens_per_round
 from dhisparse.spec.policy import StaticWidthSchedule
 
 
@@ -71,7 +73,12 @@ def build_drafter(cfg: SpecConfig, target, *, reference: Reference | None = None
         rate = cfg.oracle_corrupt_rate or 0.0
         if cfg.oracle_tokens_per_round is not None:
             rate = corrupt_rate_for_tokens_per_round(cfg.oracle_tokens_per_round, cfg.width_for_oracle)
-        return OracleDrafter(reference, target_parts(target)[2].vocab_size, rate, cfg.seed)
+        oracle = OracleDrafter(reference, target_parts(target)[2].vocab_size, rate, cfg.seed)
+        if cfg.oracle_drafter is None:
+            return oracle
+        inner = replace(cfg, algorithm=cfg.oracle_drafter, oracle_drafter=None, oracle_tokens_per_round=None,
+                        oracle_corrupt_rate=None)
+        return CostedOracle(build_drafter(inner, target, max_requests=max_requests, cost=cost), oracle)
     if cfg.algorithm == "mtp":
         return build_mtp(cfg, target, max_requests)
     drafter = build_dflash(cfg, target, max_requests)

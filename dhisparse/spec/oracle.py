@@ -116,3 +116,41 @@ class OracleDrafter(StatelessDrafter):
         if rng.random() >= self.corrupt_rate:
             return token
         return (token + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
+
+
+class CostedOracle:
+    """COSTED ORACLE (benchmark measurement tool): a real drafter's network runs every round and
+    holds its weights and ring, and the oracle's tokens replace its drafts (issue 31: drafting is
+    costed, acceptance is dialled in). Every call of the drafter contract goes to `inner` (its
+    features, ring and commits follow the committed tokens, whoever drafted them); `propose` runs
+    inner.propose for its cost, discards its tokens and returns the oracle's proposals. What it
+    still leaves out: the drafter's own acceptance (the oracle's is used) and DSpark's per-request
+    width schedule (the oracle drafts the full width)."""
+
+    def __init__(self, inner, oracle: OracleDrafter) -> None:
+        self.inner, self.oracle = inner, oracle
+        self.capture_layers = inner.capture_layers
+        self.feature_window = inner.feature_window
+
+    def admit(self, request_id: str) -> None:
+        self.inner.admit(request_id)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
+        self.inner.propose(requests)  # the network's cost: its drafts are not used
+        return self.oracle.propose(requests)
+
+    def observe(self, request_id: str, features, start: int) -> None:
+        self.inner.observe(request_id, features, start)
+
+    def commit(self, request_id: str, accepted: int, new_features=None) -> None:
+        self.inner.commit(request_id, accepted, new_features)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+        self.oracle.release(request_id)
+
+    def state_bytes_per_request(self) -> int:
+        return self.inner.state_bytes_per_request()
+
+    def device_bytes(self):
+        return self.inner.device_bytes()
