@@ -10,7 +10,10 @@ one every preset's engine is given, and the stores' per-request page counts)
 plus the whole-step graphs' scratch page;
 max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
 the host pool's histories: the prefix's complete pages once, which every request borrows, plus each
-request's own pages). Every preset runs with the same pool and slot settings. Prompts are the
+request's own pages). Every preset runs with the same pool and slot settings, unless
+`--charge-spec-memory`: then the +spec presets pay for speculation out of that same memory (the
+drafter's weights and ring come out of the pool's bytes, each slot also holds its staging share;
+`spec_charge`), so they get fewer slots, as the paper's 140 against 208. Prompts are the
 prepared prefix + one of `--distinct-suffixes` short suffixes (cycled), so the oracle drafter's
 reference (a short non-speculative greedy run of those prompts) covers every request. The oracle is
 calibrated to --spec-tokens-per-round at width --spec-width (a MEASUREMENT TOOL: label it oracle).
@@ -78,6 +81,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
       help="any other EngineConfig setting for every preset, e.g. backup_ahead_pages=128 (repeatable)")
+    a("--charge-spec-memory", action="store_true",
+      help="+spec presets pay for speculation out of the same device memory (issue 31): the drafter's weights and "
+           "ring come out of the KV pool's bytes and each slot also holds its staging share, so they get fewer slots")
     a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)
@@ -154,6 +160,38 @@ def sizing(ns, cfg) -> dict:
                 host_mem_available=mem_available(), max_running_requests=slots)
 
 
+def spec_charge(ns, sz: dict, cfg, loaded, reference) -> dict:
+    """The +spec presets' pool and slots when speculation is charged for its memory
+    (`--charge-spec-memory`). The non-speculative presets' device memory is the pool; a +spec engine
+    holds in that same memory the drafter's weights W, its ring (R bytes a slot, allocated outside
+    the pool for every slot) and, inside the pool, the staging arenas (X bytes a slot) beside each
+    session's required pages (H bytes):
+
+        slots      S = min(target, host slots, (pool - W - scratch) // (H + X + R))
+        its pool   pool - W - S * R          (so pool + W + S * R = the others' pool)
+    """
+    from dhisparse.bench.memreport import staging_bytes_per_slot
+    from dhisparse.spec.factory import build_drafter
+
+    spec_cfg = engine_config(ns, sz, "adaptive+spec").spec_config()
+    drafter = build_drafter(spec_cfg, loaded.model, reference=reference or {}, max_requests=1)
+    weights, ring = drafter.device_bytes().weights, drafter.state_bytes_per_request()
+    del drafter
+    release_memory()
+    stage = staging_bytes_per_slot(cfg, ns.page_size, sz["hot_cache_rows"], model_dtype(ns), ns.spec_width,
+                                   kv_formats(ns, cfg), engine_config(ns, sz, "adaptive+spec").staging_mode)
+    session = sz["hierarchy_required_pages_per_request"] * sz["page_bytes"]
+    usable = sz["kv_pool_bytes"] - weights - StepGraphs.SCRATCH_PAGES * sz["page_bytes"]
+    slots = min(sz["slot_target"], sz["host_slots"], usable // (session + stage + ring))
+    if slots < 1 or usable - slots * ring < sz["page_bytes"]:
+        raise SystemExit(f"--charge-spec-memory: speculation does not fit the {sz['kv_pool_bytes']} B pool (drafter "
+                         f"weights {weights} B; a slot needs {session} B of pages + {stage} B of staging + {ring} B of "
+                         "ring); raise --resident-fit or shrink the drafter's window")
+    return dict(drafter_weight_bytes=weights, drafter_ring_bytes_per_slot=ring, staging_bytes_per_slot=stage,
+                kv_pool_bytes=sz["kv_pool_bytes"] - weights - slots * ring, max_running_requests=slots,
+                uncharged_max_running_requests=sz["max_running_requests"])
+
+
 def uses_oracle(ns) -> bool:
     """Whether a +spec preset runs with the oracle drafter (it needs the recorded reference)."""
     return ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
@@ -206,8 +244,11 @@ def _number(raw: str):
 
 def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
     spec = preset.endswith("+spec")
+    charged = sz.get("spec_charged") if spec else None  # --charge-spec-memory: the +spec presets' own pool and slots
+    pool, slots = (charged["kv_pool_bytes"], charged["max_running_requests"]) if charged else \
+        (sz["kv_pool_bytes"], sz["max_running_requests"])
     base = dict(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
-                        kv_pool_bytes=sz["kv_pool_bytes"], max_running_requests=sz["max_running_requests"],
+                        kv_pool_bytes=pool, max_running_requests=slots,
                         max_num_batched_tokens=ns.max_batched_tokens, hot_cache_rows=ns.hot_cache_rows,
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
@@ -334,6 +375,12 @@ def main(argv=None) -> int:
 
     prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
     reference = oracle_reference(ns, sz, loaded, prefixes) if uses_oracle(ns) else None
+    if ns.charge_spec_memory and any(p.endswith("+spec") for p in ns.preset_list):
+        sz["spec_charged"] = ch = spec_charge(ns, sz, cfg, loaded, reference)
+        print(f"[sizing] +spec charged: drafter {ch['drafter_weight_bytes'] / GIB:.3f} GiB + ring "
+              f"{ch['drafter_ring_bytes_per_slot'] / 2**20:.1f} MiB and staging {ch['staging_bytes_per_slot'] / 2**20:.1f} "
+              f"MiB a slot -> pool {ch['kv_pool_bytes'] / GIB:.2f} GiB, max_running_requests {ch['max_running_requests']} "
+              f"(uncharged {ch['uncharged_max_running_requests']})", flush=True)
     runs = []
     for c in ns.concurrencies:  # every preset at one load side by side before the next load
         for preset in ns.preset_list:

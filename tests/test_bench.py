@@ -234,6 +234,36 @@ def test_gpu_serving_engine_args_are_typed_from_the_config():
         gs.engine_overrides(["backup_ahed_pages=1"])
 
 
+def test_gpu_serving_charges_speculation_for_its_memory():
+    """--charge-spec-memory (issue 31 item 2): the +spec presets' pool + drafter weights + ring equals
+    the others' pool, and their slots each also hold a staging share, so fewer fit."""
+    import importlib.util
+    import pathlib
+
+    from dhisparse.bench.sweep import load_shared_model
+
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    ns = gs.parse(["--quick", "--charge-spec-memory", "--engine-arg", "speculative_oracle_drafter=dflash2",
+                   "--engine-arg", "speculative_draft_window_size=16"])
+    ns.resident_fit, ns.admit_factor, ns.host_pool_gib = 40, 10.0, 1.0
+    cfg = gs.model_config(ns.model)
+    sz = gs.sizing(ns, cfg)
+    loaded = load_shared_model(gs.EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    ch = gs.spec_charge(ns, sz, cfg, loaded, {})
+    assert ch["drafter_weight_bytes"] > 0 and ch["drafter_ring_bytes_per_slot"] > 0 and ch["staging_bytes_per_slot"] > 0
+    S = ch["max_running_requests"]
+    assert ch["kv_pool_bytes"] + ch["drafter_weight_bytes"] + S * ch["drafter_ring_bytes_per_slot"] == sz["kv_pool_bytes"]
+    assert 1 <= S < sz["max_running_requests"]
+    per_slot = sz["hierarchy_required_pages_per_request"] * sz["page_bytes"] + ch["staging_bytes_per_slot"]
+    assert S * per_slot <= ch["kv_pool_bytes"]  # the charged pool holds S sessions and their staging
+    sz["spec_charged"] = ch
+    charged, plain = gs.engine_config(ns, sz, "adaptive+spec"), gs.engine_config(ns, sz, "adaptive")
+    assert (charged.kv_pool_bytes, charged.max_running_requests) == (ch["kv_pool_bytes"], S)
+    assert (plain.kv_pool_bytes, plain.max_running_requests) == (sz["kv_pool_bytes"], sz["max_running_requests"])
+
+
 def test_budget_sweep_plot(tmp_path):
     """Bench results of one concurrency at different hot-cache sizes plot as Fig. 9; results of a
     concurrency sweep (or one file) stay serving curves."""

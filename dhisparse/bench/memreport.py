@@ -99,6 +99,17 @@ def _host(arena: KVArena, pages: int) -> HostStore:
     return HostStore(pages, arena.cfg.num_layers, arena.page_size, arena.row_width, arena.dtype, pin=False, device="meta")
 
 
+def staging_bytes_per_slot(cfg: ModelConfig, page_size: int, hot_rows: int, dtype: torch.dtype, k_max: int,
+                           formats: KVFormats | None = None, staging_mode: str = "auto") -> int:
+    """One request slot's share of the verification staging arenas (eq. 11: chi x K_max x k stored
+    rows), from a meta-device hierarchy built the way the engine builds it; 0 for K_max = 1."""
+    if k_max < 2:
+        return 0
+    arena = _arena(cfg, page_size, 1 << 20, dtype, formats)
+    kv = HierarchicalKV(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=k_max, staging_mode=staging_mode)
+    return kv.stage_arenas.numel() * kv.stage.element_size()
+
+
 def resident_row(cfg: ModelConfig, context: int, page_size: int, dtype: torch.dtype,
                  formats: KVFormats | None = None) -> MemoryRow:
     arena = _arena(cfg, page_size, 1 << 20, dtype, formats)
