@@ -15,7 +15,7 @@ from dhisparse.engine.llm import LLM
 from dhisparse.spec.config import SpecConfig, SpecConfigError
 from dhisparse.spec.oracle import CostedOracle
 
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 PROMPTS = [[3 + (7 * i + 5 * j) % 250 for j in range(20 + 23 * i)] for i in range(3)]
 
 
@@ -45,8 +45,9 @@ def test_costed_oracle_gives_the_oracles_rounds_and_runs_the_network(network, pr
     for llm in (plain, costed):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference[tuple(p)] for p in prompts]
     b = costed.engine.stats().as_dict()
-    # the oracle's acceptance (calibrated to 2.5 tokens a round at width 4), not the random drafter's
-    assert b["spec_tokens_per_round"] > 1.8, b["spec_tokens_per_round"]
+    # the oracle's acceptance (calibrated to 2.5 tokens a round at width 4; ~30 rounds), not the random
+    # drafter's (about 1.0)
+    assert b["spec_tokens_per_round"] > 1.5, b["spec_tokens_per_round"]
     assert len(calls) == b["spec_draft_calls"] > 0  # the network ran in every drafting call
     assert d.device_bytes().weights > 0 or network == "mtp"  # its weights are charged (MTP's are the target's)
     assert d.device_bytes() == d.inner.device_bytes()
