@@ -173,13 +173,13 @@ def spec_charge(ns, sz: dict, cfg, loaded, reference) -> dict:
     from dhisparse.bench.memreport import staging_bytes_per_slot
     from dhisparse.spec.factory import build_drafter
 
-    spec_cfg = engine_config(ns, sz, "adaptive+spec").spec_config()
-    drafter = build_drafter(spec_cfg, loaded.model, reference=reference or {}, max_requests=1)
+    config = engine_config(ns, sz, "adaptive+spec")
+    drafter = build_drafter(config.spec_config(), loaded.model, reference=reference or {}, max_requests=1)
     weights, ring = drafter.device_bytes().weights, drafter.state_bytes_per_request()
     del drafter
     release_memory()
     stage = staging_bytes_per_slot(cfg, ns.page_size, sz["hot_cache_rows"], model_dtype(ns), ns.spec_width,
-                                   kv_formats(ns, cfg), engine_config(ns, sz, "adaptive+spec").staging_mode)
+                                   kv_formats(ns, cfg), config.staging_mode)
     session = sz["hierarchy_required_pages_per_request"] * sz["page_bytes"]
     usable = sz["kv_pool_bytes"] - weights - StepGraphs.SCRATCH_PAGES * sz["page_bytes"]
     slots = min(sz["slot_target"], sz["host_slots"], usable // (session + stage + ring))

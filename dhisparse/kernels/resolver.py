@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.kernels.gather import gather_rows_padded
-from dhisparse.core.rows import row_bytes
+from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
 
@@ -75,10 +75,6 @@ class TritonResolvePlan(ResolvePlan):
         return self
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
     """2-D state tensor with unit last stride (row stride passed to the kernel)."""
     if t.dim() != 2:
@@ -104,7 +100,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     N, K, k = sel.shape
     KK = K * k
     B = st.hot_pos.shape[1]
-    KKP, BP = _next_pow2(max(KK, 1)), _next_pow2(max(B, 1))
+    KKP, BP = next_pow2(max(KK, 1)), next_pow2(max(B, 1))
     C = max(1, min(KK, B))
     i64 = dict(dtype=torch.int64, device=dev)
     loc = torch.empty(sel.shape, dtype=sel.dtype, device=dev)

@@ -51,8 +51,8 @@ class ReqKV:
     tail_start: int = 0
 
 
-PLACEMENTS = ("import", "host", "auto")
-STAGING_MODES = ("auto", "paper", "single")  # verification staging (`_build_staging`, kv/hier/promotion.py)  # where a prefix-matched admission puts the prefix (`_placement`)
+PLACEMENTS = ("import", "host", "auto")  # where a prefix-matched admission puts the prefix (`_placement`)
+STAGING_MODES = ("auto", "paper", "single")  # verification staging (`_build_staging`, kv/hier/promotion.py)
 
 
 def _page_run(storage: torch.Tensor, pages: list[int]) -> torch.Tensor:
@@ -137,10 +137,12 @@ class HierarchicalKV(KVStore):
         self.host_pages = SlotTable(S, dev, cdiv(ml, host.page_size))  # each slot's host page list (the resolver's host_table)
         self.index_pages = SlotTable(S, dev, cdiv(ml, arena.index_page_size))  # each slot's index page list (index_locations)
         self.stage = self.stage_loc = self.stage_arenas = None
-        self.staging_mode = self._staging_mode(staging_mode, max_queries)
-        ks = next_pow2(max_queries) if self.staging_mode == "paper" else 1
+        self.staging_mode = self._staging_mode(staging_mode)
+        paper = self.staging_mode == "paper"
+        ks = next_pow2(max_queries) if paper else 1
         self.rank_span, self.stamp_scale = ks, ks * ks  # stamps are now * KS^2 + rank (promotion.py)
-        self.arena_of = dict.fromkeys(self.group_of, 0)  # layer -> its staging arena (chi = 1)
+        # layer -> its staging arena: its place in its group (paper), else the one arena
+        self.arena_of = {l: l - self.groups[g] if paper else 0 for l, g in self.group_of.items()}
         if max_queries > 1:
             self._build_staging(S, max_queries)
         self.reqs: dict[object, ReqKV] = {}
@@ -158,7 +160,7 @@ class HierarchicalKV(KVStore):
 
     STAGING_PAPER = True  # DeepSeek-V4's row hierarchy keeps one arena (its sources' readers interleave)
 
-    def _staging_mode(self, mode: str, max_queries: int) -> str:
+    def _staging_mode(self, mode: str) -> str:
         """`staging_mode` resolved: "auto" is "paper" where the store supports it, else "single"."""
         if mode not in STAGING_MODES:
             raise ValueError(f"staging_mode must be one of {STAGING_MODES}, got {mode!r}")
@@ -184,11 +186,9 @@ class HierarchicalKV(KVStore):
         its bytes are counted once and allocated once. stage_loc [slots, K_max * k]: SPACE + the
         staging rows of each slot (the same rows in every arena)."""
         a = self.arena
-        chi = max(self.group_size) if self.staging_mode == "paper" else 1
-        if self.staging_mode == "paper":
-            if any(sp is None for sp in self.group_span):
-                raise ValueError("staging_mode 'paper' needs every selection group's layers consecutive")
-            self.arena_of = {l: l - self.groups[g] for l, g in self.group_of.items()}
+        if self.staging_mode == "paper" and any(sp is None for sp in self.group_span):
+            raise ValueError("staging_mode 'paper' needs every selection group's layers consecutive")
+        chi = max(self.arena_of.values(), default=0) + 1
         per_slot = max_queries * a.cfg.index_topk
         n = chi * slots * per_slot * a.row_width  # storage elements
         pages = self.pool.alloc_permanent("staging", cdiv(n, a.page_elems))
@@ -355,7 +355,7 @@ class HierarchicalKV(KVStore):
         layer of its group, is byte-identical to its host copy (paper staging's copy-back and
         promotion write these entries outside the resolver)."""
         ps, hps = self.page_size, self.host.page_size
-        table = self.host.tables[req]
+        table = torch.tensor(self.host.tables[req], dtype=torch.int64)
         for g in range(len(self.groups)):
             pos = self.hot_pos[st.slot, g, : self.B_of[g]]
             live = (pos >= 0).nonzero().squeeze(1)
@@ -363,9 +363,9 @@ class HierarchicalKV(KVStore):
                 continue
             p = pos[live].cpu()
             assert bool((p < st.tail_start).all()), f"hot entries of {req!r} hold tail positions {p.tolist()[:4]}"
-            hloc = torch.tensor([table[int(q) // hps] * hps + int(q) % hps for q in p])
+            hloc = table[p // hps] * hps + p % hps
             dloc = self.hot_loc[st.slot, live].cpu()
-            for layer in (l for l, gg in self.group_of.items() if gg == g):
+            for layer in [self.groups[g]] + self.followers[g]:
                 dev = self.arena.latent_rows(layer)[dloc // ps, dloc % ps].cpu()
                 host = self.host.layer_rows(layer)[hloc // hps, hloc % hps].cpu()
                 assert torch.equal(dev.view(torch.uint8), host.view(torch.uint8)), \

@@ -81,6 +81,11 @@ def _flat_index(kv, slots_t: torch.Tensor, g: int, v: torch.Tensor, keep: torch.
     return torch.where(keep, idx, kv.hot_pos.numel())
 
 
+def _stamp_base(kv, device) -> torch.Tensor:
+    """[1] int64: this pass's stamp now * KS^2 on the device (the Triton resolver's `now_t`)."""
+    return kv.now_t if kv.deferred else torch.full((1,), kv.stamp_now, dtype=torch.int64, device=device)
+
+
 def rank_stamps(kv, g: int, sel: torch.Tensor, slots_t: torch.Tensor) -> tuple[UnionRanks, torch.Tensor]:
     """After group g's resolver call: every hot entry it touched (stamp == now * KS^2) gets its
     row's rank added. Returns the ranks and touched [N, B_g] (the entries touched this round, whose
@@ -88,7 +93,7 @@ def rank_stamps(kv, g: int, sel: torch.Tensor, slots_t: torch.Tensor) -> tuple[U
     requests repeat a real slot and select nothing: they write nothing)."""
     ur = union_ranks(sel, kv.rank_span)
     b, KK = kv.B_of[g], ur.skey.shape[1]
-    base = kv.now_t if kv.deferred else torch.full((1,), kv.stamp_now, dtype=torch.int64, device=sel.device)
+    base = _stamp_base(kv, sel.device)
     pos, stamp = kv.hot_pos[slots_t, g, :b], kv.hot_stamp[slots_t, g, :b]
     idx = torch.searchsorted(ur.skey, pos.contiguous()).clamp(max=KK - 1)
     found = (ur.skey.gather(1, idx) == pos) & (stamp == base)
@@ -122,7 +127,7 @@ def plan_promotion(kv, g: int, ur: UnionRanks, touched: torch.Tensor, loc: torch
     `rank_stamps`. Nothing is written: `flush` applies it."""
     N, b = touched.shape
     KK = ur.skey.shape[1]
-    base = kv.now_t if kv.deferred else torch.full((1,), kv.stamp_now, dtype=torch.int64, device=loc.device)
+    base = _stamp_base(kv, loc.device)
     sloc = loc.reshape(N, KK).gather(1, ur.order)
     srank = torch.where(ur.first & (sloc >= SPACE), ur.rank, -1)
     sr, si = srank.sort(dim=1, descending=True, stable=True)
