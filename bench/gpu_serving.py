@@ -81,6 +81,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
       help="any other EngineConfig setting for every preset, e.g. backup_ahead_pages=128 (repeatable)")
+    a("--arms", default="", metavar="A;B;...",
+      help="engine settings compared in one process, e.g. 'staging_mode=paper;staging_mode=single' (each arm a "
+           "comma-separated NAME=VALUE list on top of --engine-arg); every preset runs once per arm, labelled preset@arm")
+    a("--repeats", type=int, default=1, help="windows per (preset, arm, load); repeat r rotates the arm order by r")
     a("--charge-spec-memory", action="store_true",
       help="+spec presets pay for speculation out of the same device memory (issue 31): the drafter's weights and "
            "ring come out of the KV pool's bytes and each slot also holds its staging share, so they get fewer slots")
@@ -93,7 +97,29 @@ def parse(argv=None) -> argparse.Namespace:
     ns.argv = ["bench/gpu_serving.py"] + list(sys.argv[1:] if argv is None else argv)
     ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
     ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
+    ns.arm_list = [a.strip() for a in ns.arms.split(";") if a.strip()] or [""]
+    if ns.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {ns.repeats}")
+    for arm in ns.arm_list:
+        engine_overrides(arm_pairs(arm))  # a bad arm fails here, before the model is built
     return ns
+
+
+def arm_pairs(arm: str) -> list[str]:
+    """'a=1,b=2' -> ['a=1', 'b=2'] (the empty arm: no settings)."""
+    return [x.strip() for x in arm.split(",") if x.strip()]
+
+
+def schedule(ns) -> list[tuple[int, str, str]]:
+    """(C, preset, arm) in run order: per load, `--repeats` rounds of every arm x preset; round r
+    starts at arm r mod len(arms), so no arm always runs first on a warm machine."""
+    n = len(ns.arm_list)
+    return [(c, preset, ns.arm_list[(r + i) % n]) for c in ns.concurrencies for r in range(ns.repeats)
+            for i in range(n) for preset in ns.preset_list]
+
+
+def label(preset: str, arm: str) -> str:
+    return f"{preset}@{arm}" if arm else preset
 
 
 def mem_available() -> int:
@@ -201,10 +227,10 @@ def estimate_s(ns, sz: dict) -> float:
     """Rough wall time: model build, reference run, and per run: engine (host pool pinning), prefix
     hand-off, warm-up imports (one per client at ~20 GB/s) and the timed window."""
     if ns.quick:
-        return 10 + len(ns.preset_list) * sum(ns.duration + 3 for _ in ns.concurrencies)
+        return 10 + len(schedule(ns)) * (ns.duration + 3)
     import_s = sz["resident_pages_per_request"] * sz["page_bytes"] / 20e9
     engine_s = sz["host_pool_bytes"] / 4e9 + 4 + ns.input_len / 20000
-    runs = sum(engine_s + ns.duration + c * import_s for c in ns.concurrencies for _ in ns.preset_list)
+    runs = sum(engine_s + ns.duration + c * import_s for c, _, _ in schedule(ns))
     ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if uses_oracle(ns) else 0
     return 30 + ref_s + runs
 
@@ -242,7 +268,7 @@ def _number(raw: str):
     return raw
 
 
-def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
+def engine_config(ns, sz: dict, preset: str, arm: str = "") -> EngineConfig:
     spec = preset.endswith("+spec")
     charged = sz.get("spec_charged") if spec else None  # --charge-spec-memory: the +spec presets' own pool and slots
     pool, slots = (charged["kv_pool_bytes"], charged["max_running_requests"]) if charged else \
@@ -254,7 +280,7 @@ def engine_config(ns, sz: dict, preset: str) -> EngineConfig:
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec and ns.drafter == "oracle" else None,
                         cuda_graphs=ns.cuda_graphs, kv_cache_dtype=ns.kv_cache_dtype)
-    return EngineConfig(**(base | engine_overrides(ns.engine_arg)))
+    return EngineConfig(**(base | engine_overrides(ns.engine_arg) | engine_overrides(arm_pairs(arm))))
 
 
 def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
@@ -285,8 +311,8 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     return ref
 
 
-def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference):
-    engine = fresh_engine(engine_config(ns, sz, preset), loaded, prefixes, reference if preset.endswith("+spec") else None)
+def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
+    engine = fresh_engine(engine_config(ns, sz, preset, arm), loaded, prefixes, reference if preset.endswith("+spec") else None)
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
                         timeout_s=ns.duration + 600)
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
@@ -294,30 +320,45 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference):
     trace = loop.run()
     del loop, engine  # the last references: the pools go now, before the next engine sizes its own
     release_memory()
-    return R.run_result(preset, c, "in-process", trace)
+    return R.run_result(label(preset, arm), c, "in-process", trace)
 
 
-def summarize(runs, concurrencies) -> tuple[list[dict], dict]:
-    rows, by = [], {}
+def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[dict]]:
+    """(one row a run, ratios of mean throughputs, spread: mean / min / max tok/s per (label, C)).
+    Ratios: each preset against hisparse and adaptive against resident at one load, and with
+    several arms each arm's mean against the first arm's (same preset, same load)."""
+    rows, tok = [], {}
     for r in runs:
         m = r.metrics
         row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k) for k in METRICS}}
         for k in ("host_fetched_share", "coverage"):
             if k in m.counters:
                 row[k] = m.counters[k]
-        if "spec_tokens_per_round" in r.engine:
-            row["spec_tokens_per_round"] = r.engine["spec_tokens_per_round"]
+        for k in ("spec_tokens_per_round", "spec_rounds", "host_selected_rows", "resolver_overflow",
+                  "staging_promoted_rows", "staging_copyback_bytes"):
+            if k in r.engine:
+                row[k] = r.engine[k]
         rows.append(row)
-        by[(r.preset, r.concurrency)] = m.output_tok_s
+        tok.setdefault((r.preset, r.concurrency), []).append(m.output_tok_s)
+    spread = [{"preset": p, "C": c, "runs": len(v), "mean_tok_s": sum(v) / len(v), "min_tok_s": min(v),
+               "max_tok_s": max(v)} for (p, c), v in tok.items()]
+    by = {(d["preset"], d["C"]): d["mean_tok_s"] for d in spread}
     ratios = {}
     for c in concurrencies:
-        base = by.get(("hisparse", c))
-        for p in ("adaptive", "adaptive+spec", "resident"):
-            if base and (p, c) in by:
-                ratios[f"{p}/hisparse@C{c}"] = by[(p, c)] / base
-        if by.get(("resident", c)) and ("adaptive", c) in by:
-            ratios[f"adaptive/resident@C{c}"] = by[("adaptive", c)] / by[("resident", c)]
-    return rows, ratios
+        for arm in arms:
+            base = by.get((label("hisparse", arm), c))
+            for p in ("adaptive", "adaptive+spec", "resident"):
+                if base and (label(p, arm), c) in by:
+                    ratios[f"{label(p, arm)}/{label('hisparse', arm)}@C{c}"] = by[(label(p, arm), c)] / base
+            if by.get((label("resident", arm), c)) and (label("adaptive", arm), c) in by:
+                ratios[f"{label('adaptive', arm)}/{label('resident', arm)}@C{c}"] = \
+                    by[(label("adaptive", arm), c)] / by[(label("resident", arm), c)]
+        for (name, cc), v in by.items():  # arm k against arm 0, same preset and load
+            preset, _, arm = name.partition("@")
+            first = label(preset, arms[0])
+            if cc == c and arm and arm != arms[0] and by.get((first, c)):
+                ratios[f"{name}/{first}@C{c}"] = v / by[(first, c)]
+    return rows, ratios, spread
 
 
 def spec_note(ns) -> str:
@@ -334,13 +375,14 @@ def spec_note(ns) -> str:
 
 def write(ns, sz, est, t0, runs):
     """The result file of the runs so far; returns (path, ratios)."""
-    rows, ratios = summarize(runs, ns.concurrencies)
+    rows, ratios, spread = summarize(runs, ns.concurrencies, ns.arm_list)
     gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
     config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
               "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
                            "distinct_suffixes": ns.distinct_suffixes},
               "concurrency": ns.concurrencies, "drafter": ns.drafter, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
-              "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "ratios": ratios}
+              "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "spread": spread, "ratios": ratios,
+              "arms": ns.arm_list, "repeats": ns.repeats}
     result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[spec_note(ns)],
                           commit=R.source_commit())
@@ -361,8 +403,8 @@ def main(argv=None) -> int:
     if sz["max_running_requests"] < sz["slot_target"]:
         print(f"[sizing] WARNING: the hierarchy admits only {sz['max_running_requests']} < {sz['slot_target']} requests "
               "(device or host memory); more host memory or a shorter --input-len raises it", flush=True)
-    print(f"[budget] estimated wall time {est:.0f} s ({len(ns.preset_list)} presets x {len(ns.concurrencies)} concurrencies "
-          f"x {ns.duration:.0f} s + overheads)", flush=True)
+    print(f"[budget] estimated wall time {est:.0f} s ({len(ns.preset_list)} presets x {len(ns.arm_list)} arms x "
+          f"{ns.repeats} repeats x {len(ns.concurrencies)} concurrencies x {ns.duration:.0f} s + overheads)", flush=True)
     if est > BUDGET_S and not ns.force:
         print(f"[budget] REFUSING: {est:.0f} s > {BUDGET_S} s; lower --duration / --concurrency / --presets or pass --force")
         return 2
@@ -382,14 +424,13 @@ def main(argv=None) -> int:
               f"MiB a slot -> pool {ch['kv_pool_bytes'] / GIB:.2f} GiB, max_running_requests {ch['max_running_requests']} "
               f"(uncharged {ch['uncharged_max_running_requests']})", flush=True)
     runs = []
-    for c in ns.concurrencies:  # every preset at one load side by side before the next load
-        for preset in ns.preset_list:
-            t = time.perf_counter()
-            runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference))
-            m = runs[-1].metrics
-            print(f"[run] {preset:14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
-                  f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s)", flush=True)
-            path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
+    for c, preset, arm in schedule(ns):  # every preset and arm at one load side by side before the next load
+        t = time.perf_counter()
+        runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference, arm))
+        m = runs[-1].metrics
+        print(f"[run] {label(preset, arm):14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
+              f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s)", flush=True)
+        path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")
     print(f"[done] {path} in {time.perf_counter() - t0:.0f} s")

@@ -292,24 +292,23 @@ case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mt
 case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
   run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
       -n 10 --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
-case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18 (~5 min; s19: 120 s a run was too short)
-  for SM in ${STAGING_ORDER:-paper single}; do  # rotate the order between calls
-    run "adaptive+spec, --staging-mode $SM, 8K C18" timeout ${STAGING_TIMEOUT:-240} python3 bench/gpu_serving.py \
-        --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 18 --presets adaptive+spec \
-        --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 --engine-arg staging_mode=$SM \
-        --out "$OUT/staging_${SM}_8k_c18_h200.json"
-  done ;; esac
-case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11 (~9 min)
-  # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6), and the
-  # online run (graphs for every width 1..8) did not finish C4 in 160 s: loads within the device's
-  # slots, a 32-GiB host pool, 300 s a run
-  # one oracle acceptance for every width: the corruption rate that gives 2.88 tokens a round at width 4,
-  # so width K is calibrated to what that rate gives at K (a MEASUREMENT TOOL: the oracle runs no network)
+case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18,
+  # both arms in one process (the model and oracle reference built once), STAGING_REPEATS rounds, the arm order
+  # rotated every round (s19: two 120-s processes never reached a window); each run is written as it ends
+  run "adaptive+spec, --staging-mode paper vs single, 8K C18, ${STAGING_REPEATS:-3} rounds" timeout ${STAGING_TIMEOUT:-250} \
+      python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 18 \
+      --presets adaptive+spec --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 \
+      --arms "${STAGING_ARMS:-staging_mode=paper;staging_mode=single}" --repeats ${STAGING_REPEATS:-3} \
+      --out "$OUT/staging_8k_c18_h200.json" ;; esac
+case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
+  # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
+  # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the
+  # corruption rate that gives 2.88 tokens a round at width 4, so width K is calibrated to what that rate gives
+  # at K; a MEASUREMENT TOOL: the oracle runs no network), the arm order rotated every round
   tpr() { python3 -c "import dhisparse.spec.oracle as o; c = o.corrupt_rate_for_tokens_per_round(2.88, 4); print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
-  for POL in ${SPECPOLICY_ORDER:-online:8 fixed:2 fixed:4 fixed:6 fixed:8}; do  # rotate the order between calls
-    P=${POL%%:*}; K=${POL##*:}
-    run "adaptive+spec, --speculative-policy $P, K_max $K, 8K C2/C6/C11" timeout 300 python3 bench/gpu_serving.py \
-        --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 --concurrency 2,6,11 --presets adaptive+spec \
-        --duration 10 --force --spec-width $K --spec-tokens-per-round $(tpr $K) --engine-arg speculative_policy=$P \
-        --out "$OUT/spec_policy_${P}_k${K}_8k_h200.json"
-  done ;; esac
+  arm() { echo "speculative_policy=$1,speculative_num_draft_tokens=$2,speculative_oracle_tokens_per_round=$(tpr $2)"; }
+  ARMS=""; for POL in ${SPECPOLICY_ORDER:-online:8 fixed:2 fixed:4 fixed:6 fixed:8}; do ARMS="$ARMS;$(arm ${POL%%:*} ${POL##*:})"; done
+  run "adaptive+spec, online K_max 8 vs fixed 2/4/6/8, 8K C${SPEC_C:-2,6,11}" timeout ${SPECPOLICY_TIMEOUT:-540} \
+      python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 \
+      --concurrency ${SPEC_C:-2,6,11} --presets adaptive+spec --duration 10 --force --spec-width 4 --arms "${ARMS#;}" \
+      --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_h200.json" ;; esac

@@ -234,6 +234,27 @@ def test_gpu_serving_engine_args_are_typed_from_the_config():
         gs.engine_overrides(["backup_ahed_pages=1"])
 
 
+def test_gpu_serving_arms_rotate_and_apply_their_settings():
+    """--arms / --repeats: every (preset, arm) runs once a repeat, repeat r starts at arm r mod n, each
+    arm's settings reach its engine config, and a bad arm fails before any model is built."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    ns = gs.parse(["--quick", "--presets", "hisparse,adaptive", "--arms", "staging_mode=paper;staging_mode=single",
+                   "--repeats", "2"])
+    order = [(p, a.split("=")[1]) for _, p, a in gs.schedule(ns)]
+    assert order == [("hisparse", "paper"), ("adaptive", "paper"), ("hisparse", "single"), ("adaptive", "single"),
+                     ("hisparse", "single"), ("adaptive", "single"), ("hisparse", "paper"), ("adaptive", "paper")]
+    sz = gs.sizing(ns, gs.model_config(ns.model))
+    assert gs.engine_config(ns, sz, "adaptive", "staging_mode=single").staging_mode == "single"
+    assert gs.label("adaptive", "staging_mode=single") == "adaptive@staging_mode=single" and gs.label("adaptive", "") == "adaptive"
+    with pytest.raises(SystemExit, match="staging_mod"):
+        gs.parse(["--quick", "--arms", "staging_mod=paper"])
+
+
 def test_gpu_serving_charges_speculation_for_its_memory():
     """--charge-spec-memory (issue 31 item 2): the +spec presets' pool + drafter weights + ring equals
     the others' pool, and their slots each also hold a staging share, so fewer fit."""
