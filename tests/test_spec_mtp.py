@@ -96,13 +96,13 @@ def test_startup_errors_and_the_alias(hf_checkpoints, tmp_path):
 def reference_drafts(d: MtpDrafter, ids: list[int], g: torch.Tensor, k: int) -> list[int]:
     """Greedy chain by re-running `forward_sequence` over the whole history each step. ids: tokens
     0..n (anchor last); g [n, H]: the hnorm inputs of positions 0..n-1."""
-    m, emb, out = d.module, d.embed, []
-    E, Hd = emb(torch.tensor(ids[1:])), g
+    m, emb, out, dev = d.module, d.embed, [], g.device
+    E, Hd = emb(torch.tensor(ids[1:], device=dev)), g
     for _ in range(k):
-        h = m.forward_sequence(E, Hd, torch.arange(E.shape[0]), d.window)[-1:]
+        h = m.forward_sequence(E, Hd, torch.arange(E.shape[0], device=dev), d.window)[-1:]
         tok = int(d.head(m.head_input(h)).argmax())
         out.append(tok)
-        E, Hd = torch.cat([E, emb(torch.tensor([tok]))]), torch.cat([Hd, m.chain_hidden(h)])
+        E, Hd = torch.cat([E, emb(torch.tensor([tok], device=dev))]), torch.cat([Hd, m.chain_hidden(h)])
     return out
 
 

@@ -181,3 +181,75 @@ def test_narrow_probes_measure_tpot0_instead_of_a_prior(probe_every):
         assert policy.cost.cost(1) == pytest.approx(0.3) and widths[-10:].count(1) >= 9  # off, measured
     else:
         assert set(widths) == {4} and policy.cost.cost(1) > 1.0  # never measured: on, on a prior
+
+
+def test_unjudged_positions_are_priced_by_the_nearest_judged_one():
+    """A policy that ran width 3 has judged positions 1-2 only; wider widths are priced with
+    position 2's estimate, not the prior (with the prior, 0.6 against a measured ~0.7-0.85, eq. 13
+    picks width 7 over 8 at this cost; on the H200 in session 20 the online policy ran ~2.3 tokens a
+    round at C2 where width 8 gave 4.0)."""
+    policy = OnlineWidthPolicy(k_max=8, cost=VerifyCost({1: 1.0, 8: 1.2}), ema=0.05, prior=0.6, probe_every=0)
+    rng = random.Random(0)
+    for _ in range(2000):  # conditional acceptance 0.8 at every position
+        acc = next((i for i in range(2) if rng.random() > 0.8), 2)
+        policy.observe(3, acc)
+    assert policy.judged[:2] != [0, 0] and policy.judged[2:] == [0] * 5
+    est = policy.estimates()
+    assert est[0] == pytest.approx(0.8, abs=0.1) and est[2:] == [est[1]] * 5
+    assert policy.acceptance[2:] == [0.6] * 5  # the raw EMA of unjudged positions is untouched
+    assert policy.best(8)[0].width == 8
+
+
+def test_on_probes_alternate_width_one_and_the_widest_width():
+    """While speculating at a narrow width, every `probe_every`+1-th decision is a probe: width 1
+    (TPOT_0), then the widest width (its positions and cost stay measured), alternately."""
+    policy = OnlineWidthPolicy(k_max=6, cost=VerifyCost({1: 1.0, 2: 1.1, 6: 3.0}), ema=0.2, probe_every=4)
+    for _ in range(50):
+        policy.observe(6, 1)  # position 1 always accepted, position 2 never: width 2 pays
+    decisions = [policy.decide(8) for _ in range(20)]
+    probes = [d.width for d in decisions if d.probe]
+    assert {d.width for d in decisions if not d.probe} == {2}
+    assert probes == [1, 6, 1, 6]
+
+
+def test_verify_cost_caps_one_outlier_sample():
+    """A step that compiled or captured (seconds, not milliseconds) moves the estimate by at most
+    alpha x (clip - 1); uncapped, 5 s at width 8 would make width 8 look 80x dearer for good."""
+    cost = VerifyCost({1: 0.010, 8: 0.012}, alpha=0.2, clip=2.0)
+    cost.update(8, 5.0)
+    assert cost.cost(8) == pytest.approx(0.012 * 1.2)
+    cost.update(4, 5.0)  # an unmeasured width is capped against its interpolated estimate
+    assert cost.cost(4) == pytest.approx(2 * (0.010 + (0.0144 - 0.010) * 3 / 7))
+    fresh = VerifyCost()
+    fresh.update(8, 5.0)  # nothing measured yet: nothing to cap against
+    assert fresh.cost(8) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="clip"):
+        VerifyCost(clip=1.0)
+
+
+def test_round_widths_are_what_the_policy_can_choose():
+    assert SpecConfig(num_draft_tokens=4, policy="online").round_widths() == (1, 2, 3, 4)
+    assert SpecConfig(num_draft_tokens=8, policy="fixed").round_widths() == (1, 8)
+    assert SpecConfig(num_draft_tokens=8, policy="fixed", fixed_width=3).round_widths() == (1, 3)
+    assert SpecConfig(num_draft_tokens=6, policy="static").round_widths() == (1, 4, 6)  # 8 capped at K_max
+
+
+def test_only_decode_only_steps_feed_the_cost_model():
+    """A step that also prefilled is not a round's cost at its width (engine.step passes
+    decode_only); the tiny engine's online run feeds every pure-decode step and no mixed one."""
+    from dhisparse import LLM
+    from dhisparse.core.params import SamplingParams
+
+    llm = LLM("tiny", preset="adaptive", speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+              speculative_policy="online", max_num_batched_tokens=32)
+    spec = llm.engine.spec
+    fed, calls = [], []
+    update, observe = spec.cost.update, spec.observe_step
+    spec.cost.update = lambda w, s: (fed.append(w), update(w, s))[1]
+    spec.observe_step = lambda seconds, decode_only=True: (calls.append((spec._step_width, decode_only)),
+                                                           observe(seconds, decode_only))[1]
+    prompts = [[3 + (5 * j + i) % 200 for j in range(40 + 30 * i)] for i in range(3)]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    mixed = [w for w, only in calls if w and not only]
+    assert mixed, "the scripted load has steps that verify while another request prefills"
+    assert len(fed) == sum(1 for w, only in calls if w and only)

@@ -230,6 +230,21 @@ def test_warm_captures_every_bucket_before_serving(preset, reference):
     assert g.warm(3) == 0  # nothing left to capture
 
 
+def test_warm_captures_every_width_the_online_policy_can_choose(reference):
+    """With `--speculative-policy online` every round width 1..K_max gets its graphs before serving
+    (SpecConfig.round_widths): on the H200, widths captured mid-window stalled the online run
+    (10-s TTFTs at C6) and their seconds-long steps priced those widths out."""
+    model = llm("adaptive", speculative_algorithm="ngram", speculative_num_draft_tokens=3, speculative_policy="online")
+    g = with_steps(model)
+    assert g.widths == (1, 2, 3)
+    g.warm(3)
+    keys = set(g.entries)
+    assert {k[0][1] for k in keys} == {1, 2, 3}
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    fixed = with_steps(llm("adaptive", speculative_algorithm="ngram", speculative_num_draft_tokens=3))
+    assert fixed.widths == (1, 3)
+
+
 def test_a_mixed_step_splits_only_onto_a_captured_graph():
     """The split never captures: without a captured graph of that K whose bucket fits the
     decodes, a mixed step stays one (eager) pass."""

@@ -323,7 +323,7 @@ class Engine:
                                 [a for v, a in zip(verifying, accs) if v[0].req.status is not Status.FINISHED], out.captured)
         self._verify_lps.clear()
         if self.spec is not None:
-            self.spec.observe_step(time.perf_counter() - t_start)
+            self.spec.observe_step(time.perf_counter() - t_start, all(c.decodes for c in chunks))
         self._decoding = sum(1 for c in chunks if c.decodes)
         self.series.observe(time.perf_counter() - self._t0, len(outputs), self._decoding, lambda: self.stats().as_dict())
         if self.config.debug_checks:

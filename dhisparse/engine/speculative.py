@@ -158,9 +158,10 @@ class SpecRuntime:
         self._step_width = max((len(c.tokens) for c, _, _ in chunks), default=0)
         return accs
 
-    def observe_step(self, seconds: float) -> None:
-        """Feed the measured time of a step that decoded (width = its widest verification)."""
-        if self._step_width:
+    def observe_step(self, seconds: float, decode_only: bool = True) -> None:
+        """Feed the measured time of a step that decoded (width = its widest verification). A step
+        that also prefilled says nothing about a round's cost at that width: it is not fed."""
+        if self._step_width and decode_only:
             self.cost.update(self._step_width, seconds)
         self._step_width = 0
 

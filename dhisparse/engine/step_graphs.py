@@ -118,11 +118,14 @@ class StepGraphs:
     SCRATCH_PAGES = 1  # pool pages an engine with step graphs holds for its life (padding writes)
 
     def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows,
-                 max_k: int = 1) -> None:
+                 max_k: int = 1, widths: tuple[int, ...] = ()) -> None:
         """max_k: the longest request a ragged pass may pad the others to (the verification width);
-        a pass whose requests all run the same number of tokens replays whatever that number."""
+        a pass whose requests all run the same number of tokens replays whatever that number.
+        widths: the round widths `warm` captures besides 1 and max_k (the speculation policy's,
+        `SpecConfig.round_widths`)."""
         self.model, self.kv, self.runner = model, kv, runner
         self.max_k = max_k
+        self.widths = tuple(sorted({1, max_k, *widths}))
         self.token_buckets, self.max_width, self.scratch = token_buckets, max_width, scratch
         self.entries: dict[tuple, StepEntry] = {}
         self.failed: set[tuple] = set()  # keys whose capture raised: their passes run eagerly
@@ -146,17 +149,20 @@ class StepGraphs:
         experts = engine.model_config.n_routed_experts
         cfg = engine.config
         max_k = cfg.speculative_num_draft_tokens if cfg.speculative else 1
-        return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch, max_k)
+        widths = engine.spec.cfg.round_widths() if engine.spec is not None else ()
+        return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch,
+                   max_k, widths)
 
     def warm(self, max_reqs: int, capture_layers: tuple[int, ...] = ()) -> int:
-        """Capture before serving the graphs decode (K = 1) and verification (K = max_k) passes
-        replay: every request bucket up to `max_reqs`, at the full table width (a narrower pass
-        replays them, `_reuse`), one per variant of the store's context (`graph_templates`).
+        """Capture before serving the graphs decode (K = 1) and verification passes (K = max_k and
+        the policy's other widths, `self.widths`) replay: every request bucket up to `max_reqs`, at
+        the full table width (a narrower pass replays them, `_reuse`), one per variant of the
+        store's context (`graph_templates`).
         Returns the number captured; a capture that fails leaves that key to the eager path."""
         ctx_cls = self.kv.graph_context()
         fp = self.kv.graph_fingerprint()
         t0, n = time.perf_counter(), 0
-        for K in sorted({1, self.max_k}):
+        for K in self.widths:
             buckets = sorted({b for b in (self.bucket(N, K) for N in range(1, max_reqs + 1)) if b is not None})
             for gp in ctx_cls.graph_templates(self.kv, K):
                 family = (ctx_cls.__name__, K, gp.variant, tuple(capture_layers), fp)

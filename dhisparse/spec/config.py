@@ -76,6 +76,18 @@ class SpecConfig:
         self._check_widths()
         self._check_oracle()
 
+    def round_widths(self) -> tuple[int, ...]:
+        """Widths a whole verification round can run at under this policy (1: a plain decode
+        step): what the whole-step graphs capture before serving, so no policy change captures
+        mid-window. fixed: {1, width}; static: 1 and the schedule's widths capped at K_max;
+        online: 1..K_max (eq. 13 may pick any)."""
+        k = self.num_draft_tokens
+        if self.policy == "online":
+            return tuple(range(1, k + 1))
+        if self.policy == "static":
+            return tuple(sorted({1, *(min(w, k) for _, w in self.static_schedule), min(self.static_default_width, k)}))
+        return tuple(sorted({1, self.fixed_width or k}))
+
     def _check_choices(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise SpecConfigError(

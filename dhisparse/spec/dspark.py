@@ -33,16 +33,21 @@ class VerifyCost:
     """Seconds per verification round as a function of the width (queries per request).
 
     `update(width, seconds)` folds a measurement in with an EMA (weight `alpha` for the new
-    value); `cost(width)` returns the measured value, interpolates linearly between measured
+    value), first capped at `clip` x the current estimate (once anything is measured): one step
+    that compiled a kernel or captured a graph (seconds, against milliseconds) then moves the
+    estimate by at most alpha x (clip - 1), where uncapped it made that width look unusable until
+    it was measured again, which a policy that stopped choosing it never did. `cost(width)` returns the measured value, interpolates linearly between measured
     widths and extrapolates from the nearest two; with one measurement it scales it by the shape
     of `prior`, with none it returns `prior(width)` (default 1 + 0.1 (K - 1)).
     """
 
     def __init__(self, measured: dict[int, float] | None = None, alpha: float = 0.2,
-                 prior: Callable[[float], float] | None = None) -> None:
+                 prior: Callable[[float], float] | None = None, clip: float = 2.0) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"VerifyCost.alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
+        if not clip > 1.0:
+            raise ValueError(f"VerifyCost.clip must be > 1, got {clip}")
+        self.alpha, self.clip = alpha, clip
         self.prior = prior or (lambda w: 1.0 + 0.1 * (w - 1))
         self._table: dict[int, float] = {}
         for w, s in (measured or {}).items():
@@ -71,6 +76,8 @@ class VerifyCost:
         self._table[int(width)] = float(seconds)
 
     def update(self, width: int, seconds: float) -> None:
+        if self._table and seconds > 0:
+            seconds = min(seconds, self.clip * self.cost(width))
         old = self._table.get(int(width))
         self._set(width, seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds)
 

@@ -86,14 +86,18 @@ class OnlineWidthPolicy:
     """Chooses the width from measured acceptance (EMA per draft position), step cost per width
     (`VerifyCost`, width 1 = a non-speculative step) and memory (`MemoryModel`).
 
-    Acceptance at position i is the conditional rate P(x_i accepted | x_1..x_{i-1} accepted);
-    positions never judged keep `prior`.
+    Acceptance at position i is the conditional rate P(x_i accepted | x_1..x_{i-1} accepted)
+    (`acceptance`, an EMA from `prior`). A position never judged is estimated by the nearest
+    judged one before it (`estimates`): a round at width w judges only positions < w, so with
+    the prior there a policy that once chose a narrow width would price every wider one at the
+    prior for good (on the H200, 0.5 against a measured 0.79, and width 2 chosen over 8).
 
     Probes keep both sides of eq. 13 measured: after `probe_every` decisions in a row with
     speculation off, one round runs at the best speculative width (its acceptance and cost are
     observed, so a drafter that became useful turns speculation back on); after `probe_every` in
-    a row with it on, one step runs at width 1 (TPOT_0, `cost(1)`, is measured, not a prior).
-    0 disables probes.
+    a row with it on, one step runs at width 1 (TPOT_0, `cost(1)`, is measured, not a prior), and
+    every other such probe instead at the widest width when that is not already the choice (its
+    positions' acceptance and its cost stay measured). 0 disables probes.
     """
 
     def __init__(self, k_max: int, cost: VerifyCost, memory: MemoryModel | None = None,
@@ -109,7 +113,9 @@ class OnlineWidthPolicy:
             raise ValueError(f"OnlineWidthPolicy.probe_every must be >= 0 (0: no probes), got {probe_every}")
         self.ema, self.margin, self.probe_every = ema, margin, probe_every
         self.acceptance = [prior] * (k_max - 1)  # index i-1 for draft position i
+        self.judged = [0] * (k_max - 1)  # rounds that judged position i
         self._streak = (1, 0)  # (width class of the last decisions: 1 off / 2 on, how many in a row)
+        self._on_probes = 0  # probes taken while speculating (even: width 1, odd: the widest width)
 
     def observe(self, width: int, accepted: int) -> None:
         """One verified round: drafts 1..accepted accepted, draft accepted+1 (if any) rejected."""
@@ -118,12 +124,21 @@ class OnlineWidthPolicy:
         for i in range(min(accepted + 1, width - 1)):
             hit = 1.0 if i < accepted else 0.0
             self.acceptance[i] += self.ema * (hit - self.acceptance[i])
+            self.judged[i] += 1
+
+    def estimates(self) -> list[float]:
+        """Per-position acceptance for pricing widths: `acceptance`, where a position never judged
+        takes the estimate of the position before it (the first keeps the prior)."""
+        out = []
+        for i, a in enumerate(self.acceptance):
+            out.append(a if self.judged[i] or i == 0 else out[-1])
+        return out
 
     def observe_cost(self, width: int, seconds: float) -> None:
         self.cost.update(width, seconds)
 
     def tokens_per_round(self, width: int) -> float:
-        return expected_emitted(self.acceptance, width)
+        return expected_emitted(self.estimates(), width)
 
     def decide(self, concurrency: int, capacity_bytes: int | None = None) -> WidthDecision:
         """Width of the next round for `concurrency` offered sessions (and, optionally, the live
@@ -133,24 +148,38 @@ class OnlineWidthPolicy:
         n = self._streak[1] + 1 if self._streak[0] == kind else 1
         if self.probe_every and n > self.probe_every:
             self._streak = (kind, 0)
-            probe = top if kind == 1 else WidthDecision(1, 1.0, 1.0, best.sessions_without, best.sessions_without)
-            return probe._replace(probe=True)
+            return self._probe(kind, best, top, concurrency, capacity_bytes)._replace(probe=True)
         self._streak = (kind, n)
         return best
+
+    def _probe(self, kind: int, best: WidthDecision, top: WidthDecision, concurrency: int,
+               capacity_bytes: int | None) -> WidthDecision:
+        """Off: the best speculative width. On: width 1, or every other time the widest width."""
+        if kind == 1:
+            return top
+        self._on_probes += 1
+        widest = self.widths[-1]
+        if self._on_probes % 2 == 0 and best.width != widest:
+            return self._decision(widest, concurrency, capacity_bytes)
+        return WidthDecision(1, 1.0, 1.0, best.sessions_without, best.sessions_without)
+
+    def _decision(self, w: int, concurrency: int, capacity_bytes: int | None) -> WidthDecision:
+        """Eq. 13's estimate for speculating at width w."""
+        b0 = self._sessions(concurrency, False, capacity_bytes)
+        bs = self._sessions(concurrency, True, capacity_bytes)
+        e = self.tokens_per_round(w)
+        ratio = output_ratio(bs, b0, self.cost.cost(w) / e, self.cost.cost(1)) if b0 > 0 else 0.0
+        return WidthDecision(w, e, ratio, bs, b0)
 
     def best(self, concurrency: int, capacity_bytes: int | None = None) -> tuple[WidthDecision, WidthDecision]:
         """(the eq. 13 decision, the best speculative width even when it does not pay)."""
         b0 = self._sessions(concurrency, False, capacity_bytes)
-        tpot0 = self.cost.cost(1)
         best = top = WidthDecision(1, 1.0, 1.0, b0, b0)
         for w in self.widths:
-            bs = self._sessions(concurrency, True, capacity_bytes)
-            e = self.tokens_per_round(w)
-            ratio = output_ratio(bs, b0, self.cost.cost(w) / e, tpot0) if b0 > 0 else 0.0
-            d = WidthDecision(w, e, ratio, bs, b0)
-            if top.width == 1 or ratio > top.ratio:
+            d = self._decision(w, concurrency, capacity_bytes)
+            if top.width == 1 or d.ratio > top.ratio:
                 top = d
-            if ratio > max(best.ratio, 1.0 + self.margin):
+            if d.ratio > max(best.ratio, 1.0 + self.margin):
                 best = d
         return best, top
 
