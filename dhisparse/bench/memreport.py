@@ -134,12 +134,13 @@ def ring_gib(d: DrafterShape, dtype: torch.dtype) -> float:
 def spec_row(row: MemoryRow, cfg: ModelConfig, page_size: int, hot_rows: int, dtype: torch.dtype, d: DrafterShape,
              formats: KVFormats | None = None) -> MemoryRow:
     """`row` plus the speculative required state: the drafter's ring and, on hierarchical presets,
-    the request slot's share of the verification staging arenas (eq. 11, chi of them under the
-    default paper staging; staged rows are stored rows, so their bytes follow the row format)."""
+    the request slot's share of the verification staging arenas (eq. 11 with chi of them, as the
+    paper counts: `--staging-mode paper`; the engine's default single staging holds one, a chi-th
+    of this; staged rows are stored rows, so their bytes follow the row format)."""
     staging = 0.0
     if row.preset != "resident":
         arena = _arena(cfg, page_size, 1 << 20, dtype, formats)
-        kv = HierarchicalKV(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=d.k_max)
+        kv = HierarchicalKV(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=d.k_max, staging_mode="paper")
         staging = kv.stage_arenas.numel() * kv.stage.element_size() / GIB
         tail = kv.tail_pages * arena.page_nbytes / GIB
         row = replace(row, tail=tail)

@@ -183,7 +183,7 @@ FLAGS: list[Flag] = [
          "at once; auto: import while spare pages hold it)", choices=PLACEMENTS),
     Flag("--staging-mode", "staging_mode", help_="hierarchical presets with speculation: verification staging "
          "(paper: one arena per layer of a selection group, staged rows promoted into the hot cache with copy-back; "
-         "single: one arena, staged rows dropped after each layer; auto: paper, single for DeepSeek-V4)",
+         "single: one arena, staged rows dropped after each layer; auto: single, the faster on the H200)",
          choices=STAGING_MODES),
     Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
          "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",

@@ -83,8 +83,9 @@ class EngineConfig:
         (kv/hier/promotion.py): "paper" (chi arenas, one per layer of a selection group; staged
         rows of higher rank than the round's weakest hot rows are promoted into the hot cache and
         copied back once the group's readers are done; stamps rank rows within a round), "single"
-        (one arena, staged rows dropped after each layer) or "auto" (default: paper, single for
-        DeepSeek-V4, whose sources are read again after other sources' calls).
+        (one arena, staged rows dropped after each layer) or "auto" (default: single; on the H200
+        paper staging ran 0.76x single's throughput at 8K C18; paper is refused on DeepSeek-V4,
+        whose sources are read again after other sources' calls).
     prefetch_stream [--prefetch-stream]: where a selection group's follower layers copy their
         missed rows on CUDA (kv/hier/prefetch.py): "compute" (default: one layered copy of every
         layer of the group by the producer, before its attention) or "side" (HiSparse's layer-wise

@@ -161,14 +161,15 @@ class HierarchicalKV(KVStore):
     STAGING_PAPER = True  # DeepSeek-V4's row hierarchy keeps one arena (its sources' readers interleave)
 
     def _staging_mode(self, mode: str) -> str:
-        """`staging_mode` resolved: "auto" is "paper" where the store supports it, else "single"."""
+        """`staging_mode` resolved: "auto" is "single" (on the H200, adaptive+spec at 8K C18, paper
+        staging ran 0.76x single's throughput: docs/benchmarks.md, nineteenth round)."""
         if mode not in STAGING_MODES:
             raise ValueError(f"staging_mode must be one of {STAGING_MODES}, got {mode!r}")
         if mode == "paper" and not self.STAGING_PAPER:
             raise ValueError("staging_mode 'paper' (chi arenas with promotion) is not available for this model's "
                              "row hierarchy (DeepSeek-V4 restages per source); use 'single' or 'auto'")
         if mode == "auto":
-            return "paper" if self.STAGING_PAPER else "single"
+            return "single"
         return mode
 
     def _build_staging(self, slots: int, max_queries: int) -> None:
