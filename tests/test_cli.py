@@ -79,8 +79,13 @@ def test_new_loader_fields_and_tp_size():
     cfg = engine_config(p.parse_args(["serve", "--revision", "v1", "--chat-template", "x.jinja", "--quantization", "fp8",
                                       "--kv-cache-dtype", "bfloat16", "--tp-size", "1"]), full_loader=True)
     assert (cfg.revision, cfg.chat_template, cfg.quantization, cfg.kv_cache_dtype) == ("v1", "x.jinja", "fp8", "bfloat16")
-    with pytest.raises(ValueError, match="tensor parallelism is not supported"):
+    with pytest.raises(ValueError, match="--tp-size 2: tensor and expert parallelism are not built yet"):
         engine_config(p.parse_args(["serve", "--tensor-parallel-size", "2"]), full_loader=True)
+    cfg = engine_config(p.parse_args(["serve", "--dp-size", "2", "--dist-timeout", "9", "--nnodes", "2", "--node-rank", "1",
+                                      "--dist-init-addr", "10.0.0.2:4000"]), full_loader=True)
+    assert (cfg.dp_size, cfg.dist_timeout_s, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr) == (2, 9.0, 2, 1, "10.0.0.2:4000")
+    with pytest.raises(ValueError, match="--enable-dp-attention"):
+        engine_config(p.parse_args(["serve", "--dp-size", "2", "--enable-dp-attention"]), full_loader=True)
     # a command that would drop a loader flag refuses it instead of ignoring it
     with pytest.raises(ValueError, match="`dhisparse bench` does not take --chat-template"):
         engine_config(p.parse_args(["bench", "--chat-template", "x"]))

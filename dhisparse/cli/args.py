@@ -6,7 +6,8 @@ Engine flags carry SGLang's names where an equivalent exists; vLLM's names are a
     --context-length        (vLLM --max-model-len)            -> max_model_len
     --chunked-prefill-size  (vLLM --max-num-batched-tokens)   -> max_num_batched_tokens
     --mem-fraction-static   (vLLM --gpu-memory-utilization)   -> kv_pool_bytes, see mem_fraction_pool_bytes
-    --tp-size               (vLLM --tensor-parallel-size)     only 1 (one GPU); anything else is refused
+    --tp-size               (vLLM --tensor-parallel-size)     -> tp_size (only 1 yet; refused otherwise)
+    --dp-size               (vLLM --data-parallel-size)       -> dp_size: one engine + KV hierarchy per rank
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dhisparse.spec.config import COSTED
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # --dtype spellings (vLLM's and SGLang's) -> EngineConfig.dtype (None = the checkpoint's)
 DTYPE_NAMES = {"auto": None, "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
-               "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
+               "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32",
+               "float64": "float64", "fp64": "float64", "double": "float64"}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
@@ -154,8 +156,18 @@ FLAGS: list[Flag] = [
          "KV pool capacity in bytes (default: --kv-pool-fraction of free GPU memory; 256 MiB on CPU)"),
     Flag("--kv-pool-fraction", "kv_pool_fraction", _fraction,
          "share of the GPU memory free after loading the weights for the KV pool when --kv-pool-bytes is unset"),
-    Flag(("--tp-size", "--tensor-parallel-size"), None, positive_int, dest="tp_size",
-         help_="tensor parallelism: only 1 (dhisparse runs one model on one device)"),
+    Flag(("--tp-size", "--tensor-parallel-size"), "tp_size", positive_int,
+         help_="tensor parallelism: only 1 so far (refused otherwise)"),
+    Flag(("--dp-size", "--data-parallel-size"), "dp_size", positive_int,
+         help_="data-parallel ranks: each runs its own engine and KV hierarchy (weights replicated) on its own GPU "
+               "(cuda:0..N-1) or on the CPU; rank 0 places requests (fewest sessions, then most free pages)"),
+    Flag("--ep-size", "ep_size", positive_int, help_="expert parallelism: only 1 so far (refused otherwise)"),
+    Flag("--nnodes", "nnodes", positive_int, help_="hosts the ranks span (with --dist-init-addr and --node-rank)"),
+    Flag("--node-rank", "node_rank", nonneg_int, help_="this host's index among --nnodes (0 runs the server)"),
+    Flag("--dist-init-addr", "dist_init_addr", help_="host:port of node 0's rendezvous (default: 127.0.0.1 and a free port)"),
+    Flag("--dist-timeout", "dist_timeout_s", positive_float,
+         help_="seconds every control round between ranks and the start-up rendezvous may take before the "
+               "server reports the rank lost (503)"),
     Flag("--hot-cache-rows", "hot_cache_rows", positive_int,
          "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
     Flag("--source-hot-cache-rows", "source_hot_cache_rows", _positive_ints,
@@ -244,6 +256,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         elif not f.choices and f.type is not str and f.type is not _lower:
             kw["metavar"] = "N" if f.type in (int, positive_int, nonneg_int) else "X"
         g.add_argument(*f.names, **kw)
+    g.add_argument("--enable-dp-attention", dest="enable_dp_attention", action="store_true", default=None,
+                   help="SGLang's DP attention inside a TP group: not built yet (refused)")
     g.add_argument("--debug-checks", dest="debug_checks", action="store_true", default=None, help="check KV pool integrity after every step")
     g.add_argument("--step-graph-warmup", dest="step_graph_warmup", action="store_true", default=None,
                    help="capture every decode / verification step graph at start (default: on first use)")
@@ -264,10 +278,6 @@ def engine_config(ns: argparse.Namespace, *, full_loader: bool = False, **overri
         kw["dtype"] = DTYPE_NAMES.get(kw["dtype"], kw["dtype"])
         if kw["dtype"] is None:
             del kw["dtype"]
-    tp = getattr(ns, "tp_size", None)
-    if tp is not None and tp != 1:
-        raise ValueError(f"--tp-size / --tensor-parallel-size {tp}: tensor parallelism is not supported; dhisparse "
-                         "runs one model on one device (leave the flag out or pass 1)")
     frac = getattr(ns, "mem_fraction_static", None)
     if not full_loader:
         given = [flag for field, flag in LOADER_FIELDS.items() if kw.get(field) not in (None, "none")]
@@ -280,6 +290,8 @@ def engine_config(ns: argparse.Namespace, *, full_loader: bool = False, **overri
         raise ValueError("--mem-fraction-static sizes the KV pool; give it or --kv-pool-bytes / --kv-pool-fraction, not both")
     if getattr(ns, "debug_checks", None):
         kw["debug_checks"] = True
+    if getattr(ns, "enable_dp_attention", None):
+        kw["enable_dp_attention"] = True
     if getattr(ns, "step_graph_warmup", None):
         kw["step_graph_warmup"] = True
     kw.update(overrides)
@@ -314,6 +326,17 @@ def build_engine(ns: argparse.Namespace, config: EngineConfig | None = None, pro
     from dhisparse.models.registry import load_for_config
 
     config = config or engine_config(ns, full_loader=True)
+    if config.parallel_config().distributed:  # every rank loads its own replica (engine/launch.py)
+        from dhisparse.engine.launch import run_node, start_ranks
+
+        if config.node_rank != 0:  # this host only runs ranks; node 0 serves
+            print(f"dhisparse: node {config.node_rank} of {config.nnodes}: ranks {list(config.parallel_config().local_ranks())} "
+                  f"joining {config.dist_init_addr}", flush=True)
+            raise SystemExit(run_node(config))
+        if getattr(ns, "mem_fraction_static", None) is not None:
+            raise ValueError("--mem-fraction-static with --dp-size > 1 is not supported yet; size the pool with "
+                             "--kv-pool-bytes (each rank's)")
+        return start_ranks(config)
     device = resolve_device(config.device)
     loaded = load_for_config(config, device, progress=progress)
     frac = getattr(ns, "mem_fraction_static", None)

@@ -36,14 +36,22 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from dhisparse.engine.progress import PrefillProgress
-
     prompts: list = list(ns.prompt) + [parse_ids(t) for t in ns.prompt_ids]
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
                             seed=ns.sampling_seed if ns.sampling_seed is not None else ns.seed, stop=tuple(ns.stop))
     engine = build_engine(ns, engine_config(ns, full_loader=True))
+    try:
+        return _generate(ns, engine, prompts, params)
+    finally:
+        if hasattr(engine, "close"):  # a data-parallel world: stop its ranks
+            engine.close()
+
+
+def _generate(ns: argparse.Namespace, engine, prompts: list, params: SamplingParams) -> int:
+    from dhisparse.engine.progress import PrefillProgress
+
     encoded = [engine.encode_prompt(p) for p in prompts]
     for ids in encoded:  # validate everything before queueing anything
         engine.validate(ids, params)

@@ -148,5 +148,9 @@ def run(ns: argparse.Namespace) -> int:
           f"(preset {engine.config.preset}) on http://{ns.host}:{ns.port}/v1", flush=True)
     if config.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dhisparse: warning: {ns.host} is reachable from the network and no --api-key is set", flush=True)
-    serve(engine, config, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
+    try:
+        serve(engine, config, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
+    finally:
+        if hasattr(engine, "close"):  # a data-parallel world: stop its ranks
+            engine.close()
     return 0

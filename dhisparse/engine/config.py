@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
+from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
@@ -125,6 +126,12 @@ class EngineConfig:
     cpu_threads [--cpu-threads]: torch intra-op threads when running on CPU (default 1: the
         tensors of one step are small, and thread hand-offs cost more than they gain).
     seed [--seed]: seed of the built-in model's random weights.
+    dp_size / tp_size / ep_size / enable_dp_attention / nnodes / node_rank / dist_init_addr /
+        dist_timeout_s [--dp-size, --tp-size, --ep-size, --enable-dp-attention, --nnodes,
+        --node-rank, --dist-init-addr, --dist-timeout]: the process layout (core/parallel.py;
+        `parallel_config()`). dp_size N > 1: N ranks, each its own engine and KV hierarchy with
+        replicated weights (engine/distributed.py); tensor and expert parallelism are refused
+        until built. dist_timeout_s bounds every control round and the start-up rendezvous.
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
@@ -178,6 +185,14 @@ class EngineConfig:
     admission_age_bound_s: float = 10.0
     cpu_threads: int | None = None
     seed: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = 300.0
     debug_checks: bool = False
     revision: str | None = None
     tokenizer: str | None = None
@@ -194,8 +209,8 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16", "float64"):
+            raise ConfigValueError(f"dtype must be float32, bfloat16, float16 or float64; got {self.dtype!r}")
         for name in ("page_size", "max_running_requests", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -225,6 +240,10 @@ class EngineConfig:
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
         self.kernel_settings()  # validates the kernel settings (the message names the setting)
+        try:
+            self.parallel_config()
+        except ParallelConfigError as e:
+            raise ConfigValueError(str(e)) from None
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
             raise ConfigValueError(f"cpu_threads must be >= 1 (or unset); got {self.cpu_threads}")
         for name in ("hot_cache_rows", "host_pool_bytes"):
@@ -274,6 +293,12 @@ class EngineConfig:
                           draft_model_path=path, policy=self.speculative_policy,
                           oracle_tokens_per_round=self.speculative_oracle_tokens_per_round,
                           oracle_drafter=self.speculative_oracle_drafter, seed=self.seed)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The process layout of this engine (core/parallel.py)."""
+        return ParallelConfig(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size,
+                              enable_dp_attention=self.enable_dp_attention, nnodes=self.nnodes, node_rank=self.node_rank,
+                              dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s)
 
     def store_settings(self) -> StoreSettings:
         """The KV store settings of this engine (kv/build.py)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.engine import Engine
+from dhisparse.engine.launch import build
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import RequestOutput
 
@@ -29,13 +29,19 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", **config: object) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **config))
+        self.engine = build(EngineConfig.from_kwargs(model=model, **config))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
+        llm.engine = build(config)
         return llm
+
+    def close(self) -> None:
+        """End a data-parallel world (`dp_size` > 1); nothing to do for one process."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def tokenizer(self):

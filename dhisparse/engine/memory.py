@@ -8,7 +8,7 @@ import torch
 
 CPU_DEFAULT_POOL_BYTES = 256 << 20
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -40,7 +40,8 @@ SCALE_SUFFIX = "_scale_inv"
 FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}  # fp64: parity tests
 _EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -68,7 +69,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
     """Explicit `dtype` (torch dtype or name) wins, else config `torch_dtype`/`dtype`, else fp32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ModelLoadError(f"dtype={dtype} is not supported; use float32, bfloat16 or float16")
+            raise ModelLoadError(f"dtype={dtype} is not supported; use float32, bfloat16, float16 or float64")
         return dtype
     name = dtype if dtype is not None else cfg.torch_dtype
     key = str(name).lower().removeprefix("torch.")
@@ -76,7 +77,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
         return DTYPES[key]
     if dtype is None:  # "auto" or an odd config value: fall back quietly
         return torch.float32
-    raise ModelLoadError(f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16")
+    raise ModelLoadError(f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16, float64")
 
 
 def read_config(folder: str | Path) -> ModelConfig:

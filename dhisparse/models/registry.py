@@ -201,7 +201,8 @@ def load_model(
 def load_for_config(config: Any, device: str | torch.device, progress: bool = False) -> LoadedModel:
     """The model an EngineConfig names, with its revision, tokenizer, chat template and
     quantization settings applied; checks kv_cache_dtype against the loaded model's dtype."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float64": torch.float64}.get(config.dtype)
     loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, revision=config.revision,
                         tokenizer=config.tokenizer, chat_template=config.chat_template,
                         quantization=config.quantization, progress=progress)

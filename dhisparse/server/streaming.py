@@ -31,12 +31,20 @@ log = logging.getLogger("dhisparse.server")
 POLL_S = 0.5  # how often a non-streamed request checks whether its client is still there
 
 
-def _raise_for(ev: Event) -> None:
+def _raise_for(ev: Event, state: "ServerState") -> None:
     if ev.kind == "failed":
-        raise ApiError(ev.payload, status=500, type_="server_error", code="engine_failed")
+        raise engine_failed(state, ev.payload)
     if ev.kind == "aborted":
         raise ApiError("request aborted: the server is shutting down", status=503, type_="server_error",
                        code="aborted")
+
+
+def engine_failed(state: "ServerState", message: str) -> ApiError:
+    """The error of requests in flight when the engine thread failed: 503 when a data-parallel
+    rank was lost (the server cannot serve; retry on another replica), else 500."""
+    if getattr(state.worker, "error_status", 500) == 503:
+        return ApiError(message, status=503, type_="server_error", code="rank_lost")
+    return ApiError(message, status=500, type_="server_error", code="engine_failed")
 
 
 def request_failed(out) -> ApiError:
@@ -63,7 +71,7 @@ async def next_event(q: asyncio.Queue, state: "ServerState", rid: str, timeout: 
         raise
     if ev.kind == "aborted":
         state.metrics.observe_aborted("shutdown")
-    _raise_for(ev)
+    _raise_for(ev, state)
     return ev
 
 
@@ -94,7 +102,7 @@ async def collect(request, q: asyncio.Queue, state: "ServerState", rid: str,
             reason = None
             if ev.kind == "aborted":
                 state.metrics.observe_aborted("shutdown")
-            _raise_for(ev)
+            _raise_for(ev, state)
             if ev.kind == "output":
                 if logprobs is not None and ev.payload.logprobs:
                     logprobs.extend(ev.payload.logprobs)
@@ -164,7 +172,7 @@ async def stream_events(subs: "list[tuple[Sub, asyncio.Queue]]", state: "ServerS
                 yield sse(fmt.chunk("", "abort", index=sub.index))
             elif ev.kind == "failed":
                 live.discard(rid)
-                yield sse(ApiError(ev.payload, status=500, type_="server_error", code="engine_failed").body())
+                yield sse(engine_failed(state, ev.payload).body())
         if include_usage:
             yield sse(fmt.usage_chunk([last[s.request_id] for s, _ in subs], [s for s, _ in subs]))
         yield SSE_DONE

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+from dhisparse.core.parallel import RankLost
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.request import RequestOutput
 
@@ -52,6 +53,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="dhisparse-engine", daemon=True)
         self.stats: dict = self._snapshot()  # replaced after every step
         self.error: str | None = None
+        self.error_status = 500  # the HTTP status of requests in flight when the engine thread failed
 
     # -- called from any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -97,6 +99,7 @@ class EngineWorker:
         except Exception as e:  # the engine is in an unknown state: fail everyone, stop serving
             log.exception("engine thread crashed")
             self.error = f"engine failed: {type(e).__name__}: {e}"
+            self.error_status = 503 if isinstance(e, RankLost) else 500  # a lost rank: retry elsewhere
             for sink in list(self._sinks.values()):
                 self._send(sink, Event("failed", self.error))
             self._sinks.clear()

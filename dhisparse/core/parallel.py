@@ -1,0 +1,144 @@
+"""Parallel layout of an engine over several processes (torch.distributed), and its control channel.
+
+Flags are SGLang's: `--dp-size`, `--tp-size`, `--enable-dp-attention`, `--ep-size`, `--nnodes`,
+`--node-rank`, `--dist-init-addr`, plus `--dist-timeout` (seconds, every collective's deadline).
+
+Built today: data parallelism with replicated weights. Rank r runs its own `Engine`: its own
+scheduler and its own KV hierarchy (pools, host store, hot caches, residency), i.e. the paper's
+per-GPU session. Ranks never exchange tensors inside a forward pass; they exchange one control
+message a step over a gloo group (`ControlChannel`), so the layout works on CPU (CI) and on CUDA.
+
+    world = dp_size (tp_size = ep_size = 1)          rank r: global rank, device cuda:(r mod per node)
+    node k of nnodes runs ranks [k * world / nnodes, (k + 1) * world / nnodes)
+
+Tensor and expert parallelism (`--tp-size` / `--ep-size` > 1, `--enable-dp-attention`) are refused
+with a clear error until their layers exist.
+
+`RankLost` is what every failed or timed-out collective becomes: the caller sees which rank and
+which operation, never a hang past `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot run; the message names the flag."""
+
+
+class RankLost(RuntimeError):
+    """A peer rank died, stalled past the deadline, or a collective failed."""
+
+    def __init__(self, rank: int | None, op: str, cause: BaseException | None = None) -> None:
+        who = "a peer rank" if rank is None else f"rank {rank}"
+        why = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        super().__init__(f"{who} is lost during {op}{why}")
+        self.rank, self.op = rank, op
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The process layout (SGLang's flag names). world_size = dp_size x tp_size."""
+
+    dp_size: int = 1
+    tp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: 127.0.0.1 and a free port
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name, flag in (("dp_size", "--dp-size"), ("tp_size", "--tp-size"), ("ep_size", "--ep-size"),
+                           ("nnodes", "--nnodes")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ParallelConfigError(f"{flag} must be an integer >= 1; got {v!r}")
+        given = [f for f, on in ((f"--tp-size {self.tp_size}", self.tp_size != 1), (f"--ep-size {self.ep_size}", self.ep_size != 1),
+                                 ("--enable-dp-attention", self.enable_dp_attention)) if on]
+        if given:
+            raise ParallelConfigError(
+                f"{', '.join(given)}: tensor and expert parallelism are not built yet; data parallelism is "
+                "(--dp-size N: one engine and KV hierarchy per rank, weights replicated)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ParallelConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}); got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ParallelConfigError(f"--nnodes {self.nnodes} must divide the world size {self.world_size} "
+                                      f"(--dp-size {self.dp_size} x --tp-size {self.tp_size})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ParallelConfigError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's address)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ParallelConfigError(f"--dist-init-addr must be host:port; got {self.dist_init_addr!r}")
+        if not self.timeout_s > 0:
+            raise ParallelConfigError(f"--dist-timeout must be > 0 seconds; got {self.timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def local_ranks(self) -> range:
+        """Global ranks this node runs."""
+        n = self.ranks_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+    def device_of(self, rank: int, device: str) -> str:
+        """The device a rank runs on: `cuda` becomes cuda:(rank's index on its node); cpu stays."""
+        if device in ("cuda", "auto") and torch.cuda.is_available():
+            return f"cuda:{rank % self.ranks_per_node}"
+        return device
+
+
+def init_rank(pc: ParallelConfig, rank: int, init_addr: str) -> None:
+    """Join the world as `rank` (gloo: the control channel needs no accelerator backend)."""
+    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=pc.world_size,
+                            timeout=datetime.timedelta(seconds=pc.timeout_s))
+
+
+def leave() -> None:
+    """Leave the world (a no-op when not joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ControlChannel:
+    """Rank 0 -> every rank: one picklable message (`broadcast`); every rank -> rank 0: one
+    picklable reply each (`gather`), torch.distributed's object collectives over the gloo world.
+    Failures and timeouts raise `RankLost`."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def broadcast(self, message: Any = None) -> Any:
+        """Rank 0 passes `message`; every rank returns it."""
+        try:
+            box = [message if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        except Exception as e:  # noqa: BLE001 - any transport failure is a lost peer
+            raise RankLost(0 if self.rank else None, "broadcast", e) from e
+
+    def gather(self, reply: Any) -> list[Any] | None:
+        """Every rank passes its reply; rank 0 returns them in rank order, the others None."""
+        out = [None] * self.world if self.rank == 0 else None
+        try:
+            dist.gather_object(reply, out, dst=0)
+        except Exception as e:  # noqa: BLE001 - any transport failure is a lost peer
+            raise RankLost(None if self.rank == 0 else 0, "gather", e) from e
+        return out
