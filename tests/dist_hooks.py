@@ -33,3 +33,55 @@ def stale_rows_on_rank1(engine, rank: int) -> None:
 
         engine.store.context = context
     row_checker(engine, rank)
+
+
+def swap_experts_on_rank1(engine, rank: int) -> None:
+    """A breakage for EP parity: rank 1's expert block in reverse order (every token routed to one
+    of its experts gets another's output); the tokens must differ from one process's."""
+    row_checker(engine, rank)
+    if rank == 1:
+        for layer in engine.model.model.layers:
+            ex = getattr(layer.mlp, "experts", None)
+            if ex is not None and hasattr(layer.mlp, "n_local"):
+                ex.gate_up_proj.data = ex.gate_up_proj.data.flip(0).clone()
+                ex.down_proj.data = ex.down_proj.data.flip(0).clone()
+
+
+def no_idle_pass_on_rank1(engine, rank: int) -> None:
+    """A breakage for the lock-step: rank 1 skips the idle pass (its lockstep reports no work and
+    joins no exchange) so the MoE all-to-alls lack a rank; rank 0 must see RankLost, not hang."""
+    if rank == 1:
+        inner = engine.lockstep
+        engine.lockstep = lambda has: inner(has) and has
+
+
+def ep_invariance(rank: int, world: int, addr: str, out) -> None:
+    """Spawned: rank 0's MoE output for its 3 tokens (the same rows each time), alone and with 1..40 of rank 1's rows in the
+    same exchange; put on `out` whether every result is bitwise the first."""
+    import torch.distributed as dist
+
+    from dhisparse.models.tiny import tiny_config
+    from dhisparse.core.parallel import ParallelConfig, init_rank, leave
+    from dhisparse.layers.ep_moe import EPMoE
+    from dhisparse.layers.moe import MoE
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    moe = MoE(cfg).double()
+    for p in moe.parameters():
+        p.data.normal_(0, 0.05)
+    ep = EPMoE(moe, rank, world)
+    init_rank(ParallelConfig(dp_size=world, timeout_s=20), rank, addr)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        mine = torch.randn(3, cfg.hidden_size, generator=gen, dtype=torch.float64)
+        results = []
+        with torch.inference_mode():
+            for n in (0, 1, 7, 16, 17, 40):
+                x = mine if rank == 0 else torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64)
+                results.append(ep(x))
+        dist.barrier()
+        if rank == 0:
+            out.put(all(torch.equal(r, results[0]) for r in results) and results[0].abs().sum().item() > 0)
+    finally:
+        leave()

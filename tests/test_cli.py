@@ -79,7 +79,7 @@ def test_new_loader_fields_and_tp_size():
     cfg = engine_config(p.parse_args(["serve", "--revision", "v1", "--chat-template", "x.jinja", "--quantization", "fp8",
                                       "--kv-cache-dtype", "bfloat16", "--tp-size", "1"]), full_loader=True)
     assert (cfg.revision, cfg.chat_template, cfg.quantization, cfg.kv_cache_dtype) == ("v1", "x.jinja", "fp8", "bfloat16")
-    with pytest.raises(ValueError, match="--tp-size 2: tensor and expert parallelism are not built yet"):
+    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is not built yet"):
         engine_config(p.parse_args(["serve", "--tensor-parallel-size", "2"]), full_loader=True)
     cfg = engine_config(p.parse_args(["serve", "--dp-size", "2", "--dist-timeout", "9", "--nnodes", "2", "--node-rank", "1",
                                       "--dist-init-addr", "10.0.0.2:4000"]), full_loader=True)

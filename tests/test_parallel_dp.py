@@ -31,7 +31,7 @@ def test_layout_and_refusals_name_the_flag():
     two = ParallelConfig(dp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert two.world_size == 4 and list(two.local_ranks()) == [2, 3] and two.device_of(3, "cpu") == "cpu"
     for kw, flag in [(dict(tp_size=2), "--tp-size"), (dict(ep_size=2), "--ep-size"),
-                     (dict(enable_dp_attention=True), "--enable-dp-attention"), (dict(dp_size=0), "--dp-size"),
+                     (dict(enable_dp_attention=True, dp_size=2), "--enable-dp-attention"), (dict(dp_size=0), "--dp-size"),
                      (dict(dp_size=2, nnodes=2), "--dist-init-addr"), (dict(node_rank=1), "--node-rank"),
                      (dict(dp_size=3, nnodes=2, dist_init_addr="h:1"), "--nnodes"),
                      (dict(dist_init_addr="nohostport"), "--dist-init-addr"), (dict(timeout_s=0), "--dist-timeout")]:
@@ -199,3 +199,29 @@ def test_the_server_answers_503_when_a_rank_dies():
         llm.close()
     proc.join(timeout=5)
     assert not proc.is_alive() and not torch.distributed.is_initialized()
+
+
+def test_the_servers_prefix_endpoint_prepares_the_prefix_on_every_rank():
+    """POST /v1/dhisparse/prefix over DP2 returns once every rank holds the prefix (exports emit
+    no output: each rank reports its finished exports); completions on both ranks then import it."""
+    import httpx
+
+    from dhisparse.server.app import ServerConfig
+    from dhisparse.server.runner import ServerThread
+
+    llm = LLM("tiny", preset="adaptive", **DP)
+    eng = llm.engine
+    prefix = [7 + (5 * j) % 80 for j in range(40)]
+    try:
+        with ServerThread(eng, ServerConfig(drain_timeout_s=2)) as srv:
+            r = httpx.post(srv.url + "/v1/dhisparse/prefix", json={"model": "tiny", "prompt": prefix}, timeout=30)
+            assert r.status_code == 200 and r.json()["prefix_tokens"] == 40
+            bodies = [{"model": "tiny", "prompt": prefix + [11 + i], "max_tokens": 4} for i in range(4)]
+            assert all(httpx.post(srv.url + "/v1/completions", json=b, timeout=30).status_code == 200 for b in bodies)
+        assert not eng.owner and not eng._prefix_left
+        per_rank = eng.rank_stats()
+        assert all(s.admitted >= 2 for s in per_rank)
+        # each rank prefilled the prefix once (40) and each request only its last token (imported 40)
+        assert sum(s.prefill_tokens for s in per_rank) == 2 * 40 + 4
+    finally:
+        llm.close()

@@ -3,16 +3,19 @@
 Flags are SGLang's: `--dp-size`, `--tp-size`, `--enable-dp-attention`, `--ep-size`, `--nnodes`,
 `--node-rank`, `--dist-init-addr`, plus `--dist-timeout` (seconds, every collective's deadline).
 
-Built today: data parallelism with replicated weights. Rank r runs its own `Engine`: its own
-scheduler and its own KV hierarchy (pools, host store, hot caches, residency), i.e. the paper's
-per-GPU session. Ranks never exchange tensors inside a forward pass; they exchange one control
-message a step over a gloo group (`ControlChannel`), so the layout works on CPU (CI) and on CUDA.
+Built today: data parallelism, alone or with expert-parallel MoE. Rank r runs its own `Engine`:
+its own scheduler and its own KV hierarchy (pools, host store, hot caches, residency), i.e. the
+paper's per-GPU session. Ranks exchange one control message a step over a gloo group
+(`ControlChannel`); with expert parallelism the MoE layers also exchange tokens (`exchange`).
 
-    world = dp_size (tp_size = ep_size = 1)          rank r: global rank, device cuda:(r mod per node)
-    node k of nnodes runs ranks [k * world / nnodes, (k + 1) * world / nnodes)
+    --dp-size N                                    world N, weights replicated
+    --tp-size N --dp-size N --enable-dp-attention --ep-size N
+                                                   world N, attention data-parallel, experts
+                                                   sharded N ways (SGLang's DP attention + EP)
+    rank r: device cuda:(r mod ranks per node); node k of nnodes runs ranks [k * n, (k + 1) * n)
 
-Tensor and expert parallelism (`--tp-size` / `--ep-size` > 1, `--enable-dp-attention`) are refused
-with a clear error until their layers exist.
+Tensor parallelism inside attention (attention TP > 1) and MoE TP (ep < tp) are refused with a
+clear error until their layers exist.
 
 `RankLost` is what every failed or timed-out collective becomes: the caller sees which rank and
 which operation, never a hang past `timeout_s`.
@@ -61,17 +64,11 @@ class ParallelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{flag} must be an integer >= 1; got {v!r}")
-        given = [f for f, on in ((f"--tp-size {self.tp_size}", self.tp_size != 1), (f"--ep-size {self.ep_size}", self.ep_size != 1),
-                                 ("--enable-dp-attention", self.enable_dp_attention)) if on]
-        if given:
-            raise ParallelConfigError(
-                f"{', '.join(given)}: tensor and expert parallelism are not built yet; data parallelism is "
-                "(--dp-size N: one engine and KV hierarchy per rank, weights replicated)")
+        self._check_mesh()
         if not 0 <= self.node_rank < self.nnodes:
             raise ParallelConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}); got {self.node_rank}")
         if self.world_size % self.nnodes:
-            raise ParallelConfigError(f"--nnodes {self.nnodes} must divide the world size {self.world_size} "
-                                      f"(--dp-size {self.dp_size} x --tp-size {self.tp_size})")
+            raise ParallelConfigError(f"--nnodes {self.nnodes} must divide the world size {self.world_size}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ParallelConfigError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's address)")
         if self.dist_init_addr is not None:
@@ -81,9 +78,30 @@ class ParallelConfig:
         if not self.timeout_s > 0:
             raise ParallelConfigError(f"--dist-timeout must be > 0 seconds; got {self.timeout_s}")
 
+    def _check_mesh(self) -> None:
+        """The layouts built: DP (tp = ep = 1), and DP attention over the whole TP group with
+        experts sharded over it (tp = dp = ep, --enable-dp-attention)."""
+        if self.enable_dp_attention:
+            if not self.tp_size == self.dp_size == self.ep_size:
+                raise ParallelConfigError(
+                    f"--enable-dp-attention with --tp-size {self.tp_size} --dp-size {self.dp_size} --ep-size {self.ep_size}: "
+                    "only attention fully data-parallel with experts sharded over every rank is built "
+                    "(--tp-size N --dp-size N --ep-size N); attention TP and MoE TP are not built yet")
+            return
+        given = [f for f, on in ((f"--tp-size {self.tp_size}", self.tp_size != 1),
+                                 (f"--ep-size {self.ep_size}", self.ep_size != 1)) if on]
+        if given:
+            raise ParallelConfigError(
+                f"{', '.join(given)}: tensor parallelism is not built yet; expert parallelism runs with DP attention "
+                "(--tp-size N --dp-size N --enable-dp-attention --ep-size N), data parallelism alone with --dp-size N")
+
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp_size
+        return self.tp_size if self.enable_dp_attention else self.dp_size * self.tp_size
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep_size > 1
 
     @property
     def distributed(self) -> bool:
@@ -105,16 +123,52 @@ class ParallelConfig:
         return device
 
 
-def init_rank(pc: ParallelConfig, rank: int, init_addr: str) -> None:
-    """Join the world as `rank` (gloo: the control channel needs no accelerator backend)."""
-    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=pc.world_size,
-                            timeout=datetime.timedelta(seconds=pc.timeout_s))
+_DATA_GROUP: list = [None]  # the MoE exchange's group: NCCL on CUDA, else the gloo world (None)
+
+
+def init_rank(pc: ParallelConfig, rank: int, init_addr: str, device: str = "cpu") -> None:
+    """Join the world as `rank`: gloo for control (no accelerator needed); with expert
+    parallelism on CUDA also an NCCL group for the MoE's token exchange."""
+    timeout = datetime.timedelta(seconds=pc.timeout_s)
+    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=pc.world_size, timeout=timeout)
+    if pc.expert_parallel and device.startswith("cuda"):
+        _DATA_GROUP[0] = dist.new_group(backend="nccl", timeout=timeout)
 
 
 def leave() -> None:
     """Leave the world (a no-op when not joined)."""
+    _DATA_GROUP[0] = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (one all-reduce over the gloo world); RankLost on failure."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    except Exception as e:  # noqa: BLE001
+        raise RankLost(None, "all_reduce", e) from e
+    return bool(t.item())
+
+
+def exchange(rows: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """All-to-all of the rows of `rows` [n, ...]: the first send_counts[0] to rank 0, the next to
+    rank 1, ...; returns (the rows received, in source-rank order, and how many from each rank).
+    Counts travel first (int64), then the payload with uneven splits (zero allowed)."""
+    group = _DATA_GROUP[0]
+    world = dist.get_world_size()
+    dev = rows.device
+    try:
+        sc = torch.tensor(send_counts, dtype=torch.int64, device=dev)
+        rc = torch.empty(world, dtype=torch.int64, device=dev)
+        dist.all_to_all_single(rc, sc, group=group)
+        recv_counts = rc.tolist()
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, list(send_counts), group=group)
+    except Exception as e:  # noqa: BLE001
+        raise RankLost(None, "all_to_all", e) from e
+    return out, recv_counts
 
 
 class ControlChannel:

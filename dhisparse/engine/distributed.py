@@ -37,11 +37,10 @@ from dhisparse.engine.stats import EngineStats
 @dataclass
 class Control:
     """One round's message from rank 0. adds: (rank, request id, prompt ids, params, export_prefix);
-    aborts: (rank, request id); prefixes: prompt ids every rank prepares; beat: no step this round."""
+    aborts: (rank, request id); beat: no step this round (a heartbeat)."""
 
     adds: list[tuple[int, str, list[int], SamplingParams, bool]] = field(default_factory=list)
     aborts: list[tuple[int, str]] = field(default_factory=list)
-    prefixes: list[list[int]] = field(default_factory=list)
     beat: bool = False
     shutdown: bool = False
 
@@ -61,6 +60,7 @@ class Reply:
     load: Load
     stats: EngineStats | None = None
     error: str | None = None  # a failure applying this round's message
+    exported: list[str] = field(default_factory=list)  # prefix exports that finished (they emit no output)
 
 
 class Router:
@@ -96,35 +96,38 @@ def detached(out: RequestOutput) -> RequestOutput:
 
 
 def apply(engine: Engine, rank: int, ctl: Control) -> None:
-    """A rank's share of a round's message (its aborts, the shared prefixes, then its adds)."""
+    """A rank's share of a round's message (its aborts, then its adds)."""
     for r, rid in ctl.aborts:
         if r == rank:
             engine.abort(rid)
-    for ids in ctl.prefixes:
-        engine.prepare_prefix(ids)
     for r, rid, ids, params, export in ctl.adds:
         if r == rank:
             engine.add_request(ids, params, request_id=rid, export_prefix=export)
 
 
-def serve_round(engine: Engine, rank: int, ctl: Control) -> Reply:
-    """Apply the message and (unless it is a beat) step: the reply rank 0 gathers."""
+def serve_round(engine: Engine, rank: int, ctl: Control, exports: set[str]) -> Reply:
+    """Apply the message and (unless it is a beat) step: the reply rank 0 gathers. exports: this
+    rank's prefix-export requests in flight (they finish without an output; reported once gone)."""
     try:
         apply(engine, rank, ctl)
     except Exception as e:  # noqa: BLE001 - rank 0 validated the adds; report, do not desert the round
         return Reply([], load_of(engine.stats()), error=f"rank {rank}: {type(e).__name__}: {e}")
+    exports.update(rid for r, rid, _, _, export in ctl.adds if export and r == rank)
     outs = [] if ctl.beat else [detached(o) for o in engine.step()]
+    done = [rid for rid in exports if rid not in engine.requests]
+    exports.difference_update(done)
     st = engine.stats()
-    return Reply(outs, load_of(st), None if ctl.beat else st)
+    return Reply(outs, load_of(st), None if ctl.beat else st, exported=done)
 
 
 def follow(engine: Engine, channel: ControlChannel) -> None:
     """A follower's life: serve rounds until rank 0 says shutdown (RankLost when it is gone)."""
+    exports: set[str] = set()
     while True:
         ctl = channel.broadcast()
         if ctl.shutdown:
             return
-        channel.gather(serve_round(engine, channel.rank, ctl))
+        channel.gather(serve_round(engine, channel.rank, ctl, exports))
 
 
 def merge_stats(per_rank: list[EngineStats]) -> EngineStats:
@@ -156,7 +159,9 @@ class Coordinator:
         self.router = Router(self.world)
         self.owner: dict[str, int] = {}  # unfinished request id -> its rank
         self._prefix_left: dict[str, set[int]] = {}  # prefix-export request -> ranks still preparing
+        self._exports: set[str] = set()  # rank 0's own prefix exports in flight
         self._pending = Control()
+        self._held: list[RequestOutput] = []  # outputs of rounds run inside prepare_prefix
         self._stats: list[EngineStats | None] = [None] * self.world
         self._lock = threading.RLock()
         self._error: RankLost | None = None
@@ -205,6 +210,8 @@ class Coordinator:
             for r in ranks:
                 if r == 0:
                     self.engine.add_request(ids, params, request_id=rid, export_prefix=export_prefix)
+                    if export_prefix:
+                        self._exports.add(rid)
                 else:
                     self._pending.adds.append((r, rid, ids, params, export_prefix))
         return rid
@@ -226,7 +233,7 @@ class Coordinator:
 
     def has_unfinished(self) -> bool:
         self._check()
-        return bool(self.owner) or self.engine.has_unfinished()
+        return bool(self.owner or self._held) or self.engine.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """One round: every rank applies its messages and steps; every rank's outputs."""
@@ -234,23 +241,29 @@ class Coordinator:
             self._check()
             ctl, self._pending = self._pending, Control()
             replies = self._round(ctl)
-            outs: list[RequestOutput] = []
+            outs, self._held = self._held, []
             for rank, rep in enumerate(replies):
                 if rep.error is not None:
                     self._fail(RankLost(rank, "apply", RuntimeError(rep.error)))
                 self._stats[rank] = rep.stats
-                outs += [o for o in rep.outputs if self._keep(rank, o)]
+                outs += [o for o in rep.outputs if self._keep(o)]
+                for rid in rep.exported:
+                    self._exported(rank, rid)
             self.router.update([rep.load for rep in replies])
             return outs
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
-        """Prefill `prompt` on every rank (each keeps its own copy for the requests it serves)."""
+        """Prefill `prompt` on every rank (each keeps its own copy for the requests it serves),
+        through rounds like any request (ranks step together); other requests' outputs of those
+        rounds wait for the next `step`. A prefix rank 0 holds already is kept (every rank has it)."""
         ids = self.encode_prompt(prompt)
-        with self._lock:
-            self._check()
-            ctl = Control(prefixes=[ids], beat=True)
-            self.engine.prepare_prefix(ids)
-            self._round(ctl, apply_own=False)
+        if self.engine.prefixes.get(ids) is not None:
+            return len(ids)
+        rid = self.add_request(ids, SamplingParams(max_tokens=1), export_prefix=True)
+        held = []
+        while rid in self.owner:
+            held += [o for o in self.step() if o.request_id != rid]
+        self._held += held
         return len(ids)
 
     def stats(self) -> EngineStats:
@@ -285,7 +298,7 @@ class Coordinator:
     def _round(self, ctl: Control, apply_own: bool = True) -> list[Reply]:
         try:
             self.channel.broadcast(ctl)
-            mine = serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[], prefixes=[])) \
+            mine = serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[]), self._exports) \
                 if apply_own else Reply([], load_of(self.engine.stats()))
             replies = self.channel.gather(mine)
         except RankLost as e:
@@ -293,22 +306,25 @@ class Coordinator:
         self._last = time.monotonic()
         return replies
 
-    def _keep(self, rank: int, out: RequestOutput) -> bool:
-        """Whether an output goes to the caller (dropped: aborted requests, followers' copies of a
-        prefix export); finished ones leave the owner map."""
+    def _keep(self, out: RequestOutput) -> bool:
+        """Whether an output goes to the caller (not for an aborted request); finished ones leave
+        the owner map."""
         rid = out.request_id
-        left = self._prefix_left.get(rid)
-        if left is not None:
-            if out.finished:
-                left.discard(rank)
-            if left:
-                return False
-            del self._prefix_left[rid]
         if rid not in self.owner:
             return False
         if out.finished:
             del self.owner[rid]
         return True
+
+    def _exported(self, rank: int, rid: str) -> None:
+        """A rank finished a prefix export; once every rank has, the request is done."""
+        left = self._prefix_left.get(rid)
+        if left is None:
+            return
+        left.discard(rank)
+        if not left:
+            del self._prefix_left[rid]
+            self.owner.pop(rid, None)
 
     def _beat_loop(self) -> None:
         while not self._closed and self._error is None:

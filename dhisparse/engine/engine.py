@@ -35,6 +35,7 @@ from dhisparse.kv.memory.prefix_store import PrefixStore
 from dhisparse.kv.build import build_store
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
+from dhisparse.layers.ep_moe import idle_pass
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.registry import LoadedModel, load_for_config
 from dhisparse.models.tokenizer import stream_detokenizer
@@ -76,6 +77,9 @@ class Engine:
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
         self._held_outputs: list[RequestOutput] = []
+        # expert parallelism (engine/launch.py): called once a step with "this rank has work"; True
+        # when any rank has, so a rank with none joins the pass's MoE exchanges (`idle_pass`)
+        self.lockstep = None
         self._verify_lps: dict[str, list[TokenLogprob]] = {}  # request id -> this round's emitted logprobs
         self._grammars: Grammars | None = None
         self.series = SeriesRecorder(1.0)  # per-second engine counters (see EngineStats.as_dict)
@@ -256,6 +260,8 @@ class Engine:
         chunks = self.scheduler.schedule()
         failed = self._fail_pending()
         chunks = [c for c in chunks if c.req.status is not Status.FINISHED]
+        if self.lockstep is not None and self.lockstep(bool(chunks)) and not chunks:
+            idle_pass(self.model, self.model.dtype, self.device)  # others run a pass: join its MoE exchanges
         if not chunks:
             self.store.idle()  # nothing to run: settle copies in flight (an idle pool holds no dead pages)
             return held + failed
@@ -264,6 +270,8 @@ class Engine:
         except AssertionError:  # a violated invariant or debug check: never a request's own fault
             raise
         except Exception as e:  # noqa: BLE001 - the batched pass failed: its requests fail, the engine serves on
+            if self.lockstep is not None:  # peers are inside the same pass's exchanges: the group cannot go on
+                raise
             log.exception("engine step failed; its %d requests are aborted", len(chunks))
             msg = f"engine step failed: {type(e).__name__}: {e}"
             return held + failed + [self._fail(c.req, msg) for c in chunks if c.req.status is not Status.FINISHED]

@@ -17,10 +17,11 @@ import multiprocessing as mp
 import socket
 import sys
 
-from dhisparse.core.parallel import ControlChannel, ParallelConfig, init_rank, leave
+from dhisparse.core.parallel import ControlChannel, ParallelConfig, any_rank, init_rank, leave
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.distributed import Coordinator, follow
 from dhisparse.engine.engine import Engine
+from dhisparse.layers.ep_moe import shard_experts
 
 
 def free_addr() -> str:
@@ -34,7 +35,15 @@ def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: 
     """The engine of one rank: the same config on that rank's device (cuda:local index on CUDA).
     on_engine: "module:function" called as function(engine, rank) (a test or debug hook, e.g. a row
     checker on every rank)."""
-    engine = Engine(dataclasses.replace(config, device=pc.device_of(rank, config.device)))
+    rank_cfg = dataclasses.replace(config, device=pc.device_of(rank, config.device))
+    if pc.expert_parallel:  # the MoE exchanges are collectives: no CUDA graphs, one pass a step
+        rank_cfg = dataclasses.replace(rank_cfg, cuda_graphs="none")
+    engine = Engine(rank_cfg)
+    if pc.expert_parallel:
+        if shard_experts(engine.model, rank, pc.world_size) == 0:
+            raise ValueError(f"--ep-size {pc.ep_size}: {config.model} has no MoE layers of the DSA target to shard "
+                             "(DeepSeek-V4 expert parallelism is not built yet)")
+        engine.lockstep = any_rank
     if on_engine:
         mod, _, fn = on_engine.partition(":")
         getattr(importlib.import_module(mod), fn)(engine, rank)
@@ -46,7 +55,7 @@ def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None
     pc = config.parallel_config()
     try:
         engine = rank_engine(config, pc, rank, on_engine)
-        init_rank(pc, rank, addr)
+        init_rank(pc, rank, addr, str(engine.device))
         follow(engine, ControlChannel(rank, pc.world_size))
     except Exception as e:  # noqa: BLE001 - a follower reports and exits; rank 0 sees RankLost
         print(f"dhisparse rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -77,7 +86,7 @@ def start_ranks(config: EngineConfig, on_engine: str | None = None) -> Coordinat
     procs = spawn_followers(config, pc, addr, on_engine)
     try:
         engine = rank_engine(config, pc, 0, on_engine)
-        init_rank(pc, 0, addr)
+        init_rank(pc, 0, addr, str(engine.device))
     except BaseException:
         for p in procs:
             p.kill()

@@ -1,0 +1,120 @@
+"""Expert-parallel MoE: the routed experts sharded over the ranks, tokens sent to their experts'
+ranks and the results sent back (`core.parallel.exchange`: all-to-all with uneven splits).
+
+    rank r owns experts [r * E/W, (r + 1) * E/W)        (contiguous blocks, W = world size)
+    1. route locally (the router and the shared experts are replicated);
+    2. the (token, slot) pairs, sorted by (owner rank, token, slot), go to their owners as hidden
+       rows + expert ids (the weights stay home);
+    3. an owner runs each local expert, ascending, over its rows in fixed tiles of `EP_TILE` rows
+       (zero-padded), so a row's GEMM has the same shape whatever else arrived (batch invariance);
+    4. the outputs come back in the order they left; each token combines its own:
+
+           out[t] = sum over its slots in ascending expert id of (w_j * y_j).to(dtype),  from zeros,
+
+       then the shared experts are added. A token's routed result depends on its own row and
+       routing only, never on which requests share the step or which rank they run on (the
+       replicated router and shared experts are GEMMs over this rank's rows, as in one process).
+
+A rank with no tokens still calls every EPMoE layer of the model (`idle`: zero rows), so each
+all-to-all has every rank in it (the engine's lock-step, SGLang's idle batch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dhisparse.core.parallel import exchange
+from dhisparse.layers.moe import MoE
+
+EP_TILE = 16  # rows per expert GEMM on the owner: every row of an expert runs in a [EP_TILE, H] matmul
+
+
+class EPMoE(nn.Module):
+    """`MoE` with its routed experts sharded (module docstring). Built from a full `MoE` by
+    `shard(moe, rank, world)`: the router and shared experts are kept, the rank's expert block is
+    copied out of the stacks and the full stacks dropped."""
+
+    def __init__(self, moe: MoE, rank: int, world: int) -> None:
+        super().__init__()
+        E = moe.experts.gate_up_proj.shape[0]
+        if E % world:
+            raise ValueError(f"--ep-size {world} must divide the model's {E} routed experts")
+        self.rank, self.world, self.n_local = rank, world, E // world
+        lo, hi = rank * self.n_local, (rank + 1) * self.n_local
+        self.gate, self.shared_experts = moe.gate, moe.shared_experts
+        self.experts = moe.experts
+        self.experts.gate_up_proj = nn.Parameter(moe.experts.gate_up_proj.data[lo:hi].clone(), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(moe.experts.down_proj.data[lo:hi].clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (T may be 0: an idle rank) -> [T, H]: the routed experts, then the shared ones."""
+        y = self.routed(x, self.gate(x))
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+    def routed(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """The routed experts' weighted sum per token [T, H]: a token's result depends on its own
+        row and routing only (not on the other rows of this rank or of any other)."""
+        T, H = x.shape
+        k = routing.experts.shape[1]
+        flat_e = routing.experts.reshape(-1)  # [T*k]
+        owner = flat_e // self.n_local
+        order = torch.argsort(owner * (T * k) + torch.arange(T * k, device=x.device), stable=True)
+        send = x.index_select(0, order // k) if T else x.new_zeros(0, H)
+        counts = torch.bincount(owner, minlength=self.world).tolist() if T else [0] * self.world
+        rows, recv_counts = exchange(send, counts)
+        ids, _ = exchange(flat_e[order].to(torch.int64), counts)
+        y = self._run_local(rows, ids - self.rank * self.n_local)
+        back, _ = exchange(y, recv_counts)  # [T*k, H], in `order`
+        out_pairs = torch.empty_like(back)
+        out_pairs[order] = back  # pair p = (token p // k, slot p % k)
+        return self._combine(x, routing, out_pairs.view(T, k, H))
+
+    def _run_local(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each received row through its (local) expert, in [EP_TILE, H] tiles per expert."""
+        out = torch.empty_like(rows)
+        if rows.shape[0] == 0:
+            return out
+        ex = self.experts
+        for e in torch.unique(local).tolist():  # ascending
+            idx = (local == e).nonzero().flatten()
+            for a in range(0, idx.numel(), EP_TILE):
+                part = idx[a : a + EP_TILE]
+                tile = rows.new_zeros(EP_TILE, rows.shape[1])
+                tile[: part.numel()] = rows[part]
+                gate, up = nn.functional.linear(tile, ex.gate_up_proj[e]).chunk(2, dim=-1)
+                out[part] = nn.functional.linear(ex.act(gate, up), ex.down_proj[e])[: part.numel()]
+        return out
+
+    def _combine(self, x: torch.Tensor, routing, y: torch.Tensor) -> torch.Tensor:
+        """y [T, k, H] per (token, slot) -> out [T, H]: slots in ascending expert id, from zeros."""
+        T = x.shape[0]
+        slot_order = torch.argsort(routing.experts, dim=1, stable=True)  # [T, k]
+        w = routing.weights.gather(1, slot_order)
+        ys = y.gather(1, slot_order[:, :, None].expand_as(y))
+        out = torch.zeros_like(x)
+        for j in range(y.shape[1]):
+            out = out + (ys[:, j] * w[:, j, None]).to(x.dtype)  # as MoE._grouped: y x fp32 weight
+        return out
+
+
+def shard_experts(model: nn.Module, rank: int, world: int) -> int:
+    """Replace every `MoE` of the target's decoder layers by its EPMoE shard; returns how many.
+    (Drafters keep their own replicated MoE: they are not in `model.model.layers`.)"""
+    n = 0
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = EPMoE(layer.mlp, rank, world)
+            n += 1
+    return n
+
+
+def idle_pass(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """A rank with nothing to run joins every EPMoE exchange of a pass with zero rows, in layer order."""
+    layers = [layer for layer in model.model.layers if isinstance(layer.mlp, EPMoE)]
+    if not layers:
+        return
+    x = torch.zeros(0, layers[0].mlp.gate.weight.shape[1], dtype=dtype, device=device)
+    with torch.inference_mode():
+        for layer in layers:
+            layer.mlp(x)
