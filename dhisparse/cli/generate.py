@@ -45,8 +45,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         return _generate(ns, engine, prompts, params)
     finally:
-        if hasattr(engine, "close"):  # a data-parallel world: stop its ranks
-            engine.close()
+        engine.close()  # a data-parallel world stops its ranks
 
 
 def _generate(ns: argparse.Namespace, engine, prompts: list, params: SamplingParams) -> int:

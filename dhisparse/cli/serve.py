@@ -151,6 +151,5 @@ def run(ns: argparse.Namespace) -> int:
     try:
         serve(engine, config, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
     finally:
-        if hasattr(engine, "close"):  # a data-parallel world: stop its ranks
-            engine.close()
+        engine.close()  # a data-parallel world stops its ranks
     return 0

@@ -274,7 +274,8 @@ class Coordinator:
 
     def rank_stats(self) -> list[EngineStats | None]:
         """Each rank's stats as of the last round (rank 0's live)."""
-        return [self.engine.stats(), *self._stats[1:]]
+        with self._lock:
+            return [self.engine.stats(), *self._stats[1:]]
 
     def close(self) -> None:
         """Tell every follower to stop, reap them, leave the world."""

@@ -527,6 +527,10 @@ class Engine:
         left out of the reported pool, so an idle engine reports 0 pages used."""
         return StepGraphs.SCRATCH_PAGES if self.step_graphs is not None else 0
 
+    def close(self) -> None:
+        """Release the engine (the Engine surface's end; a data-parallel `Coordinator` stops its
+        ranks). One process holds nothing that garbage collection does not free."""
+
     def stats(self) -> EngineStats:
         u, fixed = self.store.usage(), self._fixed_pages
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.total - fixed, u.used - fixed,

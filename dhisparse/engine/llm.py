@@ -39,9 +39,7 @@ class LLM:
 
     def close(self) -> None:
         """End a data-parallel world (`dp_size` > 1); nothing to do for one process."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -31,9 +31,9 @@ EP_TILE = 16  # rows per expert GEMM on the owner: every row of an expert runs i
 
 
 class EPMoE(nn.Module):
-    """`MoE` with its routed experts sharded (module docstring). Built from a full `MoE` by
-    `shard(moe, rank, world)`: the router and shared experts are kept, the rank's expert block is
-    copied out of the stacks and the full stacks dropped."""
+    """`MoE` with its routed experts sharded (module docstring). `EPMoE(moe, rank, world)` keeps a
+    full `MoE`'s router and shared experts, copies the rank's expert block out of the stacks and
+    drops the full stacks."""
 
     def __init__(self, moe: MoE, rank: int, world: int) -> None:
         super().__init__()
@@ -88,7 +88,6 @@ class EPMoE(nn.Module):
 
     def _combine(self, x: torch.Tensor, routing, y: torch.Tensor) -> torch.Tensor:
         """y [T, k, H] per (token, slot) -> out [T, H]: slots in ascending expert id, from zeros."""
-        T = x.shape[0]
         slot_order = torch.argsort(routing.experts, dim=1, stable=True)  # [T, k]
         w = routing.weights.gather(1, slot_order)
         ys = y.gather(1, slot_order[:, :, None].expand_as(y))
