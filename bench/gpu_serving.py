@@ -346,13 +346,10 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
     ratios = {}
     for c in concurrencies:
         for arm in arms:
-            base = by.get((label("hisparse", arm), c))
-            for p in ("adaptive", "adaptive+spec", "resident"):
-                if base and (label(p, arm), c) in by:
-                    ratios[f"{label(p, arm)}/{label('hisparse', arm)}@C{c}"] = by[(label(p, arm), c)] / base
-            if by.get((label("resident", arm), c)) and (label("adaptive", arm), c) in by:
-                ratios[f"{label('adaptive', arm)}/{label('resident', arm)}@C{c}"] = \
-                    by[(label("adaptive", arm), c)] / by[(label("resident", arm), c)]
+            for p, base in [(p, "hisparse") for p in ("adaptive", "adaptive+spec", "resident")] + [("adaptive", "resident")]:
+                num, den = by.get((label(p, arm), c)), by.get((label(base, arm), c))
+                if num is not None and den:
+                    ratios[f"{label(p, arm)}/{label(base, arm)}@C{c}"] = num / den
         for (name, cc), v in by.items():  # arm k against arm 0, same preset and load
             preset, _, arm = name.partition("@")
             first = label(preset, arms[0])

@@ -1,4 +1,5 @@
-"""Hooks a spawned rank runs on its engine (`engine/launch.py` on_engine="dist_hooks:NAME")."""
+"""Helpers of the parallel tests: hooks a spawned rank runs on its engine (`engine/launch.py`
+on_engine="dist_hooks:NAME"), the single-process references and greedy runs over a built world."""
 
 from __future__ import annotations
 
@@ -7,6 +8,26 @@ from types import SimpleNamespace
 import torch
 
 from kv_check import checked
+
+
+PRESETS = ("resident", "hisparse", "adaptive", "adaptive+spec")
+
+
+def one_process_tokens(prompts, params) -> dict[str, list[list[int]]]:
+    """preset -> the single-process engine's token ids for `prompts` (fp64, the tests' small pools)."""
+    from dhisparse import LLM
+
+    return {p: [o.token_ids for o in LLM("tiny", preset=p, dtype="float64", kv_pool_bytes=8 << 20,
+                                          host_pool_bytes=16 << 20).generate(prompts, params)] for p in PRESETS}
+
+
+def generate_on(engine, prompts, params) -> list[list[int]]:
+    """`LLM.generate`'s token ids over an already built engine or Coordinator."""
+    from dhisparse import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def row_checker(engine, rank: int) -> None:

@@ -19,6 +19,7 @@ from dhisparse.engine.launch import build, free_addr
 from dhisparse.layers.ep_moe import EP_TILE, EPMoE, shard_experts
 from dhisparse.layers.moe import MoE
 from dhisparse.models.tiny import tiny_config
+from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -99,26 +100,16 @@ def test_a_tokens_moe_output_does_not_depend_on_the_other_ranks_rows():
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[int]]]:
-    out = {}
-    for preset in ("resident", "hisparse", "adaptive", "adaptive+spec"):
-        llm = LLM("tiny", preset=preset, dtype="float64", kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
-        out[preset] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    return out
-
-
-def _generate(engine, prompts):
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
-    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return one_process_tokens(PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
 def test_dp2_ep2_tokens_equal_one_process_with_the_row_checker_on_every_rank(preset, references):
     engine = build(EngineConfig(model="tiny", preset=preset, **EP), on_engine="dist_hooks:row_checker")
     try:
-        assert _generate(engine, PROMPTS) == references[preset]
+        assert generate_on(engine, PROMPTS, GREEDY) == references[preset]
         assert all(s.admitted >= 2 for s in engine.rank_stats())
-        assert _generate(engine, PROMPTS[:1]) == references[preset][:1]  # rank 1 idles: it joins every exchange
+        assert generate_on(engine, PROMPTS[:1], GREEDY) == references[preset][:1]  # rank 1 idles: it joins every exchange
     finally:
         engine.close()
     assert not dist.is_initialized()
@@ -127,7 +118,7 @@ def test_dp2_ep2_tokens_equal_one_process_with_the_row_checker_on_every_rank(pre
 def test_swapped_experts_on_one_rank_change_the_tokens(references):
     engine = build(EngineConfig(model="tiny", preset="adaptive", **EP), on_engine="dist_hooks:swap_experts_on_rank1")
     try:
-        assert _generate(engine, PROMPTS) != references["adaptive"]
+        assert generate_on(engine, PROMPTS, GREEDY) != references["adaptive"]
     finally:
         engine.close()
 
@@ -137,6 +128,6 @@ def test_a_rank_that_skips_its_idle_pass_is_rank_lost_not_a_hang():
                    on_engine="dist_hooks:no_idle_pass_on_rank1")
     try:
         with pytest.raises(RankLost):
-            _generate(engine, PROMPTS[:1])  # one request: rank 0 runs a pass, rank 1 (broken) skips it
+            generate_on(engine, PROMPTS[:1], GREEDY)  # one request: rank 0 runs a pass, rank 1 (broken) skips it
     finally:
         engine.close()

@@ -6,7 +6,7 @@ Engine flags carry SGLang's names where an equivalent exists; vLLM's names are a
     --context-length        (vLLM --max-model-len)            -> max_model_len
     --chunked-prefill-size  (vLLM --max-num-batched-tokens)   -> max_num_batched_tokens
     --mem-fraction-static   (vLLM --gpu-memory-utilization)   -> kv_pool_bytes, see mem_fraction_pool_bytes
-    --tp-size               (vLLM --tensor-parallel-size)     -> tp_size (only 1 yet; refused otherwise)
+    --tp-size               (vLLM --tensor-parallel-size)     -> tp_size (> 1 only with DP attention + EP)
     --dp-size               (vLLM --data-parallel-size)       -> dp_size: one engine + KV hierarchy per rank
 """
 
@@ -157,11 +157,13 @@ FLAGS: list[Flag] = [
     Flag("--kv-pool-fraction", "kv_pool_fraction", _fraction,
          "share of the GPU memory free after loading the weights for the KV pool when --kv-pool-bytes is unset"),
     Flag(("--tp-size", "--tensor-parallel-size"), "tp_size", positive_int,
-         help_="tensor parallelism: only 1 so far (refused otherwise)"),
+         help_="ranks of a TP group: > 1 only as SGLang's DP attention + EP (--tp-size N --dp-size N "
+               "--enable-dp-attention --ep-size N); attention and MoE tensor parallelism are not built (refused)"),
     Flag(("--dp-size", "--data-parallel-size"), "dp_size", positive_int,
          help_="data-parallel ranks: each runs its own engine and KV hierarchy (weights replicated) on its own GPU "
                "(cuda:0..N-1) or on the CPU; rank 0 places requests (fewest sessions, then most free pages)"),
-    Flag("--ep-size", "ep_size", positive_int, help_="expert parallelism: only 1 so far (refused otherwise)"),
+    Flag("--ep-size", "ep_size", positive_int,
+         help_="expert parallelism: the routed experts sharded over --ep-size ranks (with --enable-dp-attention, = --tp-size)"),
     Flag("--nnodes", "nnodes", positive_int, help_="hosts the ranks span (with --dist-init-addr and --node-rank)"),
     Flag("--node-rank", "node_rank", nonneg_int, help_="this host's index among --nnodes (0 runs the server)"),
     Flag("--dist-init-addr", "dist_init_addr", help_="host:port of node 0's rendezvous (default: 127.0.0.1 and a free port)"),
@@ -257,7 +259,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             kw["metavar"] = "N" if f.type in (int, positive_int, nonneg_int) else "X"
         g.add_argument(*f.names, **kw)
     g.add_argument("--enable-dp-attention", dest="enable_dp_attention", action="store_true", default=None,
-                   help="SGLang's DP attention inside a TP group: not built yet (refused)")
+                   help="SGLang's DP attention: every rank of the TP group runs its own requests' attention "
+                        "(built with --dp-size = --ep-size = --tp-size)")
     g.add_argument("--debug-checks", dest="debug_checks", action="store_true", default=None, help="check KV pool integrity after every step")
     g.add_argument("--step-graph-warmup", dest="step_graph_warmup", action="store_true", default=None,
                    help="capture every decode / verification step graph at start (default: on first use)")

@@ -47,7 +47,8 @@ class RankLost(RuntimeError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The process layout (SGLang's flag names). world_size = dp_size x tp_size."""
+    """The process layout (SGLang's flag names): world_size = tp_size with DP attention (dp = ep =
+    tp), else dp_size x tp_size (tp_size 1 is all that is built there)."""
 
     dp_size: int = 1
     tp_size: int = 1
@@ -56,7 +57,7 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: 127.0.0.1 and a free port
-    timeout_s: float = 60.0
+    timeout_s: float = 300.0  # EngineConfig.dist_timeout_s's default
 
     def __post_init__(self) -> None:
         for name, flag in (("dp_size", "--dp-size"), ("tp_size", "--tp-size"), ("ep_size", "--ep-size"),

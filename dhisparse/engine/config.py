@@ -130,8 +130,10 @@ class EngineConfig:
         dist_timeout_s [--dp-size, --tp-size, --ep-size, --enable-dp-attention, --nnodes,
         --node-rank, --dist-init-addr, --dist-timeout]: the process layout (core/parallel.py;
         `parallel_config()`). dp_size N > 1: N ranks, each its own engine and KV hierarchy with
-        replicated weights (engine/distributed.py); tensor and expert parallelism are refused
-        until built. dist_timeout_s bounds every control round and the start-up rendezvous.
+        replicated weights (engine/distributed.py); tp = dp = ep = N with enable_dp_attention:
+        the routed experts sharded over them too (layers/ep_moe.py); attention and MoE tensor
+        parallelism are refused until built. dist_timeout_s bounds every control round and the
+        start-up rendezvous.
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).

@@ -296,11 +296,11 @@ class Coordinator:
         leave()
 
     # -- rounds ----------------------------------------------------------------------------------
-    def _round(self, ctl: Control, apply_own: bool = True) -> list[Reply]:
+    def _round(self, ctl: Control) -> list[Reply]:
+        """Broadcast `ctl`, serve rank 0's share (its adds and aborts were applied at the call), gather."""
         try:
             self.channel.broadcast(ctl)
-            mine = serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[]), self._exports) \
-                if apply_own else Reply([], load_of(self.engine.stats()))
+            mine = serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[]), self._exports)
             replies = self.channel.gather(mine)
         except RankLost as e:
             self._fail(e)
@@ -334,7 +334,7 @@ class Coordinator:
                 continue
             try:
                 if not self._closed and self._error is None and time.monotonic() - self._last >= self.beat_s:
-                    self._round(Control(beat=True), apply_own=False)
+                    self._round(Control(beat=True))
             except RankLost:
                 pass  # kept in self._error: the next call raises it
             finally:

@@ -42,7 +42,7 @@ def _raise_for(ev: Event, state: "ServerState") -> None:
 def engine_failed(state: "ServerState", message: str) -> ApiError:
     """The error of requests in flight when the engine thread failed: 503 when a data-parallel
     rank was lost (the server cannot serve; retry on another replica), else 500."""
-    if getattr(state.worker, "error_status", 500) == 503:
+    if state.worker.error_status == 503:
         return ApiError(message, status=503, type_="server_error", code="rank_lost")
     return ApiError(message, status=500, type_="server_error", code="engine_failed")
 

@@ -36,9 +36,10 @@ class VerifyCost:
     value), first capped at `clip` x the current estimate (once anything is measured): one step
     that compiled a kernel or captured a graph (seconds, against milliseconds) then moves the
     estimate by at most alpha x (clip - 1), where uncapped it made that width look unusable until
-    it was measured again, which a policy that stopped choosing it never did. `cost(width)` returns the measured value, interpolates linearly between measured
-    widths and extrapolates from the nearest two; with one measurement it scales it by the shape
-    of `prior`, with none it returns `prior(width)` (default 1 + 0.1 (K - 1)).
+    it was measured again, which a policy that stopped choosing it never did. `cost(width)`
+    returns the measured value, interpolates linearly between measured widths and extrapolates
+    from the nearest two; with one measurement it scales it by the shape of `prior`, with none it
+    returns `prior(width)` (default 1 + 0.1 (K - 1)).
     """
 
     def __init__(self, measured: dict[int, float] | None = None, alpha: float = 0.2,
