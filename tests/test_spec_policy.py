@@ -228,7 +228,14 @@ def test_verify_cost_caps_one_outlier_sample():
 
 
 def test_round_widths_are_what_the_policy_can_choose():
-    assert SpecConfig(num_draft_tokens=4, policy="online").round_widths() == (1, 2, 3, 4)
+    """Online: 1, the powers of two below K_max and K_max (breakage caught: 1..K_max again, the
+    112 graphs / 166 s of H200 start-up at K_max 8), or the given online_widths."""
+    assert SpecConfig(num_draft_tokens=4, policy="online").round_widths() == (1, 2, 4)
+    assert SpecConfig(num_draft_tokens=8, policy="online").round_widths() == (1, 2, 4, 8)
+    assert SpecConfig(num_draft_tokens=6, policy="online").round_widths() == (1, 2, 4, 6)
+    assert SpecConfig(num_draft_tokens=8, policy="online", online_widths=(6, 3, 6)).round_widths() == (1, 3, 6)
+    with pytest.raises(SpecConfigError, match="online_widths"):
+        SpecConfig(num_draft_tokens=4, policy="online", online_widths=(5,))
     assert SpecConfig(num_draft_tokens=8, policy="fixed").round_widths() == (1, 8)
     assert SpecConfig(num_draft_tokens=8, policy="fixed", fixed_width=3).round_widths() == (1, 3)
     assert SpecConfig(num_draft_tokens=6, policy="static").round_widths() == (1, 4, 6)  # 8 capped at K_max
@@ -253,3 +260,16 @@ def test_only_decode_only_steps_feed_the_cost_model():
     mixed = [w for w, only in calls if w and not only]
     assert mixed, "the scripted load has steps that verify while another request prefills"
     assert len(fed) == sum(1 for w, only in calls if w and only)
+
+
+def test_the_online_runtime_prices_only_its_candidate_widths():
+    """SpecRuntime hands the policy `online_candidates()`: with widths 3..5 cheap per token, the
+    policy still chooses among 2, 4 and 8 (breakage caught: the policy built over 2..K_max)."""
+    from dhisparse.engine.speculative import SpecRuntime
+
+    cfg = SpecConfig(algorithm="ngram", num_draft_tokens=8, policy="online")
+    rt = SpecRuntime(cfg, target=None, max_requests=4)
+    assert rt.online.widths == [2, 4, 8]
+    for w in (1, 2, 4, 8):
+        rt.online.observe_cost(w, 0.01 * w)
+    assert rt.online.decide(1).width in (1, 2, 4, 8)

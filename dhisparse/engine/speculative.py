@@ -61,7 +61,7 @@ class SpecRuntime:
         self.cfg = cfg
         self.cost = VerifyCost()  # seconds per step by width, measured online (DSpark + online policy)
         self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests, cost=self.cost)
-        self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost) if cfg.policy == "online" else None
+        self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost, widths=cfg.online_candidates()) if cfg.policy == "online" else None
         self._step_width = 0
         self.capture = tuple(self.drafter.capture_layers)
         self.schedule = static_schedule(cfg)
