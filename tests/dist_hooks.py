@@ -106,3 +106,43 @@ def ep_invariance(rank: int, world: int, addr: str, out) -> None:
             out.put(all(torch.equal(r, results[0]) for r in results) and results[0].abs().sum().item() > 0)
     finally:
         leave()
+
+
+def same_routing(engine, rank: int) -> None:
+    """Tensor parallelism: every MoE router's choice (experts and weights [T, k]) is all-gathered
+    and must be the same on every rank (the router is replicated over replicated rows); with the
+    row checker (I2) on every rank."""
+    import torch.distributed as dist
+
+    from dhisparse.layers.moe import MoE
+
+    row_checker(engine, rank)
+    gates = [m.gate for m in engine.model.model.modules() if isinstance(m, MoE)]
+    assert gates, "no MoE router to check"
+    for gate in gates:
+        inner = gate.forward
+
+        def forward(x, inner=inner):
+            routing = inner(x)
+            for t in (routing.experts, routing.weights.double()):
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, t.contiguous())
+                assert all(torch.equal(p, parts[0]) for p in parts), f"rank {rank}: the ranks routed differently"
+            return routing
+
+        gate.forward = forward
+
+
+def drop_request_on_rank1(engine, rank: int) -> None:
+    """A breakage for the TP batch check: rank 1 silently drops the second request it is given,
+    so its scheduler's batch differs from rank 0's; the ranks must fail with RankLost at rank 0,
+    not hang nor report rank 0's tokens as if nothing happened."""
+    row_checker(engine, rank)
+    if rank == 1:
+        inner, seen = engine.add_request, []
+
+        def add_request(ids, params=None, request_id=None, **kw):
+            seen.append(request_id)
+            return request_id if len(seen) == 2 else inner(ids, params, request_id=request_id, **kw)
+
+        engine.add_request = add_request

@@ -79,8 +79,8 @@ def test_new_loader_fields_and_tp_size():
     cfg = engine_config(p.parse_args(["serve", "--revision", "v1", "--chat-template", "x.jinja", "--quantization", "fp8",
                                       "--kv-cache-dtype", "bfloat16", "--tp-size", "1"]), full_loader=True)
     assert (cfg.revision, cfg.chat_template, cfg.quantization, cfg.kv_cache_dtype) == ("v1", "x.jinja", "fp8", "bfloat16")
-    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is not built yet"):
-        engine_config(p.parse_args(["serve", "--tensor-parallel-size", "2"]), full_loader=True)
+    with pytest.raises(ValueError, match="--tp-size 2 with --dp-size 2"):
+        engine_config(p.parse_args(["serve", "--tensor-parallel-size", "2", "--dp-size", "2"]), full_loader=True)
     cfg = engine_config(p.parse_args(["serve", "--dp-size", "2", "--dist-timeout", "9", "--nnodes", "2", "--node-rank", "1",
                                       "--dist-init-addr", "10.0.0.2:4000"]), full_loader=True)
     assert (cfg.dp_size, cfg.dist_timeout_s, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr) == (2, 9.0, 2, 1, "10.0.0.2:4000")
@@ -135,7 +135,7 @@ BAD_FLAGS = [
     (["serve", "--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
     (["serve", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
     (["serve", "--quantization", "awq"], "--quantization"),
-    (["serve", "--tp-size", "2"], "--tp-size"),
+    (["serve", "--tp-size", "2", "--dp-size", "2"], "--tp-size"),
     (["serve", "--mem-fraction-static", "1.5"], "--mem-fraction-static"),
     (["serve", "--context-length", "0"], "--context-length"),
     (["serve", "--preset", "magic"], "--preset"),

@@ -31,7 +31,7 @@ def test_layout_and_refusals_name_the_flag():
     assert pc.world_size == 1 and not pc.distributed and list(pc.local_ranks()) == [0]
     two = ParallelConfig(dp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert two.world_size == 4 and list(two.local_ranks()) == [2, 3] and two.device_of(3, "cpu") == "cpu"
-    for kw, flag in [(dict(tp_size=2), "--tp-size"), (dict(ep_size=2), "--ep-size"),
+    for kw, flag in [(dict(tp_size=2, dp_size=2), "--tp-size"), (dict(ep_size=2), "--ep-size"),
                      (dict(enable_dp_attention=True, dp_size=2), "--enable-dp-attention"), (dict(dp_size=0), "--dp-size"),
                      (dict(dp_size=2, nnodes=2), "--dist-init-addr"), (dict(node_rank=1), "--node-rank"),
                      (dict(dp_size=3, nnodes=2, dist_init_addr="h:1"), "--nnodes"),
@@ -39,7 +39,7 @@ def test_layout_and_refusals_name_the_flag():
         with pytest.raises(ParallelConfigError, match=flag):
             ParallelConfig(**kw)
     with pytest.raises(ConfigValueError, match="--tp-size"):
-        EngineConfig(tp_size=2)
+        EngineConfig(tp_size=2, dp_size=2)
 
 
 def test_router_fewest_sessions_then_free_pages_then_lowest_rank():

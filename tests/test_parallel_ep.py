@@ -29,7 +29,8 @@ EP = dict(dtype="float64", tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=
 
 def test_layout_of_dp_attention_with_experts_sharded():
     pc = ParallelConfig(tp_size=4, dp_size=4, ep_size=4, enable_dp_attention=True)
-    assert pc.world_size == 4 and pc.expert_parallel
+    assert pc.world_size == 4 and pc.expert_parallel and not pc.tensor_parallel
+    assert ParallelConfig(tp_size=2).tensor_parallel  # TP alone is built (tests/test_parallel_tp.py)
     for kw, flag in [(dict(tp_size=2, ep_size=2), "--enable-dp-attention"),
                      (dict(tp_size=2, dp_size=1, ep_size=2, enable_dp_attention=True), "attention TP"),
                      (dict(tp_size=4, dp_size=4, ep_size=2, enable_dp_attention=True), "MoE TP"),

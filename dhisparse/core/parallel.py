@@ -3,22 +3,29 @@
 Flags are SGLang's: `--dp-size`, `--tp-size`, `--enable-dp-attention`, `--ep-size`, `--nnodes`,
 `--node-rank`, `--dist-init-addr`, plus `--dist-timeout` (seconds, every collective's deadline).
 
-Built today: data parallelism, alone or with expert-parallel MoE. Rank r runs its own `Engine`:
-its own scheduler and its own KV hierarchy (pools, host store, hot caches, residency), i.e. the
-paper's per-GPU session. Ranks exchange one control message a step over a gloo group
-(`ControlChannel`); with expert parallelism the MoE layers also exchange tokens (`exchange`).
+Built today: data parallelism, alone or with expert-parallel MoE, and tensor parallelism alone.
+Rank r runs its own `Engine`: its own scheduler and its own KV hierarchy (pools, host store, hot
+caches, residency). Ranks exchange one control message a step over a gloo group
+(`ControlChannel`); with expert parallelism the MoE layers also exchange tokens (`exchange`),
+with tensor parallelism the layers sum their partial outputs (`tp_sum`).
 
-    --dp-size N                                    world N, weights replicated
+    --dp-size N                                    world N, weights replicated, each rank its own
+                                                   requests (the paper's per-GPU session)
     --tp-size N --dp-size N --enable-dp-attention --ep-size N
                                                    world N, attention data-parallel, experts
                                                    sharded N ways (SGLang's DP attention + EP)
+    --tp-size N                                    world N, every rank the same requests in
+                                                   lock-step, heads / intermediate sizes sharded
+                                                   N ways (layers/tp.py), MLA latent KV replicated
     rank r: device cuda:(r mod ranks per node); node k of nnodes runs ranks [k * n, (k + 1) * n)
 
-Tensor parallelism inside attention (attention TP > 1) and MoE TP (ep < tp) are refused with a
-clear error until their layers exist.
+Refused with the flag named: DP x TP (--dp-size > 1 with --tp-size > 1 and no DP attention),
+--ep-size without --enable-dp-attention, attention TP under DP attention (dp < tp) and MoE TP
+(ep < tp).
 
 `RankLost` is what every failed or timed-out collective becomes: the caller sees which rank and
-which operation, never a hang past `timeout_s`.
+which operation, never a hang past `timeout_s`; `agree` turns ranks that disagree on a few
+integers (under TP: a step's batch) into one too.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class RankLost(RuntimeError):
 @dataclass(frozen=True)
 class ParallelConfig:
     """The process layout (SGLang's flag names): world_size = tp_size with DP attention (dp = ep =
-    tp), else dp_size x tp_size (tp_size 1 is all that is built there)."""
+    tp), else dp_size x tp_size (one of them 1: DP alone or TP alone)."""
 
     dp_size: int = 1
     tp_size: int = 1
@@ -80,8 +87,9 @@ class ParallelConfig:
             raise ParallelConfigError(f"--dist-timeout must be > 0 seconds; got {self.timeout_s}")
 
     def _check_mesh(self) -> None:
-        """The layouts built: DP (tp = ep = 1), and DP attention over the whole TP group with
-        experts sharded over it (tp = dp = ep, --enable-dp-attention)."""
+        """The layouts built: DP (tp = ep = 1), TP alone (dp = ep = 1, no DP attention), and DP
+        attention over the whole TP group with experts sharded over it (tp = dp = ep,
+        --enable-dp-attention)."""
         if self.enable_dp_attention:
             if not self.tp_size == self.dp_size == self.ep_size:
                 raise ParallelConfigError(
@@ -89,12 +97,15 @@ class ParallelConfig:
                     "only attention fully data-parallel with experts sharded over every rank is built "
                     "(--tp-size N --dp-size N --ep-size N); attention TP and MoE TP are not built yet")
             return
-        given = [f for f, on in ((f"--tp-size {self.tp_size}", self.tp_size != 1),
-                                 (f"--ep-size {self.ep_size}", self.ep_size != 1)) if on]
-        if given:
+        if self.ep_size != 1:
             raise ParallelConfigError(
-                f"{', '.join(given)}: tensor parallelism is not built yet; expert parallelism runs with DP attention "
-                "(--tp-size N --dp-size N --enable-dp-attention --ep-size N), data parallelism alone with --dp-size N")
+                f"--ep-size {self.ep_size}: expert parallelism runs with DP attention "
+                "(--tp-size N --dp-size N --enable-dp-attention --ep-size N); tensor parallelism alone is --tp-size N")
+        if self.tp_size != 1 and self.dp_size != 1:
+            raise ParallelConfigError(
+                f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: DP x TP is not built; tensor parallelism "
+                "alone is --tp-size N (--dp-size 1), data parallelism alone --dp-size N, DP attention + EP "
+                "--tp-size N --dp-size N --enable-dp-attention --ep-size N")
 
     @property
     def world_size(self) -> int:
@@ -103,6 +114,11 @@ class ParallelConfig:
     @property
     def expert_parallel(self) -> bool:
         return self.ep_size > 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """TP alone: every rank runs the same requests with its shard of the weights."""
+        return self.tp_size > 1 and not self.enable_dp_attention
 
     @property
     def distributed(self) -> bool:
@@ -124,15 +140,15 @@ class ParallelConfig:
         return device
 
 
-_DATA_GROUP: list = [None]  # the MoE exchange's group: NCCL on CUDA, else the gloo world (None)
+_DATA_GROUP: list = [None]  # the MoE exchange's / TP sums' group: NCCL on CUDA, else the gloo world (None)
 
 
 def init_rank(pc: ParallelConfig, rank: int, init_addr: str, device: str = "cpu") -> None:
-    """Join the world as `rank`: gloo for control (no accelerator needed); with expert
-    parallelism on CUDA also an NCCL group for the MoE's token exchange."""
+    """Join the world as `rank`: gloo for control (no accelerator needed); with expert or tensor
+    parallelism on CUDA also an NCCL group for the MoE's token exchange / the TP sums."""
     timeout = datetime.timedelta(seconds=pc.timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=pc.world_size, timeout=timeout)
-    if pc.expert_parallel and device.startswith("cuda"):
+    if (pc.expert_parallel or pc.tensor_parallel) and device.startswith("cuda"):
         _DATA_GROUP[0] = dist.new_group(backend="nccl", timeout=timeout)
 
 
@@ -170,6 +186,41 @@ def exchange(rows: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, 
     except Exception as e:  # noqa: BLE001
         raise RankLost(None, "all_to_all", e) from e
     return out, recv_counts
+
+
+def tp_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [...] (this rank's partial) -> the sum of every rank's x, in rank order: all-gather, then
+    ((x_0 + x_1) + x_2) + ... elementwise. The same bits on every rank, and a row's sum never
+    depends on the other rows (a ring all-reduce's association follows the tensor's chunking for
+    more than 2 ranks: batch-variant); for 2 ranks it moves the bytes of a ring all-reduce, for N
+    ranks N/2 times as many. RankLost on failure or past the deadline."""
+    group = _DATA_GROUP[0]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(parts, x, group=group)
+    except Exception as e:  # noqa: BLE001
+        raise RankLost(None, "the tensor-parallel sum (all_gather)", e) from e
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def agree(values: list[int], what: str) -> None:
+    """Every rank passes the same number of int64 `values`; all-gathered over the gloo world. When
+    any rank's differ from rank 0's, every rank (each sees all of them) raises RankLost naming
+    the first such rank and `what`, at this same collective: no rank runs on into unmatched ones."""
+    t = torch.tensor(values, dtype=torch.int64)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(parts, t)
+    except Exception as e:  # noqa: BLE001
+        raise RankLost(None, what, e) from e
+    bad = [r for r, p in enumerate(parts) if not torch.equal(p, parts[0])]
+    if bad:
+        raise RankLost(bad[0], what, RuntimeError(
+            f"rank {bad[0]} disagrees with rank 0: {parts[bad[0]].tolist()} != {parts[0].tolist()}"))
 
 
 class ControlChannel:

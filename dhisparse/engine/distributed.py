@@ -1,8 +1,12 @@
-"""Data-parallel serving: one `Engine` per rank, fronted on rank 0 by a `Coordinator`.
+"""Parallel serving: one `Engine` per rank, fronted on rank 0 by a `Coordinator`.
 
-Each rank owns its requests and its whole KV hierarchy (the paper's per-GPU session); weights are
-replicated. Rank 0 places every new request on a rank (`Router`) and drives all ranks in lock-step,
-one control round per engine step over the gloo world (`core.parallel.ControlChannel`):
+Data parallelism: each rank owns its requests and its whole KV hierarchy (the paper's per-GPU
+session); weights are replicated. Rank 0 places every new request on a rank (`Router`).
+Tensor parallelism (`replicate`): every add and abort goes to every rank (same request id, same
+params; a seed is drawn once on rank 0 when the request has none), every rank runs the same steps
+with its shard of the weights, and only rank 0's outputs are reported (followers send none).
+Either way rank 0 drives all ranks in lock-step, one control round per engine step over the gloo
+world (`core.parallel.ControlChannel`):
 
     rank 0                                   rank r > 0 (`follow`)
     broadcast Control(adds, aborts, ...) ->  apply its adds / aborts
@@ -22,6 +26,7 @@ validation and grammar checks run on rank 0: every rank's store has the same geo
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,29 +110,39 @@ def apply(engine: Engine, rank: int, ctl: Control) -> None:
             engine.add_request(ids, params, request_id=rid, export_prefix=export)
 
 
-def serve_round(engine: Engine, rank: int, ctl: Control, exports: set[str]) -> Reply:
+def serve_round(engine: Engine, rank: int, ctl: Control, exports: set[str], outputs: bool = True) -> Reply:
     """Apply the message and (unless it is a beat) step: the reply rank 0 gathers. exports: this
-    rank's prefix-export requests in flight (they finish without an output; reported once gone)."""
+    rank's prefix-export requests in flight (they finish without an output; reported once gone);
+    outputs False: a TP follower's (rank 0 reports the same outputs)."""
     try:
         apply(engine, rank, ctl)
     except Exception as e:  # noqa: BLE001 - rank 0 validated the adds; report, do not desert the round
         return Reply([], load_of(engine.stats()), error=f"rank {rank}: {type(e).__name__}: {e}")
     exports.update(rid for r, rid, _, _, export in ctl.adds if export and r == rank)
     outs = [] if ctl.beat else [detached(o) for o in engine.step()]
+    outs = outs if outputs else []
     done = [rid for rid in exports if rid not in engine.requests]
     exports.difference_update(done)
     st = engine.stats()
     return Reply(outs, load_of(st), None if ctl.beat else st, exported=done)
 
 
-def follow(engine: Engine, channel: ControlChannel) -> None:
-    """A follower's life: serve rounds until rank 0 says shutdown (RankLost when it is gone)."""
+def follow(engine: Engine, channel: ControlChannel, outputs: bool = True) -> None:
+    """A follower's life: serve rounds until rank 0 says shutdown (RankLost when it is gone).
+    outputs False under tensor parallelism (rank 0's are the world's)."""
     exports: set[str] = set()
     while True:
         ctl = channel.broadcast()
         if ctl.shutdown:
             return
-        channel.gather(serve_round(engine, channel.rank, ctl, exports))
+        channel.gather(serve_round(engine, channel.rank, ctl, exports, outputs))
+
+
+def replica_stats(rank0: EngineStats, world: int) -> EngineStats:
+    """Tensor parallelism: every rank holds the same requests and (replicated-KV) pages, so the
+    world's stats are rank 0's, requests and pages counted once (pages are per rank), with
+    counters["tp_size"] = world."""
+    return dataclasses.replace(rank0, counters={**rank0.counters, "tp_size": world})
 
 
 def merge_stats(per_rank: list[EngineStats]) -> EngineStats:
@@ -151,11 +166,13 @@ def merge_stats(per_rank: list[EngineStats]) -> EngineStats:
 
 
 class Coordinator:
-    """Rank 0's front of a data-parallel world (module docstring). `close()` ends the world."""
+    """Rank 0's front of a parallel world (module docstring). replicate: tensor parallelism (every
+    request on every rank, rank 0's outputs). `close()` ends the world."""
 
-    def __init__(self, engine: Engine, channel: ControlChannel, procs: list, beat_s: float = 1.0) -> None:
+    def __init__(self, engine: Engine, channel: ControlChannel, procs: list, beat_s: float = 1.0,
+                 replicate: bool = False) -> None:
         self.engine, self.channel, self.procs = engine, channel, procs
-        self.world = channel.world
+        self.world, self.replicate = channel.world, replicate
         self.router = Router(self.world)
         self.owner: dict[str, int] = {}  # unfinished request id -> its rank
         self._prefix_left: dict[str, set[int]] = {}  # prefix-export request -> ranks still preparing
@@ -192,9 +209,12 @@ class Coordinator:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     *, export_prefix: bool = False) -> str:
-        """Validate on rank 0, place (a prefix export goes to every rank), queue; returns the id."""
+        """Validate on rank 0, place (a prefix export, or any request under `replicate`, goes to
+        every rank), queue; returns the id."""
         self._check()
         params = params or SamplingParams()
+        if self.replicate and params.seed is None:  # every rank's sampler draws the same numbers
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         ids = self.encode_prompt(prompt)
         self.validate(ids, params)
         if params.grammar is not None:
@@ -203,7 +223,7 @@ class Coordinator:
         with self._lock:
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            ranks = list(range(self.world)) if export_prefix else [self.router.pick()]
+            ranks = list(range(self.world)) if export_prefix or self.replicate else [self.router.pick()]
             if export_prefix:
                 self._prefix_left[rid] = set(ranks)
             self.owner[rid] = ranks[0]
@@ -222,6 +242,7 @@ class Coordinator:
             ranks = self._prefix_left.pop(request_id, None) or ({rank} if rank is not None else set())
             if rank is None:
                 return False
+            ranks = set(range(self.world)) if self.replicate else ranks
             done = True
             for r in ranks:
                 if r == 0:
@@ -269,6 +290,8 @@ class Coordinator:
     def stats(self) -> EngineStats:
         with self._lock:
             mine = self.engine.stats()
+        if self.replicate:
+            return replica_stats(mine, self.world)
         others = [s for s in self._stats[1:] if s is not None]
         return merge_stats([mine, *others])
 
@@ -348,4 +371,4 @@ class Coordinator:
         if self._error is not None:
             raise self._error
         if self._closed:
-            raise RuntimeError("the data-parallel world is closed")
+            raise RuntimeError("the parallel world is closed")

@@ -5,6 +5,15 @@ Cache rows are [c_kv (kv_lora) | k_pe (rope)]. With W_UK/W_UV split out of kv_b_
     logit = (q_abs . c_kv + q_pe . k_pe) * scale
     o     = softmax(logit) . c_kv . W_UV       [T, H, v]
 which equals transformers' expanded MLA with the top-k mask, but reads only the selected rows.
+
+Tensor parallelism (layers/tp.py) splits the heads: rank r of N runs heads [r*H/N, (r+1)*H/N)
+(its q_b_proj / kv_b_proj rows, i.e. their W_UK / W_UV, and its o_proj columns; `cfg.num_heads`
+is then H/N) and o_proj's partial output is summed over the ranks. The latent row
+[c_kv | k_pe] is shared by every head, so each rank computes, stores and reads the FULL row:
+the KV is replicated, not split. Per rank the KV bytes per token are one GPU's (GLM-5 FP8: a
+656-B latent row + a 132-B index key per layer), so a TP-N group holds N copies of every row and
+serves the sessions one GPU's pool would (plus the pages the freed weights make room for),
+while DP attention (each rank its own requests) holds each row once.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from torch import nn
 
 from dhisparse.kernels.dispatch import sparse_mla
 from dhisparse.core.batch import ForwardBatch, KVContext
-from dhisparse.layers.indexer import Indexer, IndexerProjection, indexer_topk
+from dhisparse.layers.indexer import Indexer, IndexerProjection
 from dhisparse.layers.norm import RMSNorm
 from dhisparse.layers.rope import RopeTables, rope_fused, softmax_mscale
 from dhisparse.core.config import ModelConfig
@@ -111,7 +120,7 @@ class MLAttention(nn.Module):
         c, proj = self.cfg, pre.index
         kv.store(self.layer, pre.latent, proj.k if proj is not None else None)
         if proj is not None:
-            selection = indexer_topk(proj, batch, kv, self.layer, c.index_topk)
+            selection = self.indexer.select(proj, batch, kv, self.layer, c.index_topk)
         elif prev_selection is None:
             raise ValueError(f"layer {self.layer} is 'shared' but received no selection from a full layer")
         else:

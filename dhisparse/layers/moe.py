@@ -1,6 +1,9 @@
 """Feed-forward blocks: SiLU-GLU MLP and the DeepSeek MoE (sigmoid router with correction bias,
 group-limited routing, routed scaling, shared experts). Expert weights are stacked like
-transformers' in-memory layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I]."""
+transformers' in-memory layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I].
+Tensor parallelism (layers/tp.py) keeps each expert's intermediate block r of both halves
+(gate_up_proj [E, 2I/N, H], still gate first) and of down_proj [E, H, I/N]; a rank's MoE output is
+then a partial sum, combined over its experts in the same order as here, and summed over ranks."""
 
 from __future__ import annotations
 
