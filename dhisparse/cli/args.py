@@ -6,8 +6,10 @@ Engine flags carry SGLang's names where an equivalent exists; vLLM's names are a
     --context-length        (vLLM --max-model-len)            -> max_model_len
     --chunked-prefill-size  (vLLM --max-num-batched-tokens)   -> max_num_batched_tokens
     --mem-fraction-static   (vLLM --gpu-memory-utilization)   -> kv_pool_bytes, see mem_fraction_pool_bytes
-    --tp-size               (vLLM --tensor-parallel-size)     -> tp_size (> 1 only with DP attention + EP)
+    --tp-size               (vLLM --tensor-parallel-size)     -> tp_size: TP alone, or with DP attention + EP
     --dp-size               (vLLM --data-parallel-size)       -> dp_size: one engine + KV hierarchy per rank
+    --disaggregation-mode   (SGLang's; per host of several)   -> disaggregation_mode; ours for the world's ranks:
+                            --disaggregation-prefill-size P, --disaggregation-decode-size D (engine/disagg.py)
 """
 
 from __future__ import annotations
@@ -157,8 +159,10 @@ FLAGS: list[Flag] = [
     Flag("--kv-pool-fraction", "kv_pool_fraction", _fraction,
          "share of the GPU memory free after loading the weights for the KV pool when --kv-pool-bytes is unset"),
     Flag(("--tp-size", "--tensor-parallel-size"), "tp_size", positive_int,
-         help_="ranks of a TP group: > 1 only as SGLang's DP attention + EP (--tp-size N --dp-size N "
-               "--enable-dp-attention --ep-size N); attention and MoE tensor parallelism are not built (refused)"),
+         help_="ranks of a TP group. Alone (--dp-size 1): tensor parallelism, every rank runs the same requests with "
+               "1/N of the attention / index heads and FFN intermediate sizes (the MLA latent KV replicated on every "
+               "rank); GLM-5.x / DeepSeek-V3.2 only. With --dp-size N --enable-dp-attention --ep-size N: SGLang's DP "
+               "attention + EP"),
     Flag(("--dp-size", "--data-parallel-size"), "dp_size", positive_int,
          help_="data-parallel ranks: each runs its own engine and KV hierarchy (weights replicated) on its own GPU "
                "(cuda:0..N-1) or on the CPU; rank 0 places requests (fewest sessions, then most free pages)"),
@@ -170,6 +174,16 @@ FLAGS: list[Flag] = [
     Flag("--dist-timeout", "dist_timeout_s", positive_float,
          help_="seconds every control round between ranks and the start-up rendezvous may take before the "
                "server reports the rank lost (503)"),
+    Flag("--disaggregation-mode", "disaggregation_mode", choices=("null", "prefill", "decode"),
+         help_="SGLang's prefill/decode disaggregation: the role of this host's ranks in a world of several hosts "
+               "(--nnodes, --node-rank, --dist-init-addr; every host gives the same sizes below); null = off"),
+    Flag("--disaggregation-prefill-size", "disaggregation_prefill_size", positive_int,
+         help_="ours: prefill ranks P of a disaggregated world (they compute prompts and first tokens, then send the "
+               "KV); with --disaggregation-decode-size on one host, one command spawns all P + D ranks (default: 1 "
+               "each when only --disaggregation-mode is given)"),
+    Flag("--disaggregation-decode-size", "disaggregation_decode_size", positive_int,
+         help_="ours: decode ranks D of a disaggregated world (they admit the KV sent to them resident-first or "
+               "host-first and decode; default: 1 when only --disaggregation-mode is given)"),
     Flag("--hot-cache-rows", "hot_cache_rows", positive_int,
          "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
     Flag("--source-hot-cache-rows", "source_hot_cache_rows", _positive_ints,
@@ -329,6 +343,8 @@ def build_engine(ns: argparse.Namespace, config: EngineConfig | None = None, pro
     from dhisparse.models.registry import load_for_config
 
     config = config or engine_config(ns, full_loader=True)
+    if config.disaggregated:  # prefill and decode ranks, each its own engine (engine/disagg_launch.py)
+        return _build_disagg(ns, config)
     if config.parallel_config().distributed:  # every rank loads its own replica (engine/launch.py)
         from dhisparse.engine.launch import run_node, start_ranks
 
@@ -350,3 +366,18 @@ def build_engine(ns: argparse.Namespace, config: EngineConfig | None = None, pro
         logging.getLogger("dhisparse.cli").warning(
             "--mem-fraction-static applies to GPU memory; on %s the KV pool is --kv-pool-bytes (default 256 MiB)", device)
     return Engine(config, loaded=loaded)
+
+
+def _build_disagg(ns: argparse.Namespace, config: EngineConfig):
+    """Node 0 of a prefill/decode world (its Coordinator), or run the ranks of another node and exit."""
+    from dhisparse.engine.disagg_launch import build_disagg, run_disagg_node
+
+    if getattr(ns, "mem_fraction_static", None) is not None:
+        raise ValueError("--mem-fraction-static with prefill/decode disaggregation is not supported yet; size the pool "
+                         "with --kv-pool-bytes (each rank's)")
+    layout = config.disagg_layout()
+    if layout.node_rank != 0:  # this host only runs ranks; node 0 serves
+        print(f"dhisparse: node {layout.node_rank} of {layout.nnodes}: {layout.node_role} ranks "
+              f"{list(layout.parallel_config().local_ranks())} joining {layout.dist_init_addr}", flush=True)
+        raise SystemExit(run_disagg_node(config))
+    return build_disagg(config)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
+from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
@@ -134,6 +135,12 @@ class EngineConfig:
         the routed experts sharded over them too (layers/ep_moe.py); attention and MoE tensor
         parallelism are refused until built. dist_timeout_s bounds every control round and the
         start-up rendezvous.
+    disaggregation_mode / disaggregation_prefill_size / disaggregation_decode_size
+        [--disaggregation-mode (SGLang's), --disaggregation-prefill-size, --disaggregation-decode-size
+        (ours)]: prefill/decode disaggregation (engine/disagg.py, engine/disagg_layout.py): P prefill
+        ranks compute prompts and sample first tokens, D decode ranks admit the KV they are sent and
+        decode; sizes 0 / mode "null" = off. On one host give both sizes; on several, each host's
+        mode names its role. Not with dp / tp / ep > 1, nor DeepSeek-V4 models (refused).
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
@@ -195,6 +202,9 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout_s: float = 300.0
+    disaggregation_mode: str = "null"
+    disaggregation_prefill_size: int = 0
+    disaggregation_decode_size: int = 0
     debug_checks: bool = False
     revision: str | None = None
     tokenizer: str | None = None
@@ -242,6 +252,7 @@ class EngineConfig:
         if self.resolver not in ("auto", "torch", "triton"):
             raise ConfigValueError(f"resolver must be auto, torch or triton; got {self.resolver!r}")
         self.kernel_settings()  # validates the kernel settings (the message names the setting)
+        self._check_disaggregation()  # before parallel_config, which reads the layout
         try:
             self.parallel_config()
         except ParallelConfigError as e:
@@ -274,6 +285,33 @@ class EngineConfig:
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 raise ConfigValueError(f"{name} (--{name.replace('_', '-')}) is empty; give a value or leave it out")
 
+    def _check_disaggregation(self) -> None:
+        try:
+            layout = self.disagg_layout()
+        except DisaggConfigError as e:
+            raise ConfigValueError(str(e)) from None
+        if not layout.enabled:
+            return
+        given = [f"{flag} {v}" for flag, v, on in (("--dp-size", self.dp_size, self.dp_size != 1),
+                                                   ("--tp-size", self.tp_size, self.tp_size != 1),
+                                                   ("--ep-size", self.ep_size, self.ep_size != 1),
+                                                   ("--enable-dp-attention", "", self.enable_dp_attention)) if on]
+        if given:
+            raise ConfigValueError(f"prefill/decode disaggregation with {', '.join(given)}: parallelism inside a role "
+                                   "is not built; each prefill and decode rank is one engine (--disaggregation-prefill-size "
+                                   "/ --disaggregation-decode-size set the ranks)")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill/decode disaggregation is on (engine/disagg.py)."""
+        return self.disagg_layout().enabled
+
+    def disagg_layout(self) -> DisaggLayout:
+        """The prefill/decode layout of this engine's world (engine/disagg_layout.py)."""
+        return DisaggLayout(mode=self.disaggregation_mode, prefill_size=self.disaggregation_prefill_size,
+                            decode_size=self.disaggregation_decode_size, nnodes=self.nnodes, node_rank=self.node_rank,
+                            dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s)
+
     @property
     def base_preset(self) -> str:
         """The KV policy without speculation: resident, hisparse or adaptive."""
@@ -297,7 +335,10 @@ class EngineConfig:
                           oracle_drafter=self.speculative_oracle_drafter, seed=self.seed)
 
     def parallel_config(self) -> ParallelConfig:
-        """The process layout of this engine (core/parallel.py)."""
+        """The process layout of this engine (core/parallel.py). Under prefill/decode disaggregation
+        every rank is one engine of world size 1 here: the world is `disagg_layout()`."""
+        if self.disaggregated:
+            return ParallelConfig(timeout_s=self.dist_timeout_s)
         return ParallelConfig(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size,
                               enable_dp_attention=self.enable_dp_attention, nnodes=self.nnodes, node_rank=self.node_rank,
                               dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s)

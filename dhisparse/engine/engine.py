@@ -17,6 +17,7 @@ import torch
 from dhisparse.core.contracts import RequestFailures
 from dhisparse.core.logits import History, TokenLogprob, apply_processors, needs_history, token_logprobs
 from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.disagg_kv import PromptKV, whole_prompt
 from dhisparse.engine.grammar import Grammars
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import format_bytes, kv_pool_bytes, release_memory, resolve_device
@@ -31,7 +32,7 @@ from dhisparse.spec.verify import row_history
 from dhisparse.engine.stats import EngineStats, pool_counters, store_counters
 from dhisparse.engine.stops import StopChecker
 from dhisparse.core.batch import ForwardBatch
-from dhisparse.kv.memory.prefix_store import PrefixStore
+from dhisparse.kv.memory.prefix_store import PrefixStore, StoredPrefix
 from dhisparse.kv.build import build_store
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
@@ -48,6 +49,10 @@ class Engine:
         """oracle_reference: prompt ids -> reference output ids (a dict or callable), needed only by
         the oracle drafter (a benchmark measurement tool)."""
         self.config = config = config or EngineConfig()
+        if config.disaggregated:
+            raise ValueError("prefill/decode disaggregation (--disaggregation-mode, --disaggregation-prefill-size / "
+                             "-decode-size) runs one engine per rank: build it with engine/disagg_launch.build_disagg "
+                             "(`dhisparse serve` does), not as one Engine")
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or 1)
@@ -77,6 +82,12 @@ class Engine:
         self._alloc_wait = 0.0
         self._t0 = time.perf_counter()
         self._held_outputs: list[RequestOutput] = []
+        # prefill/decode disaggregation (engine/disagg.py): prompts kept for a decode engine, and arrived ones
+        self._keeping: dict[str, StoredPrefix | None] = {}  # keep_prompt request id -> its prompt's KV once read (else None)
+        self.kept_prompts: dict[str, PromptKV] = {}  # request id -> what a decode engine needs; taken by the caller
+        self._arrived: dict[str, PromptKV] = {}  # add_prompt_kv request id -> its KV and first token, until admitted
+        self._first_outputs: list[RequestOutput] = []  # first tokens of arrived requests admitted this step
+        self.arrival_placements: dict[str, bool] = {}  # arrived request id -> admitted host-first; taken by the caller
         # expert parallelism (engine/launch.py): called once a step with "this rank has work"; True
         # when any rank has, so a rank with none joins the pass's MoE exchanges (`idle_pass`)
         self.lockstep = None
@@ -174,8 +185,11 @@ class Engine:
         if why is not None:
             raise ValueError(why)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *, export_prefix: bool = False) -> str:
-        """Queue a request; returns its id. Raises ValueError for bad input (nothing is queued)."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *,
+                    export_prefix: bool = False, keep_prompt: bool = False) -> str:
+        """Queue a request; returns its id. Raises ValueError for bad input (nothing is queued).
+        keep_prompt (a prefill engine of prefill/decode disaggregation): once its first token is sampled,
+        its whole prompt's KV and sampling state wait in `kept_prompts` (`PromptKV`) for a decode engine."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         self.validate(ids, params)
@@ -191,11 +205,32 @@ class Engine:
                       eos=eos, prompt_logprobs=None if params.prompt_logprobs is None else [None], matcher=matcher)
         self.requests[rid] = req
         self.scheduler.add(req)
+        if keep_prompt:
+            self._keeping[rid] = None
+        return rid
+
+    def add_prompt_kv(self, kv: PromptKV, params: SamplingParams, request_id: str) -> str:
+        """Queue a request whose whole prompt's KV and first token were computed by a prefill engine
+        (prefill/decode disaggregation, engine/disagg.py). It waits for admission like any request (its
+        wait is this engine's allocation wait), imports all n prompt rows (`StoredPrefix.whole_prompt`:
+        placed resident-first or host-first, kv/hier/arrival.py), reports the first token with its first
+        output at admission, and decodes from it at position n: no prompt token runs here."""
+        if params.max_tokens < 2:
+            raise ValueError(f"request {request_id!r}: a request handed over after its first token needs max_tokens >= 2")
+        if self.spec is not None and not self.spec.serves(kv.item):
+            raise ValueError(f"request {request_id!r}: its prompt KV lacks the hidden features the drafter reads")
+        rid = self.add_request(list(kv.item.token_ids), params, request_id)
+        req = self.requests[rid]
+        req.generator.set_state(kv.generator_state)
+        req.prompt_logprobs = kv.prompt_logprobs
+        self._matches[rid] = (kv.item, kv.prompt_len)
+        self._arrived[rid] = kv
         return rid
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its KV; False if unknown/finished."""
         req = self.requests.pop(request_id, None)
+        self._keeping.pop(request_id, None)
         if req is None or req.status is Status.FINISHED:
             return False
         self._finish(req, "abort")
@@ -218,6 +253,7 @@ class Engine:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         self._matches.pop(req.request_id, None)
+        self._arrived.pop(req.request_id, None)
         if self.spec is not None:
             self.spec.release(req.request_id)
 
@@ -247,6 +283,12 @@ class Engine:
             req.num_computed = req.imported_len = n
             if self.spec is not None:
                 self.spec.observe_import(req.request_id, item, n)
+        kv = self._arrived.pop(req.request_id, None)
+        if kv is not None:  # its first token: reported now, decoded from in this step's chunks
+            self.arrival_placements[req.request_id] = self.store.prompt_chunk_limit(req.request_id) is not None
+            if req.matcher is not None:
+                req.matcher.consume([kv.first_token])
+            self._first_outputs.append(self._append_tokens(req, [kv.first_token], time.perf_counter(), kv.logprobs))
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -259,6 +301,7 @@ class Engine:
         held, self._held_outputs = self._held_outputs, []
         chunks = self.scheduler.schedule()
         failed = self._fail_pending()
+        failed, self._first_outputs = failed + self._first_outputs, []
         chunks = [c for c in chunks if c.req.status is not Status.FINISHED]
         if self.lockstep is not None and self.lockstep(bool(chunks)) and not chunks:
             idle_pass(self.model, self.model.dtype, self.device)  # others run a pass: join its MoE exchanges
@@ -283,6 +326,7 @@ class Engine:
         """Finish `req` with finish_reason "error" (its KV freed) and report it."""
         log.warning("request %s failed: %s", req.request_id, msg)
         req.error = msg
+        self._keeping.pop(req.request_id, None)
         self._finish(req, "error")
         pieces = req.stop.pieces
         return RequestOutput(req.request_id, [], "", True, "error", req.metrics(), req.output_ids, len(req.output_ids),
@@ -311,7 +355,7 @@ class Engine:
             c.req.num_computed = c.start + len(c.tokens)
             if self.spec is not None and not c.decodes:
                 self.spec.observe_prefill(c, out.captured, a, b)
-                if c.req.export_prefix:
+                if c.req.export_prefix or c.req.request_id in self._keeping:
                     self.spec.keep_features(c.req.request_id, out.captured, a, b)
             if c.req.prompt_logprobs is not None and not c.decodes:
                 self._prompt_logprobs(c, out.hidden, a, b)
@@ -321,12 +365,15 @@ class Engine:
         for c, _ in sampled:
             if c.req.export_prefix:
                 self._export(c.req)
+            elif c.req.request_id in self._keeping:  # read before the store's hand-off moves the workspace
+                self._keeping[c.req.request_id] = self._prompt_rows(c.req)
         try:
             self.store.after_step({c.req.request_id: (c.req.num_computed, not c.req.in_prefill) for c in chunks})
         except RequestFailures as f:  # the store did every other request's upkeep
             self._failed.update({r: f"KV upkeep failed: {type(e).__name__}: {e}" for r, e in f.failures.items()})
         outputs = self._fail_pending()
         outputs += self._sample([(c, i) for c, i in sampled if not c.req.export_prefix and c.req.status is not Status.FINISHED], out.hidden)
+        self._keep_prompts([c.req for c, _ in sampled])
         outputs += self._commit([v for v in verifying if v[0].req.status is not Status.FINISHED],
                                 [a for v, a in zip(verifying, accs) if v[0].req.status is not Status.FINISHED], out.captured)
         self._verify_lps.clear()
@@ -504,6 +551,24 @@ class Engine:
             if layout is not None:  # its page layout now, not on the first import
                 item.paged(*layout)
         self._finish(req, "prefix")
+
+    def _prompt_rows(self, req: Request) -> StoredPrefix:
+        """A keep_prompt request's whole prompt as host rows (`whole_prompt`), with the drafter's features."""
+        feats = (self.spec.take_features(req.request_id) if self.spec is not None else None) or {}
+        latent, index = self.store.read_rows(req.request_id, len(req.prompt_ids))
+        return whole_prompt(req.prompt_ids, latent, index, feats, self.prefixes.pin)
+
+    def _keep_prompts(self, reqs: list[Request]) -> None:
+        """keep_prompt requests whose first token was just sampled -> `kept_prompts` (one that failed
+        is reported as failed and keeps nothing)."""
+        now = time.time()
+        for req in reqs:
+            item = self._keeping.pop(req.request_id, None)
+            if item is None or req.error is not None or not req.output_ids:
+                continue
+            queue = (req.admitted_at or req.arrival) - req.arrival
+            self.kept_prompts[req.request_id] = PromptKV(item, req.output_ids[0], req.generator.get_state(),
+                                                         None, req.prompt_logprobs, req.imported_len, queue, now)
 
     def prepare_prefix(self, prompt: str | list[int]) -> int:
         """Prefill `prompt` once and keep its KV for later requests to import; returns its length.

@@ -7,7 +7,8 @@ waiting requests, request slots, device (KV pool) pages, host pages, optional pa
 numeric engine stat as `dhisparse_engine_<name>`, so counters that later presets add (host-fetched
 share, coverage, acceptance, ...) appear without code changes here. Per-step gauges (`decoding`)
 read 0 while the engine is idle instead of keeping the last busy step's value. Request latencies
-are histograms observed when a request finishes; aborted requests are counted by reason
+are histograms observed when a request finishes (under prefill/decode disaggregation also TTFT's
+split: hand-off and allocation wait, `DisaggMetrics`); aborted requests are counted by reason
 (client_disconnect - streamed or not -, stall, timeout, shutdown).
 """
 
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dhisparse.engine.disagg_round import DisaggMetrics
 from dhisparse.engine.request import RequestOutput
 
 PREFIX = "dhisparse"
@@ -120,6 +122,11 @@ class ServerMetrics:
                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "mean time per output token after the first",
                               labels, buckets=TPOT_BUCKETS, registry=self.registry)
+        # prefill/decode disaggregation (engine/disagg.py): TTFT's split, observed for requests decoded elsewhere
+        self.handoff = Histogram(f"{PREFIX}_handoff_seconds", "first token on the prefill rank -> KV on the decode rank",
+                                 labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.alloc_wait = Histogram(f"{PREFIX}_allocation_wait_seconds", "KV received -> admitted on the decode rank",
+                                    labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.finished = Counter(f"{PREFIX}_requests_finished", "finished requests by finish reason",
                                 labels + ["finish_reason"], registry=self.registry)
         self.rejected = Counter(f"{PREFIX}_requests_rejected", "requests answered with an HTTP error",
@@ -135,6 +142,9 @@ class ServerMetrics:
             self.ttft.labels(*self._labels).observe(m.ttft)
         if m.tpot is not None:
             self.tpot.labels(*self._labels).observe(m.tpot)
+        if isinstance(m, DisaggMetrics) and m.handoff is not None:
+            self.handoff.labels(*self._labels).observe(m.handoff)
+            self.alloc_wait.labels(*self._labels).observe(m.alloc_wait or 0.0)
         self.finished.labels(*self._labels, out.finish_reason or "unknown").inc()
 
     def observe_rejected(self, status: int) -> None:

@@ -1,6 +1,7 @@
 """The KV hierarchy: `HierarchicalKV` (`hisparse`: host backing + fixed hot cache + resolver,
 `hierarchy.py`) and the context of its passes (`context.py`), the resolver's counters
 (`census.py`), the direct path and verification staging (`staging.py`), a stored prefix's shared
-host pages (`prefix_pages.py`), and `AdaptiveKV` (`adaptive`: load-adaptive residency of optional
+host pages (`prefix_pages.py`), a whole prompt's KV computed elsewhere admitted resident-first or
+host-first (`arrival.py`, prefill/decode disaggregation), and `AdaptiveKV` (`adaptive`: load-adaptive residency of optional
 history, `adaptive.py`, `residency.py`). May import `core`, `kernels`, `kv/memory` and
 `kv/resident`."""

@@ -26,6 +26,7 @@ import torch
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.core.contracts import KVStore, PrefixMatch, RequestFailures, RowPlace
 from dhisparse.core.rows import SPACE, cdiv, next_pow2
+from dhisparse.kv.hier.arrival import import_prompt
 from dhisparse.kv.hier.census import Census
 from dhisparse.kv.hier.context import HierContext
 from dhisparse.kv.memory.arena import KVArena
@@ -239,10 +240,14 @@ class HierarchicalKV(KVStore):
         return self.pool.available >= pages
 
     def _can_host_first(self, req: object) -> bool:
-        """req's prefix match is shared on host for every complete page it imports."""
+        """req's prefix match is shared on host for every complete page it imports, or is a whole
+        prompt computed elsewhere (`StoredPrefix.whole_prompt`: its rows go to req's own host pages)."""
         if not self.HOST_FIRST or self.prefix_match is None:
             return False
-        full = self.prefix_match(req)[1] // self.page_size  # 0 without a match
+        item, n = self.prefix_match(req)
+        if item is not None and item.whole_prompt:
+            return True
+        full = n // self.page_size  # 0 without a match
         return full >= 1 and self._borrowable(req) >= full
 
     def prompt_chunk_limit(self, req: object) -> int | None:
@@ -379,7 +384,10 @@ class HierarchicalKV(KVStore):
     def import_prefix(self, req: object, item, n: int) -> None:
         """A stored prefix into req's prefill workspace (ResidentKV.import_prefix); its complete
         imported pages borrow the prefix's shared host pages (kv/hier/prefix_pages.py). A request
-        admitted host-first takes `_import_host_first` instead."""
+        admitted host-first takes `_import_host_first` instead; a whole prompt computed elsewhere
+        (`StoredPrefix.whole_prompt`) is imported and handed off at once (kv/hier/arrival.py)."""
+        if item.whole_prompt:
+            return import_prompt(self, req, item, n)
         if req in self._host_first:
             return self._import_host_first(req, item, n)
         self.resident.import_prefix(req, item, n)
@@ -462,7 +470,9 @@ class HierarchicalKV(KVStore):
     def _borrowable(self, req: object) -> int:
         """Host pages req will borrow from its shared prefix (its host reservation skips them)."""
         item, n = self.prefix_match(req) if self.prefix_match is not None else (None, 0)
-        return self.prefix_pages.borrowable(item, n) if item is not None else 0
+        if item is None or item.whole_prompt:  # a whole prompt computed elsewhere is never shared
+            return 0
+        return self.prefix_pages.borrowable(item, n)
 
     def loading(self, req: object) -> bool:
         """Whether req waits for its prefix import or its hand-off backup (kv/memory/loads.py)."""

@@ -41,12 +41,19 @@ def to_pages(rows: torch.Tensor, per_page: int, pin: bool) -> torch.Tensor:
 class StoredPrefix:
     """token_ids (n,); latent [L, n, latent_dim]; index [F, n, index_head_dim] (host tensors);
     features {layer: [f, hidden]}: target hidden states of the last f positions (for a drafter's
-    window), empty without speculation."""
+    window), empty without speculation.
+
+    whole_prompt: the KV of one request's whole prompt, computed elsewhere (prefill/decode
+    disaggregation, engine/disagg.py): that request alone imports all n rows and decodes from
+    position n at once (the hand-off's end state, `HierarchicalKV._import_prompt`); never kept in
+    a `PrefixStore` nor shared on host. `PrefixStore.match` never offers a whole prompt (its last
+    token runs for logits), so only such an item is imported whole by a request of n tokens."""
 
     token_ids: tuple[int, ...]
     latent: torch.Tensor
     index: torch.Tensor
     features: dict = field(default_factory=dict)
+    whole_prompt: bool = False
     _paged: dict = field(default_factory=dict, compare=False, repr=False)  # (ps, ips) -> PagedPrefix
 
     @property

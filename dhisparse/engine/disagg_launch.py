@@ -1,0 +1,134 @@
+"""Start a prefill/decode world (engine/disagg.py): rank 0 in this process, this node's other
+ranks spawned (multiprocessing "spawn"), as `engine/launch.py` does for data parallelism.
+
+    build_disagg(config)      node 0: spawn ranks 1 .. n-1, build rank 0, join -> DisaggCoordinator
+    run_disagg_node(config)   node k > 0 (--node-rank k, its --disaggregation-mode): run its ranks
+                              until rank 0 shuts the world down
+    each rank                 its engine (`rank_engine`), the gloo world, its Wire (an NCCL group
+                              of the world on CUDA), then rounds (`disagg_round.follow`)
+
+Every rank builds its engine before it joins, so the rendezvous waits for the slowest model load
+within --dist-timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import multiprocessing as mp
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dhisparse.core.parallel import ControlChannel, init_rank, leave
+from dhisparse.core.v4_config import V4Config
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.disagg import DisaggCoordinator
+from dhisparse.engine.disagg_layout import DisaggLayout
+from dhisparse.engine.disagg_ranks import DecodeRank, PrefillRank
+from dhisparse.engine.disagg_round import follow
+from dhisparse.engine.disagg_wire import Wire
+from dhisparse.engine.engine import Engine
+
+
+def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine: str | None = None) -> Engine:
+    """One rank's engine: the config on the rank's device as a single engine (the layout's fields
+    cleared). A prefill rank reads each whole prompt from its workspace, so it imports prepared
+    prefixes onto the device (--admission-placement import); decode ranks keep the setting (auto:
+    resident-first while pages are spare, else host-first). on_engine: "module:function" called as
+    function(engine, rank) (a test or debug hook)."""
+    cfg = dataclasses.replace(config, device=layout.parallel_config().device_of(rank, config.device),
+                              disaggregation_mode="null", disaggregation_prefill_size=0, disaggregation_decode_size=0,
+                              nnodes=1, node_rank=0, dist_init_addr=None)
+    if layout.role_of(rank) == "prefill":
+        cfg = dataclasses.replace(cfg, admission_placement="import")
+    engine = Engine(cfg)
+    if isinstance(engine.model_config, V4Config):
+        raise ValueError("--disaggregation-mode / --disaggregation-prefill-size: DeepSeek-V4 models are refused; their "
+                         "prompt KV is a streaming state (compressor tails, sliding windows: kv/v4/prefix.py V4Prefix) "
+                         "that prefill ranks do not send yet")
+    if on_engine:
+        mod, _, fn = on_engine.partition(":")
+        getattr(importlib.import_module(mod), fn)(engine, rank)
+    return engine
+
+
+def join(layout: DisaggLayout, rank: int, addr: str, engine: Engine) -> Wire:
+    """Join the world as `rank`; its Wire (KV over the gloo world on CPU, over an NCCL group on CUDA)."""
+    init_rank(layout.parallel_config(), rank, addr, str(engine.device))
+    if engine.device.type != "cuda":
+        return Wire(rank, layout.timeout_s)
+    torch.cuda.set_device(engine.device)
+    group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=layout.timeout_s))
+    return Wire(rank, layout.timeout_s, engine.device, group)
+
+
+def side_of(layout: DisaggLayout, rank: int, engine: Engine, wire: Wire) -> PrefillRank | DecodeRank:
+    role = PrefillRank if layout.role_of(rank) == "prefill" else DecodeRank
+    return role(engine, rank, wire)
+
+
+def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None) -> None:
+    """A spawned rank: build, join, follow; exits 1 when rank 0 is lost (or its engine fails)."""
+    layout = config.disagg_layout()
+    try:
+        engine = rank_engine(config, layout, rank, on_engine)
+        wire = join(layout, rank, addr, engine)
+        follow(side_of(layout, rank, engine, wire), ControlChannel(rank, layout.world_size), wire)
+    except Exception as e:  # noqa: BLE001 - a rank reports and exits; rank 0 sees RankLost
+        print(f"dhisparse rank {rank} ({layout.role_of(rank)}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        leave()
+        sys.exit(1)
+    leave()
+
+
+def _spawn(config: EngineConfig, layout: DisaggLayout, addr: str, on_engine: str | None) -> list:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in layout.parallel_config().local_ranks():
+        if rank == 0:
+            continue
+        p = ctx.Process(target=_rank_main, args=(config, rank, addr, on_engine),
+                        name=f"dhisparse-{layout.role_of(rank)}{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _free_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def build_disagg(config: EngineConfig, on_engine: str | None = None) -> DisaggCoordinator:
+    """Node 0 of a prefill/decode world: spawn this node's other ranks, build rank 0 (a prefill
+    rank), join, and return the Coordinator (the Engine surface)."""
+    layout = config.disagg_layout()
+    if not layout.enabled or layout.node_rank != 0:
+        raise ValueError("build_disagg runs node 0 of a disaggregated world (--disaggregation-prefill-size / "
+                         "-decode-size, --node-rank 0); other nodes call run_disagg_node")
+    addr = layout.dist_init_addr or _free_addr()
+    procs = _spawn(config, layout, addr, on_engine)
+    try:
+        engine = rank_engine(config, layout, 0, on_engine)
+        wire = join(layout, 0, addr, engine)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    side = PrefillRank(engine, 0, wire)
+    return DisaggCoordinator(side, ControlChannel(0, layout.world_size), wire, layout, procs,
+                             beat_s=min(1.0, layout.timeout_s / 4))
+
+
+def run_disagg_node(config: EngineConfig, on_engine: str | None = None) -> int:
+    """A node other than 0: run its ranks until rank 0 shuts the world down; the worst exit code."""
+    layout = config.disagg_layout()
+    procs = _spawn(config, layout, layout.dist_init_addr, on_engine)
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0 for p in procs), default=0)
