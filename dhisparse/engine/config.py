@@ -132,9 +132,11 @@ class EngineConfig:
         --node-rank, --dist-init-addr, --dist-timeout]: the process layout (core/parallel.py;
         `parallel_config()`). dp_size N > 1: N ranks, each its own engine and KV hierarchy with
         replicated weights (engine/distributed.py); tp = dp = ep = N with enable_dp_attention:
-        the routed experts sharded over them too (layers/ep_moe.py); attention and MoE tensor
-        parallelism are refused until built. dist_timeout_s bounds every control round and the
-        start-up rendezvous.
+        the routed experts sharded over them too (layers/ep_moe.py); tp_size N alone (dp 1, ep 1):
+        tensor parallelism, every rank the same requests with 1/N of the heads, index heads and FFN
+        intermediate blocks (layers/tp.py; the Coordinator's replicate mode). DP x TP and MoE TP
+        under DP attention are refused. dist_timeout_s bounds every control round and the start-up
+        rendezvous.
     disaggregation_mode / disaggregation_prefill_size / disaggregation_decode_size
         [--disaggregation-mode (SGLang's), --disaggregation-prefill-size, --disaggregation-decode-size
         (ours)]: prefill/decode disaggregation (engine/disagg.py, engine/disagg_layout.py): P prefill
