@@ -43,6 +43,7 @@ from dhisparse.engine.disagg import least_loaded
 from dhisparse.engine.disagg_launch import build_disagg
 from dhisparse.engine.disagg_round import DisaggMetrics
 from dhisparse.engine.distributed import Load
+from dhisparse.engine.engine import Engine
 from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
@@ -84,7 +85,7 @@ def test_layout_flags_and_refusals_name_the_flag():
     assert least_loaded(loads, placed) == 1 and least_loaded(loads, placed, cap=2) == 1  # rank 2 holds 2 now
     assert least_loaded(loads, {0: 0, 1: 1, 2: 1}, cap=2) is None  # no decode rank with room: the KV stays held
     with pytest.raises(ValueError, match="build_disagg"):  # one Engine never silently ignores the layout
-        LLM("tiny", disaggregation_prefill_size=1, disaggregation_decode_size=1)
+        Engine(EngineConfig(model="tiny", disaggregation_prefill_size=1, disaggregation_decode_size=1))
 
 
 def test_deepseek_v4_is_refused_naming_the_flag(monkeypatch):
@@ -313,3 +314,14 @@ def test_the_server_answers_503_when_the_decode_rank_dies():
         eng.close()
     decode.join(timeout=5)
     assert not decode.is_alive() and not torch.distributed.is_initialized()
+
+
+def test_llm_builds_a_disaggregated_world_through_launch_build():
+    """`LLM(...)` with the disaggregation sizes goes through `engine/launch.build` to a
+    DisaggCoordinator (breakage caught: build() without its disaggregation branch makes the
+    Engine refuse the config)."""
+    llm = LLM("tiny", preset="adaptive", **PD)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == one_process_tokens(PROMPTS[:2], GREEDY)["adaptive"]
+    finally:
+        closed(llm.engine)

@@ -8,12 +8,16 @@ Every rank builds its own engine (model, pools, host store) before it joins, so 
 waits for the slowest model load within `--dist-timeout`. A node other than 0 (`--node-rank`)
 runs only followers: `run_node` blocks until rank 0 shuts the world down.
 
-Tensor parallelism (`--tp-size N` alone): each rank loads the model on the CPU, keeps its shard
-(layers/tp.py), and builds its engine over it (the pool is sized with the shard's weights on the
-device). The ranks run the same requests (the Coordinator's replicate mode), so their schedulers
-must stay identical: the inputs that read a clock are fixed (strict first-come admission, loads on
-the compute stream; DSpark and the online width policy refused), the pools are checked equal at
-start, and every step's batch is checked equal on every rank before its pass (`guard_batches`).
+Tensor parallelism (`--tp-size N` alone) and expert parallelism (`--ep-size N` with DP attention):
+each rank loads only its shard (`ShardSpec`) and builds its engine over it (the pool is sized with
+the shard's weights on the device). A checkpoint folder is read shard-wise straight onto the rank's
+device (models/shard_load.py: TP heads / intermediate blocks of layers/tp.py, EP expert blocks of
+layers/ep_moe.py; the full weights never exist in one process; the load's host / device peak is
+logged); a built-in random model is built whole on the CPU and sharded in memory. Under TP the
+ranks run the same requests (the Coordinator's replicate mode), so their schedulers must stay
+identical: the inputs that read a clock are fixed (strict first-come admission, loads on the
+compute stream; DSpark and the online width policy refused), the pools are checked equal at start,
+and every step's batch is checked equal on every rank before its pass (`guard_batches`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ import torch
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.core.parallel import ControlChannel, ParallelConfig, ParallelConfigError, agree, any_rank, init_rank, leave
 from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.disagg import DisaggCoordinator
+from dhisparse.engine.disagg_launch import build_disagg, run_disagg_node
 from dhisparse.engine.distributed import Coordinator, follow
 from dhisparse.engine.engine import Engine
-from dhisparse.layers.ep_moe import shard_experts
-from dhisparse.layers.tp import shard_tensor_parallel
+from dhisparse.engine.memory import resolve_device
+from dhisparse.layers.ep_moe import ep_layers
 from dhisparse.models.registry import load_for_config
+from dhisparse.models.shard_load import ShardSpec
 
 BATCH_CHECK = "the tensor-parallel batch check (every rank must run the same requests and rows)"
 POOL_CHECK = "the tensor-parallel pool check (every rank must size the same KV pools: set --kv-pool-bytes)"
@@ -56,16 +63,18 @@ def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: 
         rank_cfg = dataclasses.replace(rank_cfg, cuda_graphs="none")
     if pc.tensor_parallel:
         rank_cfg = tp_engine_config(rank_cfg)
-        loaded = load_for_config(rank_cfg, "cpu")
-        shard_tensor_parallel(loaded.model, rank, pc.world_size)
-        engine = Engine(rank_cfg, loaded=loaded)
-        guard_batches(engine)
-    else:
-        engine = Engine(rank_cfg)
-    if pc.expert_parallel:
-        if shard_experts(engine.model, rank, pc.world_size) == 0:
+    if pc.tensor_parallel or pc.expert_parallel:
+        shard = ShardSpec("tp" if pc.tensor_parallel else "ep", rank, pc.world_size)
+        loaded = load_for_config(rank_cfg, resolve_device(rank_cfg.device), shard=shard)
+        if pc.expert_parallel and ep_layers(loaded.model) == 0:
             raise ValueError(f"--ep-size {pc.ep_size}: {config.model} has no MoE layers of the DSA target to shard "
                              "(DeepSeek-V4 expert parallelism is not built yet)")
+        engine = Engine(rank_cfg, loaded=loaded)
+    else:
+        engine = Engine(rank_cfg)
+    if pc.tensor_parallel:
+        guard_batches(engine)
+    if pc.expert_parallel:
         engine.lockstep = any_rank
     if on_engine:
         mod, _, fn = on_engine.partition(":")
@@ -174,9 +183,12 @@ def start_ranks(config: EngineConfig, on_engine: str | None = None) -> Coordinat
                        replicate=pc.tensor_parallel)
 
 
-def build(config: EngineConfig, on_engine: str | None = None) -> "Engine | Coordinator":
+def build(config: EngineConfig, on_engine: str | None = None) -> "Engine | Coordinator | DisaggCoordinator":
     """The engine a config asks for: a plain Engine in this process at world size 1 (nothing of
-    torch.distributed is touched), else rank 0's Coordinator of a parallel world."""
+    torch.distributed is touched), rank 0's Coordinator of a parallel world, or node 0's
+    DisaggCoordinator of a prefill/decode world (engine/disagg_launch.py)."""
+    if config.disaggregated:
+        return build_disagg(config, on_engine)
     if not config.parallel_config().distributed:
         return rank_engine(config, config.parallel_config(), 0, on_engine) if on_engine else Engine(config)
     return start_ranks(config, on_engine)
@@ -184,6 +196,8 @@ def build(config: EngineConfig, on_engine: str | None = None) -> "Engine | Coord
 
 def run_node(config: EngineConfig, on_engine: str | None = None) -> int:
     """A node other than 0: run its ranks until rank 0 shuts the world down; the worst exit code."""
+    if config.disaggregated:
+        return run_disagg_node(config, on_engine)
     pc = config.parallel_config()
     procs = spawn_followers(config, pc, pc.dist_init_addr, on_engine)
     for p in procs:

@@ -17,6 +17,10 @@ ranks and the results sent back (`core.parallel.exchange`: all-to-all with uneve
 
 A rank with no tokens still calls every EPMoE layer of the model (`idle`: zero rows), so each
 all-to-all has every rank in it (the engine's lock-step, SGLang's idle batch).
+
+The expert block is one `Cut` (layers/tp.py) along the stacks' expert dim, `expert_cuts`: the same
+description drives `EPMoE` (copying the block out of a built MoE, or keeping a meta MoE's shapes)
+and the sharded checkpoint loader (models/shard_load.py: other ranks' expert tensors are never read).
 """
 
 from __future__ import annotations
@@ -26,26 +30,44 @@ from torch import nn
 
 from dhisparse.core.parallel import exchange
 from dhisparse.layers.moe import MoE
+from dhisparse.layers.tp import Cut
 
 EP_TILE = 16  # rows per expert GEMM on the owner: every row of an expert runs in a [EP_TILE, H] matmul
+
+
+def expert_block(n_experts: int, rank: int, world: int) -> Cut:
+    """Rank's experts [r*E/W, (r+1)*E/W) as a Cut of the stacks' dim 0 (ValueError naming --ep-size
+    when W does not divide E)."""
+    if n_experts % world:
+        raise ValueError(f"--ep-size {world} must divide the model's {n_experts} routed experts")
+    n = n_experts // world
+    return Cut(0, ((rank * n, (rank + 1) * n),))
+
+
+def expert_cuts(model: nn.Module, rank: int, world: int) -> dict[str, Cut]:
+    """{full name of every MoE layer's `experts.gate_up_proj` / `experts.down_proj`: rank's expert
+    block} of an unsharded target; everything else is replicated."""
+    cuts = {}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, MoE):
+            cut = expert_block(layer.mlp.experts.gate_up_proj.shape[0], rank, world)
+            cuts |= {f"model.layers.{i}.mlp.experts.{p}": cut for p in ("gate_up_proj", "down_proj")}
+    return cuts
 
 
 class EPMoE(nn.Module):
     """`MoE` with its routed experts sharded (module docstring). `EPMoE(moe, rank, world)` keeps a
     full `MoE`'s router and shared experts, copies the rank's expert block out of the stacks and
-    drops the full stacks."""
+    drops the full stacks (of a meta `MoE`: only the shapes, gate_up_proj [E/W, 2I, H])."""
 
     def __init__(self, moe: MoE, rank: int, world: int) -> None:
         super().__init__()
-        E = moe.experts.gate_up_proj.shape[0]
-        if E % world:
-            raise ValueError(f"--ep-size {world} must divide the model's {E} routed experts")
-        self.rank, self.world, self.n_local = rank, world, E // world
-        lo, hi = rank * self.n_local, (rank + 1) * self.n_local
+        cut = expert_block(moe.experts.gate_up_proj.shape[0], rank, world)
+        self.rank, self.world, self.n_local = rank, world, cut.size
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
         self.experts = moe.experts
-        self.experts.gate_up_proj = nn.Parameter(moe.experts.gate_up_proj.data[lo:hi].clone(), requires_grad=False)
-        self.experts.down_proj = nn.Parameter(moe.experts.down_proj.data[lo:hi].clone(), requires_grad=False)
+        self.experts.gate_up_proj = nn.Parameter(cut.take(moe.experts.gate_up_proj.data), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(cut.take(moe.experts.down_proj.data), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (T may be 0: an idle rank) -> [T, H]: the routed experts, then the shared ones."""
@@ -106,6 +128,11 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> int:
             layer.mlp = EPMoE(layer.mlp, rank, world)
             n += 1
     return n
+
+
+def ep_layers(model: nn.Module) -> int:
+    """How many of the target's decoder layers run an EPMoE."""
+    return sum(isinstance(layer.mlp, EPMoE) for layer in model.model.layers)
 
 
 def idle_pass(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -56,13 +56,15 @@ class LoadedModel:
 
     model: DsaForCausalLM in eval mode; config: its ModelConfig; extra: checkpoint tensors the
     target does not use (MTP layers, indexers of shared layers, unknown names), dequantized and
-    cast like the model; tokenizer: attached by `registry.load_model` (None from the loader).
+    cast like the model; tokenizer: attached by `registry.load_model` (None from the loader);
+    report: a `shard_load.LoadReport` (what a sharded load read and cost) or None.
     """
 
     model: DsaForCausalLM
     config: ModelConfig
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     tokenizer: Any = None
+    report: Any = None
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dtype:

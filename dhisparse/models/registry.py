@@ -5,7 +5,9 @@ spec is the name of a built-in model (`tiny-code`: the trained checkpoint shippe
 (config.json + safetensors, optionally tokenizer.json) or a Hub id `org/name` already in the local
 Hugging Face cache (found offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
 `load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
-template and quantization settings.
+template and quantization settings. With `shard` (a `shard_load.ShardSpec`: a TP or EP rank) a
+GLM-5.x / V3.2 checkpoint folder is read shard-wise (each rank reads only what it keeps); a built-in
+random model or a DeepSeek-V4 folder is built whole on the CPU and sharded in memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
 from dhisparse.models.scaled import build_scaled, scaled_config
+from dhisparse.models.shard_load import ShardSpec, load_sharded, shard_in_memory
 from dhisparse.models.tiny import build_tiny, tiny_config
 from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer, with_chat_template
 from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
@@ -156,7 +159,7 @@ def _is_fp8_folder(folder: Path) -> bool:
 def load_model(
     spec: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0,
     *, revision: str | None = None, tokenizer: str | Path | None = None, chat_template: str | None = None,
-    quantization: str | None = None, progress: bool = False,
+    quantization: str | None = None, progress: bool = False, shard: ShardSpec | None = None,
 ) -> LoadedModel:
     """Built-in name, checkpoint folder or cached Hub id -> LoadedModel with `tokenizer` set.
 
@@ -165,6 +168,7 @@ def load_model(
     revision: of a Hub id. tokenizer: another folder (or cached Hub id) for the tokenizer.
     chat_template: a Jinja file or template text replacing the tokenizer's. quantization: None /
     "none" or "fp8" (the checkpoint must be block-scaled FP8). progress: a bar over the shards.
+    shard: a rank's part (module docstring), None = the whole model.
     """
     name = str(spec)
     if quantization not in (None, "none", "fp8"):
@@ -175,7 +179,7 @@ def load_model(
             raise ModelLoadError(f"--revision applies to Hub ids (org/name), not to the built-in model {name!r}")
         if quantization == "fp8":
             raise ModelLoadError(f"--quantization fp8 needs a block-scaled FP8 checkpoint; the built-in {name!r} is not")
-        loaded = BUILTINS[name](dtype, device, seed)
+        loaded = _whole_then_shard(lambda dev: BUILTINS[name](dtype, dev, seed), device, shard)
         tok = loaded.tokenizer if tokenizer is None else load_tokenizer(resolve_folder(tokenizer))
         return dataclasses.replace(loaded, tokenizer=with_chat_template(tok, chat_template))
     folder = resolve_folder(name, revision)
@@ -185,7 +189,9 @@ def load_model(
                              "'fp8'; dhisparse loads block-scaled FP8 checkpoints but does not quantize online "
                              "(leave the flag out for this checkpoint)")
     if is_v4_folder(folder):
-        loaded = load_v4_checkpoint(folder, dtype=dtype, device=device)
+        loaded = _whole_then_shard(lambda dev: load_v4_checkpoint(folder, dtype=dtype, device=dev), device, shard)
+    elif shard is not None:
+        loaded = load_sharded(folder, shard, dtype=dtype, device=device, progress=progress)
     else:
         loaded = load_checkpoint(folder, dtype=dtype, device=device, progress=progress)
     tok = load_tokenizer(folder if tokenizer is None else resolve_folder(tokenizer))
@@ -198,14 +204,27 @@ def load_model(
     return dataclasses.replace(loaded, tokenizer=tok)
 
 
-def load_for_config(config: Any, device: str | torch.device, progress: bool = False) -> LoadedModel:
-    """The model an EngineConfig names, with its revision, tokenizer, chat template and
-    quantization settings applied; checks kv_cache_dtype against the loaded model's dtype."""
+def _whole_then_shard(load: Callable[[str | torch.device], LoadedModel], device: str | torch.device,
+                      shard: ShardSpec | None) -> LoadedModel:
+    """load(device), or with `shard`: load on the CPU, shard in memory, then move to `device`."""
+    if shard is None:
+        return load(device)
+    loaded = load("cpu")
+    shard_in_memory(loaded.model, shard)
+    loaded.model.to(device)
+    return loaded
+
+
+def load_for_config(config: Any, device: str | torch.device, progress: bool = False,
+                    shard: ShardSpec | None = None) -> LoadedModel:
+    """The model an EngineConfig names (rank `shard`'s part of it when given), with its revision,
+    tokenizer, chat template and quantization settings applied; checks kv_cache_dtype against the
+    loaded model's dtype."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float64": torch.float64}.get(config.dtype)
     loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, revision=config.revision,
                         tokenizer=config.tokenizer, chat_template=config.chat_template,
-                        quantization=config.quantization, progress=progress)
+                        quantization=config.quantization, progress=progress, shard=shard)
     if config.kv_cache_dtype == "bfloat16":
         got = next(loaded.model.parameters()).dtype
         if got != torch.bfloat16:
