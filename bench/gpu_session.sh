@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -291,7 +291,11 @@ case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mt
       --out "$OUT/tiny_code_spec_h200.json" ;; esac
 case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
   run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
-      -n 10 --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
+      -n ${EXACT_N:-10} --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
+case ",$STEPS," in *,world1,*)  # issue 30: world size 1 through the Coordinator vs the plain engine, one engine, arms alternated (~3 min cold)
+  run "world size 1: Coordinator vs Engine, 2K C8" timeout ${WORLD1_TIMEOUT:-200} python3 bench/world1_overhead.py --device cuda \
+      --model glm52-scaled --input-len 2048 --concurrency 8 --max-tokens 64 --repeats 3 \
+      --engine-arg kv_pool_bytes=8589934592 --engine-arg host_pool_bytes=8589934592 --out "$OUT/world1_overhead_h200.json" ;; esac
 case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper (chi arenas + promotion) vs single, adaptive+spec, 8K C18,
   # both arms in one process (the model and oracle reference built once), STAGING_REPEATS rounds, the arm order
   # rotated every round (s19: two 120-s processes never reached a window); each run is written as it ends
