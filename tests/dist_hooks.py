@@ -17,7 +17,7 @@ def one_process_tokens(prompts, params) -> dict[str, list[list[int]]]:
     """preset -> the single-process engine's token ids for `prompts` (fp64, the tests' small pools)."""
     from dhisparse import LLM
 
-    return {p: [o.token_ids for o in LLM("tiny", preset=p, dtype="float64", kv_pool_bytes=8 << 20,
+    return {p: [o.token_ids for o in LLM("tiny", preset=p, dtype="float64", device="cpu", kv_pool_bytes=8 << 20,
                                           host_pool_bytes=16 << 20).generate(prompts, params)] for p in PRESETS}
 
 
@@ -146,3 +146,54 @@ def drop_request_on_rank1(engine, rank: int) -> None:
             return request_id if len(seen) == 2 else inner(ids, params, request_id=request_id, **kw)
 
         engine.add_request = add_request
+
+
+class _Patcher:
+    """`monkeypatch.setattr` outside pytest (a spawned rank patches its own process for good)."""
+
+    setattr = staticmethod(setattr)
+
+
+def v4_source_check(engine, rank: int) -> None:
+    """DeepSeek-V4's row checker on every rank: each located / reused CSA row of the hierarchical
+    presets checked against a shadow copy of every emitted row (I2; v4_engine_util.SourceCheck).
+    Under `resident` nothing is located through a V4HierPass: the check is vacuous there. The
+    check is kept as `engine.source_check` (its counters: located / reused rows)."""
+    from v4_engine_util import SourceCheck
+
+    engine.source_check = SourceCheck().install(_Patcher())
+
+
+def v4_swap_experts_on_rank1(engine, rank: int) -> None:
+    """A breakage for V4 EP parity: rank 1's expert block in reverse order in every EPMoE layer."""
+    v4_source_check(engine, rank)
+    if rank == 1:
+        for layer in engine.model.model.layers:
+            ex = layer.mlp.experts
+            ex.gate_up_proj.data = ex.gate_up_proj.data.flip(0).clone()
+            ex.down_proj.data = ex.down_proj.data.flip(0).clone()
+
+
+def v4_positions_as_ids_on_rank1(engine, rank: int) -> None:
+    """A breakage for V4 hash routing: on rank 1 (the owner of its own DP requests) every
+    hash-routed layer's MoE is given the tokens' positions instead of their ids."""
+    v4_source_check(engine, rank)
+    if rank == 1:
+        vocab = engine.model.config.vocab_size
+        for layer in engine.model.model.layers:
+            if getattr(layer.mlp.gate, "hashed", False):
+                _route_by_positions(layer, vocab)
+
+
+def _route_by_positions(layer, vocab: int) -> None:
+    inner, mlp = layer.forward, layer.mlp
+
+    def forward(streams, ropes, batch, ctx):
+        real = mlp.forward
+        mlp.forward = lambda x, ids: real(x, batch.positions.clamp(0, vocab - 1))
+        try:
+            return inner(streams, ropes, batch, ctx)
+        finally:
+            del mlp.forward
+
+    layer.forward = forward

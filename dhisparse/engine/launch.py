@@ -67,8 +67,8 @@ def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: 
         shard = ShardSpec("tp" if pc.tensor_parallel else "ep", rank, pc.world_size)
         loaded = load_for_config(rank_cfg, resolve_device(rank_cfg.device), shard=shard)
         if pc.expert_parallel and ep_layers(loaded.model) == 0:
-            raise ValueError(f"--ep-size {pc.ep_size}: {config.model} has no MoE layers of the DSA target to shard "
-                             "(DeepSeek-V4 expert parallelism is not built yet)")
+            raise ValueError(f"--ep-size {pc.ep_size}: {config.model} has no routed-expert MoE layers to shard "
+                             "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
         engine = Engine(rank_cfg, loaded=loaded)
     else:
         engine = Engine(rank_cfg)

@@ -1,8 +1,12 @@
 """Expert-parallel MoE: the routed experts sharded over the ranks, tokens sent to their experts'
 ranks and the results sent back (`core.parallel.exchange`: all-to-all with uneven splits).
+One path serves both MoE kinds (`MOE_KINDS`): GLM-5.x / V3.2's `MoE` and DeepSeek-V4's `V4MoE`
+(scored or hash-routed by token id, clamped SwiGLU experts, one shared expert). Either is a
+router producing `Routing`, stacked experts with an `act`, and replicated shared experts.
 
     rank r owns experts [r * E/W, (r + 1) * E/W)        (contiguous blocks, W = world size)
-    1. route locally (the router and the shared experts are replicated);
+    1. route locally (the router and the shared experts are replicated; a V4 router reads the
+       token ids: hash-routed layers route by them, so the ids travel with the rows into `forward`);
     2. the (token, slot) pairs, sorted by (owner rank, token, slot), go to their owners as hidden
        rows + expert ids (the weights stay home);
     3. an owner runs each local expert, ascending, over its rows in fixed tiles of `EP_TILE` rows
@@ -15,8 +19,8 @@ ranks and the results sent back (`core.parallel.exchange`: all-to-all with uneve
        routing only, never on which requests share the step or which rank they run on (the
        replicated router and shared experts are GEMMs over this rank's rows, as in one process).
 
-A rank with no tokens still calls every EPMoE layer of the model (`idle`: zero rows), so each
-all-to-all has every rank in it (the engine's lock-step, SGLang's idle batch).
+A rank with no tokens still calls every EPMoE layer of the model (`idle_pass`: zero rows, and zero
+token ids), so each all-to-all has every rank in it (the engine's lock-step, SGLang's idle batch).
 
 The expert block is one `Cut` (layers/tp.py) along the stacks' expert dim, `expert_cuts`: the same
 description drives `EPMoE` (copying the block out of a built MoE, or keeping a meta MoE's shapes)
@@ -29,10 +33,12 @@ import torch
 from torch import nn
 
 from dhisparse.core.parallel import exchange
-from dhisparse.layers.moe import MoE
+from dhisparse.layers.moe import MoE, Routing
 from dhisparse.layers.tp import Cut
+from dhisparse.layers.v4_moe import V4MoE
 
 EP_TILE = 16  # rows per expert GEMM on the owner: every row of an expert runs in a [EP_TILE, H] matmul
+MOE_KINDS = (MoE, V4MoE)  # the decoder-layer MoEs EPMoE shards (V4's router takes the token ids)
 
 
 def expert_block(n_experts: int, rank: int, world: int) -> Cut:
@@ -49,32 +55,43 @@ def expert_cuts(model: nn.Module, rank: int, world: int) -> dict[str, Cut]:
     block} of an unsharded target; everything else is replicated."""
     cuts = {}
     for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.mlp, MoE):
+        if isinstance(layer.mlp, MOE_KINDS):
             cut = expert_block(layer.mlp.experts.gate_up_proj.shape[0], rank, world)
             cuts |= {f"model.layers.{i}.mlp.experts.{p}": cut for p in ("gate_up_proj", "down_proj")}
     return cuts
 
 
 class EPMoE(nn.Module):
-    """`MoE` with its routed experts sharded (module docstring). `EPMoE(moe, rank, world)` keeps a
-    full `MoE`'s router and shared experts, copies the rank's expert block out of the stacks and
-    drops the full stacks (of a meta `MoE`: only the shapes, gate_up_proj [E/W, 2I, H])."""
+    """A `MoE` or `V4MoE` with its routed experts sharded (module docstring). `EPMoE(moe, rank,
+    world)` keeps the full module's router and shared experts, copies the rank's expert block out
+    of the stacks and drops the full stacks (of a meta module: only the shapes, gate_up_proj
+    [E/W, 2I, H]). `takes_ids`: the router reads the token ids (V4)."""
 
-    def __init__(self, moe: MoE, rank: int, world: int) -> None:
+    def __init__(self, moe: MoE | V4MoE, rank: int, world: int) -> None:
         super().__init__()
         cut = expert_block(moe.experts.gate_up_proj.shape[0], rank, world)
         self.rank, self.world, self.n_local = rank, world, cut.size
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
+        self.takes_ids = isinstance(moe, V4MoE)
         self.experts = moe.experts
         self.experts.gate_up_proj = nn.Parameter(cut.take(moe.experts.gate_up_proj.data), requires_grad=False)
         self.experts.down_proj = nn.Parameter(cut.take(moe.experts.down_proj.data), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] (T may be 0: an idle rank) -> [T, H]: the routed experts, then the shared ones."""
-        y = self.routed(x, self.gate(x))
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] (T may be 0: an idle rank), input_ids [T] int64 token ids (read by a V4 router,
+        required there; GLM / V3.2's ignore them) -> [T, H]: the routed experts, then the shared ones."""
+        y = self.routed(x, self.route(x, input_ids))
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
-    def routed(self, x: torch.Tensor, routing) -> torch.Tensor:
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> Routing:
+        """The replicated router over this rank's rows: Routing(experts [T, k], weights [T, k])."""
+        if not self.takes_ids:
+            return self.gate(x)
+        if input_ids is None or input_ids.shape[0] != x.shape[0]:
+            raise ValueError("a DeepSeek-V4 EPMoE layer routes by token id: pass input_ids [T] with x [T, H]")
+        return self.gate(x, input_ids)
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' weighted sum per token [T, H]: a token's result depends on its own
         row and routing only (not on the other rows of this rank or of any other)."""
         T, H = x.shape
@@ -108,7 +125,7 @@ class EPMoE(nn.Module):
                 out[part] = nn.functional.linear(ex.act(gate, up), ex.down_proj[e])[: part.numel()]
         return out
 
-    def _combine(self, x: torch.Tensor, routing, y: torch.Tensor) -> torch.Tensor:
+    def _combine(self, x: torch.Tensor, routing: Routing, y: torch.Tensor) -> torch.Tensor:
         """y [T, k, H] per (token, slot) -> out [T, H]: slots in ascending expert id, from zeros."""
         slot_order = torch.argsort(routing.experts, dim=1, stable=True)  # [T, k]
         w = routing.weights.gather(1, slot_order)
@@ -120,11 +137,11 @@ class EPMoE(nn.Module):
 
 
 def shard_experts(model: nn.Module, rank: int, world: int) -> int:
-    """Replace every `MoE` of the target's decoder layers by its EPMoE shard; returns how many.
-    (Drafters keep their own replicated MoE: they are not in `model.model.layers`.)"""
+    """Replace every `MoE` / `V4MoE` of the target's decoder layers by its EPMoE shard; returns how
+    many. (Drafters keep their own replicated MoE: they are not in `model.model.layers`.)"""
     n = 0
     for layer in model.model.layers:
-        if isinstance(layer.mlp, MoE):
+        if isinstance(layer.mlp, MOE_KINDS):
             layer.mlp = EPMoE(layer.mlp, rank, world)
             n += 1
     return n
@@ -136,11 +153,14 @@ def ep_layers(model: nn.Module) -> int:
 
 
 def idle_pass(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """A rank with nothing to run joins every EPMoE exchange of a pass with zero rows, in layer order."""
+    """A rank with nothing to run joins every EPMoE exchange of a pass with zero rows, in layer
+    order: x [0, H] in the model dtype (a V4 layer's MoE input is its collapsed hyper-connection
+    streams after the norm: [T, H] too) and input_ids [0] int64 (V4's routers index by them)."""
     layers = [layer for layer in model.model.layers if isinstance(layer.mlp, EPMoE)]
     if not layers:
         return
     x = torch.zeros(0, layers[0].mlp.gate.weight.shape[1], dtype=dtype, device=device)
+    ids = torch.zeros(0, dtype=torch.int64, device=device)
     with torch.inference_mode():
         for layer in layers:
-            layer.mlp(x)
+            layer.mlp(x, ids)
