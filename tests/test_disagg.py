@@ -48,7 +48,7 @@ from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-POOLS = dict(dtype="float64", kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
+POOLS = dict(dtype="float64", device="cpu", kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 PD = dict(POOLS, dist_timeout_s=20.0, disaggregation_prefill_size=1, disaggregation_decode_size=1)
 CHECKER = "disagg_hooks:placement_checker"
 

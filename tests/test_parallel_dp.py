@@ -23,7 +23,7 @@ from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-DP = dict(dtype="float64", dp_size=2, dist_timeout_s=20.0, kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
+DP = dict(dtype="float64", device="cpu", dp_size=2, dist_timeout_s=20.0, kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 
 
 def test_layout_and_refusals_name_the_flag():
@@ -117,7 +117,7 @@ def test_dp2_prefix_on_every_rank_and_a_followers_abort_frees_its_pages():
         prefix = [7 + (5 * j) % 80 for j in range(40)]
         eng.prepare_prefix(prefix)
         prompts = [prefix + [11 + i] for i in range(4)]
-        ref = [o.token_ids for o in LLM("tiny", preset="adaptive", dtype="float64").generate(prompts, GREEDY)]
+        ref = [o.token_ids for o in LLM("tiny", preset="adaptive", dtype="float64", device="cpu").generate(prompts, GREEDY)]
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == 40 for o in outs)
         rids = [eng.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in PROMPTS[:4]]

@@ -23,7 +23,7 @@ from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-EP = dict(dtype="float64", tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=True, dist_timeout_s=20.0,
+EP = dict(dtype="float64", device="cpu", tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=True, dist_timeout_s=20.0,
           kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 
 

@@ -47,7 +47,7 @@ from dist_hooks import generate_on, one_process_tokens
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-TP = dict(dtype="float64", tp_size=2, dist_timeout_s=20.0, kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
+TP = dict(dtype="float64", device="cpu", tp_size=2, dist_timeout_s=20.0, kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 
 
 def test_layout_of_tensor_parallelism_alone_and_its_refusals():
@@ -285,7 +285,7 @@ def test_tp2_prefix_abort_and_unseeded_sampling():
         prefix = [7 + (5 * j) % 80 for j in range(40)]
         eng.prepare_prefix(prefix)
         prompts = [prefix + [11 + i] for i in range(2)]
-        ref = [o.token_ids for o in LLM("tiny", preset="adaptive", dtype="float64").generate(prompts, GREEDY)]
+        ref = [o.token_ids for o in LLM("tiny", preset="adaptive", dtype="float64", device="cpu").generate(prompts, GREEDY)]
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == 40 for o in outs)
         hot = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # no seed: rank 0 draws one for all

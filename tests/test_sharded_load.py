@@ -249,7 +249,7 @@ def sharded_on_every_rank(engine, rank: int) -> None:
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(10 + 9 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-POOLS = dict(dtype="float64", preset="resident", kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
+POOLS = dict(dtype="float64", device="cpu", preset="resident", kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 WORLDS = {"tp2": dict(tp_size=2), "dp2ep2": dict(tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=True)}
 
 
