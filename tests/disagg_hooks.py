@@ -3,6 +3,8 @@ on_engine="disagg_hooks:NAME"), and the breakages the disaggregation tests must 
 
 from __future__ import annotations
 
+import torch
+
 from dist_hooks import row_checker
 
 DECODE_RANK = 1  # the worlds of tests/test_disagg.py: rank 0 prefill, the last rank decode
@@ -66,3 +68,50 @@ def hosted_as_resident_on_decode(engine, rank: int) -> None:
             inner(req, item, n)
 
     store.import_prefix = import_prefix
+
+
+def v4_checker(engine, rank: int) -> None:
+    """DeepSeek-V4's row checks on a decode rank of a hierarchical preset (V4 has no dense-mirror
+    checker; `resident` keeps every row in its dense store, checked by tokens alone):
+
+        I2   every CSA row a pass locates or reuses is exactly the selected row of the right request
+             (`v4_engine_util.SourceCheck`); an arrived prompt's rows are shadowed from the bytes it
+             received (its tiered item), the rows it emits here from what it emits
+        I1   after every step each row below a decoding request's tail has a host copy equal to its
+             shadow, or is published optional history
+    A mismatch fails the rank (rank 0 sees it lost). Rank 0 (this test process) is left unpatched."""
+    import pytest
+
+    from v4_engine_util import SourceCheck
+
+    if rank < DECODE_RANK or engine.config.base_preset == "resident":
+        return
+    ck, store = SourceCheck().install(pytest.MonkeyPatch()), engine.store
+    inner_import, inner_step = store.import_prefix, engine.step
+
+    def import_prefix(req, item, n):
+        for g, layer in enumerate(engine.model_config.csa_sources):
+            for w in range(n // store.m):
+                ck.rows[(req, layer, w)] = item.tiered.latent[g, w].clone()
+        inner_import(req, item, n)
+
+    def step():
+        outs = inner_step()
+        host_copies_equal_shadow(store.kv, engine.model_config.csa_sources, ck.rows)
+        return outs
+
+    store.import_prefix, engine.step = import_prefix, step
+
+
+def host_copies_equal_shadow(kv, sources, shadow: dict) -> None:
+    """I1 of a V4 row hierarchy `kv` against shadow rows {(req, source layer, row): stored row}."""
+    for req, st in kv.reqs.items():
+        for w in range(st.tail_start if st.decoding else 0):
+            place = kv.row_place(req, w)
+            assert place.host >= 0 or place.tier == "optional", f"I1: row {w} of {req} ({place})"
+            if place.host >= 0:
+                h, ps = place.host, kv.host.page_size
+                for g, layer in enumerate(sources):
+                    got = kv.host.layer_rows(g)[h // ps, h % ps]
+                    want = shadow[(req, layer, w)].to(got.device)
+                    assert torch.equal(got, want), f"I1: row {w} of {req}, source {layer}"

@@ -4,7 +4,7 @@ single-process engine's under every preset with the row checker on every rank an
 prompt's rows checked where the decode store says it placed them (resident-first while the decode
 pool is spare, host-first when it is busy), FP8 rows moved as stored, seeded sampling and logprobs
 across the hand-over, the prefill router over two prefill ranks, SGLang's per-role processes
-(`--disaggregation-mode decode --nnodes 2 --node-rank 1`), DeepSeek-V4 refused, aborts in every
+(`--disaggregation-mode decode --nnodes 2 --node-rank 1`; DeepSeek-V4: tests/test_disagg_v4.py), aborts in every
 state (also mid-transfer) freeing pages on both ranks, and a killed prefill or decode rank as
 RankLost / HTTP 503 within the deadline, no process left.
 
@@ -86,19 +86,6 @@ def test_layout_flags_and_refusals_name_the_flag():
     assert least_loaded(loads, {0: 0, 1: 1, 2: 1}, cap=2) is None  # no decode rank with room: the KV stays held
     with pytest.raises(ValueError, match="build_disagg"):  # one Engine never silently ignores the layout
         Engine(EngineConfig(model="tiny", disaggregation_prefill_size=1, disaggregation_decode_size=1))
-
-
-def test_deepseek_v4_is_refused_naming_the_flag(monkeypatch):
-    """DeepSeek-V4's prompt KV is a streaming state (kv/v4/prefix.py): a rank refuses it at build."""
-    import dhisparse.engine.disagg_launch as launch
-    from dhisparse.engine.engine import Engine
-    from v4_engine_util import loaded_v41
-
-    loaded = loaded_v41()
-    monkeypatch.setattr(launch, "Engine", lambda cfg: Engine(cfg, loaded=loaded))
-    cfg = EngineConfig(model="tiny", page_size=4, **PD)
-    with pytest.raises(ValueError, match="--disaggregation-mode.*DeepSeek-V4"):
-        launch.rank_engine(cfg, cfg.disagg_layout(), 1)
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ class EngineConfig:
         (ours)]: prefill/decode disaggregation (engine/disagg.py, engine/disagg_layout.py): P prefill
         ranks compute prompts and sample first tokens, D decode ranks admit the KV they are sent and
         decode; sizes 0 / mode "null" = off. On one host give both sizes; on several, each host's
-        mode names its role. Not with dp / tp / ep > 1, nor DeepSeek-V4 models (refused).
+        mode names its role. Not with dp / tp / ep > 1 (refused).
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from dhisparse.core.parallel import ControlChannel, init_rank, leave
-from dhisparse.core.v4_config import V4Config
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_layout import DisaggLayout
@@ -46,10 +45,6 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
     if layout.role_of(rank) == "prefill":
         cfg = dataclasses.replace(cfg, admission_placement="import")
     engine = Engine(cfg)
-    if isinstance(engine.model_config, V4Config):
-        raise ValueError("--disaggregation-mode / --disaggregation-prefill-size: DeepSeek-V4 models are refused; their "
-                         "prompt KV is a streaming state (compressor tails, sliding windows: kv/v4/prefix.py V4Prefix) "
-                         "that prefill ranks do not send yet")
     if on_engine:
         mod, _, fn = on_engine.partition(":")
         getattr(importlib.import_module(mod), fn)(engine, rank)

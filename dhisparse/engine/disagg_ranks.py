@@ -6,7 +6,8 @@ same mask) and `keep_prompt`; once its first token is sampled its KV and samplin
 here (`held`, host memory) until rank 0 sends them on. A request its first token finishes (EOS, a
 stop, max_tokens 1, an error) is answered from here, with nothing handed over.
 
-`DecodeRank`: received KV is queued on its engine (`Engine.add_prompt_kv`); the first token is
+`DecodeRank`: received KV (a DeepSeek-V4 request: its whole streaming state, engine/disagg_v4.py)
+is queued on its engine (`Engine.add_prompt_kv`); the first token is
 reported at admission; outputs carry `DisaggMetrics` (their TTFT from the arrival at rank 0).
 
 Counters both add to the engine's stats (summed over ranks by rank 0):
@@ -28,11 +29,13 @@ from collections import Counter
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.disagg_kv import PromptKV
 from dhisparse.engine.disagg_round import DisaggMetrics, error_output
+from dhisparse.engine.disagg_v4 import check_v4_rows
 from dhisparse.engine.disagg_wire import Header, Received, Wire, header_of
 from dhisparse.engine.distributed import Load, detached, load_of
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.request import RequestMetrics, RequestOutput
 from dhisparse.engine.stats import EngineStats
+from dhisparse.kv.v4.prefix import V4Prefix
 
 
 COUNTERS = ("disagg_handed_over", "disagg_held", "disagg_sent_bytes", "disagg_received", "disagg_received_bytes",
@@ -165,8 +168,12 @@ class DecodeRank(_Rank):
 
     def _check_rows(self, kv: PromptKV) -> None:
         """The rows are in this store's row format (per-role hosts may differ in flags; the bytes are
-        imported as they are): latent [L, n, W] and index [F, n, Wi] of its storage dtypes and widths."""
-        f, item = self.engine.arena.formats, kv.item
+        imported as they are): latent [L, n, W] and index [F, n, Wi] of its storage dtypes and widths;
+        a DeepSeek-V4 state: its tails and stored rows (engine/disagg_v4.py `check_v4_rows`)."""
+        item, eng = kv.item, self.engine
+        if isinstance(item, V4Prefix):
+            return check_v4_rows(item, eng.model_config, eng.config.kv_cache_dtype, eng.model.dtype)
+        f = eng.arena.formats
         got = [(item.latent.dtype, item.latent.shape[-1]), (item.index.dtype, item.index.shape[-1])]
         want = [(f.latent.storage_dtype, f.latent.width), (f.index.storage_dtype, f.index.width)]
         if got != want:

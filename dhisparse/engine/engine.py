@@ -18,6 +18,7 @@ from dhisparse.core.contracts import RequestFailures
 from dhisparse.core.logits import History, TokenLogprob, apply_processors, needs_history, token_logprobs
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.disagg_kv import PromptKV, whole_prompt
+from dhisparse.engine.disagg_v4 import whole_state
 from dhisparse.engine.grammar import Grammars
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.engine.memory import format_bytes, kv_pool_bytes, release_memory, resolve_device
@@ -33,6 +34,7 @@ from dhisparse.engine.stats import EngineStats, pool_counters, store_counters
 from dhisparse.engine.stops import StopChecker
 from dhisparse.core.batch import ForwardBatch
 from dhisparse.kv.memory.prefix_store import PrefixStore, StoredPrefix
+from dhisparse.kv.v4.prefix import V4Prefix
 from dhisparse.kv.build import build_store
 from dhisparse.engine.step_graphs import StepGraphs
 from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graph_counters, graphs_for
@@ -552,9 +554,13 @@ class Engine:
                 item.paged(*layout)
         self._finish(req, "prefix")
 
-    def _prompt_rows(self, req: Request) -> StoredPrefix:
-        """A keep_prompt request's whole prompt as host rows (`whole_prompt`), with the drafter's features."""
+    def _prompt_rows(self, req: Request) -> StoredPrefix | V4Prefix:
+        """A keep_prompt request's whole prompt as host rows (`whole_prompt`), with the drafter's features;
+        a DeepSeek-V4 store's own export instead (its whole streaming state, engine/disagg_v4.py)."""
         feats = (self.spec.take_features(req.request_id) if self.spec is not None else None) or {}
+        own = self.store.export_prefix(req.request_id, req.prompt_ids, feats, self.prefixes.pin)
+        if own is not None:
+            return whole_state(own)
         latent, index = self.store.read_rows(req.request_id, len(req.prompt_ids))
         return whole_prompt(req.prompt_ids, latent, index, feats, self.prefixes.pin)
 
