@@ -8,9 +8,20 @@ import torch
 from dist_hooks import row_checker
 
 DECODE_RANK = 1  # the worlds of tests/test_disagg.py: rank 0 prefill, the last rank decode
+EP_DECODE_RANK = 2  # tests/test_disagg_ep.py's 2 + 2 world: ranks 2 and 3 decode
 
 
-def placement_checker(engine, rank: int) -> None:
+def ep_placement_checker(engine, rank: int) -> None:
+    """`placement_checker` in a world of 2 prefill + 2 decode ranks with --ep-size 2 per role; also
+    every MoE layer holds the expert block of the rank's index in its role (rank mod 2: 4 of 8)."""
+    from dhisparse.layers.ep_moe import EPMoE
+
+    moes = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, EPMoE)]
+    assert moes and all((m.rank, m.world, m.experts.gate_up_proj.shape[0]) == (rank % 2, 2, 4) for m in moes), rank
+    placement_checker(engine, rank, EP_DECODE_RANK)
+
+
+def placement_checker(engine, rank: int, first_decode: int = DECODE_RANK) -> None:
     """The row checker (I2) on every rank; on a decode rank also: each arrived prompt's rows are where
     the store says its admission put them (`prompt_chunk_limit` is not None: host-first):
 
@@ -19,7 +30,7 @@ def placement_checker(engine, rank: int) -> None:
         partial page   the tail, whichever placement
     A mismatch fails the rank (rank 0 sees it lost)."""
     row_checker(engine, rank)
-    if rank < DECODE_RANK:
+    if rank < first_decode:
         return
     store, inner = engine.store, engine.store.import_prefix
 

@@ -167,7 +167,9 @@ FLAGS: list[Flag] = [
          help_="data-parallel ranks: each runs its own engine and KV hierarchy (weights replicated) on its own GPU "
                "(cuda:0..N-1) or on the CPU; rank 0 places requests (fewest sessions, then most free pages)"),
     Flag("--ep-size", "ep_size", positive_int,
-         help_="expert parallelism: the routed experts sharded over --ep-size ranks (with --enable-dp-attention, = --tp-size)"),
+         help_="expert parallelism: the routed experts sharded over --ep-size ranks (with --enable-dp-attention, = --tp-size); "
+               "with --disaggregation-prefill-size P --disaggregation-decode-size D: EP groups of --ep-size ranks "
+               "inside each role (it must divide P and D; --enable-dp-attention)"),
     Flag("--nnodes", "nnodes", positive_int, help_="hosts the ranks span (with --dist-init-addr and --node-rank)"),
     Flag("--node-rank", "node_rank", nonneg_int, help_="this host's index among --nnodes (0 runs the server)"),
     Flag("--dist-init-addr", "dist_init_addr", help_="host:port of node 0's rendezvous (default: 127.0.0.1 and a free port)"),

@@ -23,6 +23,9 @@ Refused with the flag named: DP x TP (--dp-size > 1 with --tp-size > 1 and no DP
 --ep-size without --enable-dp-attention, attention TP under DP attention (dp < tp) and MoE TP
 (ep < tp).
 
+Under prefill/decode disaggregation with `--ep-size E` (engine/disagg_layout.py) the exchange and
+the lock-step (`any_rank`) run over the rank's EP group of its role (`join_ep_groups`), not the world.
+
 `RankLost` is what every failed or timed-out collective becomes: the caller sees which rank and
 which operation, never a hang past `timeout_s`; `agree` turns ranks that disagree on a few
 integers (under TP: a step's batch) into one too.
@@ -141,6 +144,7 @@ class ParallelConfig:
 
 
 _DATA_GROUP: list = [None]  # the MoE exchange's / TP sums' group: NCCL on CUDA, else the gloo world (None)
+_STEP_GROUP: list = [None]  # `any_rank`'s gloo group: the world (None), or this rank's EP group of a role
 
 
 def init_rank(pc: ParallelConfig, rank: int, init_addr: str, device: str = "cpu") -> None:
@@ -152,18 +156,32 @@ def init_rank(pc: ParallelConfig, rank: int, init_addr: str, device: str = "cpu"
         _DATA_GROUP[0] = dist.new_group(backend="nccl", timeout=timeout)
 
 
+def join_ep_groups(blocks: list[range], rank: int, device: str, timeout_s: float) -> None:
+    """After `init_rank`: every rank creates, in the order given, one subgroup per block of global
+    ranks (gloo; on CUDA also NCCL), and keeps its own block's as the MoE exchange's data group
+    (NCCL on CUDA, else the gloo one) and `any_rank`'s lock-step group (gloo). Every rank must pass
+    the same blocks (a torch.distributed rule for new_group); each rank lies in exactly one."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for block in blocks:
+        step = dist.new_group(list(block), backend="gloo", timeout=timeout)
+        data = dist.new_group(list(block), backend="nccl", timeout=timeout) if device.startswith("cuda") else step
+        if rank in block:
+            _STEP_GROUP[0], _DATA_GROUP[0] = step, data
+
+
 def leave() -> None:
     """Leave the world (a no-op when not joined)."""
-    _DATA_GROUP[0] = None
+    _DATA_GROUP[0] = _STEP_GROUP[0] = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def any_rank(flag: bool) -> bool:
-    """Whether `flag` holds on any rank (one all-reduce over the gloo world); RankLost on failure."""
+    """Whether `flag` holds on any rank of the lock-step group (one all-reduce over the gloo world,
+    or over this rank's EP group of a disaggregated role: `join_ep_groups`); RankLost on failure."""
     t = torch.tensor([int(flag)], dtype=torch.int64)
     try:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_STEP_GROUP[0])
     except Exception as e:  # noqa: BLE001
         raise RankLost(None, "all_reduce", e) from e
     return bool(t.item())
@@ -171,10 +189,11 @@ def any_rank(flag: bool) -> bool:
 
 def exchange(rows: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
     """All-to-all of the rows of `rows` [n, ...]: the first send_counts[0] to rank 0, the next to
-    rank 1, ...; returns (the rows received, in source-rank order, and how many from each rank).
-    Counts travel first (int64), then the payload with uneven splits (zero allowed)."""
+    rank 1, ... of the data group (the world, or this rank's EP group: `join_ep_groups`); returns
+    (the rows received, in source-rank order, and how many from each rank). Counts travel first
+    (int64), then the payload with uneven splits (zero allowed)."""
     group = _DATA_GROUP[0]
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     dev = rows.device
     try:
         sc = torch.tensor(send_counts, dtype=torch.int64, device=dev)

@@ -142,7 +142,8 @@ class EngineConfig:
         (ours)]: prefill/decode disaggregation (engine/disagg.py, engine/disagg_layout.py): P prefill
         ranks compute prompts and sample first tokens, D decode ranks admit the KV they are sent and
         decode; sizes 0 / mode "null" = off. On one host give both sizes; on several, each host's
-        mode names its role. Not with dp / tp / ep > 1 (refused).
+        mode names its role. Inside each role: ep_size E with enable_dp_attention, E dividing
+        both sizes (EP groups of E ranks, attention data-parallel); other dp / tp / ep > 1 refused.
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
@@ -289,19 +290,9 @@ class EngineConfig:
 
     def _check_disaggregation(self) -> None:
         try:
-            layout = self.disagg_layout()
+            self.disagg_layout()
         except DisaggConfigError as e:
             raise ConfigValueError(str(e)) from None
-        if not layout.enabled:
-            return
-        given = [f"{flag} {v}" for flag, v, on in (("--dp-size", self.dp_size, self.dp_size != 1),
-                                                   ("--tp-size", self.tp_size, self.tp_size != 1),
-                                                   ("--ep-size", self.ep_size, self.ep_size != 1),
-                                                   ("--enable-dp-attention", "", self.enable_dp_attention)) if on]
-        if given:
-            raise ConfigValueError(f"prefill/decode disaggregation with {', '.join(given)}: parallelism inside a role "
-                                   "is not built; each prefill and decode rank is one engine (--disaggregation-prefill-size "
-                                   "/ --disaggregation-decode-size set the ranks)")
 
     @property
     def disaggregated(self) -> bool:
@@ -312,7 +303,8 @@ class EngineConfig:
         """The prefill/decode layout of this engine's world (engine/disagg_layout.py)."""
         return DisaggLayout(mode=self.disaggregation_mode, prefill_size=self.disaggregation_prefill_size,
                             decode_size=self.disaggregation_decode_size, nnodes=self.nnodes, node_rank=self.node_rank,
-                            dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s)
+                            dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s, ep_size=self.ep_size,
+                            enable_dp_attention=self.enable_dp_attention, tp_size=self.tp_size, dp_size=self.dp_size)
 
     @property
     def base_preset(self) -> str:

@@ -11,7 +11,8 @@ does for data parallelism; `dhisparse serve` puts one HTTP endpoint on it.
 
 The rounds (engine/disagg_round.py) run over the gloo world in lock-step, one per step, with a beat
 round while idle; a failed or late round or transfer is `RankLost` (the server answers 503).
-Refused: parallelism inside a role (config). DeepSeek-V4 prompts travel as their whole streaming state (engine/disagg_v4.py).
+Inside a role: DP attention with experts sharded over the role (`--ep-size E --enable-dp-attention`,
+E dividing P and D; engine/disagg_launch.py); TP inside a role is refused (config). DeepSeek-V4 prompts travel as their whole streaming state (engine/disagg_v4.py).
 """
 
 from __future__ import annotations

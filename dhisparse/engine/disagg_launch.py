@@ -4,8 +4,17 @@ ranks spawned (multiprocessing "spawn"), as `engine/launch.py` does for data par
     build_disagg(config)      node 0: spawn ranks 1 .. n-1, build rank 0, join -> DisaggCoordinator
     run_disagg_node(config)   node k > 0 (--node-rank k, its --disaggregation-mode): run its ranks
                               until rank 0 shuts the world down
-    each rank                 its engine (`rank_engine`), the gloo world, its Wire (an NCCL group
-                              of the world on CUDA), then rounds (`disagg_round.follow`)
+    each rank                 its engine (`rank_engine`), the gloo world, its role's EP groups
+                              (`--ep-size E`), its Wire (an NCCL group of the world on CUDA), then
+                              rounds (`disagg_round.follow`)
+
+Under `--ep-size E --enable-dp-attention` (engine/disagg_layout.py) a rank loads only its EP
+group's expert block (`ShardSpec("ep", rank mod E, E)`: a checkpoint folder read shard-wise, the
+built-in model sharded in memory); after joining, every rank creates every EP group, in order
+(`join_ep_groups`: gloo, and NCCL on CUDA), and keeps its own for the MoE exchanges and its
+engine's lock-step (`engine.lockstep = any_rank` over the group: a rank of the group with no work
+in a step joins its peers' exchanges with an idle pass). The rounds step every rank together, so
+an EP group's ranks always meet in the same step.
 
 Every rank builds its engine before it joins, so the rendezvous waits for the slowest model load
 within --dist-timeout.
@@ -23,7 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dhisparse.core.parallel import ControlChannel, init_rank, leave
+from dhisparse.core.parallel import ControlChannel, any_rank, init_rank, join_ep_groups, leave
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_layout import DisaggLayout
@@ -31,6 +40,10 @@ from dhisparse.engine.disagg_ranks import DecodeRank, PrefillRank
 from dhisparse.engine.disagg_round import follow
 from dhisparse.engine.disagg_wire import Wire
 from dhisparse.engine.engine import Engine
+from dhisparse.engine.memory import resolve_device
+from dhisparse.layers.ep_moe import ep_layers
+from dhisparse.models.registry import load_for_config
+from dhisparse.models.shard_load import ShardSpec
 
 
 def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine: str | None = None) -> Engine:
@@ -38,22 +51,41 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
     cleared). A prefill rank reads each whole prompt from its workspace, so it imports prepared
     prefixes onto the device (--admission-placement import); decode ranks keep the setting (auto:
     resident-first while pages are spare, else host-first). on_engine: "module:function" called as
-    function(engine, rank) (a test or debug hook)."""
+    function(engine, rank) (a test or debug hook). Under EP: the rank's expert block (`ep_engine`)."""
     cfg = dataclasses.replace(config, device=layout.parallel_config().device_of(rank, config.device),
                               disaggregation_mode="null", disaggregation_prefill_size=0, disaggregation_decode_size=0,
-                              nnodes=1, node_rank=0, dist_init_addr=None)
+                              nnodes=1, node_rank=0, dist_init_addr=None, dp_size=1, tp_size=1, ep_size=1,
+                              enable_dp_attention=False)
     if layout.role_of(rank) == "prefill":
         cfg = dataclasses.replace(cfg, admission_placement="import")
-    engine = Engine(cfg)
+    engine = ep_engine(cfg, layout, rank) if layout.expert_parallel else Engine(cfg)
     if on_engine:
         mod, _, fn = on_engine.partition(":")
         getattr(importlib.import_module(mod), fn)(engine, rank)
     return engine
 
 
+def ep_engine(cfg: EngineConfig, layout: DisaggLayout, rank: int) -> Engine:
+    """A rank's engine over its EP shard: 1/E of every MoE layer's routed experts (the block of its
+    index in its EP group), no CUDA graphs (the exchanges are collectives), lock-step over its EP
+    group (`any_rank` there once `join_ep_groups` has run)."""
+    cfg = dataclasses.replace(cfg, cuda_graphs="none")
+    shard = ShardSpec("ep", layout.ep_rank(rank), layout.ep_size)
+    loaded = load_for_config(cfg, resolve_device(cfg.device), shard=shard)
+    if ep_layers(loaded.model) == 0:
+        raise ValueError(f"--ep-size {layout.ep_size}: {cfg.model} has no routed-expert MoE layers to shard "
+                         "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
+    engine = Engine(cfg, loaded=loaded)
+    engine.lockstep = any_rank
+    return engine
+
+
 def join(layout: DisaggLayout, rank: int, addr: str, engine: Engine) -> Wire:
-    """Join the world as `rank`; its Wire (KV over the gloo world on CPU, over an NCCL group on CUDA)."""
+    """Join the world as `rank`, then (EP) every EP group in order; its Wire (KV over the gloo world
+    on CPU, over an NCCL group on CUDA)."""
     init_rank(layout.parallel_config(), rank, addr, str(engine.device))
+    if layout.expert_parallel:
+        join_ep_groups(layout.ep_blocks, rank, str(engine.device), layout.timeout_s)
     if engine.device.type != "cuda":
         return Wire(rank, layout.timeout_s)
     torch.cuda.set_device(engine.device)

@@ -12,6 +12,15 @@ runs when each role is started on its own host; ours, `--disaggregation-prefill-
 
 `--disaggregation-mode prefill|decode` alone means P = D = 1. A node's ranks all have one role, so
 n divides P; the mode given must be that role (a mismatch is an error naming both).
+
+Expert parallelism inside each role (SGLang's per-role `--enable-dp-attention --ep-size E`; one flag
+set here serves both roles): `--ep-size E --enable-dp-attention`, E dividing P and D (E == P == D:
+each role one EP group, as an SGLang server per role). The ranks of a role form EP groups of E
+consecutive ranks, [0, E), [E, 2E), ... (P % E == 0, so no group spans the roles); attention stays
+data-parallel (every rank its own requests and KV), each rank holds 1/E of the routed experts and
+the MoE exchanges and lock-step run inside its group. `--tp-size` / `--dp-size` may repeat E (SGLang's
+spelling of DP attention) or stay 1. Refused, with the flag named: E not dividing P or D, --ep-size
+without --enable-dp-attention, --tp-size / --dp-size inside a role otherwise (TP, DP x TP).
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ class DisaggLayout:
     node_rank: int = 0
     dist_init_addr: str | None = None
     timeout_s: float = 300.0
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    tp_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +65,7 @@ class DisaggLayout:
                                     f"(got {self.prefill_size} and {self.decode_size}); give both")
         if self.enabled:
             self._check_nodes()
+            self._check_roles()
 
     def _check_nodes(self) -> None:
         try:
@@ -71,6 +85,40 @@ class DisaggLayout:
             if self.mode != self.node_role:
                 raise DisaggConfigError(f"--node-rank {self.node_rank} runs {self.node_role} ranks "
                                         f"{list(pc.local_ranks())}; --disaggregation-mode is {self.mode}")
+
+    def _check_roles(self) -> None:
+        """Parallelism inside a role: DP attention with EP groups of E ranks (module docstring)."""
+        sizes = f"--disaggregation-prefill-size {self.prefill} --disaggregation-decode-size {self.decode}"
+        if self.enable_dp_attention:
+            for v, flag in ((self.tp_size, "--tp-size"), (self.dp_size, "--dp-size")):
+                if v not in (1, self.ep_size):
+                    raise DisaggConfigError(f"{flag} {v} inside a role with --enable-dp-attention --ep-size "
+                                            f"{self.ep_size}: give {flag} {self.ep_size} (SGLang's spelling) or leave it out; "
+                                            "attention TP and MoE TP inside a role are not built")
+        else:
+            for v, flag in ((self.ep_size, "--ep-size"), (self.tp_size, "--tp-size"), (self.dp_size, "--dp-size")):
+                if v != 1:
+                    raise DisaggConfigError(
+                        f"prefill/decode disaggregation with {flag} {v}: inside a role only DP attention with experts "
+                        f"sharded is built (--ep-size E --enable-dp-attention, E dividing both role sizes); the role "
+                        f"sizes set the ranks ({sizes})")
+        if self.prefill % self.ep_size or self.decode % self.ep_size:
+            raise DisaggConfigError(f"--ep-size {self.ep_size} must divide both role sizes ({sizes}): each role's ranks "
+                                    "form EP groups of --ep-size ranks")
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep_size > 1
+
+    @property
+    def ep_blocks(self) -> list[range]:
+        """The EP groups' global ranks, in the order every rank creates them: [0, E), [E, 2E), ..."""
+        E = self.ep_size
+        return [range(a, a + E) for a in range(0, self.world_size, E)]
+
+    def ep_rank(self, rank: int) -> int:
+        """A rank's index inside its EP group (its expert block: experts [i * n/E, (i + 1) * n/E))."""
+        return rank % self.ep_size
 
     @property
     def enabled(self) -> bool:
