@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device-call preamble/epilogue: carried wheels onto PYTHONPATH and a persistent Triton cache.
 #   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.txz)
+# .whl/ comes from bench/device_wheels.sh (every dependency the device image lacks); to run the committed
+# tree while the working tree is being edited, wrap the call with bench/clean_tree.sh's .clean/run.sh.
 # Carry budget (64 MiB in all): the tree is 44 MB with the shipped tiny-code checkpoint, so .whl
 # holds transformers slimmed by bench/slim_wheel.py (3.1 MB, the model folders the tests import;
 # the whole suite's transformers tests pass with it) and .tcache fits only when pruned small.
