@@ -6,8 +6,9 @@ spec is the name of a built-in model (`tiny-code`: the trained checkpoint shippe
 Hugging Face cache (found offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
 `load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
 template and quantization settings. With `shard` (a `shard_load.ShardSpec`: a TP or EP rank) a
-GLM-5.x / V3.2 checkpoint folder is read shard-wise (each rank reads only what it keeps); a built-in
-random model or a DeepSeek-V4 folder is built whole on the CPU and sharded in memory.
+GLM-5.x / V3.2 checkpoint folder is read shard-wise (each rank reads only what it keeps), and so is
+a DeepSeek-V4 folder for an EP rank (models/v4_shard_load.py: its expert block, the rest whole); a
+built-in random model is built whole on the CPU and sharded in memory.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dhisparse.models.shard_load import ShardSpec, load_sharded, shard_in_memory
 from dhisparse.models.tiny import build_tiny, tiny_config
 from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer, with_chat_template
 from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
+from dhisparse.models.v4_shard_load import load_v4_sharded
 from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
 
 log = logging.getLogger(__name__)
@@ -188,7 +190,9 @@ def load_model(
         raise ModelLoadError(f"--quantization fp8: {folder}/config.json has no quantization_config with quant_method "
                              "'fp8'; dhisparse loads block-scaled FP8 checkpoints but does not quantize online "
                              "(leave the flag out for this checkpoint)")
-    if is_v4_folder(folder):
+    if is_v4_folder(folder) and shard is not None and shard.mode == "ep":
+        loaded = load_v4_sharded(folder, shard, dtype=dtype, device=device, progress=progress)
+    elif is_v4_folder(folder):  # whole, or TP: layers/tp.py refuses a V4 model when it is sharded
         loaded = _whole_then_shard(lambda dev: load_v4_checkpoint(folder, dtype=dtype, device=dev), device, shard)
     elif shard is not None:
         loaded = load_sharded(folder, shard, dtype=dtype, device=device, progress=progress)

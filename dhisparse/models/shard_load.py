@@ -19,17 +19,19 @@ The full weights never exist in one process: host memory is the rank's tensors p
 window of file. `load_sharded` measures it (`LoadReport`: RSS high-water rise over the load, CUDA
 `max_memory_allocated` rise, bytes read) and logs it. MTP layers and other extra tensors are read
 whole into host memory (`LoadedModel.extra`), as `loader.load_checkpoint` does: drafters are replicated.
+The family-neutral parts (`plan_load`, `ShardJob`, `read_all`, `report_load`) also serve DeepSeek-V4
+(models/v4_shard_load.py), which only maps its checkpoint names onto them.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -129,61 +131,54 @@ def expert_place(cut: Cut | None, e: int, kind: str, I: int, H: int) -> tuple[in
     return e, Cut(cut.dim - 1, cut.spans), slice(r0, r1)
 
 
-class _Load:
-    """One rank's reading of every checkpoint tensor into local tensors (`state`, keyed by the
-    sharded model's names; `extra` whole, on the host)."""
+class ShardJob:
+    """One rank's reading of checkpoint tensors into local tensors (`state`, keyed by the sharded
+    model's names; `extra` whole, on the host). Family-neutral: the caller maps each checkpoint
+    name to a target (`whole`, `expert`, `set_aside`). full: {target: full shape}; cuts: {target:
+    Cut}; local: {target: (local name, local shape)}; dtype_of(target name, stored dtype) -> dtype."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, files: CheckpointFiles, cuts: dict[str, Cut],
-                 full: dict[str, tuple[int, ...]], local: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-        self.cfg, self.dtype, self.device, self.files = cfg, dtype, device, files
-        self.cuts, self.full, self.local = cuts, full, local
-        self.block = cfg.fp8_block_size or (128, 128)
+    def __init__(self, files: CheckpointFiles, device, block: tuple[int, int], plan: "Plan",
+                 dtype_of: Callable[[str, torch.dtype], torch.dtype]) -> None:
+        self.files, self.device, self.block, self.dtype_of = files, device, block, dtype_of
+        self.cuts, self.full, self.local = plan.cuts, plan.full, plan.local
         self.state: dict[str, torch.Tensor] = {}
         self.extra: dict[str, torch.Tensor] = {}
         self.seen: set[str] = set()
         self.filled: dict[str, set[tuple[int, str]]] = {}
         self.skipped = 0
 
-    def add(self, name: str) -> None:
-        m = _EXPERT.match(name)
-        if m is not None and not _is_extra(name, self.cfg):
-            self._expert(name, m)
-        elif name in self.full:
-            _check_shape(name, self.files.info(name)[0], self.full[name])
-            local_name, shape = self.local[name]
-            self.state[local_name] = self._read(name, self.cuts.get(name), shape, self.device)
-            self.seen.add(name)
-        else:  # MTP layers, shared layers' indexers, unknown names: whole, on the host
-            self.extra[name] = self._read(name, None, self.files.info(name)[0], "cpu")
+    def whole(self, src: str, target: str) -> None:
+        """Checkpoint tensor `src` -> target `target` (in `full`), its cut read on `device`."""
+        _check_shape(src, self.files.info(src)[0], self.full[target])
+        local_name, shape = self.local[target]
+        self.state[local_name] = self._read(src, target, self.cuts.get(target), shape, self.device)
+        self.seen.add(target)
 
-    def _read(self, name: str, cut: Cut | None, shape: tuple[int, ...], device) -> torch.Tensor:
-        stored = self.files.info(name)[1]
-        dtype = _target_dtype(name, self.dtype) if stored.is_floating_point else stored  # FP8: dequantized
-        dest = torch.empty(shape, dtype=dtype, device=device)
-        self.files.read_into(dest, name, cut, self.block)
+    def set_aside(self, src: str) -> None:
+        """MTP layers, unknown names: whole, on the host, into `extra` under the checkpoint name."""
+        self.extra[src] = self._read(src, src, None, self.files.info(src)[0], "cpu")
+
+    def _read(self, src: str, target: str, cut: Cut | None, shape: tuple[int, ...], device) -> torch.Tensor:
+        dest = torch.empty(shape, dtype=self.dtype_of(target, self.files.info(src)[1]), device=device)
+        self.files.read_into(dest, src, cut, self.block)  # FP8: dequantized into dest's dtype
         return dest
 
-    def _expert(self, name: str, m: re.Match) -> None:
-        prefix, e, kind = m.group(1), int(m.group(3)), m.group(4)
-        E, I, H = self.cfg.n_routed_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        if e >= E:
-            raise ModelLoadError(f"{name}: expert {e} but config n_routed_experts is {E}; the config does not match "
-                                 "the weights")
-        target = f"{prefix}.down_proj" if kind == "down_proj" else f"{prefix}.gate_up_proj"
-        if target not in self.full:
-            raise ModelLoadError(f"{name}: layer {m.group(2)} is not a MoE layer in config.json "
-                                 "(check first_k_dense_replace / mlp_layer_types)")
-        _check_shape(name, self.files.info(name)[0], (H, I) if kind == "down_proj" else (I, H))
+    def expert(self, src: str, target: str, e: int, kind: str, I: int, H: int) -> None:
+        """Expert e's tensor `src` (kind gate_proj / up_proj [I, H], down_proj [H, I]) into the
+        rank's stack `target` (...experts.gate_up_proj [E', 2I', H] / down_proj [E', H, I']); another
+        rank's expert is counted in `skipped` and never read."""
+        _check_shape(src, self.files.info(src)[0], (H, I) if kind == "down_proj" else (I, H))
         local_e, cut, rows = expert_place(self.cuts.get(target), e, kind, I, H)
         if local_e is None:
-            self.skipped += 1  # another rank's expert: never read
+            self.skipped += 1
             return
         local_name, shape = self.local[target]
         if local_name not in self.state:
-            self.state[local_name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            dtype = self.dtype_of(target, self.files.info(src)[1])
+            self.state[local_name] = torch.empty(shape, dtype=dtype, device=self.device)
             self.filled[target] = set()
             self.seen.add(target)
-        self.files.read_into(self.state[local_name][local_e, rows], name, cut, self.block)
+        self.files.read_into(self.state[local_name][local_e, rows], src, cut, self.block)
         self.filled[target].add((local_e, kind))
 
     def missing(self) -> list[str]:
@@ -196,6 +191,78 @@ class _Load:
             prefix = target.rsplit(".", 1)[0]
             out += [f"{prefix}.{first + e}.{k}.weight" for e in range(n_local) for k in kinds if (e, k) not in done]
         return out
+
+
+def _add_glm(job: ShardJob, cfg: ModelConfig, name: str) -> None:
+    """Route one GLM-5.x / V3.2 checkpoint name (loader.py's names) into `job`."""
+    m = _EXPERT.match(name)
+    if m is None or _is_extra(name, cfg):
+        if name in job.full:
+            job.whole(name, name)
+        else:  # MTP layers, shared layers' indexers, unknown names
+            job.set_aside(name)
+        return
+    prefix, e, kind = m.group(1), int(m.group(3)), m.group(4)
+    if e >= cfg.n_routed_experts:
+        raise ModelLoadError(f"{name}: expert {e} but config n_routed_experts is {cfg.n_routed_experts}; the config "
+                             "does not match the weights")
+    target = f"{prefix}.down_proj" if kind == "down_proj" else f"{prefix}.gate_up_proj"
+    if target not in job.full:
+        raise ModelLoadError(f"{name}: layer {m.group(2)} is not a MoE layer in config.json "
+                             "(check first_k_dense_replace / mlp_layer_types)")
+    job.expert(name, target, e, kind, cfg.moe_intermediate_size, cfg.hidden_size)
+
+
+@dataclass
+class Plan:
+    """A rank's load plan over a meta model already sharded in place: full / cuts / local as
+    `ShardJob` takes them, and the clocks and memory marks the LoadReport is measured from."""
+
+    full: dict[str, tuple[int, ...]]
+    cuts: dict[str, Cut]
+    local: dict[str, tuple[str, tuple[int, ...]]]
+    t0: float
+    host0: int
+    dev0: int
+
+
+def plan_load(model: nn.Module, shard: ShardSpec, device: torch.device, t0: float, drop: tuple[str, ...] = ()) -> Plan:
+    """Take the cuts of a meta-built unsharded `model`, shard it in place (meta: only the shapes
+    change) and mark host / device memory; `drop`: full names not read (a tied LM head)."""
+    host0 = host_peak_bytes()  # after the meta build: a process's first one imports ~800 torch modules
+    dev0 = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        dev0 = torch.cuda.memory_allocated(device)
+    full = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in drop}
+    cuts = plan_cuts(model, shard)
+    shard_in_memory(model, shard)
+    local = {n.replace(".inner.", "."): (n, tuple(t.shape)) for n, t in model.state_dict().items()}  # Summed wrappers
+    return Plan(full, cuts, local, t0, host0, dev0)
+
+
+def read_all(job: ShardJob, add: Callable[[str], None], folder: Path, progress: bool) -> None:
+    """add(name) over every checkpoint tensor, shard by shard; then the files released and a
+    ModelLoadError naming what the checkpoint lacks."""
+    for path in _shards(job.files, progress):
+        for name in job.files.by_shard[path]:
+            add(name)
+    job.files.release()
+    missing = job.missing()
+    if missing:
+        raise ModelLoadError(f"{folder}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}; "
+                             "check that config.json matches the weights (num_hidden_layers, layer types, "
+                             "first_k_dense_replace)")
+
+
+def report_load(shard: ShardSpec, plan: Plan, job: ShardJob, device: torch.device, folder: Path) -> LoadReport:
+    """The LoadReport of a finished job (marks taken from `plan`), logged."""
+    kept = sum(t.numel() * t.element_size() for t in [*job.state.values(), *job.extra.values()])
+    report = LoadReport(shard.mode, shard.rank, shard.world, max(0, host_peak_bytes() - plan.host0),
+                        torch.cuda.max_memory_allocated(device) - plan.dev0 if device.type == "cuda" else None,
+                        job.files.bytes_read, kept, job.skipped, time.monotonic() - plan.t0)
+    log.info("%s: %s", folder, report.line())
+    return report
 
 
 def _shards(files: CheckpointFiles, progress: bool):
@@ -217,32 +284,11 @@ def load_sharded(folder: str | Path, shard: ShardSpec, dtype: torch.dtype | str 
     cfg = read_config(folder)
     with torch.device("meta"):
         model = DsaForCausalLM(cfg)
-    host0 = host_peak_bytes()  # after the meta build: a process's first one imports ~800 torch modules
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        dev0 = torch.cuda.memory_allocated(device)
-    full = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        full.pop("lm_head.weight", None)
-    cuts = plan_cuts(model, shard)
-    shard_in_memory(model, shard)
-    local = {n.replace(".inner.", "."): (n, tuple(t.shape)) for n, t in model.state_dict().items()}  # Summed wrappers
-    files = CheckpointFiles(folder, window_bytes)
-    job = _Load(cfg, resolve_dtype(dtype, cfg), device, files, cuts, full, local)
-    for path in _shards(files, progress):
-        for name in files.by_shard[path]:
-            job.add(name)
-    files.release()
-    missing = job.missing()
-    if missing:
-        raise ModelLoadError(f"{folder}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}; "
-                             "check that config.json matches the weights (num_hidden_layers, indexer_types, "
-                             "first_k_dense_replace)")
+    plan = plan_load(model, shard, device, t0, drop=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    dtype = resolve_dtype(dtype, cfg)
+    job = ShardJob(CheckpointFiles(folder, window_bytes), device, cfg.fp8_block_size or (128, 128), plan,
+                   lambda name, stored: _target_dtype(name, dtype) if stored.is_floating_point else stored)
+    read_all(job, lambda name: _add_glm(job, cfg, name), folder, progress)
     _finalize(model, cfg, job.state, device)
     model.mtp_weights = {n: t for n, t in job.extra.items() if _is_mtp(n, cfg)}
-    kept = sum(t.numel() * t.element_size() for t in [*job.state.values(), *job.extra.values()])
-    report = LoadReport(shard.mode, shard.rank, shard.world, max(0, host_peak_bytes() - host0),
-                        torch.cuda.max_memory_allocated(device) - dev0 if device.type == "cuda" else None,
-                        files.bytes_read, kept, job.skipped, time.monotonic() - t0)
-    log.info("%s: %s", folder, report.line())
-    return LoadedModel(model.eval(), cfg, job.extra, report=report)
+    return LoadedModel(model.eval(), cfg, job.extra, report=report_load(shard, plan, job, device, folder))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -54,6 +54,11 @@ def chunks(shape: tuple[int, ...], index: list[slice], itemsize: int, window: in
     yield from rec(0, [])
 
 
+def scale_inv_pairs(names: Iterable[str]) -> dict[str, str]:
+    """{weight name: its block-scale tensor name}: GLM / V3.2's `<name>_scale_inv` siblings."""
+    return {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
+
+
 def dequantize_part(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     offset: tuple[int, int]) -> torch.Tensor:
     """w [..., r, c] float8 (a part starting `offset` rows / cols into its first scale block),
@@ -66,9 +71,11 @@ def dequantize_part(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 class CheckpointFiles:
     """The tensors of a checkpoint folder, read part by part (module docstring). `by_shard`: {shard:
     its tensor names, scale tensors left out (they come with their weight)}; `bytes_read`: bytes
-    copied out of the files (kept parts and the scale blocks covering them)."""
+    copied out of the files (kept parts and the scale blocks covering them). pair_scales: all
+    tensor names -> {weight: its scale tensor} (default `_scale_inv` siblings; V4 adds `.scale`)."""
 
-    def __init__(self, folder: Path, window_bytes: int = WINDOW_BYTES) -> None:
+    def __init__(self, folder: Path, window_bytes: int = WINDOW_BYTES,
+                 pair_scales: Callable[[Iterable[str]], dict[str, str]] = scale_inv_pairs) -> None:
         self.window, self.touched, self.bytes_read = max(1, window_bytes), 0, 0
         self.handles: dict[Path, Any] = {}
         self.where: dict[str, Path] = {}
@@ -77,7 +84,10 @@ class CheckpointFiles:
         for path, names in shard_files(folder).items():
             names = names if names is not None else list(self._open(path).keys())
             self.where |= {n: path for n in names}
-            self.by_shard[path] = [n for n in names if not n.endswith(SCALE_SUFFIX)]
+            self.by_shard[path] = names
+        self.scale_of = pair_scales(self.where)
+        scales = set(self.scale_of.values())
+        self.by_shard = {p: [n for n in names if n not in scales] for p, names in self.by_shard.items()}
         self.release()
 
     def _open(self, path: Path) -> Any:
@@ -109,7 +119,7 @@ class CheckpointFiles:
     def _fp8_part(self, name: str, index: list[slice], block: tuple[int, int], device: torch.device) -> torch.Tensor:
         """fp32 of weight[index] on `device` from the weight part and the scale blocks covering it
         (dequantized there: the same IEEE fp32 products on any device)."""
-        sname = name + SCALE_SUFFIX
+        sname = self.scale_of.get(name, name + SCALE_SUFFIX)
         shape, nd = self.info(name)[0], len(index)
         if sname not in self.where:
             raise ModelLoadError(f"{name} is FP8 but has no {sname} tensor; FP8 weights need their block scales")
