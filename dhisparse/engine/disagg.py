@@ -22,12 +22,12 @@ import threading
 import time
 
 from dhisparse.core.params import SamplingParams
-from dhisparse.core.parallel import ControlChannel, RankLost, leave
+from dhisparse.core.parallel import ControlChannel, RankLost
 from dhisparse.engine.disagg_layout import DisaggLayout
 from dhisparse.engine.disagg_ranks import PrefillRank
 from dhisparse.engine.disagg_round import DControl, DReply, serve_round
 from dhisparse.engine.disagg_wire import Header, Wire
-from dhisparse.engine.distributed import Load, merge_stats
+from dhisparse.engine.distributed import Load, RoundFront, merge_stats
 from dhisparse.engine.request import RequestOutput, next_request_id
 from dhisparse.engine.stats import EngineStats
 
@@ -42,8 +42,12 @@ def least_loaded(loads: dict[int, Load], placed: dict[int, int], cap: int | None
     return min(ok, key=key) if ok else None
 
 
-class DisaggCoordinator:
+class DisaggCoordinator(RoundFront):
     """Rank 0's front of a prefill/decode world (module docstring). `close()` ends the world."""
+
+    CONTROL = DControl
+    WORLD = "prefill/decode world"
+    LOST_WAIT_S = 1.0  # a failed world's survivors cannot hear a shutdown
 
     def __init__(self, side: PrefillRank, channel: ControlChannel, wire: Wire, layout: DisaggLayout, procs: list,
                  beat_s: float = 1.0) -> None:
@@ -158,26 +162,6 @@ class DisaggCoordinator:
         with self._lock:
             return [self.side.stats(), *self._stats[1:]]
 
-    def close(self) -> None:
-        """Tell every rank to stop, reap them (after a lost rank: killed), leave the world."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._error is None:
-                try:
-                    self.channel.broadcast(DControl(shutdown=True))
-                except RankLost:
-                    pass
-        wait = 10 if self._error is None else 1  # a failed world's survivors cannot hear a shutdown
-        for p in self.procs:
-            p.join(timeout=wait)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        leave()
-
-    # -- rounds ----------------------------------------------------------------------------------
     def _round(self, ctl: DControl) -> list[DReply]:
         try:
             self.channel.broadcast(ctl)
@@ -225,35 +209,3 @@ class DisaggCoordinator:
             del self.ready[rid]
             self.owner[rid] = dst
             self._pending.transfers.append((src, dst, h))
-
-    def _exported(self, rank: int, rid: str) -> None:
-        left = self._prefix_left.get(rid)
-        if left is None:
-            return
-        left.discard(rank)
-        if not left:
-            del self._prefix_left[rid]
-            self.owner.pop(rid, None)
-
-    def _beat_loop(self) -> None:
-        while not self._closed and self._error is None:
-            time.sleep(self.beat_s / 4)
-            if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if not self._closed and self._error is None and time.monotonic() - self._last >= self.beat_s:
-                    self._round(DControl(beat=True))
-            except RankLost:
-                pass  # kept in self._error: the next call raises it
-            finally:
-                self._lock.release()
-
-    def _fail(self, e: RankLost):
-        self._error = e
-        raise e
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise RuntimeError("the prefill/decode world is closed")

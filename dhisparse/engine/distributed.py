@@ -165,7 +165,72 @@ def merge_stats(per_rank: list[EngineStats]) -> EngineStats:
     return EngineStats(steps=first.steps, kv_page_bytes=first.kv_page_bytes, counters=counters, **total)
 
 
-class Coordinator:
+class RoundFront:
+    """What every rank-0 front of lock-step rounds shares (`Coordinator`, the prefill/decode
+    `DisaggCoordinator`): the lost-rank latch (`_fail` / `_check`), the heartbeat round while idle,
+    the shutdown, and prefix exports done on every rank. A subclass sets CONTROL (its round message
+    type), WORLD (its name in errors), LOST_WAIT_S (how long `close` waits for a survivor of a lost
+    world before killing it) and `_round(ctl)`; it holds channel, procs, _lock, _error, _closed,
+    _last, beat_s, owner and _prefix_left."""
+
+    CONTROL: type = Control
+    WORLD = "parallel world"
+    LOST_WAIT_S = 10.0
+
+    def close(self) -> None:
+        """Tell every follower to stop, reap them, leave the world."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._error is None:
+                try:
+                    self.channel.broadcast(self.CONTROL(shutdown=True))
+                except RankLost:
+                    pass
+        wait = 10 if self._error is None else self.LOST_WAIT_S
+        for p in self.procs:
+            p.join(timeout=wait)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        leave()
+
+    def _exported(self, rank: int, rid: str) -> None:
+        """A rank finished a prefix export; once every rank has, the request is done."""
+        left = self._prefix_left.get(rid)
+        if left is None:
+            return
+        left.discard(rank)
+        if not left:
+            del self._prefix_left[rid]
+            self.owner.pop(rid, None)
+
+    def _beat_loop(self) -> None:
+        while not self._closed and self._error is None:
+            time.sleep(self.beat_s / 4)
+            if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._closed and self._error is None and time.monotonic() - self._last >= self.beat_s:
+                    self._round(self.CONTROL(beat=True))
+            except RankLost:
+                pass  # kept in self._error: the next call raises it
+            finally:
+                self._lock.release()
+
+    def _fail(self, e: RankLost):
+        self._error = e
+        raise e
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError(f"the {self.WORLD} is closed")
+
+
+class Coordinator(RoundFront):
     """Rank 0's front of a parallel world (module docstring). replicate: tensor parallelism (every
     request on every rank, rank 0's outputs). `close()` ends the world."""
 
@@ -300,24 +365,6 @@ class Coordinator:
         with self._lock:
             return [self.engine.stats(), *self._stats[1:]]
 
-    def close(self) -> None:
-        """Tell every follower to stop, reap them, leave the world."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._error is None:
-                try:
-                    self.channel.broadcast(Control(shutdown=True))
-                except RankLost:
-                    pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        leave()
-
     # -- rounds ----------------------------------------------------------------------------------
     def _round(self, ctl: Control) -> list[Reply]:
         """Broadcast `ctl`, serve rank 0's share (its adds and aborts were applied at the call), gather."""
@@ -339,36 +386,3 @@ class Coordinator:
         if out.finished:
             del self.owner[rid]
         return True
-
-    def _exported(self, rank: int, rid: str) -> None:
-        """A rank finished a prefix export; once every rank has, the request is done."""
-        left = self._prefix_left.get(rid)
-        if left is None:
-            return
-        left.discard(rank)
-        if not left:
-            del self._prefix_left[rid]
-            self.owner.pop(rid, None)
-
-    def _beat_loop(self) -> None:
-        while not self._closed and self._error is None:
-            time.sleep(self.beat_s / 4)
-            if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if not self._closed and self._error is None and time.monotonic() - self._last >= self.beat_s:
-                    self._round(Control(beat=True))
-            except RankLost:
-                pass  # kept in self._error: the next call raises it
-            finally:
-                self._lock.release()
-
-    def _fail(self, e: RankLost):
-        self._error = e
-        raise e
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise RuntimeError("the parallel world is closed")
