@@ -23,6 +23,7 @@ The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -85,6 +86,9 @@ def parse(argv=None) -> argparse.Namespace:
       help="engine settings compared in one process, e.g. 'staging_mode=paper;staging_mode=single' (each arm a "
            "comma-separated NAME=VALUE list on top of --engine-arg); every preset runs once per arm, labelled preset@arm")
     a("--repeats", type=int, default=1, help="windows per (preset, arm, load); repeat r rotates the arm order by r")
+    a("--graph-max-bs-per-load", action="store_true",
+      help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
+           "step_graph_warmup=true an engine captures only the graphs that load replays, not every bucket up to its slots")
     a("--charge-spec-memory", action="store_true",
       help="+spec presets pay for speculation out of the same device memory (issue 31): the drafter's weights and "
            "ring come out of the KV pool's bytes and each slot also holds its staging share, so they get fewer slots")
@@ -312,7 +316,10 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
 
 
 def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
-    engine = fresh_engine(engine_config(ns, sz, preset, arm), loaded, prefixes, reference if preset.endswith("+spec") else None)
+    cfg = engine_config(ns, sz, preset, arm)
+    if ns.graph_max_bs_per_load:
+        cfg = dataclasses.replace(cfg, cuda_graph_max_bs=c)
+    engine = fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
                         timeout_s=ns.duration + 600)
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))

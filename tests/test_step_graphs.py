@@ -199,6 +199,34 @@ def test_cuda_step_graphs_match_eager_decoding(preset):
     assert stats["step_graph_replays"] > 0 and stats["step_graphs_captured"] > 0
 
 
+def test_a_pass_over_cuda_graph_max_bs_requests_runs_eagerly():
+    g = StepGraphs(None, None, EagerRunner(), (1, 2, 4, 8, 12, 16), 100, None, max_reqs=3)
+    assert [g.bucket(n, 1) for n in (1, 3, 4, 9)] == [1, 4, None, None]  # 3 pads to 4; 4 requests: eager
+
+
+def test_cuda_graph_max_bs_caps_what_the_engine_captures_and_replays(reference):
+    """--cuda-graph-max-bs 2: the engine's step graphs warm buckets for 1 and 2 requests only, a
+    pass of three requests runs eagerly, and the tokens are unchanged."""
+    model = llm("adaptive", cuda_graph_max_bs=2, max_running_requests=8)
+    assert model.engine.config.graph_max_reqs == 2
+    g = with_steps(model)
+    g.warm(model.engine.config.graph_max_reqs)
+    keys = set(g.entries)
+    assert {k[1] for k in keys} == {1, 2}
+    assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
+    assert set(g.entries) == keys and g.eager > 0
+    assert [o.token_ids for o in model.generate(PROMPTS[1:], GREEDY)] == reference[1:]
+    assert g.replayed > 0 and set(g.entries) == keys
+
+
+def test_cuda_graph_max_bs_is_checked_and_defaults_to_max_running_requests():
+    from dhisparse.engine.config import ConfigValueError, EngineConfig
+    assert EngineConfig(max_running_requests=12).graph_max_reqs == 12
+    assert EngineConfig(max_running_requests=12, cuda_graph_max_bs=40).graph_max_reqs == 12
+    with pytest.raises(ConfigValueError, match="cuda_graph_max_bs"):
+        EngineConfig(cuda_graph_max_bs=0)
+
+
 @pytest.mark.parametrize("preset", ["resident", "adaptive"])
 def test_a_smaller_batch_replays_a_captured_wider_graph(preset, reference):
     """Fewer requests (down to half a captured bucket) replay that bucket's graph padded instead

@@ -69,8 +69,14 @@ class EngineConfig:
         "step": "layer", and every pass whose requests all run the same number of tokens (decode,
         verification) replays as one graph of the whole forward per request bucket
         (engine/step_graphs.py). "auto" (default) = "step" where available, else "none".
+    cuda_graph_max_bs [--cuda-graph-max-bs]: the largest decode / verification pass, in requests,
+        that CUDA graphs are captured for at start (SGLang's flag): piecewise graphs for up to this
+        many requests' tokens; whole-step graphs serve only passes of up to this many requests (a
+        larger pass runs as layers, eagerly or from piecewise graphs). None (default):
+        max_running_requests. A server that never runs more than N requests at once captures only
+        what N needs.
     step_graph_warmup [--step-graph-warmup]: with "step" graphs, capture the decode / verification
-        graphs of every request bucket up to max_running_requests at engine start (full table
+        graphs of every request bucket up to max_running_requests (or cuda_graph_max_bs) at engine start (full table
         width), instead of on first use while serving; costs start-up time per engine.
     copy_stream [--copy-stream]: adaptive: where backup / repopulation page copies run on CUDA:
         "side" (a side stream, completion by events) or "compute" (the compute stream).
@@ -181,6 +187,7 @@ class EngineConfig:
     admission_placement: str = "auto"
     staging_mode: str = "auto"
     cuda_graphs: str = "auto"
+    cuda_graph_max_bs: int | None = None
     step_graph_warmup: bool = False
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
@@ -229,6 +236,8 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigValueError(f"cuda_graph_max_bs must be >= 1; got {self.cuda_graph_max_bs}")
         if self.kv_pool_bytes is not None and self.kv_pool_bytes < 1:
             raise ConfigValueError(f"kv_pool_bytes must be positive; got {self.kv_pool_bytes}")
         if not 0 < self.kv_pool_fraction <= 1:
@@ -305,6 +314,11 @@ class EngineConfig:
                             decode_size=self.disaggregation_decode_size, nnodes=self.nnodes, node_rank=self.node_rank,
                             dist_init_addr=self.dist_init_addr, timeout_s=self.dist_timeout_s, ep_size=self.ep_size,
                             enable_dp_attention=self.enable_dp_attention, tp_size=self.tp_size, dp_size=self.dp_size)
+
+    @property
+    def graph_max_reqs(self) -> int:
+        """The most requests a CUDA-graph pass serves: min(max_running_requests, cuda_graph_max_bs)."""
+        return min(self.max_running_requests, self.cuda_graph_max_bs or self.max_running_requests)
 
     @property
     def base_preset(self) -> str:

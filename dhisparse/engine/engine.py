@@ -99,7 +99,7 @@ class Engine:
         self._capture_graphs(config)
         self.step_graphs = self.make_step_graphs(CudaGraphRunner()) if self.graph_mode == "step" else None
         if self.step_graphs is not None and config.step_graph_warmup:
-            self.step_graphs.warm(config.max_running_requests, self.spec.capture if self.spec else ())
+            self.step_graphs.warm(config.graph_max_reqs, self.spec.capture if self.spec else ())
         log.info("KV pool: %d pages x %s = %s on %s; %s", pages, format_bytes(self.page_bytes),
                  format_bytes(pages * self.page_bytes), self.device, self._row_format_note(config))
         self.spec_memory = None if self.spec is None else spec_memory(
@@ -138,7 +138,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         per_request = config.speculative_num_draft_tokens if config.speculative else 1
-        n = self.model.capture_graphs(config.max_running_requests * per_request, self._row_spaces,
+        n = self.model.capture_graphs(config.graph_max_reqs * per_request, self._row_spaces,
                                       self.arena.formats.latent)
         if n:
             log.info("captured %d CUDA graphs (pieces x layers x buckets <= %d tokens) in %.1f s", n,

@@ -118,13 +118,14 @@ class StepGraphs:
     SCRATCH_PAGES = 1  # pool pages an engine with step graphs holds for its life (padding writes)
 
     def __init__(self, model, kv, runner, token_buckets: tuple[int, ...], max_width: int, scratch: ScratchRows,
-                 max_k: int = 1, widths: tuple[int, ...] = ()) -> None:
+                 max_k: int = 1, widths: tuple[int, ...] = (), max_reqs: int | None = None) -> None:
         """max_k: the longest request a ragged pass may pad the others to (the verification width);
         a pass whose requests all run the same number of tokens replays whatever that number.
         widths: the round widths `warm` captures besides 1 and max_k (the speculation policy's,
-        `SpecConfig.round_widths`)."""
+        `SpecConfig.round_widths`). max_reqs: a pass of more requests runs eagerly (the engine's
+        `graph_max_reqs`, --cuda-graph-max-bs); None: no limit but the token buckets."""
         self.model, self.kv, self.runner = model, kv, runner
-        self.max_k = max_k
+        self.max_k, self.max_reqs = max_k, max_reqs
         self.widths = tuple(sorted({1, max_k, *widths}))
         self.token_buckets, self.max_width, self.scratch = token_buckets, max_width, scratch
         self.entries: dict[tuple, StepEntry] = {}
@@ -151,7 +152,7 @@ class StepGraphs:
         max_k = cfg.speculative_num_draft_tokens if cfg.speculative else 1
         widths = engine.spec.cfg.round_widths() if engine.spec is not None else ()
         return cls(engine.model, engine.store, runner, graph_buckets(experts, STEP_BUCKETS), engine.max_model_len, scratch,
-                   max_k, widths)
+                   max_k, widths, max_reqs=cfg.graph_max_reqs)
 
     def warm(self, max_reqs: int, capture_layers: tuple[int, ...] = ()) -> int:
         """Capture before serving the graphs decode (K = 1) and verification passes (K = max_k and
@@ -201,7 +202,10 @@ class StepGraphs:
         return Nb is not None and any(k[0][1] == K and Nb <= k[1] <= 2 * N for k in self.entries)
 
     def bucket(self, N: int, K: int) -> int | None:
-        """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager)."""
+        """Smallest request bucket N_b >= N whose N_b * K tokens is a token bucket (None: eager,
+        also when N exceeds `max_reqs`)."""
+        if self.max_reqs is not None and N > self.max_reqs:
+            return None
         return next((b // K for b in self.token_buckets if b % K == 0 and b // K >= N), None)
 
     def forward(self, batch: ForwardBatch, ctx, capture_layers: tuple[int, ...] = ()) -> ModelOutput | None:
