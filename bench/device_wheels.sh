@@ -2,7 +2,7 @@
 # The wheels a device call carries (.whl/, git-ignored): what tests/ and the server need beyond the
 # device image's packages (KINDS.md lists those), at the versions this checkout tests against, with
 # every dependency the image lacks named (s21: huggingface_hub 2.4 / openai 3.57 need httpx2, fastapi
-# 0.165 needs opentelemetry-api; without them transformers and the server failed to import there).
+# 0.165 needs opentelemetry-api; s22: openai needs sniffio; without them the imports failed there).
 #   bash bench/device_wheels.sh      (then carry [".whl"]; bench/gpu_call.sh installs them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   transformers==5.24.0 huggingface_hub==2.4.0 dflash==0.1.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2 annotated-doc \
   pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
-  openai==3.57.0 distro jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 idna==3.20 anyio==4.16.0 \
+  openai==3.57.0 sniffio distro jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 idna==3.20 anyio==4.16.0 \
   llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0
 python3 bench/slim_wheel.py .whl/transformers-5.24.0-py3-none-any.whl
 du -sh .whl

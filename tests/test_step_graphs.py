@@ -296,7 +296,7 @@ def test_step_buckets_pad_little():
     from dhisparse.engine.step_graphs import STEP_BUCKETS
     from dhisparse.models.graphs import graph_buckets
 
-    model = llm()
+    model = llm(max_running_requests=128)  # graphs serve up to max_running_requests (--cuda-graph-max-bs)
     g = with_steps(model)
     assert g.token_buckets == graph_buckets(8, STEP_BUCKETS)
     assert g.bucket(36, 1) == 40 and g.bucket(9, 4) == 10
