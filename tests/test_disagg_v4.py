@@ -48,7 +48,7 @@ from v4_fixtures import V4_TINY
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-SMALL = dict(dtype="float64", page_size=4, hot_cache_rows=4, kv_pool_bytes=1 << 20, host_pool_bytes=1 << 20,
+SMALL = dict(dtype="float64", device="cpu", page_size=4, hot_cache_rows=4, kv_pool_bytes=1 << 20, host_pool_bytes=1 << 20,
              max_num_batched_tokens=32, debug_checks=True)
 PD = dict(dist_timeout_s=20.0, disaggregation_prefill_size=1, disaggregation_decode_size=1)
 

@@ -26,6 +26,16 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 DP = dict(dtype="float64", device="cpu", dp_size=2, dist_timeout_s=20.0, kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
 
 
+def test_a_rank_past_the_nodes_gpus_is_refused_by_name(monkeypatch):
+    """Two ranks on a one-GPU node: rank 1 would be cuda:1; refused before any CUDA call fails."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pc = ParallelConfig(dp_size=2)
+    assert pc.device_of(0, "cuda") == "cuda:0" and pc.device_of(1, "cpu") == "cpu"
+    with pytest.raises(ValueError, match="2 ranks .* 1 GPU"):
+        pc.device_of(1, "auto")
+
+
 def test_layout_and_refusals_name_the_flag():
     pc = ParallelConfig()
     assert pc.world_size == 1 and not pc.distributed and list(pc.local_ranks()) == [0]

@@ -137,9 +137,16 @@ class ParallelConfig:
         return range(self.node_rank * n, (self.node_rank + 1) * n)
 
     def device_of(self, rank: int, device: str) -> str:
-        """The device a rank runs on: `cuda` becomes cuda:(rank's index on its node); cpu stays."""
+        """The device a rank runs on: `cuda` becomes cuda:(rank's index on its node); cpu stays.
+        ValueError when the node has fewer GPUs than the ranks it runs (a rank past them would fail
+        later with CUDA's "invalid device ordinal")."""
         if device in ("cuda", "auto") and torch.cuda.is_available():
-            return f"cuda:{rank % self.ranks_per_node}"
+            index, gpus = rank % self.ranks_per_node, torch.cuda.device_count()
+            if index >= gpus:
+                raise ValueError(f"this node runs {self.ranks_per_node} ranks (--dp-size / --tp-size / --ep-size, "
+                                 f"disaggregation sizes, over --nnodes {self.nnodes}) but has {gpus} GPU(s): one GPU a "
+                                 "rank; give fewer ranks or --device cpu")
+            return f"cuda:{index}"
         return device
 
 
