@@ -273,3 +273,32 @@ def test_the_online_runtime_prices_only_its_candidate_widths():
     for w in (1, 2, 4, 8):
         rt.online.observe_cost(w, 0.01 * w)
     assert rt.online.decide(1).width in (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("fresh_start", [True, False])
+def test_a_cold_policy_measures_before_pricing_speculation_out(fresh_start):
+    """A prior (0.6) below the drafter's true acceptance (0.8) prices every width out at these
+    costs; eq. 13 with the true rate speculates (width 8, 4 close behind). The start-up warm-up (the widest width until
+    position 1 is judged `warmup` times) and the prior counted as `prior_weight` observations
+    get the policy speculating within 60 rounds at C2. Without them (the s21 policy) the first 32 rounds
+    run speculation off (on the H200: ~1 token a round for 4-5 s at C2)."""
+    cost = VerifyCost({1: 1.0, 2: 1.7, 4: 2.3, 8: 3.2})
+    kw = {} if fresh_start else dict(prior_weight=0.0, warmup=0)
+    policy = OnlineWidthPolicy(k_max=8, cost=cost, widths=(2, 4, 8), ema=0.05, prior=0.6, **kw)
+    assert not OnlineWidthPolicy(k_max=8, cost=cost, widths=(2, 4, 8), ema=0.05, prior=0.6, warmup=0).best(8)[0].speculate
+    rng = random.Random(0)
+
+    def accepted(w: int) -> int:
+        return next((i for i in range(w - 1) if rng.random() > 0.8), w - 1)
+
+    widths = []
+    for _ in range(60):
+        d = policy.decide(2)
+        widths.append(d.width)
+        for _ in range(2 if d.width > 1 else 0):  # C2: both requests' rounds are judged
+            policy.observe(d.width, accepted(d.width))
+    if fresh_start:  # 16 rounds at width 8 judge position 1 32 times; then eq. 13 speculates (4 or 8)
+        assert widths[:16] == [8] * 16 and widths[-20:].count(1) <= 1
+        assert policy.estimates()[0] == pytest.approx(0.8, abs=0.1)
+    else:  # priced out from the first round until the first probe
+        assert widths[:32] == [1] * 32

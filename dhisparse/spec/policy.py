@@ -98,11 +98,19 @@ class OnlineWidthPolicy:
     a row with it on, one step runs at width 1 (TPOT_0, `cost(1)`, is measured, not a prior), and
     every other such probe instead at the widest width when that is not already the choice (its
     positions' acceptance and its cost stay measured). 0 disables probes.
+
+    Start-up: the prior counts as `prior_weight` observations, so a position's first judgements
+    move its estimate as a running mean would (weight 1 / (judged + prior_weight + 1), never below
+    `ema`), and until position 1 has been judged `warmup` times every decision is the widest
+    width (a probe: it judges every position). Without both, a prior below the drafter's true
+    acceptance priced speculation out from the first round, and probes every `probe_every`
+    rounds moving an EMA by `ema` took seconds to price it back in (on the H200 in session 22,
+    ~1.04 tokens a round for the first 4-5 s of a 10-s window at C2, where width 8 gives 4.0).
     """
 
     def __init__(self, k_max: int, cost: VerifyCost, memory: MemoryModel | None = None,
                  widths: Sequence[int] | None = None, ema: float = 0.05, prior: float = 0.6,
-                 margin: float = 0.0, probe_every: int = 32) -> None:
+                 margin: float = 0.0, probe_every: int = 32, prior_weight: float = 4.0, warmup: int = 32) -> None:
         if k_max < 2:
             raise ValueError(f"OnlineWidthPolicy.k_max must be >= 2, got {k_max}")
         self.k_max, self.cost, self.memory = k_max, cost, memory
@@ -111,7 +119,10 @@ class OnlineWidthPolicy:
             raise ValueError(f"OnlineWidthPolicy.widths must lie in [2, k_max={k_max}], got {self.widths}")
         if probe_every < 0:
             raise ValueError(f"OnlineWidthPolicy.probe_every must be >= 0 (0: no probes), got {probe_every}")
+        if prior_weight < 0 or warmup < 0:
+            raise ValueError(f"OnlineWidthPolicy: prior_weight and warmup must be >= 0, got {prior_weight}, {warmup}")
         self.ema, self.margin, self.probe_every = ema, margin, probe_every
+        self.prior_weight, self.warmup = prior_weight, warmup
         self.acceptance = [prior] * (k_max - 1)  # index i-1 for draft position i
         self.judged = [0] * (k_max - 1)  # rounds that judged position i
         self._streak = (1, 0)  # (width class of the last decisions: 1 off / 2 on, how many in a row)
@@ -123,7 +134,8 @@ class OnlineWidthPolicy:
             raise ValueError(f"observe: need 0 <= accepted <= width-1 <= k_max-1, got width={width}, accepted={accepted}")
         for i in range(min(accepted + 1, width - 1)):
             hit = 1.0 if i < accepted else 0.0
-            self.acceptance[i] += self.ema * (hit - self.acceptance[i])
+            weight = max(self.ema, 1.0 / (self.judged[i] + self.prior_weight + 1))
+            self.acceptance[i] += weight * (hit - self.acceptance[i])
             self.judged[i] += 1
 
     def estimates(self) -> list[float]:
@@ -143,6 +155,8 @@ class OnlineWidthPolicy:
     def decide(self, concurrency: int, capacity_bytes: int | None = None) -> WidthDecision:
         """Width of the next round for `concurrency` offered sessions (and, optionally, the live
         capacity): the eq. 13 best, or a probe of the other side (class docstring)."""
+        if self.judged[0] < self.warmup:  # start-up: measure acceptance at every position first
+            return self._decision(self.widths[-1], concurrency, capacity_bytes)._replace(probe=True)
         best, top = self.best(concurrency, capacity_bytes)
         kind = 2 if best.speculate else 1
         n = self._streak[1] + 1 if self._streak[0] == kind else 1
