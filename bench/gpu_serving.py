@@ -89,6 +89,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--graph-max-bs-per-load", action="store_true",
       help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
            "step_graph_warmup=true an engine captures only the graphs that load replays, not every bucket up to its slots")
+    a("--prewarm", action="store_true",
+      help="before the first window build and drop one engine per (preset, arm) with graphs for one request: the "
+           "process's first engine of a verification width compiles its shapes (s22: 2-8 s a graph), so no measured run pays that")
     a("--charge-spec-memory", action="store_true",
       help="+spec presets pay for speculation out of the same device memory (issue 31): the drafter's weights and "
            "ring come out of the KV pool's bytes and each slot also holds its staging share, so they get fewer slots")
@@ -330,6 +333,19 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str =
     return R.run_result(label(preset, arm), c, "in-process", trace)
 
 
+def prewarm(ns, sz, loaded, prefixes, reference) -> None:
+    """One engine per (preset, arm), whole-step graphs warmed for one request, built and dropped
+    unmeasured: what a process compiles the first time it runs a verification width is paid here."""
+    for preset in ns.preset_list:
+        for arm in ns.arm_list:
+            t = time.perf_counter()
+            cfg = dataclasses.replace(engine_config(ns, sz, preset, arm), cuda_graph_max_bs=1, step_graph_warmup=True)
+            engine = fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
+            del engine
+            release_memory()
+            print(f"[prewarm] {label(preset, arm)} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
 def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[dict]]:
     """(one row a run, ratios of mean throughputs, spread: mean / min / max tok/s per (label, C)).
     Ratios: each preset against hisparse and adaptive against resident at one load, and with
@@ -427,6 +443,8 @@ def main(argv=None) -> int:
               f"{ch['drafter_ring_bytes_per_slot'] / 2**20:.1f} MiB and staging {ch['staging_bytes_per_slot'] / 2**20:.1f} "
               f"MiB a slot -> pool {ch['kv_pool_bytes'] / GIB:.2f} GiB, max_running_requests {ch['max_running_requests']} "
               f"(uncharged {ch['uncharged_max_running_requests']})", flush=True)
+    if ns.prewarm:
+        prewarm(ns, sz, loaded, prefixes, reference)
     runs = []
     for c, preset, arm in schedule(ns):  # every preset and arm at one load side by side before the next load
         t = time.perf_counter()

@@ -311,12 +311,14 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
   # at K; a MEASUREMENT TOOL: the oracle runs no network), the arm order rotated every round. Whole-step graphs
   # are captured before serving (s21: lazily, the online arm captured ~7 graphs, ~2.3 s, some inside its 10-s window),
   # each run only for its load's batch sizes (--graph-max-bs-per-load: s21's warm-up of every bucket up to 11 slots
-  # took 166 s an online engine). Fixed 2 is left out by default: s21 it was the slowest width at C2 and C11 by >= 10%
+  # took 166 s an online engine). Fixed 2 is left out by default: s21 it was the slowest width at C2 and C11 by >= 10%.
+  # --prewarm: s22's first speculative engine captured at 2-8 s a graph (later ones 0.35 s), so every arm is built
+  # once, unmeasured, first. One load a call (SPEC_C=2, 6 or 11): three rounds of four arms took a whole call at C11
   tpr() { python3 -c "import dhisparse.spec.oracle as o; c = o.corrupt_rate_for_tokens_per_round(2.88, 4); print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
   arm() { echo "speculative_policy=$1,speculative_num_draft_tokens=$2,speculative_oracle_tokens_per_round=$(tpr $2)"; }
   ARMS=""; for POL in ${SPECPOLICY_ORDER:-online:8 fixed:4 fixed:6 fixed:8}; do ARMS="$ARMS;$(arm ${POL%%:*} ${POL##*:})"; done
   run "adaptive+spec, online K_max 8 vs fixed widths, 8K C${SPEC_C:-2,6,11}" timeout ${SPECPOLICY_TIMEOUT:-540} \
       python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 \
       --concurrency ${SPEC_C:-2,6,11} --presets adaptive+spec --duration 10 --force --spec-width 4 --arms "${ARMS#;}" \
-      --engine-arg step_graph_warmup=true --graph-max-bs-per-load \
+      --engine-arg step_graph_warmup=true --graph-max-bs-per-load --prewarm \
       --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_h200.json" ;; esac
