@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib
-import multiprocessing as mp
-import socket
 import sys
 
 import torch
@@ -40,9 +37,7 @@ from dhisparse.engine.disagg_ranks import DecodeRank, PrefillRank
 from dhisparse.engine.disagg_round import follow
 from dhisparse.engine.disagg_wire import Wire
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.memory import resolve_device
-from dhisparse.layers.ep_moe import ep_layers
-from dhisparse.models.registry import load_for_config
+from dhisparse.engine.rank_spawn import free_addr, run_hook, shard_engine, spawn_ranks
 from dhisparse.models.shard_load import ShardSpec
 
 
@@ -59,9 +54,7 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
     if layout.role_of(rank) == "prefill":
         cfg = dataclasses.replace(cfg, admission_placement="import")
     engine = ep_engine(cfg, layout, rank) if layout.expert_parallel else Engine(cfg)
-    if on_engine:
-        mod, _, fn = on_engine.partition(":")
-        getattr(importlib.import_module(mod), fn)(engine, rank)
+    run_hook(on_engine, engine, rank)
     return engine
 
 
@@ -70,12 +63,7 @@ def ep_engine(cfg: EngineConfig, layout: DisaggLayout, rank: int) -> Engine:
     index in its EP group), no CUDA graphs (the exchanges are collectives), lock-step over its EP
     group (`any_rank` there once `join_ep_groups` has run)."""
     cfg = dataclasses.replace(cfg, cuda_graphs="none")
-    shard = ShardSpec("ep", layout.ep_rank(rank), layout.ep_size)
-    loaded = load_for_config(cfg, resolve_device(cfg.device), shard=shard)
-    if ep_layers(loaded.model) == 0:
-        raise ValueError(f"--ep-size {layout.ep_size}: {cfg.model} has no routed-expert MoE layers to shard "
-                         "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
-    engine = Engine(cfg, loaded=loaded)
+    engine = shard_engine(cfg, ShardSpec("ep", layout.ep_rank(rank), layout.ep_size), layout.ep_size)
     engine.lockstep = any_rank
     return engine
 
@@ -113,22 +101,8 @@ def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None
 
 
 def _spawn(config: EngineConfig, layout: DisaggLayout, addr: str, on_engine: str | None) -> list:
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in layout.parallel_config().local_ranks():
-        if rank == 0:
-            continue
-        p = ctx.Process(target=_rank_main, args=(config, rank, addr, on_engine),
-                        name=f"dhisparse-{layout.role_of(rank)}{rank}", daemon=True)
-        p.start()
-        procs.append(p)
-    return procs
-
-
-def _free_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return spawn_ranks(_rank_main, config, layout.parallel_config().local_ranks(), addr, on_engine,
+                       lambda rank: f"dhisparse-{layout.role_of(rank)}{rank}")
 
 
 def build_disagg(config: EngineConfig, on_engine: str | None = None) -> DisaggCoordinator:
@@ -138,7 +112,7 @@ def build_disagg(config: EngineConfig, on_engine: str | None = None) -> DisaggCo
     if not layout.enabled or layout.node_rank != 0:
         raise ValueError("build_disagg runs node 0 of a disaggregated world (--disaggregation-prefill-size / "
                          "-decode-size, --node-rank 0); other nodes call run_disagg_node")
-    addr = layout.dist_init_addr or _free_addr()
+    addr = layout.dist_init_addr or free_addr()
     procs = _spawn(config, layout, addr, on_engine)
     try:
         engine = rank_engine(config, layout, 0, on_engine)

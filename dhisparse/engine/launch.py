@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
-import multiprocessing as mp
-import socket
 import sys
 
 import torch
@@ -38,20 +35,11 @@ from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_launch import build_disagg, run_disagg_node
 from dhisparse.engine.distributed import Coordinator, follow
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.memory import resolve_device
-from dhisparse.layers.ep_moe import ep_layers
-from dhisparse.models.registry import load_for_config
+from dhisparse.engine.rank_spawn import free_addr, run_hook, shard_engine, spawn_ranks
 from dhisparse.models.shard_load import ShardSpec
 
 BATCH_CHECK = "the tensor-parallel batch check (every rank must run the same requests and rows)"
 POOL_CHECK = "the tensor-parallel pool check (every rank must size the same KV pools: set --kv-pool-bytes)"
-
-
-def free_addr() -> str:
-    """127.0.0.1 and a port free now (the default rendezvous of a one-node world)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: str | None = None) -> Engine:
@@ -65,20 +53,14 @@ def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: 
         rank_cfg = tp_engine_config(rank_cfg)
     if pc.tensor_parallel or pc.expert_parallel:
         shard = ShardSpec("tp" if pc.tensor_parallel else "ep", rank, pc.world_size)
-        loaded = load_for_config(rank_cfg, resolve_device(rank_cfg.device), shard=shard)
-        if pc.expert_parallel and ep_layers(loaded.model) == 0:
-            raise ValueError(f"--ep-size {pc.ep_size}: {config.model} has no routed-expert MoE layers to shard "
-                             "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
-        engine = Engine(rank_cfg, loaded=loaded)
+        engine = shard_engine(rank_cfg, shard, pc.ep_size if pc.expert_parallel else None)
     else:
         engine = Engine(rank_cfg)
     if pc.tensor_parallel:
         guard_batches(engine)
     if pc.expert_parallel:
         engine.lockstep = any_rank
-    if on_engine:
-        mod, _, fn = on_engine.partition(":")
-        getattr(importlib.import_module(mod), fn)(engine, rank)
+    run_hook(on_engine, engine, rank)
     return engine
 
 
@@ -149,15 +131,7 @@ def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None
 
 
 def spawn_followers(config: EngineConfig, pc: ParallelConfig, addr: str, on_engine: str | None) -> list:
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in pc.local_ranks():
-        if rank == 0:
-            continue
-        p = ctx.Process(target=_rank_main, args=(config, rank, addr, on_engine), name=f"dhisparse-rank{rank}", daemon=True)
-        p.start()
-        procs.append(p)
-    return procs
+    return spawn_ranks(_rank_main, config, pc.local_ranks(), addr, on_engine, lambda rank: f"dhisparse-rank{rank}")
 
 
 def start_ranks(config: EngineConfig, on_engine: str | None = None) -> Coordinator:

@@ -1,0 +1,63 @@
+"""What both world starters share (engine/launch.py for DP / TP / EP, engine/disagg_launch.py for
+prefill/decode): the default rendezvous, spawning a node's other ranks, a rank's engine over its
+shard, and the test / debug hook every rank's engine is handed to.
+
+    free_addr()                           127.0.0.1:<a free port>
+    spawn_ranks(target, config, ranks, …)  one "spawn" process a rank but 0: target(config, rank, addr, hook)
+    shard_engine(cfg, shard, model, ep)    the rank's Engine over its ShardSpec (checkpoint read shard-wise)
+    run_hook(on_engine, engine, rank)     "module:function" called as function(engine, rank)
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import socket
+from typing import Callable, Iterable
+
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.engine import Engine
+from dhisparse.engine.memory import resolve_device
+from dhisparse.layers.ep_moe import ep_layers
+from dhisparse.models.registry import load_for_config
+from dhisparse.models.shard_load import ShardSpec
+
+
+def free_addr() -> str:
+    """127.0.0.1 and a port free now (the default rendezvous of a one-node world)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn_ranks(target: Callable, config: EngineConfig, ranks: Iterable[int], addr: str, on_engine: str | None,
+                name: Callable[[int], str]) -> list:
+    """Start target(config, rank, addr, on_engine) in a "spawn" process for every rank but 0 (rank 0
+    runs in the caller); daemon processes named name(rank). Returns them in rank order."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        if rank == 0:
+            continue
+        p = ctx.Process(target=target, args=(config, rank, addr, on_engine), name=name(rank), daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def shard_engine(cfg: EngineConfig, shard: ShardSpec, ep_size: int | None = None) -> Engine:
+    """The engine of a rank over its shard: the checkpoint read shard-wise onto cfg.device
+    (models/shard_load.py), the built-in model sharded in memory. ep_size: expert parallelism, so
+    a model with no routed-expert MoE layer is refused naming --ep-size."""
+    loaded = load_for_config(cfg, resolve_device(cfg.device), shard=shard)
+    if ep_size is not None and ep_layers(loaded.model) == 0:
+        raise ValueError(f"--ep-size {ep_size}: {cfg.model} has no routed-expert MoE layers to shard "
+                         "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
+    return Engine(cfg, loaded=loaded)
+
+
+def run_hook(on_engine: str | None, engine: Engine, rank: int) -> None:
+    """Call the "module:function" hook (a test or debug hook, e.g. a row checker on every rank)."""
+    if on_engine:
+        mod, _, fn = on_engine.partition(":")
+        getattr(importlib.import_module(mod), fn)(engine, rank)
