@@ -208,8 +208,8 @@ FLAGS: list[Flag] = [
          "forward per request bucket for decode / verification passes; auto = step on CUDA where the model supports it",
          choices=("auto", "none", "ffn", "layer", "step")),
     Flag("--cuda-graph-max-bs", "cuda_graph_max_bs", positive_int, "the largest decode / verification batch "
-         "(requests) CUDA graphs serve and are captured for at start; larger passes run eagerly "
-         "(default: --max-running-requests)"),
+         "(requests) CUDA graphs are captured for at start; whole-step graphs serve passes of up to this many requests, "
+         "larger ones run layer by layer (default: --max-running-requests)"),
     Flag("--copy-stream", "copy_stream", help_="adaptive on CUDA: where page copies run", choices=("side", "compute")),
     Flag("--admission-placement", "admission_placement", help_="hierarchical presets: where a prompt's prepared "
          "prefix goes at admission (import: copied to the device first; host: its shared host pages are the history "
