@@ -318,11 +318,16 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     return ref
 
 
+def arm_engine(ns, sz, loaded, prefixes, preset: str, arm: str, reference, **replace):
+    """A fresh engine of (preset, arm), its config with `replace` applied; +spec presets get the
+    oracle reference."""
+    cfg = dataclasses.replace(engine_config(ns, sz, preset, arm), **replace)
+    return fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
+
+
 def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
-    cfg = engine_config(ns, sz, preset, arm)
-    if ns.graph_max_bs_per_load:
-        cfg = dataclasses.replace(cfg, cuda_graph_max_bs=c)
-    engine = fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
+    engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference,
+                        **(dict(cuda_graph_max_bs=c) if ns.graph_max_bs_per_load else {}))
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
                         timeout_s=ns.duration + 600)
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
@@ -339,8 +344,7 @@ def prewarm(ns, sz, loaded, prefixes, reference) -> None:
     for preset in ns.preset_list:
         for arm in ns.arm_list:
             t = time.perf_counter()
-            cfg = dataclasses.replace(engine_config(ns, sz, preset, arm), cuda_graph_max_bs=1, step_graph_warmup=True)
-            engine = fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
+            engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference, cuda_graph_max_bs=1, step_graph_warmup=True)
             del engine
             release_memory()
             print(f"[prewarm] {label(preset, arm)} in {time.perf_counter() - t:.0f} s", flush=True)

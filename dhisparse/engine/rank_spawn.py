@@ -4,7 +4,7 @@ shard, and the test / debug hook every rank's engine is handed to.
 
     free_addr()                           127.0.0.1:<a free port>
     spawn_ranks(target, config, ranks, …)  one "spawn" process a rank but 0: target(config, rank, addr, hook)
-    shard_engine(cfg, shard, model, ep)    the rank's Engine over its ShardSpec (checkpoint read shard-wise)
+    shard_engine(cfg, shard, ep_size)      the rank's Engine over its ShardSpec (checkpoint read shard-wise)
     run_hook(on_engine, engine, rank)     "module:function" called as function(engine, rank)
 """
 
