@@ -321,4 +321,4 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
       python3 bench/gpu_serving.py --model glm52-scaled --input-len 8192 --resident-fit 6 --host-pool-gib 32 \
       --concurrency ${SPEC_C:-2,6,11} --presets adaptive+spec --duration 10 --force --spec-width 4 --arms "${ARMS#;}" \
       --engine-arg step_graph_warmup=true --graph-max-bs-per-load --prewarm \
-      --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_h200.json" ;; esac
+      --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_c${SPEC_C:-2,6,11}_h200.json" ;; esac

@@ -78,6 +78,10 @@ def test_width_policies_stay_exact(reference, policy):
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in PROMPTS]
     assert llm.engine.spec.cost.measured  # step costs were measured online
+    st = llm.engine.stats().as_dict()
+    widths = {int(k.removeprefix("spec_steps_width")): n for k, n in st.items() if k.startswith("spec_steps_width")}
+    assert sum(widths.values()) == st["spec_draft_calls"] and set(widths) <= {1, 2, 4, 6}
+    assert {f"spec_cost_ms_width{w}" for w in llm.engine.spec.cost.measured} <= set(st)
 
 
 @pytest.mark.parametrize("window", [16, 2048])

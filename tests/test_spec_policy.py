@@ -46,12 +46,14 @@ def test_dspark_drafter_truncates_each_proposal():
     assert unsure.last_widths == [1]
 
 
-def test_verify_cost_ema_and_interpolation():
-    cost = VerifyCost({1: 1.0, 4: 2.2, 8: 4.0}, alpha=0.5)
+def test_verify_cost_median_and_interpolation():
+    cost = VerifyCost({1: 1.0, 4: 2.2, 8: 4.0})
     assert cost.cost(4) == 2.2 and cost.cost(2) == pytest.approx(1.4) and cost.cost(6) == pytest.approx(3.1)
     assert cost.cost(10) == pytest.approx(4.9)  # extrapolated from the last two points
     cost.update(4, 3.2)
-    assert cost.cost(4) == pytest.approx(2.7)
+    assert cost.cost(4) == pytest.approx(2.7)  # the median of its two samples
+    cost.update(4, 2.4)
+    assert cost.cost(4) == pytest.approx(2.4)
     one = VerifyCost({4: 2.0})
     assert one.cost(4) == 2.0 and one.cost(1) == pytest.approx(2.0 * 1.0 / 1.3)  # prior's shape
     timed = VerifyCost.measure(lambda w: None, [1, 2], repeats=2)
@@ -213,18 +215,52 @@ def test_on_probes_alternate_width_one_and_the_widest_width():
 
 
 def test_verify_cost_caps_one_outlier_sample():
-    """A step that compiled or captured (seconds, not milliseconds) moves the estimate by at most
-    alpha x (clip - 1); uncapped, 5 s at width 8 would make width 8 look 80x dearer for good."""
-    cost = VerifyCost({1: 0.010, 8: 0.012}, alpha=0.2, clip=2.0)
+    """A step that compiled or captured (seconds, not milliseconds) is capped at clip x the
+    estimate and then outvoted by the window's median; an EMA kept it (breakage caught: the
+    window's mean instead of its median; the session-22 EMA)."""
+    cost = VerifyCost({1: 0.010, 8: 0.012}, clip=2.0)
     cost.update(8, 5.0)
-    assert cost.cost(8) == pytest.approx(0.012 * 1.2)
+    assert cost.cost(8) == pytest.approx((0.012 + 0.024) / 2)  # capped at 2x, then the median of two
+    cost.update(8, 0.012)
+    assert cost.cost(8) == pytest.approx(0.012)  # outvoted
     cost.update(4, 5.0)  # an unmeasured width is capped against its interpolated estimate
-    assert cost.cost(4) == pytest.approx(2 * (0.010 + (0.0144 - 0.010) * 3 / 7))
-    fresh = VerifyCost()
+    assert cost.cost(4) == pytest.approx(2 * (0.010 + (0.012 - 0.010) * 3 / 7))
+    fresh = VerifyCost(window=5)
     fresh.update(8, 5.0)  # nothing measured yet: nothing to cap against
     assert fresh.cost(8) == pytest.approx(5.0)
+    for _ in range(2):
+        fresh.update(8, 0.03)
+    assert fresh.cost(8) == pytest.approx(0.03)  # three samples outvote the first
+    for _ in range(5):
+        fresh.update(8, 0.06)
+    assert fresh.cost(8) == pytest.approx(0.06)  # the window follows a real change within `window` samples
     with pytest.raises(ValueError, match="clip"):
         VerifyCost(clip=1.0)
+    with pytest.raises(ValueError, match="window"):
+        VerifyCost(window=0)
+
+
+def test_a_slow_first_round_does_not_lock_the_online_policy_narrow():
+    """Session 23 on the H200 at C2: the first width-8 round compiled (seconds); with an EMA cost
+    the policy then ran widths 2-4 for seconds where every width costs about the same and 8
+    emits the most. Scripted: flat cost, 0.77 acceptance per position, one 2-s first round
+    (breakage caught: the EMA cost, whose mean non-probe width here was 3.0)."""
+    import random
+    rng = random.Random(0)
+    policy = OnlineWidthPolicy(k_max=8, cost=VerifyCost(), widths=(2, 4, 8))
+    chosen = []
+    for step in range(200):
+        d = policy.decide(2)
+        for _ in range(2):
+            accepted = 0
+            while d.width > 1 and accepted < d.width - 1 and rng.random() < 0.77:
+                accepted += 1
+            if d.width > 1:
+                policy.observe(d.width, accepted)
+        policy.observe_cost(d.width, 2.0 if step == 0 else 0.030 * (1 + 0.1 * rng.random()))
+        if step >= 16 and not d.probe:
+            chosen.append(d.width)
+    assert chosen.count(8) >= 0.95 * len(chosen)
 
 
 def test_round_widths_are_what_the_policy_can_choose():

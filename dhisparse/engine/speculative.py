@@ -36,6 +36,7 @@ class SpecCounters:
     drafted_at: list[int] = field(default_factory=list)
     draft_calls: int = 0  # drafter.propose calls (one per step that verifies)
     draft_seconds: float = 0.0  # wall time inside them (their device work included: proposals are host lists)
+    width_steps: dict[int, int] = field(default_factory=dict)  # decoding steps by the width chosen for them
 
     def add(self, width: int, acc: Acceptance) -> None:
         self.rounds += 1
@@ -53,6 +54,8 @@ class SpecCounters:
              "spec_draft_ms_per_call": 1e3 * self.draft_seconds / self.draft_calls if self.draft_calls else 0.0}
         for i, (a, n) in enumerate(zip(self.accepted_at, self.drafted_at)):
             d[f"spec_accept_pos{i + 1}"] = a / n if n else 0.0
+        for w, n in sorted(self.width_steps.items()):
+            d[f"spec_steps_width{w}"] = n
         return d
 
 
@@ -70,9 +73,12 @@ class SpecRuntime:
         self._kept: dict[str, dict[int, torch.Tensor]] = {}
 
     def stats(self) -> dict:
-        """Acceptance and drafter cost: time per propose call, device bytes of its weights and state."""
+        """Acceptance, steps by chosen width (`spec_steps_width{w}`, 1 = speculation off), the
+        measured round cost by width (`spec_cost_ms_width{w}`, what the online policy and DSpark
+        price widths with) and drafter cost: time per propose call, device bytes of its weights and state."""
         mem = self.drafter.device_bytes()
-        return self.counters.as_dict() | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
+        costs = {f"spec_cost_ms_width{w}": 1e3 * s for w, s in self.cost.measured.items()}
+        return self.counters.as_dict() | costs | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
 
     def width(self, running: int) -> int:
         """Verification width this round: fixed (K_max), static by load, or the online policy's
@@ -89,6 +95,7 @@ class SpecRuntime:
         if not decodes:
             return chunks
         width = self.width(running)
+        self.counters.width_steps[width] = self.counters.width_steps.get(width, 0) + 1
         reqs = []
         for i in decodes:
             r = chunks[i].req

@@ -14,7 +14,9 @@ the target is chosen.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Callable, Iterable, Sequence
 
 from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Drafter, Features
@@ -32,27 +34,30 @@ def expected_emitted(confidences: Sequence[float], width: int) -> float:
 class VerifyCost:
     """Seconds per verification round as a function of the width (queries per request).
 
-    `update(width, seconds)` folds a measurement in with an EMA (weight `alpha` for the new
-    value), first capped at `clip` x the current estimate (once anything is measured): one step
-    that compiled a kernel or captured a graph (seconds, against milliseconds) then moves the
-    estimate by at most alpha x (clip - 1), where uncapped it made that width look unusable until
-    it was measured again, which a policy that stopped choosing it never did. `cost(width)`
+    `update(width, seconds)` adds a sample to that width's window of its last `window` samples,
+    first capped at `clip` x the current estimate once anything is measured; a width's cost is
+    its window's median. One step that compiled a kernel or captured a graph (seconds, against
+    milliseconds) then moves nothing once the window holds three samples, and a width's first
+    sample is capped against the estimate its measured neighbours give. (Session 23 on the H200:
+    an EMA seeded by such a first sample priced width 8 at twice its cost for seconds after the
+    online policy's warm-up, and the policy ran widths 2-4 at C2 where 8 was best.) `cost(width)`
     returns the measured value, interpolates linearly between measured widths and extrapolates
     from the nearest two; with one measurement it scales it by the shape of `prior`, with none it
     returns `prior(width)` (default 1 + 0.1 (K - 1)).
     """
 
-    def __init__(self, measured: dict[int, float] | None = None, alpha: float = 0.2,
+    def __init__(self, measured: dict[int, float] | None = None, window: int = 9,
                  prior: Callable[[float], float] | None = None, clip: float = 2.0) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"VerifyCost.alpha must be in (0, 1], got {alpha}")
+        if window < 1:
+            raise ValueError(f"VerifyCost.window must be >= 1, got {window}")
         if not clip > 1.0:
             raise ValueError(f"VerifyCost.clip must be > 1, got {clip}")
-        self.alpha, self.clip = alpha, clip
+        self.window, self.clip = window, clip
         self.prior = prior or (lambda w: 1.0 + 0.1 * (w - 1))
+        self._samples: dict[int, deque[float]] = {}
         self._table: dict[int, float] = {}
         for w, s in (measured or {}).items():
-            self._set(w, s)
+            self._add(w, s)
 
     @classmethod
     def linear(cls, base: float, per_query: float) -> "VerifyCost":
@@ -71,16 +76,17 @@ class VerifyCost:
             table[w] = max((time.perf_counter() - t0) / repeats, 1e-9)
         return cls(table)
 
-    def _set(self, width: int, seconds: float) -> None:
+    def _add(self, width: int, seconds: float) -> None:
         if width < 1 or not seconds > 0:
             raise ValueError(f"VerifyCost: need width >= 1 and seconds > 0, got width={width}, seconds={seconds}")
-        self._table[int(width)] = float(seconds)
+        window = self._samples.setdefault(int(width), deque(maxlen=self.window))
+        window.append(float(seconds))
+        self._table[int(width)] = statistics.median(window)
 
     def update(self, width: int, seconds: float) -> None:
         if self._table and seconds > 0:
             seconds = min(seconds, self.clip * self.cost(width))
-        old = self._table.get(int(width))
-        self._set(width, seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds)
+        self._add(width, seconds)
 
     @property
     def measured(self) -> dict[int, float]:
