@@ -215,15 +215,16 @@ def test_on_probes_alternate_width_one_and_the_widest_width():
 
 
 def test_verify_cost_caps_one_outlier_sample():
-    """A step that compiled or captured (seconds, not milliseconds) is capped at clip x the
-    estimate and then outvoted by the window's median; an EMA kept it (breakage caught: the
-    window's mean instead of its median; the session-22 EMA)."""
+    """A step that compiled or captured (seconds, not milliseconds) is outvoted by the window's
+    median; a width's first sample is capped against its neighbours' estimate; a too-low first
+    sample is not held down (breakages caught: the window's mean instead of its median; the
+    session-22 EMA; every sample capped against the width's own estimate)."""
     cost = VerifyCost({1: 0.010, 8: 0.012}, clip=2.0)
     cost.update(8, 5.0)
-    assert cost.cost(8) == pytest.approx((0.012 + 0.024) / 2)  # capped at 2x, then the median of two
+    assert cost.cost(8) == pytest.approx((0.012 + 5.0) / 2)  # the median of two
     cost.update(8, 0.012)
     assert cost.cost(8) == pytest.approx(0.012)  # outvoted
-    cost.update(4, 5.0)  # an unmeasured width is capped against its interpolated estimate
+    cost.update(4, 5.0)  # a width's first sample is capped against its interpolated estimate
     assert cost.cost(4) == pytest.approx(2 * (0.010 + (0.012 - 0.010) * 3 / 7))
     fresh = VerifyCost(window=5)
     fresh.update(8, 5.0)  # nothing measured yet: nothing to cap against
@@ -234,6 +235,16 @@ def test_verify_cost_caps_one_outlier_sample():
     for _ in range(5):
         fresh.update(8, 0.06)
     assert fresh.cost(8) == pytest.approx(0.06)  # the window follows a real change within `window` samples
+    fresh.update(1, 1e-6)  # a too-low first sample (capped against nothing higher)
+    for _ in range(2):
+        fresh.update(1, 0.02)
+    assert fresh.cost(1) == pytest.approx(0.02)
+    fresh.clear()
+    assert fresh.measured == {} and VerifyCost({4: 2.0}).measured == {4: 2.0}
+    seeded = VerifyCost({4: 2.0})
+    seeded.update(4, 3.0)
+    seeded.clear()
+    assert seeded.measured == {4: 2.0}  # back to the constructor's table
     with pytest.raises(ValueError, match="clip"):
         VerifyCost(clip=1.0)
     with pytest.raises(ValueError, match="window"):
@@ -279,7 +290,9 @@ def test_round_widths_are_what_the_policy_can_choose():
 
 def test_only_decode_only_steps_feed_the_cost_model():
     """A step that also prefilled is not a round's cost at its width (engine.step passes
-    decode_only); the tiny engine's online run feeds every pure-decode step and no mixed one."""
+    decode_only), nor one that cut a request's width to its remaining max_tokens (an eager
+    width); the tiny engine's online run feeds every other pure-decode step (breakage caught:
+    clipped steps fed)."""
     from dhisparse import LLM
     from dhisparse.core.params import SamplingParams
 
@@ -289,13 +302,14 @@ def test_only_decode_only_steps_feed_the_cost_model():
     fed, calls = [], []
     update, observe = spec.cost.update, spec.observe_step
     spec.cost.update = lambda w, s: (fed.append(w), update(w, s))[1]
-    spec.observe_step = lambda seconds, decode_only=True: (calls.append((spec._step_width, decode_only)),
+    spec.observe_step = lambda seconds, decode_only=True: (calls.append((spec._step_width, decode_only, spec._clipped)),
                                                            observe(seconds, decode_only))[1]
     prompts = [[3 + (5 * j + i) % 200 for j in range(40 + 30 * i)] for i in range(3)]
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-    mixed = [w for w, only in calls if w and not only]
+    mixed = [w for w, only, _ in calls if w and not only]
     assert mixed, "the scripted load has steps that verify while another request prefills"
-    assert len(fed) == sum(1 for w, only in calls if w and only)
+    assert any(cut for w, only, cut in calls if w and only), "and steps that cut a width to max_tokens"
+    assert len(fed) == sum(1 for w, only, cut in calls if w and only and not cut)
 
 
 def test_the_online_runtime_prices_only_its_candidate_widths():

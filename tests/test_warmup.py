@@ -47,6 +47,45 @@ def test_speculative_warm_up_runs_until_a_round_verified_drafts(algorithm):
         assert rep.drafted or rep.requests == len(WARMUP_TOKENS)
 
 
+def test_speculation_forgets_what_the_warm_up_taught_it():
+    """The online policy's acceptance and the measured round costs go back to their priors after
+    a warm-up (session 23 on the H200: warm-up drafts the oracle rejected counted as the policy's
+    start-up measurement and turned speculation off for seconds; 4-token rounds ran eager widths
+    at 10x a round's cost). Breakage caught: warm_up without forget_learning."""
+    eng = Engine(EngineConfig(preset="adaptive", hot_cache_rows=16, speculative_algorithm="dflash",
+                              speculative_num_draft_tokens=4, speculative_policy="online"))
+    policy = eng.spec.online
+    warm_up_server(eng, batch=2)
+    assert eng.spec.counters.rounds > 0  # the warm-up did verify rounds ...
+    assert policy.judged == [0] * 3 and policy.acceptance == [policy.prior] * 3  # ... and taught nothing
+    assert eng.spec.cost.measured == {} and policy.decide(2).probe  # start-up measuring again
+
+
+def test_every_rank_of_a_world_forgets_with_the_next_round():
+    """Control(forget=True) reaches every rank's engine before its share of the round (DP / TP
+    and prefill / decode worlds)."""
+    from types import SimpleNamespace
+
+    from dhisparse.engine import disagg_round, distributed
+
+    class Rank:
+        forgot = 0
+
+        def forget_learning(self):
+            self.forgot += 1
+
+    eng = Rank()
+    distributed.apply(eng, 1, distributed.Control(forget=True))
+    distributed.apply(eng, 1, distributed.Control())
+    assert eng.forgot == 1
+    side = SimpleNamespace(engine=Rank(), rank=1, transferred=lambda *a: None, load=lambda: None,
+                           collect=lambda outs: ([], []), stats=lambda: None, exported=lambda: [],
+                           outgoing=lambda: [])
+    wire = SimpleNamespace(run=lambda transfers, outgoing: [])
+    disagg_round.serve_round(side, wire, disagg_round.DControl(forget=True, beat=True))
+    assert side.engine.forgot == 1
+
+
 def test_deadline_aborts_what_is_left():
     eng = Engine(EngineConfig(preset="hisparse", hot_cache_rows=16))
     free = eng.store.pool.num_free

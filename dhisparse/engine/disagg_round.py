@@ -31,13 +31,15 @@ from dhisparse.engine.stats import EngineStats
 class DControl:
     """Rank 0's message of one round. adds: (prefill rank, request id, prompt ids, params,
     export_prefix, arrival wall time); transfers: (prefill rank, decode rank, Header); aborts:
-    (rank, request id); beat: no step (a heartbeat); shutdown: the world ends."""
+    (rank, request id); beat: no step (a heartbeat); shutdown: the world ends; forget: every rank
+    forgets what speculation learnt (`Engine.forget_learning`, after a warm-up)."""
 
     adds: list[tuple[int, str, list[int], SamplingParams, bool, float]] = field(default_factory=list)
     transfers: list[tuple[int, int, Header]] = field(default_factory=list)
     aborts: list[tuple[int, str]] = field(default_factory=list)
     beat: bool = False
     shutdown: bool = False
+    forget: bool = False
 
 
 @dataclass
@@ -86,6 +88,8 @@ def serve_round(side, wire: Wire, ctl: DControl) -> DReply:
     received = wire.run(ctl.transfers, side.outgoing())
     try:
         side.transferred(ctl.transfers, received)
+        if ctl.forget:
+            side.engine.forget_learning()
         for rank, rid in ctl.aborts:
             if rank == side.rank:
                 side.abort(rid)

@@ -42,12 +42,14 @@ from dhisparse.engine.stats import EngineStats
 @dataclass
 class Control:
     """One round's message from rank 0. adds: (rank, request id, prompt ids, params, export_prefix);
-    aborts: (rank, request id); beat: no step this round (a heartbeat)."""
+    aborts: (rank, request id); beat: no step this round (a heartbeat); forget: every rank forgets
+    what speculation learnt (`Engine.forget_learning`, after a warm-up) before its share."""
 
     adds: list[tuple[int, str, list[int], SamplingParams, bool]] = field(default_factory=list)
     aborts: list[tuple[int, str]] = field(default_factory=list)
     beat: bool = False
     shutdown: bool = False
+    forget: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ def detached(out: RequestOutput) -> RequestOutput:
 
 
 def apply(engine: Engine, rank: int, ctl: Control) -> None:
-    """A rank's share of a round's message (its aborts, then its adds)."""
+    """A rank's share of a round's message (a warm-up's forget, its aborts, then its adds)."""
+    if ctl.forget:
+        engine.forget_learning()
     for r, rid in ctl.aborts:
         if r == rank:
             engine.abort(rid)
@@ -171,7 +175,7 @@ class RoundFront:
     the shutdown, and prefix exports done on every rank. A subclass sets CONTROL (its round message
     type), WORLD (its name in errors), LOST_WAIT_S (how long `close` waits for a survivor of a lost
     world before killing it) and `_round(ctl)`; it holds channel, procs, _lock, _error, _closed,
-    _last, beat_s, owner and _prefix_left."""
+    _last, beat_s, owner, _prefix_left and _pending (its next round message)."""
 
     CONTROL: type = Control
     WORLD = "parallel world"
@@ -195,6 +199,13 @@ class RoundFront:
                 p.kill()
                 p.join(timeout=5)
         leave()
+
+    def forget_learning(self) -> None:
+        """Every rank's speculation forgets what it learnt (`Engine.forget_learning`): rank 0's
+        now, the others' with the next round's message."""
+        with self._lock:
+            self.engine.forget_learning()
+            self._pending.forget = True
 
     def _exported(self, rank: int, rid: str) -> None:
         """A rank finished a prefix export; once every rank has, the request is done."""

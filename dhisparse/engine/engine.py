@@ -229,6 +229,13 @@ class Engine:
         self._arrived[rid] = kv
         return rid
 
+    def forget_learning(self) -> None:
+        """Speculation back to its priors: the online width policy's acceptance and the measured
+        round costs (`SpecRuntime.forget_learning`; nothing without speculation). `warm_up` calls
+        it: what synthetic warm-up requests taught says nothing about real traffic."""
+        if self.spec is not None:
+            self.spec.forget_learning()
+
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its KV; False if unknown/finished."""
         req = self.requests.pop(request_id, None)

@@ -66,6 +66,7 @@ class SpecRuntime:
         self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests, cost=self.cost)
         self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost, widths=cfg.online_candidates()) if cfg.policy == "online" else None
         self._step_width = 0
+        self._clipped = False  # this step cut a request's width to its remaining max_tokens
         self.capture = tuple(self.drafter.capture_layers)
         self.schedule = static_schedule(cfg)
         self.counters = SpecCounters()
@@ -79,6 +80,16 @@ class SpecRuntime:
         mem = self.drafter.device_bytes()
         costs = {f"spec_cost_ms_width{w}": 1e3 * s for w, s in self.cost.measured.items()}
         return self.counters.as_dict() | costs | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
+
+    def forget_learning(self) -> None:
+        """Back to the priors: the online policy's acceptance and every measured round cost. Run
+        after an engine's warm-up (`engine.warmup.warm_up`): its synthetic requests are nothing
+        the drafter can predict (session 23 on the H200: the oracle rejected every warm-up draft,
+        which counted as the online policy's start-up measurement and turned speculation off for
+        seconds) and its rounds compile kernels and run at widths cut to 4-token outputs."""
+        self.cost.clear()
+        if self.online is not None:
+            self.online.reset()
 
     def width(self, running: int) -> int:
         """Verification width this round: fixed (K_max), static by load, or the online policy's
@@ -97,9 +108,11 @@ class SpecRuntime:
         width = self.width(running)
         self.counters.width_steps[width] = self.counters.width_steps.get(width, 0) + 1
         reqs = []
+        self._clipped = False
         for i in decodes:
             r = chunks[i].req
             w = max(1, min(width, r.params.max_tokens - len(r.output_ids)))
+            self._clipped |= w < width
             reqs.append(DraftRequest.from_parts(r.request_id, r.prompt_ids, r.output_ids, w, params=r.params,
                                                 num_prompt_tokens=len(r.prompt_ids)))
         out = list(chunks)
@@ -166,11 +179,15 @@ class SpecRuntime:
         return accs
 
     def observe_step(self, seconds: float, decode_only: bool = True) -> None:
-        """Feed the measured time of a step that decoded (width = its widest verification). A step
-        that also prefilled says nothing about a round's cost at that width: it is not fed."""
-        if self._step_width and decode_only:
+        """Feed the measured time of a step that decoded (width = its widest verification). Not
+        fed: a step that also prefilled (it says nothing about a round's cost at that width), and
+        one that cut a request's width to its remaining max_tokens (its widest chunk is then a
+        width no graph was captured for, run eagerly: on the H200 at 8K, 300-500 ms at width 3
+        against 31-58 ms at 8, which priced the widths between by interpolation)."""
+        if self._step_width and decode_only and not self._clipped:
             self.cost.update(self._step_width, seconds)
         self._step_width = 0
+        self._clipped = False
 
     def commit(self, chunk: Chunk, acc: Acceptance, captured: dict[int, torch.Tensor], a: int) -> None:
         feats = {l: captured[l][a : a + acc.committed] for l in self.capture} if self.capture else None

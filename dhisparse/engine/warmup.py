@@ -10,7 +10,10 @@ verified drafts: a drafter that finds nothing to draft in 4 tokens (n-gram looku
 leave the verification passes -- and their compiles -- to the first real requests.
 
 Warm-up requests are ordinary requests: they go through admission and free their KV when they
-finish, and any left at the deadline are aborted, so no state outlives the warm-up.
+finish, and any left at the deadline are aborted, so no state outlives the warm-up. Nor does what
+speculation learnt from it: the measured round costs and the online policy's acceptance are reset
+(`Engine.forget_learning`, on every rank of a parallel world) -- the drafter cannot predict synthetic prompts and the rounds
+compiled.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def warm_up(engine, prompt_for: Callable[[int], list[int] | str], batch: int, ma
         tokens += _drain(engine, rids, deadline)
         if time.perf_counter() >= deadline:
             break
+    engine.forget_learning()  # what the warm-up taught the width policies is not about real traffic
     return WarmupReport(requests, tokens, time.perf_counter() - t0, drafted(engine))
 
 

@@ -34,16 +34,18 @@ def expected_emitted(confidences: Sequence[float], width: int) -> float:
 class VerifyCost:
     """Seconds per verification round as a function of the width (queries per request).
 
-    `update(width, seconds)` adds a sample to that width's window of its last `window` samples,
-    first capped at `clip` x the current estimate once anything is measured; a width's cost is
-    its window's median. One step that compiled a kernel or captured a graph (seconds, against
-    milliseconds) then moves nothing once the window holds three samples, and a width's first
-    sample is capped against the estimate its measured neighbours give. (Session 23 on the H200:
-    an EMA seeded by such a first sample priced width 8 at twice its cost for seconds after the
-    online policy's warm-up, and the policy ran widths 2-4 at C2 where 8 was best.) `cost(width)`
-    returns the measured value, interpolates linearly between measured widths and extrapolates
-    from the nearest two; with one measurement it scales it by the shape of `prior`, with none it
-    returns `prior(width)` (default 1 + 0.1 (K - 1)).
+    `update(width, seconds)` adds a sample to that width's window of its last `window` samples; a
+    width's cost is its window's median, so one step that compiled a kernel or captured a graph
+    (seconds, against milliseconds) moves nothing once the window holds three samples. A width's
+    first sample is capped at `clip` x the estimate its measured neighbours give (once anything
+    is measured); later ones are not: a cap against the width's own estimate would also hold a
+    too-low first sample down, each real sample capped at 2x it. (Session 23 on the H200: an EMA
+    with that cap, fed a first sample that compiled, priced width 8 at twice its cost for seconds
+    after the online policy's warm-up, and a near-zero width-1 sample took seconds to
+    climb back.) `clear()` forgets every sample (the constructor's `measured` table stays).
+    `cost(width)` returns the measured value, interpolates linearly between measured widths and
+    extrapolates from the nearest two; with one measurement it scales it by the shape of `prior`,
+    with none it returns `prior(width)` (default 1 + 0.1 (K - 1)).
     """
 
     def __init__(self, measured: dict[int, float] | None = None, window: int = 9,
@@ -54,9 +56,14 @@ class VerifyCost:
             raise ValueError(f"VerifyCost.clip must be > 1, got {clip}")
         self.window, self.clip = window, clip
         self.prior = prior or (lambda w: 1.0 + 0.1 * (w - 1))
+        self._initial = dict(measured or {})
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every measured sample: back to the constructor's `measured` table."""
         self._samples: dict[int, deque[float]] = {}
         self._table: dict[int, float] = {}
-        for w, s in (measured or {}).items():
+        for w, s in self._initial.items():
             self._add(w, s)
 
     @classmethod
@@ -84,7 +91,7 @@ class VerifyCost:
         self._table[int(width)] = statistics.median(window)
 
     def update(self, width: int, seconds: float) -> None:
-        if self._table and seconds > 0:
+        if self._table and seconds > 0 and int(width) not in self._samples:
             seconds = min(seconds, self.clip * self.cost(width))
         self._add(width, seconds)
 

@@ -122,9 +122,15 @@ class OnlineWidthPolicy:
         if prior_weight < 0 or warmup < 0:
             raise ValueError(f"OnlineWidthPolicy: prior_weight and warmup must be >= 0, got {prior_weight}, {warmup}")
         self.ema, self.margin, self.probe_every = ema, margin, probe_every
-        self.prior_weight, self.warmup = prior_weight, warmup
-        self.acceptance = [prior] * (k_max - 1)  # index i-1 for draft position i
-        self.judged = [0] * (k_max - 1)  # rounds that judged position i
+        self.prior, self.prior_weight, self.warmup = prior, prior_weight, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was observed: acceptance back to the prior, start-up measuring again (the
+        cost table is `cost`'s own, `VerifyCost.clear`). For an engine's warm-up, whose synthetic
+        requests the drafter cannot predict and whose steps compile."""
+        self.acceptance = [self.prior] * (self.k_max - 1)  # index i-1 for draft position i
+        self.judged = [0] * (self.k_max - 1)  # rounds that judged position i
         self._streak = (1, 0)  # (width class of the last decisions: 1 off / 2 on, how many in a row)
         self._on_probes = 0  # probes taken while speculating (even: width 1, odd: the widest width)
 
