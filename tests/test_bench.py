@@ -401,7 +401,10 @@ class _WarmEngine:
 
         self.tokenizer, self.model_config = ByteTokenizer(), tiny_config()
         self.spec = SimpleNamespace(counters=SpecCounters()) if speculative else None
-        self.drafts_from, self.asked, self.pending = drafts_from, [], []
+        self.drafts_from, self.asked, self.pending, self.forgot = drafts_from, [], [], 0
+
+    def forget_learning(self):
+        self.forgot += 1
 
     def add_request(self, ids, params):
         self.asked.append(params.max_tokens)
@@ -424,6 +427,7 @@ def test_warmup_runs_until_a_round_verified_drafts(speculative, drafts_from, bat
     loop = InProcessLoop(eng, Workload(input_len=8, output_len=100, duration_s=1.0), Phases.constant(3, 1.0))
     loop.warmup()
     assert eng.asked == [b for b in batches for _ in range(3)]  # one request per client per batch
+    assert eng.forgot == 1  # and then what it taught speculation is forgotten
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
