@@ -45,6 +45,7 @@ from dhisparse.engine.disagg_round import DisaggMetrics
 from dhisparse.engine.distributed import Load
 from dhisparse.engine.engine import Engine
 from dist_hooks import generate_on, one_process_tokens
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -93,7 +94,7 @@ def references() -> dict[str, list[list[int]]]:
     return one_process_tokens(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_tokens_equal_one_process(preset, references):
     """Every rank checks its rows (I2); the decode rank also checks each arrived prompt's placement,
     here resident-first (its pool is spare), and computes no prompt token."""

@@ -31,6 +31,7 @@ from dhisparse.core.params import SamplingParams
 from dhisparse.engine.config import ConfigValueError, EngineConfig
 from dhisparse.engine.disagg_launch import build_disagg
 from dist_hooks import PRESETS, generate_on, one_process_tokens
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 9 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)  # the logprobs catch a small MoE error too
@@ -78,7 +79,7 @@ def logprobs_on(engine) -> list[list[float]]:
     return [got[r] for r in rids]
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_2p2d_ep2_tokens_equal_one_process(preset, references, ref_logprobs):
     """Four requests: each prefill and each decode rank serves some (its role peer's exchanges meet
     its own), tokens equal and logprobs within 1e-6 of one process's; then one alone: one rank of

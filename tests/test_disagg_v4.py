@@ -45,6 +45,7 @@ from dhisparse.models.v4_scaled import build_v4_random
 from dist_hooks import generate_on
 from v4_engine_util import V41_LAYERS, tiny_v41
 from v4_fixtures import V4_TINY
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -117,7 +118,7 @@ def test_v4_state_crosses_the_wire_as_stored(folder):
         check_v4_rows(got[0][2].item, mc, "auto", torch.float64)
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_v4_tokens_equal_one_process(folder, preset):
     """Greedy tokens of 1 prefill + 1 decode equal one process's; every prompt handed over, admitted
     through the V4 store's import (resident-first: V4 imports whole states), no prompt token

@@ -20,6 +20,7 @@ from dhisparse.engine.distributed import Load, Router, merge_stats
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.stats import EngineStats
 from dist_hooks import generate_on, one_process_tokens
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -89,7 +90,7 @@ def references() -> dict[str, list[list[int]]]:
     return one_process_tokens(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_dp2_tokens_equal_one_process_with_the_row_checker_on_every_rank(preset, references):
     from dhisparse.engine.launch import build
 

@@ -20,6 +20,7 @@ from dhisparse.layers.ep_moe import EP_TILE, EPMoE, shard_experts
 from dhisparse.layers.moe import MoE
 from dhisparse.models.tiny import tiny_config
 from dist_hooks import generate_on, one_process_tokens
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -104,7 +105,7 @@ def references() -> dict[str, list[list[int]]]:
     return one_process_tokens(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_dp2_ep2_tokens_equal_one_process_with_the_row_checker_on_every_rank(preset, references):
     engine = build(EngineConfig(model="tiny", preset=preset, **EP), on_engine="dist_hooks:row_checker")
     try:

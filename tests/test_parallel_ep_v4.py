@@ -42,6 +42,7 @@ from dhisparse.layers.moe import Routing
 from dhisparse.models.v4_scaled import build_v4_random
 from dist_hooks import PRESETS, generate_on
 from v4_fixtures import V4_TINY, new_state, prompt_ids, save_state, step
+from ci_sized import world_presets
 
 CFG = dict(V4_TINY, mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])  # two hash-routed layers
 PROMPTS = [prompt_ids(9 + 7 * i, seed=i) for i in range(5)]
@@ -149,7 +150,7 @@ def references(folder) -> dict[str, list[list[int]]]:
     return {p: [o.token_ids for o in LLM(str(folder), preset=p, **SMALL).generate(PROMPTS, GREEDY)] for p in PRESETS}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", world_presets(PRESETS))
 def test_dp2_ep2_v4_tokens_equal_one_process_with_the_row_checker(preset, folder, references, keep_v4_passes):
     engine = build(EngineConfig(model=str(folder), preset=preset, **EP), on_engine="dist_hooks:v4_source_check")
     try:

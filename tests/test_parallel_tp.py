@@ -44,6 +44,7 @@ from dhisparse.layers.tp import block, set_reduce, shard_attention, shard_indexe
 from dhisparse.kernels.indexer_torch import topk_of_scores
 from dhisparse.models.tiny import build_tiny, tiny_config
 from dist_hooks import generate_on, one_process_tokens
+from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -260,7 +261,7 @@ def references() -> dict[str, list[list[int]]]:
     return one_process_tokens(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("preset", ["resident", "hisparse", "adaptive", "adaptive+spec"])
+@pytest.mark.parametrize("preset", world_presets())
 def test_tp2_tokens_equal_one_process_with_the_row_checker_and_one_routing_on_every_rank(preset, references):
     engine = build(EngineConfig(model="tiny", preset=preset, **TP), on_engine="dist_hooks:same_routing")
     try:
