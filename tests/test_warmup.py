@@ -49,9 +49,9 @@ def test_speculative_warm_up_runs_until_a_round_verified_drafts(algorithm):
 
 def test_speculation_forgets_what_the_warm_up_taught_it():
     """The online policy's acceptance and the measured round costs go back to their priors after
-    a warm-up (session 23 on the H200: warm-up drafts the oracle rejected counted as the policy's
-    start-up measurement and turned speculation off for seconds; 4-token rounds ran eager widths
-    at 10x a round's cost). Breakage caught: warm_up without forget_learning."""
+    a warm-up (session 23 on the H200: its 4-token rounds left a ~0-ms width-1 cost and eager
+    widths at 10x a round's cost in the table, which turned speculation off for seconds).
+    Breakage caught: warm_up without forget_learning."""
     eng = Engine(EngineConfig(preset="adaptive", hot_cache_rows=16, speculative_algorithm="dflash",
                               speculative_num_draft_tokens=4, speculative_policy="online"))
     policy = eng.spec.online

@@ -83,10 +83,10 @@ class SpecRuntime:
 
     def forget_learning(self) -> None:
         """Back to the priors: the online policy's acceptance and every measured round cost. Run
-        after an engine's warm-up (`engine.warmup.warm_up`): its synthetic requests are nothing
-        the drafter can predict (session 23 on the H200: the oracle rejected every warm-up draft,
-        which counted as the online policy's start-up measurement and turned speculation off for
-        seconds) and its rounds compile kernels and run at widths cut to 4-token outputs."""
+        after an engine's warm-up (`engine.warmup.warm_up`): its rounds compile kernels and run
+        widths cut to 4-token outputs (session 23 on the H200: they left a ~0-ms width-1 cost and
+        eager widths at 300-510 ms in the table, which priced speculation off for seconds), and
+        its synthetic prompts say nothing of what the drafter predicts on real traffic."""
         self.cost.clear()
         if self.online is not None:
             self.online.reset()

@@ -12,8 +12,8 @@ leave the verification passes -- and their compiles -- to the first real request
 Warm-up requests are ordinary requests: they go through admission and free their KV when they
 finish, and any left at the deadline are aborted, so no state outlives the warm-up. Nor does what
 speculation learnt from it: the measured round costs and the online policy's acceptance are reset
-(`Engine.forget_learning`, on every rank of a parallel world) -- the drafter cannot predict synthetic prompts and the rounds
-compiled.
+(`Engine.forget_learning`, on every rank of a parallel world). Its rounds compile and run widths
+cut to 4-token outputs, and its synthetic prompts say nothing of what the drafter predicts.
 """
 
 from __future__ import annotations
