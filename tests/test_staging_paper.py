@@ -149,11 +149,22 @@ def test_paper_staging_is_exact_on_a_v32_checkpoint(hf_checkpoints):
     assert st["chi"] == 1 and st["resolver_overflow"] > 0 and st["staging_promoted_rows"] > 0
 
 
-def test_v4_keeps_single_staging_and_refuses_paper():
+def test_v4_keeps_single_staging_and_refuses_paper(tmp_path):
+    """On a tiny V4.1-style checkpoint (the scaled V4.1 took ~40 s of CI to build twice)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dhisparse.models.v4_scaled import build_v4_random
+    from v4_engine_util import V41_LAYERS, tiny_v41
+    from v4_fixtures import V4_TINY
+
+    (tmp_path / "config.json").write_text(json.dumps({**V4_TINY, **V41_LAYERS}))
+    state = build_v4_random(tiny_v41(), 5).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="staging_mode 'paper'"):
-        LLM("v41-scaled", preset="hisparse", speculative_algorithm="ngram", staging_mode="paper", max_model_len=256,
-            max_running_requests=2)
-    llm = LLM("v41-scaled", preset="hisparse", speculative_algorithm="ngram", max_model_len=256, max_running_requests=2)
+        LLM(str(tmp_path), preset="hisparse", speculative_algorithm="ngram", staging_mode="paper", max_running_requests=2)
+    llm = LLM(str(tmp_path), preset="hisparse", speculative_algorithm="ngram", max_running_requests=2)
     assert llm.engine.store.kv.staging_mode == "single"
 
 
