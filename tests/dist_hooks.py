@@ -1,24 +1,54 @@
 """Helpers of the parallel tests: hooks a spawned rank runs on its engine (`engine/launch.py`
-on_engine="dist_hooks:NAME"), the single-process references and greedy runs over a built world."""
+on_engine="dist_hooks:NAME"), the single-process references and greedy runs over a built world,
+and the CI-sized preset parametrization of the world tests (`world_presets`).
+
+CI must finish inside its budget on 2 CPU cores. A multi-process test (a DP / TP / EP or
+prefill/decode world of spawned ranks, ~10-20 s a case on CI's machine) runs two presets in CI:
+`hisparse` (the hierarchy under pressure: resolver, hot cache, host copies) and `adaptive+spec`
+(residency, reclaim and speculation). The other presets are marked `slow`: `python -m pytest -m
+slow` (or `-m ""` for everything) runs them. The worlds' ranks run on CPU (the tests pin
+device="cpu") even on the GPU machine, so the slow presets add no CUDA coverage to the exactness
+runs, which keep the default selection. References are computed per preset on first use
+(`ByPreset`), so a CI run builds only the ones its presets compare against."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
+import pytest
 import torch
 
 from kv_check import checked
 
 
 PRESETS = ("resident", "hisparse", "adaptive", "adaptive+spec")
+CI_PRESETS = ("hisparse", "adaptive+spec")
 
 
-def one_process_tokens(prompts, params) -> dict[str, list[list[int]]]:
+def world_presets(presets=PRESETS, ci=CI_PRESETS) -> list:
+    """`presets` as pytest params, those outside `ci` marked slow (module docstring)."""
+    return [p if p in ci else pytest.param(p, marks=pytest.mark.slow) for p in presets]
+
+
+class ByPreset(dict):
+    """preset -> make(preset), computed on first access and kept."""
+
+    def __init__(self, make: Callable[[str], object]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, preset: str):
+        self[preset] = value = self.make(preset)
+        return value
+
+
+def one_process_tokens(prompts, params) -> ByPreset:
     """preset -> the single-process engine's token ids for `prompts` (fp64, the tests' small pools)."""
     from dhisparse import LLM
 
-    return {p: [o.token_ids for o in LLM("tiny", preset=p, dtype="float64", device="cpu", kv_pool_bytes=8 << 20,
-                                          host_pool_bytes=16 << 20).generate(prompts, params)] for p in PRESETS}
+    return ByPreset(lambda p: [o.token_ids for o in LLM("tiny", preset=p, dtype="float64", device="cpu", kv_pool_bytes=8 << 20,
+                                                       host_pool_bytes=16 << 20).generate(prompts, params)])
 
 
 def generate_on(engine, prompts, params) -> list[list[int]]:

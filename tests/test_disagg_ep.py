@@ -30,8 +30,7 @@ from dhisparse.cli.args import engine_config
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.config import ConfigValueError, EngineConfig
 from dhisparse.engine.disagg_launch import build_disagg
-from dist_hooks import PRESETS, generate_on, one_process_tokens
-from ci_sized import world_presets
+from dist_hooks import ByPreset, generate_on, one_process_tokens, world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 9 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)  # the logprobs catch a small MoE error too
@@ -66,7 +65,7 @@ def references() -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="module")
 def ref_logprobs() -> dict[str, list[list[float]]]:
     """preset -> one process's logprob of each output token (fp64, the same pools)."""
-    return {p: logprobs_on(LLM("tiny", preset=p, **POOLS).engine) for p in PRESETS}
+    return ByPreset(lambda p: logprobs_on(LLM("tiny", preset=p, **POOLS).engine))
 
 
 def logprobs_on(engine) -> list[list[float]]:

@@ -42,10 +42,9 @@ from dhisparse.engine.disagg_wire import header_of, prompt_kv_of, tensors_of
 from dhisparse.engine.engine import Engine
 from dhisparse.kv.v4.prefix import V4Prefix
 from dhisparse.models.v4_scaled import build_v4_random
-from dist_hooks import generate_on
+from dist_hooks import generate_on, world_presets
 from v4_engine_util import V41_LAYERS, tiny_v41
 from v4_fixtures import V4_TINY
-from ci_sized import world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

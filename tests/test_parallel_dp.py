@@ -19,8 +19,7 @@ from dhisparse.engine.config import ConfigValueError, EngineConfig
 from dhisparse.engine.distributed import Load, Router, merge_stats
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.stats import EngineStats
-from dist_hooks import generate_on, one_process_tokens
-from ci_sized import world_presets
+from dist_hooks import generate_on, one_process_tokens, world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -19,8 +19,7 @@ from dhisparse.engine.launch import build, free_addr
 from dhisparse.layers.ep_moe import EP_TILE, EPMoE, shard_experts
 from dhisparse.layers.moe import MoE
 from dhisparse.models.tiny import tiny_config
-from dist_hooks import generate_on, one_process_tokens
-from ci_sized import world_presets
+from dist_hooks import generate_on, one_process_tokens, world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

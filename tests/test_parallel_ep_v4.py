@@ -40,9 +40,8 @@ from dhisparse.kv.v4.state import V4RequestState
 from dhisparse.layers.ep_moe import EP_TILE, EPMoE, expert_cuts, idle_pass, shard_experts
 from dhisparse.layers.moe import Routing
 from dhisparse.models.v4_scaled import build_v4_random
-from dist_hooks import PRESETS, generate_on
+from dist_hooks import ByPreset, generate_on, world_presets
 from v4_fixtures import V4_TINY, new_state, prompt_ids, save_state, step
-from ci_sized import world_presets
 
 CFG = dict(V4_TINY, mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])  # two hash-routed layers
 PROMPTS = [prompt_ids(9 + 7 * i, seed=i) for i in range(5)]
@@ -147,10 +146,10 @@ def test_the_v4_decoder_hands_its_ep_layers_the_token_ids(world_of_one):
 
 @pytest.fixture(scope="module")
 def references(folder) -> dict[str, list[list[int]]]:
-    return {p: [o.token_ids for o in LLM(str(folder), preset=p, **SMALL).generate(PROMPTS, GREEDY)] for p in PRESETS}
+    return ByPreset(lambda p: [o.token_ids for o in LLM(str(folder), preset=p, **SMALL).generate(PROMPTS, GREEDY)])
 
 
-@pytest.mark.parametrize("preset", world_presets(PRESETS))
+@pytest.mark.parametrize("preset", world_presets())
 def test_dp2_ep2_v4_tokens_equal_one_process_with_the_row_checker(preset, folder, references, keep_v4_passes):
     engine = build(EngineConfig(model=str(folder), preset=preset, **EP), on_engine="dist_hooks:v4_source_check")
     try:

@@ -43,8 +43,7 @@ from dhisparse.layers.rope import RopeTables
 from dhisparse.layers.tp import block, set_reduce, shard_attention, shard_indexer, shard_mlp, shard_moe, shard_tensor_parallel
 from dhisparse.kernels.indexer_torch import topk_of_scores
 from dhisparse.models.tiny import build_tiny, tiny_config
-from dist_hooks import generate_on, one_process_tokens
-from ci_sized import world_presets
+from dist_hooks import generate_on, one_process_tokens, world_presets
 
 PROMPTS = [[5 + (3 * i + j) % 90 for j in range(12 + 11 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
