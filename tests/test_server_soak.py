@@ -3,7 +3,7 @@
 pool) and adaptive+spec (n-gram drafter). Afterwards every gauge is back to its idle baseline and
 fixed greedy prompts answer exactly as before the soak.
 
-The CI-sized variant sends 120 requests per preset (a few seconds each on 2 CPU cores); the `slow`
+The CI-sized variant sends 60 requests per preset (a few seconds each on 2 CPU cores); the `slow`
 variant 400 (`python -m pytest -m slow tests/test_server_soak.py`). Every loop is bounded in count
 and time, and only loopback is contacted."""
 
@@ -94,7 +94,7 @@ def soak(preset: str, n_requests: int, clients: int = 4) -> list[str]:
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_soak_ci_sized(preset):
-    kinds = soak(preset, 120)
+    kinds = soak(preset, 60)
     assert any(k.startswith("dropped") for k in kinds) and any(k == "stream-200" for k in kinds)
 
 
