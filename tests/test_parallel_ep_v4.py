@@ -172,7 +172,10 @@ def test_broken_v4_ep_on_rank1_changes_the_tokens(hook, folder, references, keep
 
 
 def test_a_v4_rank_that_skips_its_idle_pass_is_rank_lost_not_a_hang(folder):
-    engine = build(EngineConfig(model=str(folder), preset="resident", **(EP | dict(dist_timeout_s=20.0))),  # also bounds start-up: 8 s timed out among 14 CUDA test workers
+    # the timeout is how long the hang takes to detect, and it also bounds start-up: 8 s timed out among
+    # 14 CUDA test workers, so 20 s where CUDA is present; a CPU-only machine starts the world in ~2 s
+    timeout = 20.0 if torch.cuda.is_available() else 12.0
+    engine = build(EngineConfig(model=str(folder), preset="resident", **(EP | dict(dist_timeout_s=timeout))),
                    on_engine="dist_hooks:no_idle_pass_on_rank1")
     try:
         with pytest.raises(RankLost):
