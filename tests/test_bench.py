@@ -445,3 +445,22 @@ def test_fp8_kernels_bench_scores_keys_where_the_engine_stores_them(tmp_path):
         idx = [r for r in json.loads(out.read_text())["runs"] if r["kernel"] == "indexer_scores"]
         assert len(idx) == 2 and all(r["key_layout"] == layout and r["fp8_values_ptr_mod16"] == 0 for r in idx)
         assert all(r["topk_position_agreement"] > 0.5 for r in idx)
+
+
+def test_resolver_peer_cases_phases_and_comparison():
+    """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
+    is timed, and a case of the issue's table is compared with the peer's figure; the phase stop
+    leaves the full plan unchanged (upto_phase=5 is the default kernel)."""
+    from bench import resolver_peer as rp
+    from bench.resolver_cases import Rig, check_case
+
+    rig = Rig(quick=True)
+    sh = rp.shapes(True)
+    rig.fill(656)
+    case = rp.build(rig, sh, 32, 2, 656, "20%")
+    assert all(v for k, v in check_case(rig, case).items() if k not in ("case", "copies"))
+    rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(0, 4))
+    assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[0], rp.PHASES[4]]
+    cmp_ = rp.compare({**rec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
+    assert cmp_["peer_us"] == 17.7 and cmp_["ours_over_peer"] == pytest.approx(cmp_["ours_us"] / 17.7)
+    assert rp.compare({**rec, "H": 32}) is None

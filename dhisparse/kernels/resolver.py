@@ -87,12 +87,14 @@ def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
-                defer: bool = False, num_warps: int | None = None) -> TritonResolvePlan:
+                defer: bool = False, num_warps: int | None = None, upto_phase: int = 5) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or a [1] int64 device tensor (read by the kernel, not the host).
     Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns loc [N, K, k]
     (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
+    upto_phase < 5 is for phase profiling only (bench/resolver_peer.py): the kernel stops after that
+    phase (resolver_kernel.py's P0-P5) and the plan is incomplete.
     """
     if sel.dim() != 3:
         raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
@@ -111,7 +113,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
         cnt = torch.empty((N, 6), **i64)
         plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
         _launch(sel.to(dev).reshape(N, KK).contiguous(), slots.to(device=dev, dtype=torch.int64).contiguous(),
-                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps)
+                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto_phase)
     else:
         loc.fill_(-1)
         plan = TritonResolvePlan(loc, None, None, None, src, dst, torch.zeros(N, dtype=torch.int32, device=dev),
@@ -138,7 +140,7 @@ def _now_tensor(now, dev: torch.device) -> torch.Tensor:
     return torch.full((1,), int(now), dtype=torch.int64, device=dev)
 
 
-def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
+def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=5):
     hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
     hot_loc = _row(st.hot_loc, "hot_loc")
@@ -179,7 +181,7 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps):
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
         scr64, scr32, bm, words, pre if pre is not None else bm,
         KKP=KKP, PRE=pre is not None, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
-        SA=SA, SB=SB, SC=SC, SD=SD, num_warps=num_warps,
+        SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto, num_warps=num_warps,
     )
 
 

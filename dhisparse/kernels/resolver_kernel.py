@@ -260,13 +260,15 @@ def resolve_plan_kernel(
     scr64_ptr, scr32_ptr, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
     CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-    SD: tl.constexpr,
+    SD: tl.constexpr, UPTO: tl.constexpr = 5,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
     scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap).
-    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here."""
+    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
+    UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
+    outputs are incomplete below 5; the default 5 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -290,21 +292,26 @@ def resolve_plan_kernel(
     if nnd == 0:  # P0: every valid entry resolved directly; loc is final
         tl.store(copy_n_ptr + n, ndist * 0)
         _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
+    elif UPTO == 0:
+        tl.store(copy_n_ptr + n, ndist * 0)
     else:
         tl.debug_barrier()
         nsel, nr, nlf = _dedup(sel_ptr, KK, n, R, rep, lf, KKP, HT, LOGH, RMAX)
         tl.debug_barrier()
-        ndir, nrest = _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
-                              s_dmap, LMAX, has_map, KKP, CH)
-        tl.debug_barrier()
+        ndir = nsel * 0
+        nrest = ndir
+        if UPTO >= 2:
+            ndir, nrest = _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
+                                  dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+            tl.debug_barrier()
         nhot = ndir * 0
-        if nrest > 0:
+        if (nrest > 0) & (UPTO >= 3):
             nhot = _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
                              s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX)
             tl.debug_barrier()
         nmiss = nrest - nhot
         nhost = nmiss * 0
-        if nmiss > 0:
+        if (nmiss > 0) & (UPTO >= 4):
             nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
             nsv = _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP)
@@ -318,5 +325,7 @@ def resolve_plan_kernel(
                     s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
             tl.debug_barrier()
         tl.store(copy_n_ptr + n, nhost)
-        hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
+        hsel = nhost * 0
+        if UPTO >= 5:
+            hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)

@@ -1,0 +1,198 @@
+"""Issue 33's resolver cases: ours against the figures of SGLang's HiSparse kernel, under one timing method.
+
+    python3 bench/resolver_peer.py --out $OUT/resolver_peer.json            # H200, ~4 min with a cold cache
+    python3 bench/resolver_peer.py --quick --out /tmp/resolver_peer.json    # CPU smoke (TRITON_INTERPRET)
+
+Cases (the issue's, SGLang's own benchmark shapes): one query per request (K = 1), top-k 2,048, hot cache
+H = 4,096 and 8,192, batch 8 / 32 / 100, rows of 656 and 1,152 B, and three miss levels: 0.1% of the
+selection misses (2 rows), 20% (410 rows), and every row (a full hot cache holding none of the
+selection). Per case: plan + copy (`plan_triton(defer=True)` + `launch_copies`, the engine's no-sync
+path), plan alone, and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
+L2 is flushed (a 256-MiB write) and the hot-cache state restored before every timed call, untimed; 20
+timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
+
+`--phases` adds the plan kernel stopped after each of its phases (P0 direct entries, P1 dedup, P2
+direct rows, P3 hot scan, P4 misses; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096, 656-B
+rows, every batch and miss level: the differences are what each phase costs.
+
+The peer's figures are the issue's (SGLang 0.5.23's `load_cache_to_device_buffer_kernel`, measured on one
+H200 with the same inputs; `PEER_US`); the peer is not run here (its source is not vendored). Each case is
+checked bit for bit against `plan_reference` first (bench/resolver_cases.py's `check_case`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
+from bench.resolver_timing import stats, timeit  # noqa: E402
+from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
+
+# issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
+PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.1%", 100, 656): (20.1, 60.1),
+           ("20%", 8, 656): (77.5, 99.7), ("20%", 32, 656): (199.5, 236.5), ("20%", 8, 1152): (91.4, 127.8),
+           ("all", 8, 1152): (387.6, 460.2), ("all", 100, 656): (2875.0, 2952.0)}
+PEER_PLAN_US = {4096: (14.0, 16.0), 8192: (21.0, 24.0)}  # the peer's plan alone (copy compiled out), any misses
+MISS = {"0.1%": 0.001, "20%": 0.2, "all": 1.0}
+PHASES = ("P0 direct entries", "P1 dedup", "P2 direct rows", "P3 hot scan", "P4 misses", "P5 emit")
+
+
+def shapes(quick: bool) -> dict:
+    if quick:
+        return {"k": 16, "Hs": (32, 64), "batches": (2, 3), "L": 256, "row_bytes": (656,)}
+    return {"k": 2048, "Hs": (4096, 8192), "batches": (8, 32, 100), "L": 32768, "row_bytes": (656, 1152)}
+
+
+def build(rig: Rig, sh: dict, H: int, N: int, rb: int, level: str) -> Case:
+    """One case: N requests, H hot slots warmed so that `level` of each selection misses."""
+    sel = rig.selection("shared", 1, sh["L"], N=N, k=sh["k"])
+    rows = N * (H + rig.TT)
+    st = rig.state(rb, sh["L"], N=N, B=H, rows=rows)
+    rig.warm(st, sel, MISS[level], sh["L"])
+    return Case(f"{level}_N{N}_H{H}_{rb}B", rb, st, sel, torch.arange(N, device=rig.dev), sh["L"],
+                {"miss_level": level, "batch": N, "H": H}, rows)
+
+
+class Flush:
+    """A 256-MiB buffer written before every timed call: no case reads a warm L2 (H200: 50 MiB)."""
+
+    def __init__(self, dev: torch.device, quick: bool):
+        self.buf = torch.empty((1 << 20) if quick else (256 << 20), dtype=torch.uint8, device=dev)
+
+    def __call__(self) -> None:
+        self.buf.fill_(1)
+
+
+def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto: tuple[int, ...] = ()) -> dict:
+    """plan + copy, plan alone, and plan stopped after each phase in `upto`."""
+    st = case.state
+    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    now = int(st.hot_stamp.max()) + 1
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
+
+    def restore():
+        st.hot_pos.copy_(snap[0])
+        st.hot_stamp.copy_(snap[1])
+        flush()
+
+    def plan(u: int = 5):
+        return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u)
+
+    restore()
+    c = plan().materialize().counters
+    rec = {"case": case.name, "row_bytes": case.rb, "N": case.sel.shape[0], "k": case.sel.shape[2],
+           "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(), **case.meta}
+    rec["plan_copy"] = stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup))
+    rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
+    rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
+    restore()
+    return rec
+
+
+def compare(rec: dict) -> dict | None:
+    """Ours / peer for a case in the issue's table (plan + copy) and for plan alone."""
+    out = {}
+    key = (rec["miss_level"], rec["batch"], rec["row_bytes"])
+    us = rec["plan_copy"]["time_ms"] * 1e3
+    if rec["H"] == 4096 and key in PEER_US:
+        peer, filed = PEER_US[key]
+        out |= {"peer_us": peer, "ours_at_filing_us": filed, "ours_us": us, "ours_over_peer": us / peer}
+    lo, hi = PEER_PLAN_US.get(rec["H"], (None, None))
+    if lo:
+        p = rec["plan_only"]["time_ms"] * 1e3
+        out |= {"peer_plan_us": [lo, hi], "ours_plan_us": p, "ours_plan_over_peer_high": p / hi}
+    return out or None
+
+
+def precompile(args, sh: dict) -> list:
+    """CUDA: one worker per plan-kernel specialization (H, phase) compiling into Triton's disk cache."""
+    if args.quick or not torch.cuda.is_available():
+        return []
+    jobs = [(H, 5) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in range(5)] if args.phases else [])
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile", f"{H}:{u}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u in jobs]
+
+
+def precompile_worker(spec: str) -> None:
+    H, u = (int(x) for x in spec.split(":"))
+    rig = Rig(quick=False, region=256 << 20)
+    sh = shapes(False) | {"L": 2048}
+    case = build(rig, sh, H, 2, 656, "20%")
+    plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u)
+    launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True), rig.host_rows(656),
+                  rig.dev_rows(656, case.dev_rows))
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes for the CPU interpreter")
+    ap.add_argument("--phases", action="store_true", help="also time the plan stopped after each phase (H 4,096, 656 B)")
+    ap.add_argument("--iters", type=int, default=0, help="timed calls per measurement (default 20; quick 2)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.precompile:
+        return precompile_worker(args.precompile)
+    t0 = time.time()
+    sh = shapes(args.quick)
+    iters = args.iters or (2 if args.quick else 20)
+    workers = precompile(args, sh)
+    rig = Rig(quick=args.quick)
+    flush = Flush(rig.dev, args.quick)
+    for rb in sh["row_bytes"]:
+        rig.fill(rb)
+    for w in workers:
+        w.wait()
+    print(f"[{time.time() - t0:6.1f}s] {len(workers)} precompile workers done", flush=True)
+    records, checks = [], []
+    for H in sh["Hs"]:
+        for N in sh["batches"]:
+            for rb in sh["row_bytes"]:
+                for level in MISS:
+                    case = build(rig, sh, H, N, rb, level)
+                    if N == sh["batches"][0]:
+                        checks.append(check_case(rig, case))
+                    upto = tuple(range(5)) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
+                    rec = time_case(rig, case, flush, iters, args.warmup, upto)
+                    rec["vs_peer"] = compare(rec)
+                    records.append(rec)
+                    print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
+                          f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
+                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items()), flush=True)
+                    del case
+                    write(args.out, rig, sh, iters, checks, records, t0)
+    ok = write(args.out, rig, sh, iters, checks, records, t0)
+    print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")
+
+
+def write(out: str, rig: Rig, sh: dict, iters: int, checks: list, records: list, t0: float) -> bool:
+    """The JSON so far (rewritten after every case: a call cut short keeps what it measured)."""
+    ok = all(all(v for k, v in c.items() if k not in ("case", "copies")) for c in checks)
+    doc = {"kind": "resolver_peer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python3", "bench/resolver_peer.py", *sys.argv[1:]]),
+           "commit": os.environ.get("DHISPARSE_COMMIT", ""),
+           "machine": torch.cuda.get_device_name() if rig.cuda else "cpu", "shapes": sh, "iters": iters,
+           "peer_source": "issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
+           "checks_pass": ok, "checks": checks, "records": records, "wall_s": time.time() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return ok
+
+
+if __name__ == "__main__":
+    main()
