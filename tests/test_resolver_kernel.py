@@ -74,6 +74,33 @@ def test_all_misses_and_b_equals_k():
     p.step(torch.tensor([[[10, 11, 12, 13, 14]], [[20, 21, 22, 23, 24]]]), [2, 0], now=2)  # evicts all
 
 
+@pytest.mark.parametrize("stamps, misses", [
+    ("one_group", 5),   # five slots share the oldest stamp: the first group covers the misses
+    ("walk", 5),        # distinct stamps: the walk up the oldest few finds the threshold
+    ("bisect", 12),     # twelve distinct stamps needed: past the walk's 4 steps, bisection ends it
+    ("bisect_tie", 6),  # the sixth oldest is one of two slots of the stamp one past where the walk stopped
+    ("spread", 12),     # stamps scaled like the engine's (now * KS^2 + rank): wide gaps, ties broken by slot
+])
+def test_victims_are_the_lru_oldest_in_every_threshold_path(stamps, misses):
+    """Victim choice (resolver_evict._victims) on its three paths, exactly as the reference: the misses
+    evict the `misses` LRU-oldest unprotected slots (stamp, then slot id), paired in slot order."""
+    B = 24
+    g = torch.Generator().manual_seed(len(stamps) + misses)
+    perm = torch.randperm(B, generator=g)
+    base = {"one_group": torch.tensor([3] * 6 + list(range(4, 22))), "walk": torch.arange(B) * 2,
+            "bisect": torch.arange(B) + 7, "bisect_tie": torch.tensor([0, 1, 2, 3, 4, 5, 5] + list(range(6, 23))),
+            "spread": (torch.arange(B) // 2) * (1 << 30) + torch.arange(B) % 2}[stamps]
+    st = make_state(S=2, B=B, L=64, TT=4)
+    fill_hot(st, 1, (40 + perm[:20]).tolist(), base[perm].tolist()[:20])
+    st.hot_stamp[1, 20:] = base[perm][20:]  # slots 20.. hold no position (free) but carry stamps
+    newest = base[perm][:20].argsort(descending=True)[:3]  # three hits on the newest rows: the oldest stay candidates
+    hits = [40 + int(perm[i]) for i in newest]
+    sel = sel_of(hits + [int(x) for x in torch.randperm(30, generator=g)[:misses]])
+    want, _ = Pair(st).step(sel, [1], now=int(base.max()) + 1)
+    assert want.counters.host == misses
+    assert want.copy_dst.tolist() == sorted(want.copy_dst.tolist())  # slot order
+
+
 def test_padding_and_uneven_lengths():
     st = make_state(S=4, B=6, L=48, TT=6, tail_start=[42, 10, 0, 25])
     sel = torch.tensor([[[-1, -1, -1], [-1, -1, -1], [-1, -1, -1]],  # a request with nothing selected

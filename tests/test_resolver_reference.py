@@ -127,10 +127,11 @@ def test_lru_victim_order_exact():
     st.hot_pos[0] = torch.tensor([40, 41, 42, 43, 44, 45])
     st.hot_stamp[0] = torch.tensor([3, 1, 1, 0, 2, 0])
     p = plan_reference(sel_of([43, 1, 2, 5]), torch.tensor([0]), st, now=9)  # 43 is a hit: protected
-    # unprotected by (stamp, slot): 5 (0), 1 (1), 2 (1), 4 (2), 0 (3)
+    # unprotected by (stamp, slot): 5 (0), 1 (1), 2 (1), 4 (2), 0 (3): the first three are evicted and
+    # paired in slot order with the misses in host order
     order = sorted([1, 2, 5], key=lambda q: host_loc(st, 0, q))
-    assert p.copy_dst.tolist() == [5, 1, 2]
-    assert [int(st.hot_pos[0, v]) for v in (5, 1, 2)] == order
+    assert p.copy_dst.tolist() == [1, 2, 5]
+    assert [int(st.hot_pos[0, v]) for v in (1, 2, 5)] == order
     assert st.hot_stamp[0].tolist() == [3, 9, 9, 9, 2, 9]
 
 

@@ -1,8 +1,9 @@
 """Miss / victim phases of the fused resolver plan kernel (see resolver_kernel.py).
 
-Misses are keyed (host location, uid) and victims (stamp, slot id); both key sets are small
-(misses and victims of one call), sorted in scratch with the smallest of four power-of-two size
-classes, and the r-th miss is paired with the r-th victim exactly as the PyTorch reference does.
+Misses are keyed (host location, uid) and sorted in scratch with the smallest of four power-of-two
+size classes; the victims (the LRU-oldest unprotected slots) are found by a threshold stamp and
+listed in slot order, unsorted, and the r-th miss is paired with the r-th victim exactly as the
+PyTorch reference does.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def _keep_smallest(mk, m, need, KKP: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr):
-    """P4b. vk[0:nhost] <- keys (stamp+1)*BP + slot of the first nhost unprotected slots in
-    (stamp, slot) order, in slot order. Returns how many of them need sorting (0: already sorted)."""
+def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
+    """P4b. vk[0:nhost] <- slot ids of the first nhost unprotected slots in (stamp, slot) order, stored
+    in slot order (misses pair with them in that order: no sort). The threshold stamp s* (the
+    smallest with #(unprotected, stamp <= s*) >= nhost) is found by walking up the distinct stamps
+    from the oldest, at most STEPS of them (one group of equal stamps usually covers a round's
+    misses), then by bisection on what is left."""
     sl = tl.arange(0, BP)
     bm = sl < B
     pr = tl.load(prot + sl, mask=bm, other=1)
@@ -84,18 +88,25 @@ def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr):
     cand = bm & (pr == 0)
     lo = tl.min(tl.where(cand, st, BIG), axis=0)
     hi = tl.max(tl.where(cand, st, -BIG), axis=0)
-    while lo < hi:  # smallest stamp s* with #(cand, stamp <= s*) >= nhost
-        mid = lo + (hi - lo) // 2
-        ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
-        hi = tl.where(ok, mid, hi)
-        lo = tl.where(ok, lo, mid + 1)
+    have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
+    j = 0
+    while (have < nhost) & (j < STEPS):  # the next distinct stamp up
+        lo = tl.min(tl.where(cand & (st > lo), st, BIG), axis=0)
+        have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
+        j += 1
+    if have < nhost:  # s* lies in (lo, hi]
+        lo = lo + 1
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
     below = cand & (st < lo)
     nbelow = tl.sum(below.to(tl.int32), axis=0)
     eq = cand & (st == lo)
     take = below | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= nhost - nbelow))
     r = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(vk + r, (st + 1) * BP + sl, mask=take)
-    return tl.where(nbelow > 0, nhost, 0)
+    tl.store(vk + r, sl.to(tl.int64), mask=take)
 
 
 @triton.jit
@@ -106,36 +117,31 @@ def _sort_block(ptr, cnt, S: tl.constexpr):
 
 
 @triton.jit
-def _sort_two(scr, off_a, n_a, off_b, n_b, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-              SD: tl.constexpr):
-    """Sort scr[off_a : off_a+n_a] and scr[off_b : off_b+n_b] (int64) in place, each with the smallest
-    size class (SA < SB < SC < SD) that holds it; one copy of the sorting code serves both."""
-    for job in range(2):
-        off = tl.where(job == 0, off_a, off_b)
-        cnt = tl.where(job == 0, n_a, n_b)
-        if cnt > 1:
-            if cnt <= SA:
-                _sort_block(scr + off, cnt, SA)
-            elif cnt <= SB:
-                _sort_block(scr + off, cnt, SB)
-            elif cnt <= SC:
-                _sort_block(scr + off, cnt, SC)
-            else:
-                _sort_block(scr + off, cnt, SD)
-        tl.debug_barrier()
+def _sort_keys(scr, cnt, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr):
+    """Sort scr[0:cnt] (int64) in place with the smallest size class (SA < SB < SC < SD) that holds it."""
+    if cnt > 1:
+        if cnt <= SA:
+            _sort_block(scr, cnt, SA)
+        elif cnt <= SB:
+            _sort_block(scr, cnt, SB)
+        elif cnt <= SC:
+            _sort_block(scr, cnt, SC)
+        else:
+            _sort_block(scr, cnt, SD)
+    tl.debug_barrier()
 
 
 @triton.jit
 def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos,
             s_stamp, s_loc, src_ptr, dst_ptr, now, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr):
-    """P4d. Miss r < nhost (host order) takes victim r (LRU order): copy plan row r, state update."""
+    """P4d. Miss r < nhost (host order) takes victim r (slot order): copy plan row r, state update."""
     for r0 in range(0, BP, CHB):
         if r0 < nhost:
             r = r0 + tl.arange(0, CHB)
             take = r < nhost
             key = tl.load(mk + r, mask=take, other=0)
             u = key % KKP
-            v = tl.load(vk + r, mask=take, other=0) % BP
+            v = tl.load(vk + r, mask=take, other=0)
             lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
             pu = tl.load(sel_ptr + n * KK + u, mask=take, other=0)
             tl.store(out + u, lv, mask=take)

@@ -16,8 +16,9 @@ ever cleared.
   P2 direct  tail (p >= tail_start) or optional map (direct_loc[p] >= 0) -> out[uid]
   P3 hot     every hot slot looks its position up; a hit on a not-direct row sets out[uid] = hot_loc,
              protects the slot and refreshes its stamp
-  P4 misses  keys (host location, uid) compacted and sorted; victims = unprotected slots by
-             (stamp, slot id); the r-th miss takes the r-th victim (copy plan row r)  [resolver_evict]
+  P4 misses  keys (host location, uid) compacted and sorted; victims = the LRU-oldest unprotected
+             slots by (stamp, slot id), listed in slot order; the r-th miss takes the r-th victim
+             (copy plan row r)  [resolver_evict]
   P5 output  loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
 
 Direct fast path (P0, paper §3.2: "a lookup skips the hot-cache scan only when every selected row
@@ -42,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _rep_chunk, _sort_two, _victims
+from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _rep_chunk, _sort_keys, _victims
 
 
 @triton.jit
@@ -260,7 +261,7 @@ def resolve_plan_kernel(
     scr64_ptr, scr32_ptr, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
     CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-    SD: tl.constexpr, UPTO: tl.constexpr = 5,
+    SD: tl.constexpr, VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 5,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -314,13 +315,13 @@ def resolve_plan_kernel(
         if (nmiss > 0) & (UPTO >= 4):
             nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
-            nsv = _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP)
+            _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP, VSTEPS)
             tl.debug_barrier()
             nsort = nmiss
             if nmiss > SD:
                 _keep_smallest(mk, nmiss, nhost, KKP, CH)
                 nsort = nhost
-            _sort_two(out, KKP, nsort, 2 * KKP, nsv, SA, SB, SC, SD)
+            _sort_keys(mk, nsort, SA, SB, SC, SD)
             _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
                     s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
             tl.debug_barrier()

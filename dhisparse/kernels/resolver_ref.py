@@ -8,8 +8,10 @@ copies for one layer's bytes. Follower layers of a shared selection (GLM `shared
 Per request, over the union U of its K queries' selections (each distinct row handled once):
   1. direct:  positions in the tail (>= tail_start) or in the ready optional map (direct_loc >= 0)
   2. hot:     positions held by a hot-cache slot (hits; their LRU stamps are refreshed)
-  3. host:    the rest; sorted by host location, the i-th miss takes the i-th victim, victims being
-              the unselected slots in LRU order (empty slots first, then oldest stamp, then slot id)
+  3. host:    the rest; sorted by host location, the i-th miss takes the i-th victim. The victims are
+              the first m unselected slots in LRU order (empty slots first, then oldest stamp, then
+              slot id), paired in slot order: which slots are evicted is LRU, how misses pair with
+              them is free, and slot order needs no sort of the victims (issue 33)
 Locations come back in selection order, [N, K, k], -1 where the selection is -1.
 
 State (one group g = one selection producer; all layers of a group share the slot state):
@@ -114,7 +116,7 @@ def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, no
             victims = cand[torch.argsort(key)]
             m = min(miss.numel(), victims.numel())
             c[5] += miss.numel() - m
-            v = victims[:m]
+            v = victims[:m].sort().values  # the LRU-oldest m, paired in slot order
             out[miss[:m]] = st.hot_loc[s, v]
             st.hot_pos[s, v], st.hot_stamp[s, v] = uniq[miss[:m]], now
             srcs.append(hloc[:m])
