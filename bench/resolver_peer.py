@@ -6,8 +6,9 @@
 Cases (the issue's, SGLang's own benchmark shapes): one query per request (K = 1), top-k 2,048, hot cache
 H = 4,096 and 8,192, batch 8 / 32 / 100, rows of 656 and 1,152 B, and three miss levels: 0.1% of the
 selection misses (2 rows), 20% (410 rows), and every row (a full hot cache holding none of the
-selection). Per case: plan + copy (`plan_triton(defer=True)` + `launch_copies`, the engine's no-sync
-path), plan alone, and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
+selection). Per case: plan + copy (`plan_triton(defer=True, workspace=ws)` + `launch_copies`, the engine's no-sync
+path with a store's persistent scratch), plan alone (also without the workspace: scratch allocated and
+zero-filled per call), and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
 L2 is flushed (a 256-MiB write) and the hot-cache state restored before every timed call, untimed; 20
 timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
 
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
 from bench.resolver_timing import stats, timeit  # noqa: E402
-from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
 PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.1%", 100, 656): (20.1, 60.1),
@@ -87,8 +88,10 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
         st.hot_stamp.copy_(snap[1])
         flush()
 
-    def plan(u: int = 5):
-        return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u)
+    ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
+
+    def plan(u: int = 5, workspace: PlanWorkspace | None = ws):
+        return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u, workspace=workspace)
 
     restore()
     c = plan().materialize().counters
@@ -96,6 +99,7 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
            "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(), **case.meta}
     rec["plan_copy"] = stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup))
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
+    rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(5, None), restore, iters, warmup))
     rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
     restore()
     return rec
@@ -172,6 +176,7 @@ def main() -> None:
                     records.append(rec)
                     print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
                           f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
+                          f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
                           + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items()), flush=True)
                     del case
                     write(args.out, rig, sh, iters, checks, records, t0)

@@ -20,7 +20,7 @@ from hypothesis import strategies as hs  # noqa: E402
 from test_resolver_reference import (  # noqa: E402
     W, assert_rows_right, clone_state, dev_rows_for, host_rows_for, make_state, sel_of)
 
-from dhisparse.kernels.resolver import launch_copies, plan_triton, run_copies_triton  # noqa: E402
+from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton, run_copies_triton  # noqa: E402
 from dhisparse.kernels.resolver_ref import plan_reference, run_copies  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,10 +38,10 @@ class Pair:
     def __init__(self, st):
         self.ref, self.dev = clone_state(st), clone_state(st, DEV)
 
-    def step(self, sel, slots, now, defer=False):
+    def step(self, sel, slots, now, defer=False, ws=None):
         slots = torch.as_tensor(slots)
         want = plan_reference(sel, slots, self.ref, now)
-        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer)
+        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer, workspace=ws)
         if defer:
             assert got.counters is None
             got.materialize()
@@ -375,3 +375,24 @@ def test_direct_distinct_count_across_chunks():
     want, _ = Pair(st).step(sel, [1, 0], now=2)
     assert want.counters.direct == sum(len(set(sel[n][sel[n] >= 0].tolist())) for n in range(2))
     assert want.counters.hot == want.counters.host == 0
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_persistent_workspace_is_left_zeroed_and_plans_stay_exact(direct):
+    """plan_triton(workspace=ws) over ragged batches that grow and shrink, all-direct requests among
+    them: every plan equals the reference, and after every call the bitmap and P0 counts of the
+    workspace are zero again (the kernels clear what they set), including a grown-out buffer."""
+    g = torch.Generator().manual_seed(11)
+    S, L, TT = 5, 80, 6
+    st = make_state(S=S, B=7, L=L, TT=TT, direct=direct, seed=4)
+    if direct:
+        for s in range(S):
+            m = torch.ones(L, dtype=torch.bool) if s < 2 else torch.rand(L, generator=g) < 0.5
+            st.direct_loc[s] = torch.where(m, 300 + torch.arange(L), -1)
+    p, ws = Pair(st), PlanWorkspace(DEV)
+    for step, N in enumerate((2, 5, 1, 4, 5)):
+        K, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+        sel = torch.where(torch.rand(N, K, k, generator=g) < 0.2, -1, torch.randint(0, L, (N, K, k), generator=g))
+        p.step(sel, torch.randperm(S, generator=g)[:N], now=step, defer=step % 2 == 1, ws=ws)
+        assert len(ws.zeroed()) >= 1 + direct and all(int(b.abs().sum()) == 0 for b in ws.zeroed()), step
+    assert any(name == "bm" for name, _ in ws._retired)  # the batches grew past the first bitmap

@@ -28,8 +28,9 @@ from dhisparse.kernels.gather import gather_rows_padded
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
+from dhisparse.kernels.resolver_workspace import PlanWorkspace
 
-__all__ = ["TritonResolvePlan", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
+__all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
 
 COUNTER_NAMES = ResolveCounters._fields
 MAX_ROUNDS = 4  # hash arbitration rounds before the exact one-position-at-a-time fallback
@@ -87,7 +88,8 @@ def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
-                defer: bool = False, num_warps: int | None = None, upto_phase: int = 5) -> TritonResolvePlan:
+                defer: bool = False, num_warps: int | None = None, upto_phase: int = 5,
+                workspace: PlanWorkspace | None = None) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or a [1] int64 device tensor (read by the kernel, not the host).
@@ -95,6 +97,8 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
     upto_phase < 5 is for phase profiling only (bench/resolver_peer.py): the kernel stops after that
     phase (resolver_kernel.py's P0-P5) and the plan is incomplete.
+    workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
+    zero-fill launch per call; None allocates per call.
     """
     if sel.dim() != 3:
         raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
@@ -106,14 +110,14 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     C = max(1, min(KK, B))
     i64 = dict(dtype=torch.int64, device=dev)
     loc = torch.empty(sel.shape, dtype=sel.dtype, device=dev)
-    src = torch.empty((N, C), **i64)
-    dst = torch.empty((N, C), **i64)
+    block = torch.empty(N * (2 * C + 6), **i64)  # src [N, C] | dst [N, C] | cnt [N, 6]: one allocation
+    src, dst = block[: N * C].view(N, C), block[N * C: 2 * N * C].view(N, C)
     if N and KK:  # the kernel writes every element of loc, copy_n and cnt
         copy_n = torch.empty(N, dtype=torch.int32, device=dev)
-        cnt = torch.empty((N, 6), **i64)
+        cnt = block[2 * N * C:].view(N, 6)
         plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
         _launch(sel.to(dev).reshape(N, KK).contiguous(), slots.to(device=dev, dtype=torch.int64).contiguous(),
-                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto_phase)
+                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto_phase, workspace)
     else:
         loc.fill_(-1)
         plan = TritonResolvePlan(loc, None, None, None, src, dst, torch.zeros(N, dtype=torch.int32, device=dev),
@@ -140,7 +144,7 @@ def _now_tensor(now, dev: torch.device) -> torch.Tensor:
     return torch.full((1,), int(now), dtype=torch.int64, device=dev)
 
 
-def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=5):
+def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=5, ws=None):
     hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
     hot_loc = _row(st.hot_loc, "hot_loc")
@@ -151,21 +155,23 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
     N = sel2.shape[0]
     HT = 2 * KKP
     LOGH = HT.bit_length() - 1
-    scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
-    scr32 = torch.empty((N, 2 * HT + 3 * KKP + BP), dtype=torch.int32, device=dev)
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
     bits = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
     words = -(-bits // 32)
-    bm = torch.zeros((N, words), dtype=torch.int32, device=dev)  # P0's distinct-row bitmap
+    if ws is not None:  # persistent: bm and pre are zero at entry and the kernels leave them so
+        scr64, scr32, bm, pre = ws.scratch(N, KKP, BP, HT, words, dmap is not None)
+    else:
+        scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
+        scr32 = torch.empty((N, 2 * HT + 3 * KKP + BP), dtype=torch.int32, device=dev)
+        bm = torch.zeros((N, words), dtype=torch.int32, device=dev)  # P0's distinct-row bitmap
+        pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     if num_warps is None:
         big = max(KKP, BP)
         num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
     # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
-    pre = None
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
-        pre = torch.zeros((N, 3), dtype=torch.int32, device=dev)
         chp = min(KKP, 1024)
         direct_pre_kernel[(N, -(-KK // chp))](
             sel2, slots, KK, st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],

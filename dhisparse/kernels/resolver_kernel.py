@@ -170,6 +170,22 @@ def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_
     return nval, nnd, ndist
 
 
+@triton.jit
+def _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE: tl.constexpr, KKP: tl.constexpr, CH: tl.constexpr):
+    """End of program n: clear the bitmap words its entries' P0 set and reset its pre row, so a
+    persistent workspace (resolver_workspace.py) is zero at the next call's entry. Runs after a
+    barrier: every read of both is done."""
+    for c0 in range(0, KKP, CH):
+        if c0 < KK:
+            i = c0 + tl.arange(0, CH)
+            p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+            word = p >> 5
+            tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
+    if PRE:
+        for j in tl.static_range(3):
+            tl.store(pre_ptr + n * 3 + j, 0)
+
+
 @triton.jit(do_not_specialize=["KK", "TT", "LMAX", "s_dmap", "WORDS"])
 def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
                       loc_ptr, bm_ptr, WORDS, pre_ptr, CH: tl.constexpr):
@@ -266,7 +282,8 @@ def resolve_plan_kernel(
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap).
+    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left
+    zero at exit, as is pre (`_leave_zeroed`: a persistent workspace stays valid).
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
     UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
     outputs are incomplete below 5; the default 5 runs every phase."""
@@ -293,8 +310,10 @@ def resolve_plan_kernel(
     if nnd == 0:  # P0: every valid entry resolved directly; loc is final
         tl.store(copy_n_ptr + n, ndist * 0)
         _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
+        tl.debug_barrier()
     elif UPTO == 0:
         tl.store(copy_n_ptr + n, ndist * 0)
+        tl.debug_barrier()
     else:
         tl.debug_barrier()
         nsel, nr, nlf = _dedup(sel_ptr, KK, n, R, rep, lf, KKP, HT, LOGH, RMAX)
@@ -330,3 +349,4 @@ def resolve_plan_kernel(
         if UPTO >= 5:
             hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
+    _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE, KKP, CH)

@@ -118,7 +118,7 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
     reference resolver the call-level direct path (`direct_plan`) and staging read the plan on
     the host."""
     if kv.deferred:
-        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True)
+        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)

@@ -38,6 +38,7 @@ from dhisparse.kv.hier.prefetch import make_prefetch
 from dhisparse.kv.hier.prefix_pages import PrefixPages
 from dhisparse.kv.resident.store import ResidentKV, copy_index_pages
 from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, run_copies
+from dhisparse.kernels.resolver_workspace import PlanWorkspace
 from dhisparse.kv.memory.slot_tables import SlotTable
 
 log = logging.getLogger("dhisparse.kv")
@@ -99,8 +100,8 @@ class HierarchicalKV(KVStore):
         (kv/hier/prefetch.py; "side" takes effect on CUDA only). placement: "import", "host" or
         "auto", where a prefix-matched admission puts the prefix (`_placement`). staging_mode:
         "paper", "single" or "auto" (`STAGING_MODES`, kv/hier/promotion.py).
-        deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True)`, the Triton
-        resolver: kv/build.py's `Resolver`). source_hot_rows: one hot-cache budget B_g per selection
+        deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True, workspace=ws)`,
+        the Triton resolver: kv/build.py's `Resolver`; `plan_ws` is its persistent scratch). source_hot_rows: one hot-cache budget B_g per selection
         group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
         from, 4,096 for the others), each page-rounded and >= index_topk; None: `hot_rows` for every
         one. A request holds max_g B_g rows of pages (a page holds every source's rows), and group
@@ -150,6 +151,8 @@ class HierarchicalKV(KVStore):
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = deferred  # plan(defer=True) never waits for the device
+        # the deferred (Triton) plan's persistent scratch: no allocation or zero-fill launch per call
+        self.plan_ws = PlanWorkspace(dev) if deferred else None
         self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
         if placement not in PLACEMENTS:
             raise ValueError(f"admission placement must be one of {PLACEMENTS}, got {placement!r}")
