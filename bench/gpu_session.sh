@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -304,6 +304,15 @@ case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper
       --presets adaptive+spec --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 \
       --arms "${STAGING_ARMS:-staging_mode=paper;staging_mode=single}" --repeats ${STAGING_REPEATS:-3} \
       --out "$OUT/staging_8k_c18_h200.json" ;; esac
+case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
+  run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+      tests/test_resolver_kernel.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \
+      tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
+      tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
+      --junitxml="$OUT/exact33_cuda.xml" ;; esac
+case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
+  run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
+      --out "$OUT/resolver_peer_h200.json" ;; esac
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
   # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
   # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the

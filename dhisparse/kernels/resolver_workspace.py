@@ -12,7 +12,8 @@ A `PlanWorkspace` holds flat buffers that every call slices, and the kernels kee
 themselves: the plan kernel clears the bitmap words its request's entries set and resets its `pre`
 row once read. Buffers grow geometrically when a call needs more; a grown-out buffer is retired,
 not freed, because a captured CUDA graph may still address it (its replays keep its invariant:
-their kernels clear what they set). Calls must be ordered on one stream, as a store's are.
+their kernels clear what they set). Growth never happens inside a graph capture (refused: the
+runners' eager warm-up grows them first). Calls must be stream-ordered, as a store's are.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class PlanWorkspace:
     def _get(self, name: str, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < numel:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a buffer made inside a capture is filled only when the graph replays: eager calls
+                # would read it unfilled. Graph runners warm up eagerly first, so this grows there;
+                # a capture that gets here fails and its passes run eagerly (engine/step_graphs.py)
+                raise RuntimeError(f"resolver workspace {name!r} must grow to {numel} entries inside a CUDA graph "
+                                   "capture; run the pass once eagerly first")
             if buf is not None:
                 self._retired.append((name, buf))
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)
