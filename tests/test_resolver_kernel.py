@@ -381,7 +381,8 @@ def test_direct_distinct_count_across_chunks():
 def test_a_persistent_workspace_is_left_zeroed_and_plans_stay_exact(direct):
     """plan_triton(workspace=ws) over ragged batches that grow and shrink, all-direct requests among
     them: every plan equals the reference, and after every call the bitmap and P0 counts of the
-    workspace are zero again (the kernels clear what they set), including a grown-out buffer."""
+    workspace are zero and its dedup tables -1 again (the kernels clear what they set), including a
+    grown-out buffer."""
     g = torch.Generator().manual_seed(11)
     S, L, TT = 5, 80, 6
     st = make_state(S=S, B=7, L=L, TT=TT, direct=direct, seed=4)
@@ -395,4 +396,5 @@ def test_a_persistent_workspace_is_left_zeroed_and_plans_stay_exact(direct):
         sel = torch.where(torch.rand(N, K, k, generator=g) < 0.2, -1, torch.randint(0, L, (N, K, k), generator=g))
         p.step(sel, torch.randperm(S, generator=g)[:N], now=step, defer=step % 2 == 1, ws=ws)
         assert len(ws.zeroed()) >= 1 + direct and all(int(b.abs().sum()) == 0 for b in ws.zeroed()), step
+        assert ws.emptied() and all(bool((b == -1).all()) for b in ws.emptied()), step
     assert any(name == "bm" for name, _ in ws._retired)  # the batches grew past the first bitmap

@@ -158,11 +158,12 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
     bits = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
     words = -(-bits // 32)
-    if ws is not None:  # persistent: bm and pre are zero at entry and the kernels leave them so
-        scr64, scr32, bm, pre = ws.scratch(N, KKP, BP, HT, words, dmap is not None)
+    if ws is not None:  # persistent: tab is -1, bm and pre zero at entry, and the kernels leave them so
+        scr64, scr32, tab, bm, pre = ws.scratch(N, KKP, BP, HT, words, dmap is not None)
     else:
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
-        scr32 = torch.empty((N, 2 * HT + 3 * KKP + BP), dtype=torch.int32, device=dev)
+        scr32 = torch.empty((N, 3 * KKP + BP), dtype=torch.int32, device=dev)
+        tab = torch.full((N, 2 * HT), -1, dtype=torch.int64, device=dev)  # P1's dedup tables
         bm = torch.zeros((N, words), dtype=torch.int32, device=dev)  # P0's distinct-row bitmap
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     if num_warps is None:
@@ -185,8 +186,8 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
         dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
         _now_tensor(now, dev),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
-        scr64, scr32, bm, words, pre if pre is not None else bm,
-        KKP=KKP, PRE=pre is not None, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
+        scr64, scr32, tab, bm, words, pre if pre is not None else bm,
+        KKP=KKP, LOGK=KKP.bit_length() - 1, PRE=pre is not None, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
         SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto, num_warps=num_warps,
     )
 

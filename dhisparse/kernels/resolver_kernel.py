@@ -5,12 +5,14 @@ separated by CTA barriers, with a per-program scratch in global memory (L1/L2 re
 
 Distinct rows are found by hash arbitration rounds, each in a region of its own (sizes HT, HT/2,
 ...; HT = 2 * next_pow2(K*k)) with its own multiplicative hash: every unresolved entry writes its
-index into its bucket, and after a barrier reads the winner back; entries whose winner holds the same
-position are resolved with that winner as representative (uid). All entries of one position share
-every bucket, so they resolve together. A handful of rounds resolves everything in practice; entries
-still unresolved after RMAX rounds are resolved exactly one position at a time ("leftovers").
-Lookups (hot slots) read the same buckets and validate a hit by the winner's position, so no region is
-ever cleared.
+packed key (position * KKP + index, int64) into its bucket, and after a barrier reads the winner's
+back; entries whose winner holds the same position are resolved with that winner as representative
+(uid). All entries of one position share every bucket, so they resolve together. A handful of rounds
+resolves everything in practice; entries still unresolved after RMAX rounds are resolved exactly one
+position at a time ("leftovers"). Lookups (hot slots) read the same buckets, one load a round: a key
+holding the slot's position names its representative. The tables (`tab`) are -1 at entry: each
+program clears the buckets it wrote before it ends (`_clear_tables`), so a persistent workspace
+stays valid; a per-call allocation is filled with -1.
 
   P1 dedup   rep [KK]: uid (representative entry) of every valid entry
   P2 direct  tail (p >= tail_start) or optional map (direct_loc[p] >= 0) -> out[uid]
@@ -61,10 +63,11 @@ def _hash(p, r: tl.constexpr, LOGB: tl.constexpr):
 
 
 @triton.jit
-def _dedup(sel_ptr, KK, n, R, rep, lf, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
-           RMAX: tl.constexpr):
+def _dedup(sel_ptr, KK, n, T, rep, lf, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
+           RMAX: tl.constexpr, LOGK: tl.constexpr):
     """P1. rep [KK] <- representative entry of each valid entry's position. Returns (valid entries,
-    rounds run, leftover count); leftover representatives are listed in lf."""
+    rounds run, leftover count); leftover representatives are listed in lf. A bucket holds the
+    packed key p * KKP + i of the entry that won it, so the winner's position is read with it."""
     i = tl.arange(0, KKP)
     p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
     valid = p >= 0
@@ -74,14 +77,13 @@ def _dedup(sel_ptr, KK, n, R, rep, lf, KKP: tl.constexpr, HT: tl.constexpr, LOGH
     nr = nact * 0
     for r in tl.static_range(RMAX):
         if nact > 0:
-            reg = R + 2 * HT - 2 * (HT >> r)
+            reg = T + 2 * HT - 2 * (HT >> r)
             h = _hash(p, r, LOGH - r)
-            tl.store(reg + h, i, mask=active)
+            tl.store(reg + h, p * KKP + i, mask=active)
             tl.debug_barrier()
-            w = tl.load(reg + h, mask=active, other=0)
-            pw = tl.load(sel_ptr + n * KK + w, mask=active, other=-1)
-            got = active & (pw == p)
-            u = tl.where(got, w, u)
+            kw = tl.load(reg + h, mask=active, other=-1)
+            got = active & ((kw >> LOGK) == p)
+            u = tl.where(got, (kw & (KKP - 1)).to(tl.int32), u)
             active = active & (~got)
             nact = tl.sum(active.to(tl.int32), axis=0)
             nr += 1
@@ -171,6 +173,21 @@ def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_
 
 
 @triton.jit
+def _clear_tables(sel_ptr, KK, n, T, nr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
+                  KKP: tl.constexpr, CH: tl.constexpr):
+    """End of a full-path program: every bucket a dedup round may have written (a valid entry's
+    bucket in each of the nr rounds run) back to -1, so the tables are empty at the next call."""
+    for r in tl.static_range(RMAX):
+        if r < nr:
+            for c0 in range(0, KKP, CH):
+                if c0 < KK:
+                    i = c0 + tl.arange(0, CH)
+                    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+                    h = _hash(p, r, LOGH - r)
+                    tl.store(T + 2 * HT - 2 * (HT >> r) + h, tl.full([CH], -1, tl.int64), mask=p >= 0)
+
+
+@triton.jit
 def _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE: tl.constexpr, KKP: tl.constexpr, CH: tl.constexpr):
     """End of program n: clear the bitmap words its entries' P0 set and reset its pre row, so a
     persistent workspace (resolver_workspace.py) is zero at the next call's entry. Runs after a
@@ -205,11 +222,13 @@ def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_ta
 
 
 @triton.jit
-def _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+def _hot_scan(sel_ptr, KK, n, T, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
               s_pos, s_stamp, s_loc, B, now, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
-              RMAX: tl.constexpr):
-    """P3. Each slot looks its position up in the dedup regions (then the leftovers); hits on
-    non-direct rows: out[uid] = hot_loc, prot[slot] = 1, stamp = now. Returns the number of hits."""
+              RMAX: tl.constexpr, LOGK: tl.constexpr, KKP: tl.constexpr):
+    """P3. Each slot looks its position up in the dedup regions (then the leftovers): one load a
+    round, the bucket's packed key (a round's winner is its position's representative; a bucket
+    not written this call holds -1: `_clear_tables`); hits on non-direct rows: out[uid] = hot_loc,
+    prot[slot] = 1, stamp = now. Returns the number of hits."""
     sl = tl.arange(0, BP)
     bm = sl < B
     hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
@@ -218,10 +237,8 @@ def _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, ho
     for r in tl.static_range(RMAX):
         if r < nr:
             look = act & (uid < 0)
-            w = tl.load(R + 2 * HT - 2 * (HT >> r) + _hash(hp, r, LOGH - r), mask=look, other=-1)
-            okw = look & (w >= 0) & (w < KK)
-            pw = tl.load(sel_ptr + n * KK + w, mask=okw, other=-1)
-            uid = tl.where(okw & (pw == hp), tl.load(rep + w, mask=okw & (pw == hp), other=-1), uid)
+            kw = tl.load(T + 2 * HT - 2 * (HT >> r) + _hash(hp, r, LOGH - r), mask=look, other=-1)
+            uid = tl.where(look & (kw >= 0) & ((kw >> LOGK) == hp), (kw & (KKP - 1)).to(tl.int32), uid)
     j = nlf * 0
     while j < nlf:
         q = tl.load(lf + j)
@@ -274,15 +291,15 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr, bm_ptr, WORDS, pre_ptr,
-    KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
+    scr64_ptr, scr32_ptr, tab_ptr, bm_ptr, WORDS, pre_ptr,
+    KKP: tl.constexpr, LOGK: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
     CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
     SD: tl.constexpr, VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 5,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 2*HT + 3*KKP + BP] int32, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left
+    scr32 [N, 3*KKP + BP] int32, tab [N, 2*HT] int64 dedup tables, all -1 at entry and left so, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left
     zero at exit, as is pre (`_leave_zeroed`: a persistent workspace stays valid).
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
     UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
@@ -293,8 +310,8 @@ def resolve_plan_kernel(
     out = scr64_ptr + n * (2 * KKP + BP)
     mk = out + KKP
     vk = mk + KKP
-    R = scr32_ptr + n * (2 * HT + 3 * KKP + BP)
-    rep = R + 2 * HT
+    T = tab_ptr + n * (2 * HT)
+    rep = scr32_ptr + n * (3 * KKP + BP)
     hflag = rep + KKP
     lf = hflag + KKP
     prot = lf + KKP
@@ -316,7 +333,7 @@ def resolve_plan_kernel(
         tl.debug_barrier()
     else:
         tl.debug_barrier()
-        nsel, nr, nlf = _dedup(sel_ptr, KK, n, R, rep, lf, KKP, HT, LOGH, RMAX)
+        nsel, nr, nlf = _dedup(sel_ptr, KK, n, T, rep, lf, KKP, HT, LOGH, RMAX, LOGK)
         tl.debug_barrier()
         ndir = nsel * 0
         nrest = ndir
@@ -326,8 +343,8 @@ def resolve_plan_kernel(
             tl.debug_barrier()
         nhot = ndir * 0
         if (nrest > 0) & (UPTO >= 3):
-            nhot = _hot_scan(sel_ptr, KK, n, R, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                             s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX)
+            nhot = _hot_scan(sel_ptr, KK, n, T, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                             s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX, LOGK, KKP)
             tl.debug_barrier()
         nmiss = nrest - nhot
         nhost = nmiss * 0
@@ -349,4 +366,6 @@ def resolve_plan_kernel(
         if UPTO >= 5:
             hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
+        tl.debug_barrier()
+        _clear_tables(sel_ptr, KK, n, T, nr, HT, LOGH, RMAX, KKP, CH)
     _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE, KKP, CH)

@@ -3,14 +3,15 @@
 Per call `plan_triton` needs, per request n of a batch of N:
 
   scr64  [N, 2*KKP + BP] int64   out / miss keys / victims          (any contents at entry)
-  scr32  [N, 2*HT + 3*KKP + BP] int32  dedup regions, rep, flags, leftovers, protection (any contents)
+  scr32  [N, 3*KKP + BP] int32   rep, flags, leftovers, protection  (any contents at entry)
+  tab    [N, 2*HT] int64         P1's dedup tables (packed keys)    (-1 at entry)
   bm     [N, WORDS] int32        P0's distinct-row bitmap            (ZERO at entry)
   pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry)
 
-Without a workspace they are allocated per call (bm and pre zero-filled: one memset launch each).
-A `PlanWorkspace` holds flat buffers that every call slices, and the kernels keep the zero invariant
-themselves: the plan kernel clears the bitmap words its request's entries set and resets its `pre`
-row once read. Buffers grow geometrically when a call needs more; a grown-out buffer is retired,
+Without a workspace they are allocated per call (tab, bm and pre filled: a launch each). A
+`PlanWorkspace` holds flat buffers that every call slices, and the kernels keep the invariant
+themselves: the plan kernel clears the buckets its dedup rounds wrote and the bitmap words its
+request's entries set, and resets its `pre` row once read. Buffers grow geometrically when a call needs more; a grown-out buffer is retired,
 not freed, because a captured CUDA graph may still address it (its replays keep its invariant:
 their kernels clear what they set). Growth never happens inside a graph capture (refused: the
 runners' eager warm-up grows them first). Calls must be stream-ordered, as a store's are.
@@ -31,7 +32,7 @@ class PlanWorkspace:
         self._bufs: dict[str, torch.Tensor] = {}
         self._retired: list[tuple[str, torch.Tensor]] = []  # (name, buffer): kept alive for captured graphs
 
-    def _get(self, name: str, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+    def _get(self, name: str, numel: int, dtype: torch.dtype, fill: int | None) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < numel:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -43,19 +44,21 @@ class PlanWorkspace:
             if buf is not None:
                 self._retired.append((name, buf))
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)
-            make = torch.zeros if zero else torch.empty
-            buf = self._bufs[name] = make(size, dtype=dtype, device=self.device)
+            buf = torch.empty(size, dtype=dtype, device=self.device)
+            if fill is not None:
+                buf.fill_(fill)
+            self._bufs[name] = buf
         return buf[:numel]
 
-    def scratch(self, N: int, KKP: int, BP: int, HT: int, words: int,
-                with_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*HT + 3*KKP + BP], bm [N, words] zeros, pre [N, 3] zeros or
-        None) as views of the persistent buffers."""
-        scr64 = self._get("scr64", N * (2 * KKP + BP), torch.int64, False).view(N, 2 * KKP + BP)
-        scr32 = self._get("scr32", N * (2 * HT + 3 * KKP + BP), torch.int32, False).view(N, 2 * HT + 3 * KKP + BP)
-        bm = self._get("bm", N * words, torch.int32, True).view(N, words)
-        pre = self._get("pre", N * 3, torch.int32, True).view(N, 3) if with_pre else None
-        return scr64, scr32, bm, pre
+    def scratch(self, N: int, KKP: int, BP: int, HT: int, words: int, with_pre: bool):
+        """(scr64 [N, 2*KKP + BP], scr32 [N, 3*KKP + BP], tab [N, 2*HT] all -1, bm [N, words] zeros,
+        pre [N, 3] zeros or None) as views of the persistent buffers."""
+        scr64 = self._get("scr64", N * (2 * KKP + BP), torch.int64, None).view(N, 2 * KKP + BP)
+        scr32 = self._get("scr32", N * (3 * KKP + BP), torch.int32, None).view(N, 3 * KKP + BP)
+        tab = self._get("tab", N * 2 * HT, torch.int64, -1).view(N, 2 * HT)
+        bm = self._get("bm", N * words, torch.int32, 0).view(N, words)
+        pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3) if with_pre else None
+        return scr64, scr32, tab, bm, pre
 
     def nbytes(self) -> int:
         """Device bytes held (live and retired buffers)."""
@@ -64,3 +67,7 @@ class PlanWorkspace:
     def zeroed(self) -> list[torch.Tensor]:
         """The buffers that must be zero between calls (bitmap and P0 counts, live and retired)."""
         return [t for name, t in [*self._bufs.items(), *self._retired] if name in ("bm", "pre")]
+
+    def emptied(self) -> list[torch.Tensor]:
+        """The buffers that must be all -1 between calls (the dedup tables, live and retired)."""
+        return [t for name, t in [*self._bufs.items(), *self._retired] if name == "tab"]
