@@ -80,8 +80,8 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     """plan + copy, plan alone, and plan stopped after each phase in `upto`."""
     st = case.state
     snap = (st.hot_pos.clone(), st.hot_stamp.clone())
-    now = int(st.hot_stamp.max()) + 1
-    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
+    now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)  # a device scalar, as
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)               # the engine's now_t
 
     def restore():
         st.hot_pos.copy_(snap[0])

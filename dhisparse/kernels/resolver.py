@@ -20,6 +20,7 @@ state untouched.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
 plan_triton.deferrable = True  # HierContext calls it with defer=True and reads counters lazily
 
 
+@functools.lru_cache(maxsize=64)
 def _sort_classes(smax: int) -> tuple[int, int, int, int]:
     """Four distinct power-of-two sort sizes ending at smax (512, 2048, 8192 when smaller)."""
     cs = sorted({c for c in (512, 2048, 8192) if c < smax} | {smax})
