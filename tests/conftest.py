@@ -9,12 +9,33 @@ import torch
 if not torch.cuda.is_available():  # no CUDA: Triton kernels run under the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gc
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from hf_fixtures import glm_config, save_hf_checkpoint, v32_config
+
+
+def _freeze_imports() -> None:
+    """Import what most test files import once (transformers, the engine, the server, hypothesis) and
+    move every object alive now into the collector's permanent generation (`gc.freeze`). The full
+    collection `_release_memory` runs after every test then walks only what tests made: here 0.07-0.16 s
+    a test before, about 0 after (~1,200 tests). Only import-time objects are frozen; no engine or
+    pool exists yet, so the cycles the fixture is there for are still collected."""
+    for name in ("transformers", "hypothesis", "httpx", "dhisparse.engine.engine", "dhisparse.server",
+                 "dhisparse.models.registry"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency missing: its tests skip
+            pass
+    gc.collect()
+    gc.freeze()
+
+
+_freeze_imports()
 
 
 @dataclass(frozen=True)
