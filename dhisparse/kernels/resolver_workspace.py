@@ -31,6 +31,7 @@ class PlanWorkspace:
         self.device = torch.device(device)
         self._bufs: dict[str, torch.Tensor] = {}
         self._retired: list[tuple[str, torch.Tensor]] = []  # (name, buffer): kept alive for captured graphs
+        self._views: dict[tuple, tuple] = {}  # scratch() results by shape, dropped when a buffer grows
 
     def _get(self, name: str, numel: int, dtype: torch.dtype, fill: int | None) -> torch.Tensor:
         buf = self._bufs.get(name)
@@ -43,6 +44,7 @@ class PlanWorkspace:
                                    "capture; run the pass once eagerly first")
             if buf is not None:
                 self._retired.append((name, buf))
+            self._views.clear()
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)
             buf = torch.empty(size, dtype=dtype, device=self.device)
             if fill is not None:
@@ -52,7 +54,14 @@ class PlanWorkspace:
 
     def scratch(self, N: int, KKP: int, BP: int, HT: int, words: int, with_pre: bool):
         """(scr64 [N, 2*KKP + BP], scr32 [N, 3*KKP + BP], tab [N, 2*HT] all -1, bm [N, words] zeros,
-        pre [N, 3] zeros or None) as views of the persistent buffers."""
+        pre [N, 3] zeros or None) as views of the persistent buffers (the same views for the same shape)."""
+        key = (N, KKP, BP, HT, words, with_pre)
+        hit = self._views.get(key)
+        if hit is None:
+            hit = self._views[key] = self._slice(N, KKP, BP, HT, words, with_pre)
+        return hit
+
+    def _slice(self, N: int, KKP: int, BP: int, HT: int, words: int, with_pre: bool):
         scr64 = self._get("scr64", N * (2 * KKP + BP), torch.int64, None).view(N, 2 * KKP + BP)
         scr32 = self._get("scr32", N * (3 * KKP + BP), torch.int32, None).view(N, 3 * KKP + BP)
         tab = self._get("tab", N * 2 * HT, torch.int64, -1).view(N, 2 * HT)
