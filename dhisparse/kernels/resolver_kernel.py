@@ -299,8 +299,9 @@ def resolve_plan_kernel(
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 3*KKP + BP] int32, tab [N, 2*HT] int64 dedup tables, all -1 at entry and left so, bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left
-    zero at exit, as is pre (`_leave_zeroed`: a persistent workspace stays valid).
+    scr32 [N, 3*KKP + BP] int32; tab [N, 2*HT] int64 dedup tables, all -1 at entry and left so
+    (`_clear_tables`); bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left zero at exit, as
+    is pre (`_leave_zeroed`): a persistent workspace stays valid.
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
     UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
     outputs are incomplete below 5; the default 5 runs every phase."""

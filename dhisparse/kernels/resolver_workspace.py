@@ -11,10 +11,11 @@ Per call `plan_triton` needs, per request n of a batch of N:
 Without a workspace they are allocated per call (tab, bm and pre filled: a launch each). A
 `PlanWorkspace` holds flat buffers that every call slices, and the kernels keep the invariant
 themselves: the plan kernel clears the buckets its dedup rounds wrote and the bitmap words its
-request's entries set, and resets its `pre` row once read. Buffers grow geometrically when a call needs more; a grown-out buffer is retired,
-not freed, because a captured CUDA graph may still address it (its replays keep its invariant:
-their kernels clear what they set). Growth never happens inside a graph capture (refused: the
-runners' eager warm-up grows them first). Calls must be stream-ordered, as a store's are.
+request's entries set, and resets its `pre` row once read. Buffers grow geometrically when a call
+needs more; a grown-out buffer is retired, not freed, because a captured CUDA graph may still
+address it (its replays keep its invariant: their kernels clear what they set). Growth never
+happens inside a graph capture (refused: the runners' eager warm-up grows them first). Calls must
+be stream-ordered, as a store's are.
 """
 
 from __future__ import annotations
