@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33,multi33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -313,6 +313,9 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
+case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
+  run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py \
+      --out "$OUT/resolver_bench_h200.json" ;; esac
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
   # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
   # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the
