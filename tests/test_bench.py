@@ -449,8 +449,8 @@ def test_fp8_kernels_bench_scores_keys_where_the_engine_stores_them(tmp_path):
 
 def test_resolver_peer_cases_phases_and_comparison():
     """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
-    is timed, and a case of the issue's table is compared with the peer's figure; the phase stop
-    leaves the full plan unchanged (upto_phase=5 is the default kernel)."""
+    is timed, the case's full plan equals the reference, and a case of the issue's table is compared
+    with the peer's figure."""
     from bench import resolver_peer as rp
     from bench.resolver_cases import Rig, check_case
 

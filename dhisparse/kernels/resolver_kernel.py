@@ -11,7 +11,7 @@ back; entries whose winner holds the same position are resolved with that winner
 resolves everything in practice; entries still unresolved after RMAX rounds are resolved exactly one
 position at a time ("leftovers"). Lookups (hot slots) read the same buckets, one load a round: a key
 holding the slot's position names its representative. The tables (`tab`) are -1 at entry: each
-program clears the buckets it wrote before it ends (`_clear_tables`), so a persistent workspace
+program clears the buckets it wrote before it ends (`_leave_clean`), so a persistent workspace
 stays valid; a per-call allocation is filled with -1.
 
   P1 dedup   rep [KK]: uid (representative entry) of every valid entry
@@ -173,31 +173,23 @@ def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_
 
 
 @triton.jit
-def _clear_tables(sel_ptr, KK, n, T, nr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
-                  KKP: tl.constexpr, CH: tl.constexpr):
-    """End of a full-path program: every bucket a dedup round may have written (a valid entry's
-    bucket in each of the nr rounds run) back to -1, so the tables are empty at the next call."""
-    for r in tl.static_range(RMAX):
-        if r < nr:
-            for c0 in range(0, KKP, CH):
-                if c0 < KK:
-                    i = c0 + tl.arange(0, CH)
-                    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-                    h = _hash(p, r, LOGH - r)
-                    tl.store(T + 2 * HT - 2 * (HT >> r) + h, tl.full([CH], -1, tl.int64), mask=p >= 0)
-
-
-@triton.jit
-def _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE: tl.constexpr, KKP: tl.constexpr, CH: tl.constexpr):
-    """End of program n: clear the bitmap words its entries' P0 set and reset its pre row, so a
-    persistent workspace (resolver_workspace.py) is zero at the next call's entry. Runs after a
-    barrier: every read of both is done."""
+def _leave_clean(sel_ptr, KK, n, T, nr, bm_ptr, WORDS, pre_ptr, PRE: tl.constexpr, HT: tl.constexpr,
+                 LOGH: tl.constexpr, RMAX: tl.constexpr, KKP: tl.constexpr, CH: tl.constexpr):
+    """End of program n, in one pass over its entries: the bitmap words its entries' P0 set back to
+    0, every bucket a dedup round may have written (a valid entry's bucket in each of the nr rounds
+    run; 0 when no dedup ran) back to -1, and its pre row reset, so a persistent workspace
+    (resolver_workspace.py) is clean at the next call's entry. Runs after a barrier: every read of
+    them is done."""
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
             p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
             word = p >> 5
             tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
+            for r in tl.static_range(RMAX):
+                if r < nr:
+                    h = _hash(p, r, LOGH - r)
+                    tl.store(T + 2 * HT - 2 * (HT >> r) + h, tl.full([CH], -1, tl.int64), mask=p >= 0)
     if PRE:
         for j in tl.static_range(3):
             tl.store(pre_ptr + n * 3 + j, 0)
@@ -227,7 +219,7 @@ def _hot_scan(sel_ptr, KK, n, T, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, ho
               RMAX: tl.constexpr, LOGK: tl.constexpr, KKP: tl.constexpr):
     """P3. Each slot looks its position up in the dedup regions (then the leftovers): one load a
     round, the bucket's packed key (a round's winner is its position's representative; a bucket
-    not written this call holds -1: `_clear_tables`); hits on non-direct rows: out[uid] = hot_loc,
+    not written this call holds -1: `_leave_clean`); hits on non-direct rows: out[uid] = hot_loc,
     prot[slot] = 1, stamp = now. Returns the number of hits."""
     sl = tl.arange(0, BP)
     bm = sl < B
@@ -299,9 +291,9 @@ def resolve_plan_kernel(
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 3*KKP + BP] int32; tab [N, 2*HT] int64 dedup tables, all -1 at entry and left so
-    (`_clear_tables`); bm [N, WORDS] int32 zeros (P0's distinct-row bitmap), left zero at exit, as
-    is pre (`_leave_zeroed`): a persistent workspace stays valid.
+    scr32 [N, 3*KKP + BP] int32; tab [N, 2*HT] int64 dedup tables, all -1 at entry; bm [N, WORDS]
+    int32 zeros (P0's distinct-row bitmap); pre zeros: all three left so at exit (`_leave_clean`),
+    so a persistent workspace stays valid.
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
     UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
     outputs are incomplete below 5; the default 5 runs every phase."""
@@ -325,6 +317,7 @@ def resolve_plan_kernel(
     else:
         nval, nnd, ndist = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
                                            dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, KKP, CH)
+    nr = nval * 0  # dedup rounds run (none on the direct exit)
     if nnd == 0:  # P0: every valid entry resolved directly; loc is final
         tl.store(copy_n_ptr + n, ndist * 0)
         _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
@@ -368,5 +361,4 @@ def resolve_plan_kernel(
             hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
         tl.debug_barrier()
-        _clear_tables(sel_ptr, KK, n, T, nr, HT, LOGH, RMAX, KKP, CH)
-    _leave_zeroed(sel_ptr, KK, n, bm_ptr, WORDS, pre_ptr, PRE, KKP, CH)
+    _leave_clean(sel_ptr, KK, n, T, nr, bm_ptr, WORDS, pre_ptr, PRE, HT, LOGH, RMAX, KKP, CH)

@@ -70,14 +70,17 @@ class PlanWorkspace:
         pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3) if with_pre else None
         return scr64, scr32, tab, bm, pre
 
-    def nbytes(self) -> int:
-        """Device bytes held (live and retired buffers)."""
-        return sum(t.numel() * t.element_size() for t in [*self._bufs.values(), *(t for _, t in self._retired)])
+    def _named(self, *names: str) -> list[torch.Tensor]:
+        return [t for name, t in [*self._bufs.items(), *self._retired] if name in names]
 
     def zeroed(self) -> list[torch.Tensor]:
         """The buffers that must be zero between calls (bitmap and P0 counts, live and retired)."""
-        return [t for name, t in [*self._bufs.items(), *self._retired] if name in ("bm", "pre")]
+        return self._named("bm", "pre")
 
     def emptied(self) -> list[torch.Tensor]:
         """The buffers that must be all -1 between calls (the dedup tables, live and retired)."""
-        return [t for name, t in [*self._bufs.items(), *self._retired] if name == "tab"]
+        return self._named("tab")
+
+    def nbytes(self) -> int:
+        """Device bytes held (live and retired buffers)."""
+        return sum(t.numel() * t.element_size() for t in self._named(*self._bufs))

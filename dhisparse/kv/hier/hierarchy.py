@@ -101,8 +101,8 @@ class HierarchicalKV(KVStore):
         "auto", where a prefix-matched admission puts the prefix (`_placement`). staging_mode:
         "paper", "single" or "auto" (`STAGING_MODES`, kv/hier/promotion.py).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True, workspace=ws)`,
-        the Triton resolver: kv/build.py's `Resolver`; `plan_ws` is its persistent scratch). source_hot_rows: one hot-cache budget B_g per selection
-        group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
+        the Triton resolver: kv/build.py's `Resolver`; `plan_ws` is its persistent scratch).
+        source_hot_rows: one hot-cache budget B_g per selection group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
         from, 4,096 for the others), each page-rounded and >= index_topk; None: `hot_rows` for every
         one. A request holds max_g B_g rows of pages (a page holds every source's rows), and group
         g's resolver sees only its first B_g entries (`resolver_state`).
