@@ -21,16 +21,17 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dhisparse.kernels.resolver import MAX_ROUNDS, _sort_classes  # noqa: E402
+from dhisparse.kernels.resolver import _sort_classes  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
+PHASE_STOPS = (1, 3, 4)  # resolve_plan_kernel's UPTO values below the full plan (5)
 INT32_PTRS = {"copy_n_ptr", "scr32_ptr", "bm_ptr", "pre_ptr"}
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _type(name: str) -> str:
     if name.endswith("_ptr"):
-        return "*i32" if name in INT32_PTRS else "*i64"
+        return "*i16" if name == "pv_ptr" else ("*i32" if name in INT32_PTRS else "*i64")
     return "i32"
 
 
@@ -48,11 +49,8 @@ def compile_kernel(kern, consts: dict, num_warps: int):
 
 def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 5) -> dict:
     """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
-    HT = 2 * KKP
-    LOGH = HT.bit_length() - 1
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
-    return dict(KKP=KKP, LOGK=KKP.bit_length() - 1, PRE=pre, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH),
-                CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto)
+    return dict(KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto)
 
 
 def main() -> None:
@@ -61,7 +59,7 @@ def main() -> None:
         for pre in (False, True):
             k = compile_kernel(resolve_plan_kernel, plan_consts(KKP, BP, pre), 16 if max(KKP, BP) > 2048 else 8)
             print(f"resolve_plan_kernel KKP {KKP} BP {BP} pre {pre}: ok, shared {k.metadata.shared} B", flush=True)
-    for upto in range(5):  # bench/resolver_peer.py --phases
+    for upto in PHASE_STOPS:  # bench/resolver_peer.py --phases
         compile_kernel(resolve_plan_kernel, plan_consts(2048, 4096, False, upto), 16)
         print(f"resolve_plan_kernel UPTO {upto}: ok", flush=True)
     compile_kernel(direct_pre_kernel, {"CH": 1024}, 4)

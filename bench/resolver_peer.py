@@ -12,9 +12,9 @@ zero-filled per call), and the host time to enqueue a call (Python and launches,
 L2 is flushed (a 256-MiB write) and the hot-cache state restored before every timed call, untimed; 20
 timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
 
-`--phases` adds the plan kernel stopped after each of its phases (P0 direct entries, P1 dedup, P2
-direct rows, P3 hot scan, P4 misses; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096, 656-B
-rows, every batch and miss level: the differences are what each phase costs.
+`--phases` adds the plan kernel stopped after each of its phases (P1 entries: claims, representatives
+and direct rows; P3 hot scan; P4 misses; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096,
+656-B rows, every batch and miss level: the differences are what each phase costs.
 
 The peer's figures are the issue's (SGLang 0.5.23's `load_cache_to_device_buffer_kernel`, measured on one
 H200 with the same inputs; `PEER_US`); the peer is not run here (its source is not vendored). Each case is
@@ -47,7 +47,7 @@ PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.
            ("all", 8, 1152): (387.6, 460.2), ("all", 100, 656): (2875.0, 2952.0)}
 PEER_PLAN_US = {4096: (14.0, 16.0), 8192: (21.0, 24.0)}  # the peer's plan alone (copy compiled out), any misses
 MISS = {"0.1%": 0.001, "20%": 0.2, "all": 1.0}
-PHASES = ("P0 direct entries", "P1 dedup", "P2 direct rows", "P3 hot scan", "P4 misses", "P5 emit")
+PHASES = {1: "P1 entries", 3: "P3 hot scan", 4: "P4 misses"}  # plan_triton(upto_phase=) stops
 
 
 def shapes(quick: bool) -> dict:
@@ -76,8 +76,9 @@ class Flush:
         self.buf.fill_(1)
 
 
-def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto: tuple[int, ...] = ()) -> dict:
-    """plan + copy, plan alone, and plan stopped after each phase in `upto`."""
+def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto: tuple[int, ...] = (),
+              host_n: int = 30) -> dict:
+    """plan + copy, plan alone, plan stopped after each phase in `upto`, and the host split."""
     st = case.state
     snap = (st.hot_pos.clone(), st.hot_stamp.clone())
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)  # a device scalar, as
@@ -101,8 +102,46 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
     rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(5, None), restore, iters, warmup))
     rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
+    rec["host_split_us"] = host_split(rig, plan, restore, host_n)
     restore()
     return rec
+
+
+def host_split(rig: Rig, plan, restore, n: int = 30) -> dict:
+    """Median host microseconds of one plan call, split: the whole call; its Python alone (the
+    launches replaced by no-ops); one plan-kernel launch through the held compiled handle
+    (kernels/launch.py) and through the JIT's dispatch, with the same arguments."""
+    import dhisparse.kernels.resolver as kr
+
+    got = {}
+
+    def record(grid, args, consts, warps):
+        got["call"] = (grid, args, consts, warps)
+
+    def med(fn) -> float:
+        ts = []
+        for _ in range(n):
+            restore()
+            if rig.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        return sorted(ts)[n // 2]
+
+    real = (kr._PLAN, kr._PRE)
+    out = {"call": med(plan)}
+    kr._PLAN, kr._PRE = record, (lambda *a: None)
+    try:
+        out["python"] = med(plan)
+    finally:
+        kr._PLAN, kr._PRE = real
+    grid, args, consts, warps = got["call"]
+    out["launch_compiled"] = med(lambda: kr._PLAN(grid, args, consts, warps))
+    out["launch_jit"] = med(lambda: kr.resolve_plan_kernel[grid](*args, **consts, num_warps=warps))
+    if rig.cuda:
+        torch.cuda.synchronize()
+    return out
 
 
 def compare(rec: dict) -> dict | None:
@@ -124,7 +163,7 @@ def precompile(args, sh: dict) -> list:
     """CUDA: one worker per plan-kernel specialization (H, phase) compiling into Triton's disk cache."""
     if args.quick or not torch.cuda.is_available():
         return []
-    jobs = [(H, 5) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in range(5)] if args.phases else [])
+    jobs = [(H, 5) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in PHASES] if args.phases else [])
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile", f"{H}:{u}"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u in jobs]
 
@@ -170,14 +209,15 @@ def main() -> None:
                     case = build(rig, sh, H, N, rb, level)
                     if N == sh["batches"][0]:
                         checks.append(check_case(rig, case))
-                    upto = tuple(range(5)) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
+                    upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
                     rec = time_case(rig, case, flush, iters, args.warmup, upto)
                     rec["vs_peer"] = compare(rec)
                     records.append(rec)
                     print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
                           f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
                           f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
-                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items()), flush=True)
+                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items())
+                          + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items()), flush=True)
                     del case
                     write(args.out, rig, sh, iters, checks, records, t0)
     ok = write(args.out, rig, sh, iters, checks, records, t0)

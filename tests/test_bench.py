@@ -449,7 +449,7 @@ def test_fp8_kernels_bench_scores_keys_where_the_engine_stores_them(tmp_path):
 
 def test_resolver_peer_cases_phases_and_comparison():
     """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
-    is timed, the case's full plan equals the reference, and a case of the issue's table is compared
+    is timed, the host split has its four parts, the case's full plan equals the reference, and a case of the issue's table is compared
     with the peer's figure."""
     from bench import resolver_peer as rp
     from bench.resolver_cases import Rig, check_case
@@ -459,8 +459,9 @@ def test_resolver_peer_cases_phases_and_comparison():
     rig.fill(656)
     case = rp.build(rig, sh, 32, 2, 656, "20%")
     assert all(v for k, v in check_case(rig, case).items() if k not in ("case", "copies"))
-    rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(0, 4))
-    assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[0], rp.PHASES[4]]
+    rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(1, 4), host_n=1)
+    assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[1], rp.PHASES[4]]
+    assert set(rec["host_split_us"]) == {"call", "python", "launch_compiled", "launch_jit"}
     cmp_ = rp.compare({**rec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
     assert cmp_["peer_us"] == 17.7 and cmp_["ours_over_peer"] == pytest.approx(cmp_["ours_us"] / 17.7)
     assert rp.compare({**rec, "H": 32}) is None

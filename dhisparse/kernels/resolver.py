@@ -27,6 +27,7 @@ import torch
 
 from dhisparse.kernels.gather import gather_rows_padded
 from dhisparse.core.rows import next_pow2, row_bytes
+from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
 from dhisparse.kernels.resolver_workspace import PlanWorkspace
@@ -34,7 +35,8 @@ from dhisparse.kernels.resolver_workspace import PlanWorkspace
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
 
 COUNTER_NAMES = ResolveCounters._fields
-MAX_ROUNDS = 4  # hash arbitration rounds before the exact one-position-at-a-time fallback
+_PRE = CompiledLaunch(direct_pre_kernel)
+_PLAN = CompiledLaunch(resolve_plan_kernel)
 
 
 @dataclass
@@ -146,6 +148,11 @@ def _now_tensor(now, dev: torch.device) -> torch.Tensor:
     return torch.full((1,), int(now), dtype=torch.int64, device=dev)
 
 
+def _claim_dtype(KK: int) -> torch.dtype:
+    """Element type of the claim table pv: it holds entry indices < K*k."""
+    return torch.int16 if KK <= 32767 else torch.int32
+
+
 def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=5, ws=None):
     hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
@@ -155,18 +162,16 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
     dmap = None if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
     dev = hot_pos.device
     N = sel2.shape[0]
-    HT = 2 * KKP
-    LOGH = HT.bit_length() - 1
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
-    bits = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
-    words = -(-bits // 32)
-    if ws is not None:  # persistent: tab is -1, bm and pre zero at entry, and the kernels leave them so
-        scr64, scr32, tab, bm, pre = ws.scratch(N, KKP, BP, HT, words, dmap is not None)
+    lcap = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
+    words = -(-lcap // 32) if dmap is not None else 1
+    if ws is not None:  # persistent: bm and pre zero at entry, and the kernels leave them so
+        scr64, scr32, pv, bm, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
     else:
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
-        scr32 = torch.empty((N, 3 * KKP + BP), dtype=torch.int32, device=dev)
-        tab = torch.full((N, 2 * HT), -1, dtype=torch.int64, device=dev)  # P1's dedup tables
-        bm = torch.zeros((N, words), dtype=torch.int32, device=dev)  # P0's distinct-row bitmap
+        scr32 = torch.empty((N, 2 * KKP + BP), dtype=torch.int32, device=dev)
+        pv = torch.empty((N, lcap), dtype=_claim_dtype(KK), device=dev)  # P1's claims: any contents
+        bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     if num_warps is None:
         big = max(KKP, BP)
@@ -176,10 +181,10 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
         chp = min(KKP, 1024)
-        direct_pre_kernel[(N, -(-KK // chp))](
+        _PRE((N, -(-KK // chp)), (
             sel2, slots, KK, st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
-            dmap, dmap.stride(0), dmap.shape[1], plan.loc, bm, words, pre, CH=chp, num_warps=4)
-    resolve_plan_kernel[(N,)](
+            dmap, dmap.stride(0), dmap.shape[1], plan.loc, bm, words, pre), dict(CH=chp), 4)
+    _PLAN((N,), (
         sel2, slots, KK,
         hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
         st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
@@ -188,10 +193,9 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
         dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
         _now_tensor(now, dev),
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
-        scr64, scr32, tab, bm, words, pre if pre is not None else bm,
-        KKP=KKP, LOGK=KKP.bit_length() - 1, PRE=pre is not None, BP=BP, HT=HT, LOGH=LOGH, RMAX=min(MAX_ROUNDS, LOGH), CH=min(KKP, 2048), CHB=min(BP, 2048),
-        SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto, num_warps=num_warps,
-    )
+        scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm),
+        dict(KKP=KKP, PRE=pre is not None, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048),
+             SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto), num_warps)
 
 
 def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

@@ -3,41 +3,38 @@
 Each program works over the union of its request's K*k selections (paper §3.2, eq. 5-6) in phases
 separated by CTA barriers, with a per-program scratch in global memory (L1/L2 resident).
 
-Distinct rows are found by hash arbitration rounds, each in a region of its own (sizes HT, HT/2,
-...; HT = 2 * next_pow2(K*k)) with its own multiplicative hash: every unresolved entry writes its
-packed key (position * KKP + index, int64) into its bucket, and after a barrier reads the winner's
-back; entries whose winner holds the same position are resolved with that winner as representative
-(uid). All entries of one position share every bucket, so they resolve together. A handful of rounds
-resolves everything in practice; entries still unresolved after RMAX rounds are resolved exactly one
-position at a time ("leftovers"). Lookups (hot slots) read the same buckets, one load a round: a key
-holding the slot's position names its representative. The tables (`tab`) are -1 at entry: each
-program clears the buckets it wrote before it ends (`_leave_clean`), so a persistent workspace
-stays valid; a per-call allocation is filled with -1.
+Distinct rows are found through a position-indexed claim table `pv` [N, LCAP] (int16 / int32, one
+entry per history position of the request's row): every valid entry i writes i at pv[p], and after
+a barrier reads pv[p] back; all entries of one position read the same winner, their representative
+(uid). It is a perfect hash (no collisions, no rounds) and is never cleared: an entry only reads a
+cell its own position's entries wrote this call, and a hot slot's lookup of pv[hot_pos] is accepted
+only when the uid it reads is an entry of this call holding that very position (sel[u] == hot_pos),
+which stale contents from an earlier call can never satisfy. Positions >= LCAP (out of contract:
+I1 bounds them by the host table's reach plus the tail) are their own representatives.
 
-  P1 dedup   rep [KK]: uid (representative entry) of every valid entry
-  P2 direct  tail (p >= tail_start) or optional map (direct_loc[p] >= 0) -> out[uid]
-  P3 hot     every hot slot looks its position up; a hit on a not-direct row sets out[uid] = hot_loc,
-             protects the slot and refreshes its stamp
-  P4 misses  keys (host location, uid) compacted and sorted; victims = the LRU-oldest unprotected
-             slots by (stamp, slot id), listed in slot order; the r-th miss takes the r-th victim
-             (copy plan row r)  [resolver_evict]
-  P5 output  loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
+  P1 entries  claim pv, read the representatives back (rep [KK]), each row's direct location (tail
+              p >= tail_start, or optional map direct_loc[p] >= 0) -> out[uid], loc written
+              speculatively in selection order; counts of valid / not-direct / direct rows
+  P3 hot      every hot slot looks its position up in pv (checked against sel); a hit on a
+              not-direct row sets out[uid] = hot_loc, protects the slot and refreshes its stamp
+  P4 misses   keys (host location, uid) compacted and sorted; victims = the LRU-oldest unprotected
+              slots by (stamp, slot id), listed in slot order; the r-th miss takes the r-th victim
+              (copy plan row r)  [resolver_evict]
+  P5 output   loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
 
-Direct fast path (P0, paper §3.2: "a lookup skips the hot-cache scan only when every selected row
-resolves through a ready mapping or the tail"): each selection entry is first mapped through its
-tail / optional map and loc written in selection order, in chunks of CH entries: with an optional
-map (adaptive) by `direct_pre_kernel`, one program per chunk, before the plan kernel; without one
-inside the plan kernel, stopping at the first chunk that does not resolve. Each
-directly resolved entry also sets its position's bit in the request's row of a zeroed bitmap
-(`bm` [N, WORDS] int32, one bit per history position) with an atomic OR; an entry whose bit was
-not yet set is a new distinct row, so the distinct count needs no dedup and no table wider than a
-chunk. If every valid entry resolved, the program exits: no dedup, hot scan, eviction or copy
-plan (copy_n = 0, hot-cache state untouched, as the reference leaves it). Otherwise P1-P5 run
-unchanged and P5 overwrites the speculative loc row.
+Direct fast path (paper §3.2: "a lookup skips the hot-cache scan only when every selected row
+resolves through a ready mapping or the tail"): if every valid entry resolved directly in P1, the
+program exits with loc as P1 wrote it: no hot scan, eviction or copy plan (copy_n = 0, hot-cache
+state untouched, as the reference leaves it). With an optional map (adaptive) P0 runs first as
+`direct_pre_kernel`, one program per chunk of CH entries: each directly resolved entry sets its
+position's bit in the request's row of a zeroed bitmap (`bm` [N, WORDS] int32) with an atomic OR,
+an entry whose bit was not yet set counts a new distinct row, and the per-request counts land in
+`pre`; a request whose entries all resolved exits at once, the others run P1-P5. The plan kernel
+clears the bitmap words and the `pre` row it read (a persistent workspace stays valid).
 
-Cost depends on K*k, B and the misses, never on the history length. Hot positions must be unique
-per slot row, slots unique within a call, host locations distinct (as the reference assumes),
-positions < 2^31.
+Cost depends on K*k, B and the misses, never on the history length (pv is touched only at selected
+and hot positions). Hot positions must be unique per slot row, slots unique within a call, host
+locations distinct (as the reference assumes), positions < 2^31.
 """
 
 from __future__ import annotations
@@ -45,61 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _rep_chunk, _sort_keys, _victims
-
-
-@triton.jit
-def _hash(p, r: tl.constexpr, LOGB: tl.constexpr):
-    """Multiplicative hash of round r of positions p (int64 >= 0) to [0, 2^LOGB)."""
-    if r == 0:
-        m = 2654435761
-    elif r == 1:
-        m = 2246822519
-    elif r == 2:
-        m = 3266489917
-    else:
-        m = 2028178513
-    return (((p * m) & 0xFFFFFFFF) >> (32 - LOGB)).to(tl.int32)
-
-
-@triton.jit
-def _dedup(sel_ptr, KK, n, T, rep, lf, KKP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
-           RMAX: tl.constexpr, LOGK: tl.constexpr):
-    """P1. rep [KK] <- representative entry of each valid entry's position. Returns (valid entries,
-    rounds run, leftover count); leftover representatives are listed in lf. A bucket holds the
-    packed key p * KKP + i of the entry that won it, so the winner's position is read with it."""
-    i = tl.arange(0, KKP)
-    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-    valid = p >= 0
-    u = tl.full([KKP], -1, tl.int32)
-    active = valid
-    nact = tl.sum(active.to(tl.int32), axis=0)
-    nr = nact * 0
-    for r in tl.static_range(RMAX):
-        if nact > 0:
-            reg = T + 2 * HT - 2 * (HT >> r)
-            h = _hash(p, r, LOGH - r)
-            tl.store(reg + h, p * KKP + i, mask=active)
-            tl.debug_barrier()
-            kw = tl.load(reg + h, mask=active, other=-1)
-            got = active & ((kw >> LOGK) == p)
-            u = tl.where(got, (kw & (KKP - 1)).to(tl.int32), u)
-            active = active & (~got)
-            nact = tl.sum(active.to(tl.int32), axis=0)
-            nr += 1
-            tl.debug_barrier()
-    nlf = nact * 0
-    while nact > 0:  # leftovers: one position at a time
-        j0 = tl.min(tl.where(active, i, KKP), axis=0)
-        q = tl.load(sel_ptr + n * KK + j0).to(tl.int64)
-        same = active & (p == q)
-        u = tl.where(same, j0, u)
-        active = active & (~same)
-        tl.store(lf + nlf, j0)
-        nlf += 1
-        nact = tl.sum(active.to(tl.int32), axis=0)
-    tl.store(rep + i, u, mask=i < KK)
-    return tl.sum(valid.to(tl.int32), axis=0), nr, nlf
+from dhisparse.kernels.launch import jit_unspecialized
+from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _sort_keys, _victims
 
 
 @triton.jit
@@ -114,22 +58,47 @@ def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, h
 
 
 @triton.jit
-def _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap,
-            LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
-    """P2. out[uid] = tail or optional-map location (raw tail value; -1 when not direct).
-    Returns (direct rows, remaining rows)."""
-    ts = tl.load(tail_start_ptr + s).to(tl.int64)
-    ndir = tl.sum(tl.zeros([CH], tl.int32), axis=0)
-    nrest = ndir
+def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
+             dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, PRE: tl.constexpr, KKP: tl.constexpr,
+             CH: tl.constexpr):
+    """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i (and, after P0's
+    pre-pass, clears the bitmap words it set); a barrier; pass 2 reads each entry's representative u
+    back into rep (-1 for padding), writes out[u] = direct location (-1: not direct) and hflag[u] = 0
+    for representatives, and loc (speculatively: final when every row is direct). Returns (valid
+    entries, valid entries not direct, direct rows, not-direct rows)."""
     for c0 in range(0, KKP, CH):
         if c0 < KK:
-            u, p, is_rep = _rep_chunk(sel_ptr, rep, n, KK, c0, CH)
-            o = _direct_loc(p, is_rep, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
+            i = c0 + tl.arange(0, CH)
+            p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+            tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
+            if PRE:
+                word = p >> 5
+                tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
+    tl.debug_barrier()
+    ts = tl.load(tail_start_ptr + s).to(tl.int64)
+    nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
+    nnd = nval
+    ndir = nval
+    nrest = nval
+    for c0 in range(0, KKP, CH):
+        if c0 < KK:
+            i = c0 + tl.arange(0, CH)
+            im = i < KK
+            p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
+            valid = p >= 0
+            inr = valid & (p < LCAP)
+            u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
+            is_rep = valid & (u == i)
+            o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
+            nval += tl.sum(valid.to(tl.int32), axis=0)
+            nnd += tl.sum((valid & (o < 0)).to(tl.int32), axis=0)
             ndir += tl.sum((is_rep & (o >= 0)).to(tl.int32), axis=0)
             nrest += tl.sum((is_rep & (o < 0)).to(tl.int32), axis=0)
-            tl.store(out + u, o, mask=is_rep)
-            tl.store(hflag + u, tl.zeros([CH], tl.int32), mask=is_rep)
-    return ndir, nrest
+            tl.store(rep + i, tl.where(valid, u, -1), mask=im)
+            tl.store(out + i, o, mask=is_rep)
+            tl.store(hflag + i, tl.zeros([CH], tl.int32), mask=is_rep)
+            tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    return nval, nnd, ndir, nrest
 
 
 @triton.jit
@@ -152,50 +121,7 @@ def _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, d
             tl.sum((ok & ((old & bit) == 0)).to(tl.int32), axis=0))
 
 
-@triton.jit
-def _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
-                    has_map, bm_ptr, WORDS, KKP: tl.constexpr, CH: tl.constexpr):
-    """P0 inside the program, chunk after chunk (`_direct_chunk`); stops after the first chunk
-    holding a valid entry that does not resolve directly. Returns (valid entries, entries not
-    direct, distinct direct rows)."""
-    ts = tl.load(tail_start_ptr + s).to(tl.int64)
-    nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
-    nnd = nval
-    ndist = nval
-    for c0 in range(0, KKP, CH):
-        if (c0 < KK) & (nnd == 0):
-            a, b, d = _direct_chunk(sel_ptr, loc_ptr, KK, n, c0 + tl.arange(0, CH), s, ts, tail_loc_ptr, s_tail, TT,
-                                    dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, CH)
-            nval += a
-            nnd += b
-            ndist += d
-    return nval, nnd, ndist
-
-
-@triton.jit
-def _leave_clean(sel_ptr, KK, n, T, nr, bm_ptr, WORDS, pre_ptr, PRE: tl.constexpr, HT: tl.constexpr,
-                 LOGH: tl.constexpr, RMAX: tl.constexpr, KKP: tl.constexpr, CH: tl.constexpr):
-    """End of program n, in one pass over its entries: the bitmap words its entries' P0 set back to
-    0, every bucket a dedup round may have written (a valid entry's bucket in each of the nr rounds
-    run; 0 when no dedup ran) back to -1, and its pre row reset, so a persistent workspace
-    (resolver_workspace.py) is clean at the next call's entry. Runs after a barrier: every read of
-    them is done."""
-    for c0 in range(0, KKP, CH):
-        if c0 < KK:
-            i = c0 + tl.arange(0, CH)
-            p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-            word = p >> 5
-            tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
-            for r in tl.static_range(RMAX):
-                if r < nr:
-                    h = _hash(p, r, LOGH - r)
-                    tl.store(T + 2 * HT - 2 * (HT >> r) + h, tl.full([CH], -1, tl.int64), mask=p >= 0)
-    if PRE:
-        for j in tl.static_range(3):
-            tl.store(pre_ptr + n * 3 + j, 0)
-
-
-@triton.jit(do_not_specialize=["KK", "TT", "LMAX", "s_dmap", "WORDS"])
+@jit_unspecialized
 def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
                       loc_ptr, bm_ptr, WORDS, pre_ptr, CH: tl.constexpr):
     """P0 spread over programs: grid (N, cdiv(KK, CH)); program (n, j) runs `_direct_chunk` on
@@ -214,33 +140,36 @@ def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_ta
 
 
 @triton.jit
-def _hot_scan(sel_ptr, KK, n, T, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-              s_pos, s_stamp, s_loc, B, now, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr,
-              RMAX: tl.constexpr, LOGK: tl.constexpr, KKP: tl.constexpr):
-    """P3. Each slot looks its position up in the dedup regions (then the leftovers): one load a
-    round, the bucket's packed key (a round's winner is its position's representative; a bucket
-    not written this call holds -1: `_leave_clean`); hits on non-direct rows: out[uid] = hot_loc,
-    prot[slot] = 1, stamp = now. Returns the number of hits."""
+def _clear_bitmap(sel_ptr, KK, n, bm_ptr, WORDS, KKP: tl.constexpr, CH: tl.constexpr):
+    """The bitmap words request n's entries set in P0 back to 0 (the all-direct exit after the
+    pre-pass; on the full path P1 clears them)."""
+    for c0 in range(0, KKP, CH):
+        if c0 < KK:
+            i = c0 + tl.arange(0, CH)
+            p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+            word = p >> 5
+            tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
+
+
+@triton.jit
+def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+              s_pos, s_stamp, s_loc, B, now, BP: tl.constexpr):
+    """P3. Each slot reads pv at its position; the uid u read is this call's representative of that
+    position only if 0 <= u < KK and sel[n, u] is the slot's position (anything else is a stale
+    cell: the position is not selected). Hits on non-direct rows: out[uid] = hot_loc, prot[slot] =
+    1, stamp = now. Returns the number of hits."""
     sl = tl.arange(0, BP)
     bm = sl < B
     hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
-    act = bm & (hp >= 0)
-    uid = tl.full([BP], -1, tl.int32)
-    for r in tl.static_range(RMAX):
-        if r < nr:
-            look = act & (uid < 0)
-            kw = tl.load(T + 2 * HT - 2 * (HT >> r) + _hash(hp, r, LOGH - r), mask=look, other=-1)
-            uid = tl.where(look & (kw >= 0) & ((kw >> LOGK) == hp), (kw & (KKP - 1)).to(tl.int32), uid)
-    j = nlf * 0
-    while j < nlf:
-        q = tl.load(lf + j)
-        uid = tl.where(act & (uid < 0) & (hp == tl.load(sel_ptr + n * KK + q)), q, uid)
-        j += 1
-    found = uid >= 0
-    o = tl.load(out + uid, mask=found, other=0)
+    ok = bm & (hp >= 0) & (hp < LCAP)
+    u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
+    found = ok & (u >= 0) & (u < KK)
+    q = tl.load(sel_ptr + n * KK + u, mask=found, other=-1).to(tl.int64)
+    found = found & (q == hp)
+    o = tl.load(out + u, mask=found, other=0)
     hit = found & (o < 0)
     hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=hit, other=0).to(tl.int64)
-    tl.store(out + uid, hl, mask=hit)
+    tl.store(out + u, hl, mask=hit)
     tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
     tl.store(prot + sl, hit.to(tl.int32), mask=bm)
     return tl.sum(hit.to(tl.int32), axis=0)
@@ -254,9 +183,8 @@ def _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP: tl.constexpr, CH: tl.co
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
             im = i < KK
-            x = tl.load(sel_ptr + n * KK + i, mask=im, other=-1)
-            valid = im & (x >= 0)
-            u = tl.load(rep + i, mask=valid, other=0)
+            u = tl.load(rep + i, mask=im, other=-1)
+            valid = im & (u >= 0)
             o = tl.load(out + u, mask=valid, other=-1)
             hsel += tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
             tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
@@ -274,7 +202,28 @@ def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
     tl.store(c + 5, nover.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["KK", "B", "TT", "HPW", "LMAX", "C", "ps", "has_map", "s_dmap", "WORDS"])
+@triton.jit
+def _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, prot, s, nmiss, nhot, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+            s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps, src_ptr, dst_ptr, C, now, KKP: tl.constexpr,
+            BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
+            SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr):
+    """P4. The misses that get a slot (at most B - hits), paired with their victims. Returns them."""
+    nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
+    _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
+    _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP, VSTEPS)
+    tl.debug_barrier()
+    nsort = nmiss
+    if nmiss > SD:
+        _keep_smallest(mk, nmiss, nhost, KKP, CH)
+        nsort = nhost
+    _sort_keys(mk, nsort, SA, SB, SC, SD)
+    _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+            s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
+    tl.debug_barrier()
+    return nhost
+
+
+@jit_unspecialized
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
     hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
@@ -283,82 +232,61 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr, tab_ptr, bm_ptr, WORDS, pre_ptr,
-    KKP: tl.constexpr, LOGK: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, HT: tl.constexpr, LOGH: tl.constexpr, RMAX: tl.constexpr,
-    CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-    SD: tl.constexpr, VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 5,
+    scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
+    KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
+    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr = 4,
+    UPTO: tl.constexpr = 5,
 ):
     """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 3*KKP + BP] int32; tab [N, 2*HT] int64 dedup tables, all -1 at entry; bm [N, WORDS]
-    int32 zeros (P0's distinct-row bitmap); pre zeros: all three left so at exit (`_leave_clean`),
-    so a persistent workspace stays valid.
-    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3]; else it runs here.
-    UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out, so the
-    outputs are incomplete below 5; the default 5 runs every phase."""
+    scr32 [N, 2*KKP + BP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
+    bm [N, WORDS] int32 and pre [N, 3] int32 (with PRE): P0's, zeros at entry and left so.
+    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3].
+    UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out (1: P1, 3:
+    + P3, 4: + P4), so the outputs are incomplete below 5; the default 5 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
     out = scr64_ptr + n * (2 * KKP + BP)
     mk = out + KKP
     vk = mk + KKP
-    T = tab_ptr + n * (2 * HT)
-    rep = scr32_ptr + n * (3 * KKP + BP)
+    rep = scr32_ptr + n * (2 * KKP + BP)
     hflag = rep + KKP
-    lf = hflag + KKP
-    prot = lf + KKP
-
+    prot = hflag + KKP
+    pv = pv_ptr + n * LCAP
     c = cnt_ptr + n * 6
+    nnd = 1
     if PRE:
-        nval = tl.load(pre_ptr + n * 3)
         nnd = tl.load(pre_ptr + n * 3 + 1)
-        ndist = tl.load(pre_ptr + n * 3 + 2)
-    else:
-        nval, nnd, ndist = _direct_entries(sel_ptr, loc_ptr, KK, n, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-                                           dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, KKP, CH)
-    nr = nval * 0  # dedup rounds run (none on the direct exit)
-    if nnd == 0:  # P0: every valid entry resolved directly; loc is final
-        tl.store(copy_n_ptr + n, ndist * 0)
-        _store_counts(c, nval, ndist, nval * 0, nval * 0, nval * 0, nval * 0)
+        if nnd == 0:  # P0: every valid entry resolved directly; loc is final
+            tl.store(copy_n_ptr + n, nnd * 0)
+            _store_counts(c, tl.load(pre_ptr + n * 3), tl.load(pre_ptr + n * 3 + 2), nnd * 0, nnd * 0, nnd * 0,
+                          nnd * 0)
+            _clear_bitmap(sel_ptr, KK, n, bm_ptr, WORDS, KKP, CH)
         tl.debug_barrier()
-    elif UPTO == 0:
-        tl.store(copy_n_ptr + n, ndist * 0)
-        tl.debug_barrier()
-    else:
-        tl.debug_barrier()
-        nsel, nr, nlf = _dedup(sel_ptr, KK, n, T, rep, lf, KKP, HT, LOGH, RMAX, LOGK)
-        tl.debug_barrier()
-        ndir = nsel * 0
-        nrest = ndir
-        if UPTO >= 2:
-            ndir, nrest = _direct(sel_ptr, KK, n, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-                                  dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+        for j in tl.static_range(3):
+            tl.store(pre_ptr + n * 3 + j, 0)
+    if nnd != 0:
+        nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
+                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS,
+                                          PRE, KKP, CH)
+        if (nnd == 0) | (UPTO < 3):  # every valid entry resolved directly: loc is final
+            tl.store(copy_n_ptr + n, nnd * 0)
+            _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
+        else:
             tl.debug_barrier()
-        nhot = ndir * 0
-        if (nrest > 0) & (UPTO >= 3):
-            nhot = _hot_scan(sel_ptr, KK, n, T, rep, lf, nr, nlf, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                             s_pos, s_stamp, s_loc, B, now, BP, HT, LOGH, RMAX, LOGK, KKP)
+            nhot = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                             s_pos, s_stamp, s_loc, B, now, BP)
             tl.debug_barrier()
-        nmiss = nrest - nhot
-        nhost = nmiss * 0
-        if (nmiss > 0) & (UPTO >= 4):
-            nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
-            _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
-            _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP, VSTEPS)
-            tl.debug_barrier()
-            nsort = nmiss
-            if nmiss > SD:
-                _keep_smallest(mk, nmiss, nhost, KKP, CH)
-                nsort = nhost
-            _sort_keys(mk, nsort, SA, SB, SC, SD)
-            _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
-            tl.debug_barrier()
-        tl.store(copy_n_ptr + n, nhost)
-        hsel = nhost * 0
-        if UPTO >= 5:
-            hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
-        _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
-        tl.debug_barrier()
-    _leave_clean(sel_ptr, KK, n, T, nr, bm_ptr, WORDS, pre_ptr, PRE, HT, LOGH, RMAX, KKP, CH)
+            nmiss = nrest - nhot
+            nhost = nmiss * 0
+            if (nmiss > 0) & (UPTO >= 4):
+                nhost = _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, prot, s, nmiss, nhot, hot_pos_ptr,
+                                hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps,
+                                src_ptr, dst_ptr, C, now, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS)
+            tl.store(copy_n_ptr + n, nhost)
+            hsel = nhost * 0
+            if UPTO >= 5:
+                hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
+            _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)

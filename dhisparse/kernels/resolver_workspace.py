@@ -3,15 +3,17 @@
 Per call `plan_triton` needs, per request n of a batch of N:
 
   scr64  [N, 2*KKP + BP] int64   out / miss keys / victims          (any contents at entry)
-  scr32  [N, 3*KKP + BP] int32   rep, flags, leftovers, protection  (any contents at entry)
-  tab    [N, 2*HT] int64         P1's dedup tables (packed keys)    (-1 at entry)
-  bm     [N, WORDS] int32        P0's distinct-row bitmap            (ZERO at entry)
-  pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry)
+  scr32  [N, 2*KKP + BP] int32   rep, flags, protection             (any contents at entry)
+  pv     [N, LCAP] int16/int32   P1's position-indexed claims       (any contents at entry)
+  bm     [N, WORDS] int32        P0's distinct-row bitmap            (ZERO at entry; optional map only)
+  pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry; optional map only)
 
-Without a workspace they are allocated per call (tab, bm and pre filled: a launch each). A
+LCAP is the positions' bound (the host table's reach plus the tail, or the optional map's width):
+pv costs 2 B per position per request (int32 only past K*k = 32,767), as much as an int16 optional
+map row. Without a workspace they are allocated per call (bm and pre filled: a launch each). A
 `PlanWorkspace` holds flat buffers that every call slices, and the kernels keep the invariant
-themselves: the plan kernel clears the buckets its dedup rounds wrote and the bitmap words its
-request's entries set, and resets its `pre` row once read. Buffers grow geometrically when a call
+themselves: pv is never cleared (the kernel accepts only cells written this call), and the plan
+kernel clears the bitmap words its request's entries set and resets its `pre` row once read. Buffers grow geometrically when a call
 needs more; a grown-out buffer is retired, not freed, because a captured CUDA graph may still
 address it (its replays keep its invariant: their kernels clear what they set). Growth never
 happens inside a graph capture (refused: the runners' eager warm-up grows them first). Calls must
@@ -53,22 +55,25 @@ class PlanWorkspace:
             self._bufs[name] = buf
         return buf[:numel]
 
-    def scratch(self, N: int, KKP: int, BP: int, HT: int, words: int, with_pre: bool):
-        """(scr64 [N, 2*KKP + BP], scr32 [N, 3*KKP + BP], tab [N, 2*HT] all -1, bm [N, words] zeros,
-        pre [N, 3] zeros or None) as views of the persistent buffers (the same views for the same shape)."""
-        key = (N, KKP, BP, HT, words, with_pre)
+    def scratch(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
+        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP + BP], pv [N, lcap] of dtype `claim`, bm [N, words]
+        zeros, pre [N, 3] zeros; without `with_pre` (no optional map) bm is scr32 and pre None: P0's
+        pre-pass does not run) as views of the persistent buffers (the same views for the same shape)."""
+        key = (N, KKP, BP, lcap, claim, words, with_pre)
         hit = self._views.get(key)
         if hit is None:
-            hit = self._views[key] = self._slice(N, KKP, BP, HT, words, with_pre)
+            hit = self._views[key] = self._slice(*key)
         return hit
 
-    def _slice(self, N: int, KKP: int, BP: int, HT: int, words: int, with_pre: bool):
+    def _slice(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
         scr64 = self._get("scr64", N * (2 * KKP + BP), torch.int64, None).view(N, 2 * KKP + BP)
-        scr32 = self._get("scr32", N * (3 * KKP + BP), torch.int32, None).view(N, 3 * KKP + BP)
-        tab = self._get("tab", N * 2 * HT, torch.int64, -1).view(N, 2 * HT)
+        scr32 = self._get("scr32", N * (2 * KKP + BP), torch.int32, None).view(N, 2 * KKP + BP)
+        pv = self._get(f"pv_{str(claim)[6:]}", N * lcap, claim, None).view(N, lcap)
+        if not with_pre:
+            return scr64, scr32, pv, scr32, None
         bm = self._get("bm", N * words, torch.int32, 0).view(N, words)
-        pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3) if with_pre else None
-        return scr64, scr32, tab, bm, pre
+        pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3)
+        return scr64, scr32, pv, bm, pre
 
     def _named(self, *names: str) -> list[torch.Tensor]:
         return [t for name, t in [*self._bufs.items(), *self._retired] if name in names]
@@ -77,9 +82,9 @@ class PlanWorkspace:
         """The buffers that must be zero between calls (bitmap and P0 counts, live and retired)."""
         return self._named("bm", "pre")
 
-    def emptied(self) -> list[torch.Tensor]:
-        """The buffers that must be all -1 between calls (the dedup tables, live and retired)."""
-        return self._named("tab")
+    def claims(self) -> list[torch.Tensor]:
+        """The claim tables (any contents between calls; tests fill them with adversarial values)."""
+        return [t for name, t in [*self._bufs.items(), *self._retired] if name.startswith("pv_")]
 
     def nbytes(self) -> int:
         """Device bytes held (live and retired buffers)."""

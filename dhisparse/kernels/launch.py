@@ -1,0 +1,88 @@
+"""Launching a Triton kernel through its compiled handle: the host cost of a call without the JIT's dispatch.
+
+`JITFunction.__getitem__(grid)(...)` binds every argument, computes its specialization (alignment of
+each pointer, divisibility of each integer), hashes a cache key, looks the compiled kernel up and
+checks its globals, on every call: tens of microseconds for a kernel of ~40 arguments, paid per
+call outside CUDA graphs. A `CompiledLaunch` pays that once per specialization and afterwards calls
+the compiled kernel's launcher directly (the plan/run split of FlashInfer's wrappers: the compiled
+object is held, not looked up).
+
+That is only sound when the specialization is a function of what the key holds. The kernel must
+not specialize on argument values: every integer argument listed in `do_not_specialize` and every
+pointer in `do_not_specialize_on_alignment` (checked at construction), so the compiled variant is
+fixed by the constexprs, num_warps, the device and the dtypes of the tensor arguments (and whether
+each integer fits 32 bits): the key. Under TRITON_INTERPRET (CPU tests) and on the first call of a
+key it launches through the JIT as usual.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import triton
+from triton import knobs
+
+__all__ = ["CompiledLaunch", "jit_unspecialized", "loose_params"]
+
+
+def jit_unspecialized(fn):
+    """`triton.jit` with no value specialization: every non-constexpr parameter in
+    `do_not_specialize` and `do_not_specialize_on_alignment` (what `CompiledLaunch` requires)."""
+    names = [n for n, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(fn)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def loose_params(kernel) -> list[str]:
+    """Names of a JIT kernel's runtime parameters that specialize on their values."""
+    return [p.name for p in kernel.params if not p.is_constexpr
+            and not (p.do_not_specialize and p.do_not_specialize_on_alignment)]
+
+
+class CompiledLaunch:
+    """`CompiledLaunch(kernel)(grid, args, consts, num_warps)` = `kernel[grid](*args, **consts,
+    num_warps=num_warps)`, after the first call of a specialization without the JIT's dispatch.
+
+    args: the kernel's non-constexpr parameters in order (tensors and ints); consts: every
+    constexpr parameter without a default, by name (defaults are filled in)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: dict[tuple, object] = {}
+        if _interpreted():
+            return
+        loose = loose_params(kernel)
+        if loose:
+            raise ValueError(f"{kernel.fn.__name__}: arguments {loose} specialize on their values; "
+                             "list them in do_not_specialize and do_not_specialize_on_alignment")
+        params = kernel.params
+        self._runtime = [p.name for p in params if not p.is_constexpr]
+        self._order = [p.name for p in params]
+        self._defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, consts: dict, num_warps: int) -> None:
+        if _interpreted():
+            self.kernel[grid](*args, **consts, num_warps=num_warps)
+            return
+        if len(args) != len(self._runtime):
+            raise TypeError(f"{self.kernel.fn.__name__} takes {len(self._runtime)} runtime arguments, got {len(args)}")
+        dev = torch.cuda.current_device()
+        key = (dev, num_warps, tuple(consts.items()),
+               tuple(a.dtype if isinstance(a, torch.Tensor) else (-2**31 <= a < 2**31) for a in args))
+        k = self._compiled.get(key)
+        if k is None:  # compile (or find) through the JIT, launching this call
+            self._compiled[key] = self.kernel[grid](*args, **consts, num_warps=num_warps)
+            return
+        full = dict(zip(self._runtime, args)) | self._defaults | consts
+        vals = [full[name] for name in self._order]
+        g = (*grid, 1, 1)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        hook = knobs.runtime.launch_enter_hook
+        meta = k.launch_metadata(g[:3], stream, *vals) if hook is not None else None
+        k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, meta, hook,
+              knobs.runtime.launch_exit_hook, *vals)

@@ -1,0 +1,61 @@
+"""CompiledLaunch: a Triton kernel called through its compiled handle after the first call.
+
+On CPU (TRITON_INTERPRET) it passes straight through to the JIT; the value-specialization check and,
+on CUDA, repeat launches through the held handle (other tensors, another dtype: a new key) are
+tested here. The resolver's exactness tests run its kernels through it on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from dhisparse.kernels.launch import CompiledLaunch, jit_unspecialized, loose_params  # noqa: E402
+
+
+def _axpy(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(y_ptr + i, tl.load(y_ptr + i, mask=m) + a * tl.load(x_ptr + i, mask=m), mask=m)
+
+
+axpy = jit_unspecialized(_axpy)
+
+
+def test_value_specialized_parameters_are_named():
+    """A kernel whose runtime parameters specialize on their values (the JIT's default) is refused,
+    by name; one that lists them all in both lists is accepted."""
+    plain = JITFunction(_axpy)
+    assert loose_params(plain) == ["x_ptr", "y_ptr", "n", "a"]
+    names = ["x_ptr", "y_ptr", "n", "a"]
+    assert loose_params(JITFunction(_axpy, do_not_specialize=names)) == names  # alignment still specialized
+    assert loose_params(JITFunction(_axpy, do_not_specialize=names, do_not_specialize_on_alignment=names[:3])) == ["a"]
+    assert loose_params(JITFunction(_axpy, do_not_specialize=names, do_not_specialize_on_alignment=names)) == []
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="x_ptr"):
+            CompiledLaunch(plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_repeat_launches_match_the_jit(dtype):
+    """Calls after the first (through the held handle, misaligned views among them) compute what
+    the JIT computes; a new dtype compiles a new variant."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    launch = CompiledLaunch(axpy)
+    for n, off, a in ((37, 0, 2), (100, 1, 3), (5, 3, -1), (0, 0, 1)):
+        x = torch.arange(n + off, device=dev).to(dtype)[off:]
+        y = torch.ones(n + off, device=dev, dtype=dtype)[off:]
+        want = y + a * x
+        launch((triton.cdiv(max(n, 1), 16),), (x, y, n, a), {"BLOCK": 16}, 4)
+        assert torch.equal(y, want), (n, off)
+    if dev == "cuda":
+        assert len(launch._compiled) == 1
