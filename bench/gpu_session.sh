@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33,multi33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -315,8 +315,12 @@ case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
-  run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py \
+  run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
       --out "$OUT/resolver_bench_h200.json" ;; esac
+case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step, fp8profile100k's C47 (~2.5 min)
+  run "decode-step profile, 100K k 2048, C47, fp8" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py --model glm52-scaled \
+      --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 \
+      --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
   # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
   # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the

@@ -5,7 +5,9 @@ each pointer, divisibility of each integer), hashes a cache key, looks the compi
 checks its globals, on every call: tens of microseconds for a kernel of ~40 arguments, paid per
 call outside CUDA graphs. A `CompiledLaunch` pays that once per specialization and afterwards calls
 the compiled kernel's launcher directly (the plan/run split of FlashInfer's wrappers: the compiled
-object is held, not looked up).
+object is held, not looked up), with tensors passed as their addresses: the launcher takes an int as
+it is, where a tensor costs it a `data_ptr` call and a cuPointerGetAttribute driver call each (on
+the H200 host, ~2 us a pointer: most of a ~45-us launch of the resolver's 21 pointers).
 
 That is only sound when the specialization is a function of what the key holds. The kernel must
 not specialize on argument values: every integer argument listed in `do_not_specialize` and every
@@ -34,6 +36,13 @@ def jit_unspecialized(fn):
     return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(fn)
 
 
+try:
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream  # what Triton's own dispatch uses
+except ImportError:  # pragma: no cover
+    def _raw_stream(dev: int) -> int:
+        return torch.cuda.current_stream(dev).cuda_stream
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -53,36 +62,44 @@ class CompiledLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._compiled: dict[tuple, object] = {}
-        if _interpreted():
+        self._compiled: dict[tuple, tuple] = {}
+        self._interp = _interpreted()
+        if self._interp:
             return
         loose = loose_params(kernel)
         if loose:
             raise ValueError(f"{kernel.fn.__name__}: arguments {loose} specialize on their values; "
                              "list them in do_not_specialize and do_not_specialize_on_alignment")
         params = kernel.params
-        self._runtime = [p.name for p in params if not p.is_constexpr]
         self._order = [p.name for p in params]
+        self._nrt = sum(not p.is_constexpr for p in params)
+        if any(p.is_constexpr for p in params[: self._nrt]):
+            raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must come after the runtime ones")
         self._defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, consts: dict, num_warps: int) -> None:
-        if _interpreted():
+        if self._interp:
             self.kernel[grid](*args, **consts, num_warps=num_warps)
             return
-        if len(args) != len(self._runtime):
-            raise TypeError(f"{self.kernel.fn.__name__} takes {len(self._runtime)} runtime arguments, got {len(args)}")
+        if len(args) != self._nrt:
+            raise TypeError(f"{self.kernel.fn.__name__} takes {self._nrt} runtime arguments, got {len(args)}")
         dev = torch.cuda.current_device()
-        key = (dev, num_warps, tuple(consts.items()),
-               tuple(a.dtype if isinstance(a, torch.Tensor) else (-2**31 <= a < 2**31) for a in args))
-        k = self._compiled.get(key)
-        if k is None:  # compile (or find) through the JIT, launching this call
-            self._compiled[key] = self.kernel[grid](*args, **consts, num_warps=num_warps)
+        # a CPU tensor keys apart (is_cuda False): its first call goes through the JIT, which refuses it
+        sig = tuple([(a.dtype, a.is_cuda) if isinstance(a, torch.Tensor) else (-2**31 <= a < 2**31) for a in args])
+        key = (dev, num_warps, tuple(consts.values()), tuple(consts), sig)
+        hit = self._compiled.get(key)
+        if hit is None:  # compile (or find) through the JIT, launching this call
+            k = self.kernel[grid](*args, **consts, num_warps=num_warps)
+            full = self._defaults | consts
+            self._compiled[key] = (k, tuple(full[name] for name in self._order[self._nrt:]))
             return
-        full = dict(zip(self._runtime, args)) | self._defaults | consts
-        vals = [full[name] for name in self._order]
-        g = (*grid, 1, 1)
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        k, tail = hit
+        # pointers as integers: the launcher takes them as they are (a tensor costs it a
+        # cuPointerGetAttribute driver call each); the key checked they are CUDA tensors
+        vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        g1, g2 = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+        stream = _raw_stream(dev)
         hook = knobs.runtime.launch_enter_hook
-        meta = k.launch_metadata(g[:3], stream, *vals) if hook is not None else None
-        k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, meta, hook,
-              knobs.runtime.launch_exit_hook, *vals)
+        meta = k.launch_metadata((grid[0], g1, g2), stream, *vals, *tail) if hook is not None else None
+        k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, meta, hook,
+              knobs.runtime.launch_exit_hook, *vals, *tail)

@@ -13,7 +13,8 @@ also when every row resolves directly): `plan.loc` and the padded copy plan (`sr
 `copy_n`) and the per-request device counters `cnt` are ready on the stream (`counts`, their sum, is
 computed on first use); `copy_src`, `copy_dst` and `counters` are None until `plan.materialize()`
 (one sync). `launch_copies` runs the copies of a deferred plan without synchronising. A call is one
-kernel launch (no fills, no reductions); a request whose valid rows all resolve directly (tail or
+kernel launch (two with an optional map: P0's pre-pass), with no fills or reductions when `now` is a
+device tensor and a workspace is given; a request whose valid rows all resolve directly (tail or
 optional map) exits after writing its locations and counters, with copy_n = 0 and its hot-cache
 state untouched.
 """
@@ -35,6 +36,7 @@ from dhisparse.kernels.resolver_workspace import PlanWorkspace
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
 
 COUNTER_NAMES = ResolveCounters._fields
+MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts)
 _PRE = CompiledLaunch(direct_pre_kernel)
 _PLAN = CompiledLaunch(resolve_plan_kernel)
 
@@ -44,7 +46,7 @@ class TritonResolvePlan(ResolvePlan):
     """ResolvePlan plus the kernel's padded per-request copy plan.
 
     src_pad, dst_pad [N, C] int64: row r < copy_n[n] of request n is (host location, device location),
-    sorted by host location within the request (C = min(K*k, B)); copy_n [N] int32;
+    sorted by host location within the request (C = min(K*k, B)); copy_n [N] int64;
     cnt [N, 6] int64 per-request device counters in `ResolveCounters` order; `counts` [6] their sum
     (a device tensor, computed once on first use).
     copy_src [M], copy_dst [M], counters: None while deferred, filled by `materialize()`.
@@ -79,15 +81,30 @@ class TritonResolvePlan(ResolvePlan):
         return self
 
 
-def _row(t: torch.Tensor, name: str, writable: bool = False) -> torch.Tensor:
-    """2-D state tensor with unit last stride (row stride passed to the kernel)."""
+def _row(t: torch.Tensor, name: str, writable: bool = False) -> tuple[torch.Tensor, int]:
+    """(2-D state tensor with unit last stride, its row stride) (the row stride is passed to the kernel)."""
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got {tuple(t.shape)}")
-    if t.stride(1) != 1 and t.shape[1] > 1:
+    st = t.stride()
+    if st[1] != 1 and t.shape[1] > 1:
         if writable:
             raise ValueError(f"{name} must have a contiguous last dimension (it is updated in place)")
         t = t.contiguous()
-    return t
+        st = t.stride()
+    return t, st[0]
+
+
+def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
+    """(loc [N, K, k] contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N]) carved from one
+    int64 allocation (loc separately when the selection is not int64)."""
+    N, K, k = shape
+    wide = sel_dtype == torch.int64
+    lk = N * K * k if wide else 0
+    blk = torch.empty(lk + N * (2 * C + 7), dtype=torch.int64, device=dev)
+    o = lk + 2 * N * C
+    loc = torch.as_strided(blk, shape, (K * k, k, 1), 0) if wide else torch.empty(shape, dtype=sel_dtype, device=dev)
+    return (loc, torch.as_strided(blk, (N, C), (C, 1), lk), torch.as_strided(blk, (N, C), (C, 1), lk + N * C),
+            torch.as_strided(blk, (N, 6), (6, 1), o), torch.as_strided(blk, (N,), (1,), o + 6 * N))
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
@@ -95,36 +112,40 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
                 workspace: PlanWorkspace | None = None) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
-    now: the LRU stamp, an int or a [1] int64 device tensor (read by the kernel, not the host).
-    Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns loc [N, K, k]
-    (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
+    now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
+    not the host). Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns
+    loc [N, K, k] (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
     upto_phase < 5 is for phase profiling only (bench/resolver_peer.py): the kernel stops after that
-    phase (resolver_kernel.py's P0-P5) and the plan is incomplete.
+    phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
     zero-fill launch per call; None allocates per call.
+    Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
+    launches through their held compiled handles (kernels/launch.py).
     """
     if sel.dim() != 3:
         raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
     dev = st.hot_pos.device
     N, K, k = sel.shape
     KK = K * k
+    if KK > MAX_KK:
+        raise ValueError(f"K*k must be at most {MAX_KK} (the plan kernel counts rows in 16 bits), got {KK}")
     B = st.hot_pos.shape[1]
-    KKP, BP = next_pow2(max(KK, 1)), next_pow2(max(B, 1))
     C = max(1, min(KK, B))
-    i64 = dict(dtype=torch.int64, device=dev)
-    loc = torch.empty(sel.shape, dtype=sel.dtype, device=dev)
-    block = torch.empty(N * (2 * C + 6), **i64)  # src [N, C] | dst [N, C] | cnt [N, 6]: one allocation
-    src, dst = block[: N * C].view(N, C), block[N * C: 2 * N * C].view(N, C)
-    if N and KK:  # the kernel writes every element of loc, copy_n and cnt
-        copy_n = torch.empty(N, dtype=torch.int32, device=dev)
-        cnt = block[2 * N * C:].view(N, 6)
-        plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
-        _launch(sel.to(dev).reshape(N, KK).contiguous(), slots.to(device=dev, dtype=torch.int64).contiguous(),
-                st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto_phase, workspace)
-    else:
-        loc.fill_(-1)
-        plan = TritonResolvePlan(loc, None, None, None, src, dst, torch.zeros(N, dtype=torch.int32, device=dev),
-                                 torch.zeros((N, 6), **i64))
+    if not (N and KK):
+        loc = torch.full(sel.shape, -1, dtype=sel.dtype, device=dev)
+        z = torch.zeros((N, C), dtype=torch.int64, device=dev)
+        plan = TritonResolvePlan(loc, None, None, None, z, z.clone(), torch.zeros(N, dtype=torch.int64, device=dev),
+                                 torch.zeros((N, 6), dtype=torch.int64, device=dev))
+        return plan if defer else plan.materialize()
+    if sel.device != dev:
+        sel = sel.to(dev)
+    if not sel.is_contiguous():  # the kernel reads sel and writes loc as [N, K*k] row-major
+        sel = sel.contiguous()
+    if slots.dtype != torch.int64 or slots.device != dev or not slots.is_contiguous():
+        slots = slots.to(device=dev, dtype=torch.int64).contiguous()
+    loc, src, dst, cnt, copy_n = _outputs(sel.shape, C, sel.dtype, dev)
+    plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
+    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace)
     return plan if defer else plan.materialize()
 
 
@@ -133,19 +154,12 @@ plan_triton.deferrable = True  # HierContext calls it with defer=True and reads 
 
 @functools.lru_cache(maxsize=64)
 def _sort_classes(smax: int) -> tuple[int, int, int, int]:
-    """Four distinct power-of-two sort sizes ending at smax (512, 2048, 8192 when smaller)."""
-    cs = sorted({c for c in (512, 2048, 8192) if c < smax} | {smax})
+    """Four distinct power-of-two sort sizes ending at smax (32, 256, 2048 when smaller: a round's
+    few misses sort in a 32-wide block)."""
+    cs = sorted({c for c in (32, 256, 2048) if c < smax} | {smax})
     while len(cs) < 4:
         cs.insert(0, max(2, cs[0] // 2))
     return tuple(cs[-4:])
-
-
-def _now_tensor(now, dev: torch.device) -> torch.Tensor:
-    """The LRU stamp as the [1] int64 device tensor the kernel reads (HierarchicalKV passes its
-    `now_t`, so a captured step graph stamps with the step it replays in)."""
-    if isinstance(now, torch.Tensor):
-        return now.reshape(-1)[:1]
-    return torch.full((1,), int(now), dtype=torch.int64, device=dev)
 
 
 def _claim_dtype(KK: int) -> torch.dtype:
@@ -153,18 +167,31 @@ def _claim_dtype(KK: int) -> torch.dtype:
     return torch.int16 if KK <= 32767 else torch.int32
 
 
-def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=5, ws=None):
-    hot_pos = _row(st.hot_pos, "hot_pos", writable=True)
-    hot_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
-    hot_loc = _row(st.hot_loc, "hot_loc")
-    tail_loc = _row(st.tail_loc, "tail_loc")
-    table = _row(st.host_table, "host_table")
-    dmap = None if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
+@functools.lru_cache(maxsize=256)
+def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, int]]:
+    """(KKP, BP, default num_warps, sort classes) of a K*k / B pair."""
+    KKP, BP = next_pow2(max(KK, 1)), next_pow2(max(B, 1))
+    big = max(KKP, BP)
+    return KKP, BP, (4 if big <= 512 else (8 if big <= 2048 else 16)), _sort_classes(min(KKP, BP))
+
+
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=5, ws=None):
+    """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`."""
+    hot_pos, s_pos = _row(st.hot_pos, "hot_pos", writable=True)
+    hot_stamp, s_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
+    hot_loc, s_loc = _row(st.hot_loc, "hot_loc")
+    tail_loc, s_tail = _row(st.tail_loc, "tail_loc")
+    table, s_table = _row(st.host_table, "host_table")
+    dmap, s_dmap = (None, 0) if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
     dev = hot_pos.device
-    N = sel2.shape[0]
+    TT, HPW, ps = tail_loc.shape[1], table.shape[1], st.host_page_size
+    LMAX = dmap.shape[1] if dmap is not None else 0
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
-    lcap = max(table.shape[1] * st.host_page_size, dmap.shape[1] if dmap is not None else 0) + tail_loc.shape[1]
+    lcap = max(HPW * ps, LMAX) + TT
     words = -(-lcap // 32) if dmap is not None else 1
+    # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
+    # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
+    KKP, BP, warps, (SA, SB, SC, SD) = _shape_consts(KK, B)
     if ws is not None:  # persistent: bm and pre zero at entry, and the kernels leave them so
         scr64, scr32, pv, bm, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
     else:
@@ -173,29 +200,19 @@ def _launch(sel2, slots, st, now, plan, cnt, KK, B, KKP, BP, C, num_warps, upto=
         pv = torch.empty((N, lcap), dtype=_claim_dtype(KK), device=dev)  # P1's claims: any contents
         bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
-    if num_warps is None:
-        big = max(KKP, BP)
-        num_warps = 4 if big <= 512 else (8 if big <= 2048 else 16)
-    # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
-    # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
-    SA, SB, SC, SD = _sort_classes(min(KKP, BP))
+    now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
         chp = min(KKP, 1024)
-        _PRE((N, -(-KK // chp)), (
-            sel2, slots, KK, st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
-            dmap, dmap.stride(0), dmap.shape[1], plan.loc, bm, words, pre), dict(CH=chp), 4)
+        _PRE((N, -(-KK // chp)), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX,
+                                  plan.loc, bm, words, pre), {"CH": chp}, 4)
     _PLAN((N,), (
-        sel2, slots, KK,
-        hot_pos, hot_stamp, hot_loc, hot_pos.stride(0), hot_stamp.stride(0), hot_loc.stride(0), B,
-        st.tail_start, tail_loc, tail_loc.stride(0), tail_loc.shape[1],
-        table, table.stride(0), table.shape[1], st.host_page_size,
-        dmap if dmap is not None else hot_pos, dmap.stride(0) if dmap is not None else 0,
-        dmap.shape[1] if dmap is not None else 0, int(dmap is not None),
-        _now_tensor(now, dev),
-        plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, cnt, C,
+        sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
+        st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
+        dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
+        plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
         scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm),
-        dict(KKP=KKP, PRE=pre is not None, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048),
-             SA=SA, SB=SB, SC=SC, SD=SD, UPTO=upto), num_warps)
+        {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
+         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto}, num_warps or warps)
 
 
 def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

@@ -87,25 +87,32 @@ def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr, ST
     st = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
     cand = bm & (pr == 0)
     lo = tl.min(tl.where(cand, st, BIG), axis=0)
-    hi = tl.max(tl.where(cand, st, -BIG), axis=0)
     have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
+    nbelow = have * 0  # #(candidates with stamp < lo): none below the oldest
     j = 0
-    while (have < nhost) & (j < STEPS):  # the next distinct stamp up
+    while (have < nhost) & (j < STEPS):  # the next distinct stamp up: what was <= lo is now < lo
+        nbelow = have
         lo = tl.min(tl.where(cand & (st > lo), st, BIG), axis=0)
         have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
         j += 1
     if have < nhost:  # s* lies in (lo, hi]
+        hi = tl.max(tl.where(cand, st, -BIG), axis=0)
         lo = lo + 1
         while lo < hi:
             mid = lo + (hi - lo) // 2
             ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
             hi = tl.where(ok, mid, hi)
             lo = tl.where(ok, lo, mid + 1)
+        nbelow = tl.sum((cand & (st < lo)).to(tl.int32), axis=0)
     below = cand & (st < lo)
-    nbelow = tl.sum(below.to(tl.int32), axis=0)
     eq = cand & (st == lo)
-    take = below | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= nhost - nbelow))
-    r = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    # one scan for both running counts: below in the low 32 bits, equal stamps in the high ones; the
+    # equal-stamp slots taken are the first (nhost - nbelow) in slot order, so a taken slot's rank is
+    # (belows before it) + min(equals before it, nhost - nbelow)
+    cs = tl.cumsum(below.to(tl.int64) + (eq.to(tl.int64) << 32), axis=0)
+    ce = (cs >> 32).to(tl.int32)
+    take = below | (eq & (ce <= nhost - nbelow))
+    r = (cs & 0xFFFFFFFF).to(tl.int32) + tl.minimum(ce, nhost - nbelow) - 1
     tl.store(vk + r, sl.to(tl.int64), mask=take)
 
 

@@ -76,10 +76,7 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
                 tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
     tl.debug_barrier()
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
-    nval = tl.sum(tl.zeros([CH], tl.int32), axis=0)
-    nnd = nval
-    ndir = nval
-    nrest = nval
+    acc = tl.sum(tl.zeros([CH], tl.int64), axis=0)
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
@@ -90,14 +87,17 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
             is_rep = valid & (u == i)
             o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
-            nval += tl.sum(valid.to(tl.int32), axis=0)
-            nnd += tl.sum((valid & (o < 0)).to(tl.int32), axis=0)
-            ndir += tl.sum((is_rep & (o >= 0)).to(tl.int32), axis=0)
-            nrest += tl.sum((is_rep & (o < 0)).to(tl.int32), axis=0)
+            # the four counts in one reduction: 16 bits each (K*k < 2^16)
+            acc += tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
+                          + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
             tl.store(rep + i, tl.where(valid, u, -1), mask=im)
             tl.store(out + i, o, mask=is_rep)
             tl.store(hflag + i, tl.zeros([CH], tl.int32), mask=is_rep)
             tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    nval = (acc & 0xFFFF).to(tl.int32)
+    nnd = ((acc >> 16) & 0xFFFF).to(tl.int32)
+    ndir = ((acc >> 32) & 0xFFFF).to(tl.int32)
+    nrest = ((acc >> 48) & 0xFFFF).to(tl.int32)
     return nval, nnd, ndir, nrest
 
 
@@ -162,13 +162,12 @@ def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr
     bm = sl < B
     hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
     ok = bm & (hp >= 0) & (hp < LCAP)
+    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int64)  # independent of the lookup
     u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
     found = ok & (u >= 0) & (u < KK)
-    q = tl.load(sel_ptr + n * KK + u, mask=found, other=-1).to(tl.int64)
-    found = found & (q == hp)
-    o = tl.load(out + u, mask=found, other=0)
-    hit = found & (o < 0)
-    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=hit, other=0).to(tl.int64)
+    q = tl.load(sel_ptr + n * KK + u, mask=found, other=-1).to(tl.int64)  # these two loads depend
+    o = tl.load(out + u, mask=found, other=0)                              # on u only: issued together
+    hit = found & (q == hp) & (o < 0)
     tl.store(out + u, hl, mask=hit)
     tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
     tl.store(prot + sl, hit.to(tl.int32), mask=bm)
