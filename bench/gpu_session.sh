@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,exact33r,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -311,6 +311,10 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8.py tests/test_launch.py \
       --junitxml="$OUT/exact33_cuda.xml" ;; esac
+case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
+  run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/test_resolver_kernel.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_launch.py \
+      --junitxml="$OUT/exact33r_cuda.xml" ;; esac
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
