@@ -365,17 +365,22 @@ def test_random_mostly_direct_batches(seed):
 
 
 def test_direct_distinct_count_across_chunks():
-    """K*k = 4500 entries (three chunks of the direct path): duplicates within and across chunks and
-    positions at every bit of a bitmap word (p % 32 == 31 included) count once each."""
+    """K*k = 4500 entries (five chunks of the direct path): duplicates within and across chunks and
+    positions at every bit of a bitmap word (p % 32 == 31 included) count once each, and the
+    bitmap is zero again after each call."""
     L = 1600
     st = make_state(S=2, B=4, L=L, TT=8, direct=True)
     st.direct_loc[:] = 5000 + torch.arange(L)
     g = torch.Generator().manual_seed(7)
     sel = torch.randint(-1, L, (2, 3, 1500), generator=g)
+    sel[:, 0] = torch.randint(-1, 800, (2, 1500), generator=g)  # the first chunk's words: positions < 800 only
     sel[0, 2, :64] = torch.arange(31, 31 + 32 * 64, 32)[:64].clamp(max=L - 1)  # word-top bits
-    want, _ = Pair(st).step(sel, [1, 0], now=2)
-    assert want.counters.direct == sum(len(set(sel[n][sel[n] >= 0].tolist())) for n in range(2))
-    assert want.counters.hot == want.counters.host == 0
+    p, ws = Pair(st), PlanWorkspace(DEV)
+    for now in (2, 3):  # with a persistent workspace: every chunk's program clears its bitmap words
+        want, _ = p.step(sel if now == 2 else sel.flip(2), [1, 0], now=now, ws=ws)
+        assert want.counters.direct == sum(len(set(sel[n][sel[n] >= 0].tolist())) for n in range(2))
+        assert want.counters.hot == want.counters.host == 0
+        assert ws.zeroed() and all(int(b.abs().sum()) == 0 for b in ws.zeroed()), now
 
 
 @pytest.mark.parametrize("direct", [False, True])

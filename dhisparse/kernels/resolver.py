@@ -203,18 +203,18 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=5, ws=None):
         bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
+    chp = min(KKP, 1024)
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
-        chp = min(KKP, 1024)
         _PRE((N, -(-KK // chp)), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX,
                                   plan.loc, bm, words, pre), {"CH": chp}, 4)
-    _PLAN((N,), (
+    _PLAN((N, -(-KK // chp) if dmap is not None else 1), (
         sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
         scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm),
         {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
-         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto}, num_warps or warps)
+         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto}, num_warps or warps)
 
 
 def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

@@ -30,7 +30,8 @@ state untouched, as the reference leaves it). With an optional map (adaptive) P0
 position's bit in the request's row of a zeroed bitmap (`bm` [N, WORDS] int32) with an atomic OR,
 an entry whose bit was not yet set counts a new distinct row, and the per-request counts land in
 `pre`; a request whose entries all resolved exits at once, the others run P1-P5. The plan kernel
-clears the bitmap words and the `pre` row it read (a persistent workspace stays valid).
+clears the bitmap words (one program per chunk of entries, in parallel) and the `pre` row it read
+(a persistent workspace stays valid).
 
 Cost depends on K*k, B and the misses, never on the history length (pv is touched only at selected
 and hot positions). Hot positions must be unique per slot row, slots unique within a call, host
@@ -59,10 +60,8 @@ def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, h
 
 @triton.jit
 def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-             dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS, PRE: tl.constexpr, KKP: tl.constexpr,
-             CH: tl.constexpr):
-    """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i (and, after P0's
-    pre-pass, clears the bitmap words it set); a barrier; pass 2 reads each entry's representative u
+             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
+    """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2 reads each entry's representative u
     back into rep (-1 for padding), writes out[u] = direct location (-1: not direct) and hflag[u] = 0
     for representatives, and loc (speculatively: final when every row is direct). Returns (valid
     entries, valid entries not direct, direct rows, not-direct rows)."""
@@ -71,9 +70,6 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             i = c0 + tl.arange(0, CH)
             p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
             tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
-            if PRE:
-                word = p >> 5
-                tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
     tl.debug_barrier()
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     acc = tl.sum(tl.zeros([CH], tl.int64), axis=0)
@@ -140,15 +136,13 @@ def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_ta
 
 
 @triton.jit
-def _clear_bitmap(sel_ptr, KK, n, bm_ptr, WORDS, KKP: tl.constexpr, CH: tl.constexpr):
-    """The bitmap words request n's entries set in P0 back to 0 (the all-direct exit after the
-    pre-pass; on the full path P1 clears them)."""
-    for c0 in range(0, KKP, CH):
-        if c0 < KK:
-            i = c0 + tl.arange(0, CH)
-            p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-            word = p >> 5
-            tl.store(bm_ptr + n * WORDS + word, tl.zeros([CH], tl.int32), mask=(p >= 0) & (word < WORDS))
+def _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC: tl.constexpr):
+    """The bitmap words that entries j*CHC .. j*CHC+CHC-1 of request n set in P0 back to 0 (program
+    (n, j) of the plan kernel: the pre-pass is done, nothing reads the bitmap after it)."""
+    i = j * CHC + tl.arange(0, CHC)
+    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
+    word = p >> 5
+    tl.store(bm_ptr + n * WORDS + word, tl.zeros([CHC], tl.int32), mask=(p >= 0) & (word < WORDS))
 
 
 @triton.jit
@@ -233,18 +227,38 @@ def resolve_plan_kernel(
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
-    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr = 4,
-    UPTO: tl.constexpr = 5,
+    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
+    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 5,
 ):
-    """Grid (N,). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
+    """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
     scr32 [N, 2*KKP + BP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
     bm [N, WORDS] int32 and pre [N, 3] int32 (with PRE): P0's, zeros at entry and left so.
-    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3].
+    PRE: P0 already ran in `direct_pre_kernel` (chunks of CHC entries), its counts in pre [N, 3]; the
+    grid is (N, cdiv(KK, CHC)) and program (n, j) clears chunk j's bitmap words, program (n, 0)
+    plans request n. Without PRE the grid is (N, 1).
     UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out (1: P1, 3:
     + P3, 4: + P4), so the outputs are incomplete below 5; the default 5 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if PRE:  # grid (N, cdiv(KK, CHC)): program (n, j) clears chunk j's bitmap words
+        _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC)
+    if j == 0:
+        _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+                      tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                      has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
+                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+
+
+@triton.jit
+def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                  has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
+                  pv_ptr, LCAP, pre_ptr, n, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
+                  CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
+                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+    """Request n's plan (program (n, 0)): P0's exit or P1-P5."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
     out = scr64_ptr + n * (2 * KKP + BP)
@@ -262,14 +276,12 @@ def resolve_plan_kernel(
             tl.store(copy_n_ptr + n, nnd * 0)
             _store_counts(c, tl.load(pre_ptr + n * 3), tl.load(pre_ptr + n * 3 + 2), nnd * 0, nnd * 0, nnd * 0,
                           nnd * 0)
-            _clear_bitmap(sel_ptr, KK, n, bm_ptr, WORDS, KKP, CH)
         tl.debug_barrier()
-        for j in tl.static_range(3):
-            tl.store(pre_ptr + n * 3 + j, 0)
+        for jj in tl.static_range(3):
+            tl.store(pre_ptr + n * 3 + jj, 0)
     if nnd != 0:
         nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
-                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, bm_ptr, WORDS,
-                                          PRE, KKP, CH)
+                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
         if (nnd == 0) | (UPTO < 3):  # every valid entry resolved directly: loc is final
             tl.store(copy_n_ptr + n, nnd * 0)
             _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
