@@ -12,8 +12,8 @@ the H200 host, ~2 us a pointer: most of a ~45-us launch of the resolver's 21 poi
 That is only sound when the specialization is a function of what the key holds. The kernel must
 not specialize on argument values: every integer argument listed in `do_not_specialize` and every
 pointer in `do_not_specialize_on_alignment` (checked at construction), so the compiled variant is
-fixed by the constexprs, num_warps, the device and the dtypes of the tensor arguments (and whether
-each integer fits 32 bits): the key. Under TRITON_INTERPRET (CPU tests) and on the first call of a
+fixed by the constexprs, num_warps, the device and the dtypes of the tensor arguments: the key (an
+integer past 32 bits is refused by the compiled launcher and goes through the JIT). Under TRITON_INTERPRET (CPU tests) and on the first call of a
 key it launches through the JIT as usual.
 """
 
@@ -43,6 +43,12 @@ except ImportError:  # pragma: no cover
         return torch.cuda.current_stream(dev).cuda_stream
 
 
+def _hook(h):
+    """A launch hook, or None when it is an empty chain (Triton 3.6 keeps an empty `HookChain` in place
+    of None: the launcher would call it, and build the launch metadata for it, on every launch)."""
+    return None if h is None or getattr(h, "calls", None) == [] else h
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -57,8 +63,10 @@ class CompiledLaunch:
     """`CompiledLaunch(kernel)(grid, args, consts, num_warps)` = `kernel[grid](*args, **consts,
     num_warps=num_warps)`, after the first call of a specialization without the JIT's dispatch.
 
-    args: the kernel's non-constexpr parameters in order (tensors and ints); consts: every
-    constexpr parameter without a default, by name (defaults are filled in)."""
+    args: the kernel's non-constexpr parameters in order: tensors and Python ints (exactly `int`:
+    anything else is taken for a tensor); consts: every constexpr parameter without a default, by
+    name (defaults are filled in). The held path's Python costs ~7 us for 36 arguments on the CI-sized
+    CPU (the loop below: one pass, no isinstance)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -84,9 +92,18 @@ class CompiledLaunch:
         if len(args) != self._nrt:
             raise TypeError(f"{self.kernel.fn.__name__} takes {self._nrt} runtime arguments, got {len(args)}")
         dev = torch.cuda.current_device()
-        # a CPU tensor keys apart (is_cuda False): its first call goes through the JIT, which refuses it
-        sig = tuple([(a.dtype, a.is_cuda) if isinstance(a, torch.Tensor) else (-2**31 <= a < 2**31) for a in args])
-        key = (dev, num_warps, tuple(consts.values()), tuple(consts), sig)
+        # one pass: tensors become their addresses (the launcher takes an int as it is; a tensor costs it
+        # a cuPointerGetAttribute driver call each) and key by dtype and CUDA-ness (a CPU tensor keys
+        # apart: its first call goes through the JIT, which refuses it); ints pass as they are and an
+        # int past the compiled variant's 32 bits is refused by the launcher (OverflowError: the JIT then)
+        vals, sig = [], []
+        for a in args:
+            if a.__class__ is not int:  # a tensor (or a subclass)
+                vals.append(a.data_ptr())
+                sig.append(a.dtype if a.is_cuda else None)
+            else:
+                vals.append(a)
+        key = (dev, num_warps, tuple(consts.values()), tuple(consts), tuple(sig))
         hit = self._compiled.get(key)
         if hit is None:  # compile (or find) through the JIT, launching this call
             k = self.kernel[grid](*args, **consts, num_warps=num_warps)
@@ -94,12 +111,11 @@ class CompiledLaunch:
             self._compiled[key] = (k, tuple(full[name] for name in self._order[self._nrt:]))
             return
         k, tail = hit
-        # pointers as integers: the launcher takes them as they are (a tensor costs it a
-        # cuPointerGetAttribute driver call each); the key checked they are CUDA tensors
-        vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         g1, g2 = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         stream = _raw_stream(dev)
-        hook = knobs.runtime.launch_enter_hook
-        meta = k.launch_metadata((grid[0], g1, g2), stream, *vals, *tail) if hook is not None else None
-        k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, meta, hook,
-              knobs.runtime.launch_exit_hook, *vals, *tail)
+        enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+        meta = k.launch_metadata((grid[0], g1, g2), stream, *vals, *tail) if enter is not None else None
+        try:
+            k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, meta, enter, leave, *vals, *tail)
+        except OverflowError:  # an int argument past 32 bits: the JIT compiles (and launches) its i64 variant
+            self.kernel[grid](*args, **consts, num_warps=num_warps)
