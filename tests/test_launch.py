@@ -1,6 +1,7 @@
 """CompiledLaunch: a Triton kernel called through its compiled handle after the first call.
 
-On CPU (TRITON_INTERPRET) it passes straight through to the JIT; the value-specialization check and,
+On CPU (TRITON_INTERPRET) it passes straight through to the JIT; the value-specialization check, the
+held path's argument marshalling (with a stand-in compiled kernel) and,
 on CUDA, repeat launches through the held handle (other tensors, another dtype: a new key) are
 tested here. The resolver's exactness tests run its kernels through it on CUDA.
 """
@@ -59,3 +60,56 @@ def test_repeat_launches_match_the_jit(dtype):
         assert torch.equal(y, want), (n, off)
     if dev == "cuda":
         assert len(launch._compiled) == 1
+
+
+class _Held:
+    """A stand-in compiled kernel: records what the held path hands its launcher."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+
+    def launch_metadata(self, grid, stream, *vals):  # only with a registered hook
+        return ("meta", grid)
+
+    def run(self, *a):
+        if self.fail:
+            raise self.fail
+        self.calls.append(a)
+
+
+def _held_launch(monkeypatch, held):
+    """A CompiledLaunch of _axpy on the held path without a GPU: the device, stream and the JIT's
+    first call stubbed, the key's compiled kernel seeded with `held`."""
+    import dhisparse.kernels.launch as L
+
+    names = ["x_ptr", "y_ptr", "n", "a"]
+    monkeypatch.setattr(L, "_interpreted", lambda: False)
+    monkeypatch.setattr(L, "_raw_stream", lambda dev: 77)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch = L.CompiledLaunch(JITFunction(_axpy, do_not_specialize=names, do_not_specialize_on_alignment=names))
+    jit = []
+    monkeypatch.setattr(launch, "kernel", type("J", (), {"__getitem__": lambda self, g: lambda *a, **k: jit.append(a),
+                                                         "fn": _axpy})())
+    x, y = torch.zeros(4), torch.zeros(4, dtype=torch.int64)
+    launch._compiled[(0, 4, (16,), ("BLOCK",), (None, None))] = (held, (16,))
+    return launch, x, y, jit
+
+
+def test_the_held_path_passes_addresses_and_constexprs(monkeypatch):
+    """Tensors reach the launcher as their addresses, ints as they are, then the constexprs; an
+    empty hook chain goes as None (no launch metadata built)."""
+    held = _Held()
+    launch, x, y, jit = _held_launch(monkeypatch, held)
+    launch((3,), (x, y, 5, 2), {"BLOCK": 16}, 4)
+    (call,) = held.calls
+    assert call[:4] == (3, 1, 1, 77) and call[4:9] == ("fn", "meta", None, None, None)
+    assert call[9:] == (x.data_ptr(), y.data_ptr(), 5, 2, 16) and not jit
+
+
+def test_the_held_path_hands_a_wide_int_to_the_jit(monkeypatch):
+    """An int the compiled variant cannot take (the launcher's OverflowError) goes through the JIT."""
+    launch, x, y, jit = _held_launch(monkeypatch, _Held(fail=OverflowError("signed integer is greater than maximum")))
+    launch((3,), (x, y, 2**40, 2), {"BLOCK": 16}, 4)
+    assert len(jit) == 1 and jit[0][2] == 2**40
