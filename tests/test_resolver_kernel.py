@@ -404,3 +404,11 @@ def test_a_persistent_workspace_is_left_zeroed_and_plans_stay_exact(direct):
         assert len(ws.zeroed()) >= 2 * direct and all(int(b.abs().sum()) == 0 for b in ws.zeroed()), step
         assert ws.claims(), step
     assert any(name == ("bm" if direct else "pv_int16") for name, _ in ws._retired)  # grew past the first
+
+
+def test_a_selection_past_the_packed_counts_is_refused_by_name():
+    """K*k above 65,535 (the plan kernel counts a request's rows in 16-bit fields) is a ValueError
+    naming K*k, before anything is launched."""
+    st = make_state(S=1, B=4, L=40, TT=4)
+    with pytest.raises(ValueError, match=r"K\*k must be at most 65535"):
+        plan_triton(torch.zeros((1, 33, 2000), dtype=torch.int64), torch.zeros(1, dtype=torch.int64), st, 0)
