@@ -21,10 +21,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dhisparse.kernels.resolver import _sort_classes  # noqa: E402
+from dhisparse.kernels.resolver import PHASE_STOPS, _sort_classes  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
-PHASE_STOPS = (1, 3, 4)  # resolve_plan_kernel's UPTO values below the full plan (5)
 INT32_PTRS = {"copy_n_ptr", "scr32_ptr", "bm_ptr", "pre_ptr"}
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
 from bench.resolver_timing import stats, timeit  # noqa: E402
-from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
 PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.1%", 100, 656): (20.1, 60.1),
@@ -47,7 +47,7 @@ PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.
            ("all", 8, 1152): (387.6, 460.2), ("all", 100, 656): (2875.0, 2952.0)}
 PEER_PLAN_US = {4096: (14.0, 16.0), 8192: (21.0, 24.0)}  # the peer's plan alone (copy compiled out), any misses
 MISS = {"0.1%": 0.001, "20%": 0.2, "all": 1.0}
-PHASES = {1: "P1 entries", 3: "P3 hot scan", 4: "P4 misses"}  # plan_triton(upto_phase=) stops
+PHASES = PHASE_STOPS  # plan_triton(upto_phase=) stops
 
 
 def shapes(quick: bool) -> dict:

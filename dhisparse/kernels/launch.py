@@ -7,14 +7,14 @@ call outside CUDA graphs. A `CompiledLaunch` pays that once per specialization a
 the compiled kernel's launcher directly (the plan/run split of FlashInfer's wrappers: the compiled
 object is held, not looked up), with tensors passed as their addresses: the launcher takes an int as
 it is, where a tensor costs it a `data_ptr` call and a cuPointerGetAttribute driver call each (on
-the H200 host, ~2 us a pointer: most of a ~45-us launch of the resolver's 21 pointers).
+the H200 host ~1 us a pointer: about half of a ~45-us launch of the resolver's 21 pointers).
 
 That is only sound when the specialization is a function of what the key holds. The kernel must
 not specialize on argument values: every integer argument listed in `do_not_specialize` and every
 pointer in `do_not_specialize_on_alignment` (checked at construction), so the compiled variant is
 fixed by the constexprs, num_warps, the device and the dtypes of the tensor arguments: the key (an
-integer past 32 bits is refused by the compiled launcher and goes through the JIT). Under TRITON_INTERPRET (CPU tests) and on the first call of a
-key it launches through the JIT as usual.
+integer past 32 bits is refused by the compiled launcher and goes through the JIT). Under
+TRITON_INTERPRET (CPU tests) and on the first call of a key it launches through the JIT as usual.
 """
 
 from __future__ import annotations

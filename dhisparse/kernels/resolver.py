@@ -37,6 +37,7 @@ __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_trit
 
 COUNTER_NAMES = ResolveCounters._fields
 MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts)
+PHASE_STOPS = {1: "P1 entries", 3: "P3 hot scan", 4: "P4 misses"}  # upto_phase values below the full plan (5)
 _PRE = CompiledLaunch(direct_pre_kernel)
 _PLAN = CompiledLaunch(resolve_plan_kernel)
 
@@ -115,8 +116,8 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
     not the host). Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns
     loc [N, K, k] (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
-    upto_phase < 5 is for phase profiling only (bench/resolver_peer.py): the kernel stops after that
-    phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
+    upto_phase < 5 (one of PHASE_STOPS) is for phase profiling only (bench/resolver_peer.py): the kernel
+    stops after that phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
     zero-fill launch per call; None allocates per call.
     Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
@@ -204,10 +205,11 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=5, ws=None):
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     chp = min(KKP, 1024)
+    chunks = -(-KK // chp) if dmap is not None else 1  # P0's programs per request; the plan's grid width
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
-        _PRE((N, -(-KK // chp)), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX,
+        _PRE((N, chunks), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX,
                                   plan.loc, bm, words, pre), {"CH": chp}, 4)
-    _PLAN((N, -(-KK // chp) if dmap is not None else 1), (
+    _PLAN((N, chunks), (
         sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,

@@ -61,10 +61,11 @@ def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, h
 @triton.jit
 def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
              dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
-    """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2 reads each entry's representative u
-    back into rep (-1 for padding), writes out[u] = direct location (-1: not direct) and hflag[u] = 0
-    for representatives, and loc (speculatively: final when every row is direct). Returns (valid
-    entries, valid entries not direct, direct rows, not-direct rows)."""
+    """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2
+    reads each entry's representative u back into rep (-1 for padding), writes out[u] = direct
+    location (-1: not direct) and hflag[u] = 0 for representatives, and loc (speculatively: final
+    when every row is direct). Returns (valid entries, valid entries not direct, direct rows,
+    not-direct rows)."""
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
