@@ -46,7 +46,7 @@ def compile_kernel(kern, consts: dict, num_warps: int):
                           options={"num_warps": num_warps})
 
 
-def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 5) -> dict:
+def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50) -> dict:
     """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     return dict(KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD,

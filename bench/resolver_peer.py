@@ -13,7 +13,7 @@ L2 is flushed (a 256-MiB write) and the hot-cache state restored before every ti
 timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
 
 `--phases` adds the plan kernel stopped after each of its phases (P1 entries: claims, representatives
-and direct rows; P3 hot scan; P4 misses; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096,
+and direct rows; P3 hot scan; P4 misses, by parts; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096,
 656-B rows, every batch and miss level: the differences are what each phase costs.
 
 The peer's figures are the issue's (SGLang 0.5.23's `load_cache_to_device_buffer_kernel`, measured on one

@@ -37,7 +37,8 @@ __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_trit
 
 COUNTER_NAMES = ResolveCounters._fields
 MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts)
-PHASE_STOPS = {1: "P1 entries", 3: "P3 hot scan", 4: "P4 misses"}  # upto_phase values below the full plan (5)
+PHASE_STOPS = {0: "P0 prologue", 10: "P1 entries", 30: "P3 hot scan", 41: "P4a-b misses, victims", 43: "P4c sorted",
+               45: "P4 misses"}  # upto_phase values below the full plan (50)
 _PRE = CompiledLaunch(direct_pre_kernel)
 _PLAN = CompiledLaunch(resolve_plan_kernel)
 
@@ -109,14 +110,14 @@ def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: t
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
-                defer: bool = False, num_warps: int | None = None, upto_phase: int = 5,
+                defer: bool = False, num_warps: int | None = None, upto_phase: int = 50,
                 workspace: PlanWorkspace | None = None) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
     not the host). Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns
     loc [N, K, k] (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
-    upto_phase < 5 (one of PHASE_STOPS) is for phase profiling only (bench/resolver_peer.py): the kernel
+    upto_phase < 50 (one of PHASE_STOPS) is for phase profiling only (bench/resolver_peer.py): the kernel
     stops after that phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
     zero-fill launch per call; None allocates per call.
@@ -178,7 +179,7 @@ def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, 
     return KKP, BP, (4 if big <= 512 else (8 if big <= 2048 else 16)), _sort_classes(min(KKP, BP))
 
 
-def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=5, ws=None):
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None):
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`."""
     hot_pos, s_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp, s_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
@@ -199,7 +200,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=5, ws=None):
         scr64, scr32, pv, bm, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
     else:
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
-        scr32 = torch.empty((N, 2 * KKP + BP), dtype=torch.int32, device=dev)
+        scr32 = torch.empty((N, 2 * KKP), dtype=torch.int32, device=dev)
         pv = torch.empty((N, lcap), dtype=_claim_dtype(KK), device=dev)  # P1's claims: any contents
         bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None

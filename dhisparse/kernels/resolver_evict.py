@@ -75,17 +75,14 @@ def _keep_smallest(mk, m, need, KKP: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
-    """P4b. vk[0:nhost] <- slot ids of the first nhost unprotected slots in (stamp, slot) order, stored
-    in slot order (misses pair with them in that order: no sort). The threshold stamp s* (the
-    smallest with #(unprotected, stamp <= s*) >= nhost) is found by walking up the distinct stamps
-    from the oldest, at most STEPS of them (one group of equal stamps usually covers a round's
-    misses), then by bisection on what is left."""
+def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
+    """P4b. vk[0:nhost] <- slot ids of the first nhost candidate slots (cand [BP]: in range and
+    unprotected) in (stamp, slot) order (stamps st [BP] int64), stored in slot order (misses pair
+    with them in that order: no sort). The threshold stamp s* (the smallest with #(candidates,
+    stamp <= s*) >= nhost) is found by walking up the distinct stamps from the oldest, at most
+    STEPS of them (one group of equal stamps usually covers a round's misses), then by bisection on
+    what is left."""
     sl = tl.arange(0, BP)
-    bm = sl < B
-    pr = tl.load(prot + sl, mask=bm, other=1)
-    st = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
-    cand = bm & (pr == 0)
     lo = tl.min(tl.where(cand, st, BIG), axis=0)
     have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
     nbelow = have * 0  # #(candidates with stamp < lo): none below the oldest

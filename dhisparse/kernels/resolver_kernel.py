@@ -147,17 +147,26 @@ def _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC: tl.constexpr):
 
 
 @triton.jit
-def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-              s_pos, s_stamp, s_loc, B, now, BP: tl.constexpr):
-    """P3. Each slot reads pv at its position; the uid u read is this call's representative of that
-    position only if 0 <= u < KK and sel[n, u] is the slot's position (anything else is a stale
-    cell: the position is not selected). Hits on non-direct rows: out[uid] = hot_loc, prot[slot] =
-    1, stamp = now. Returns the number of hits."""
+def _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP: tl.constexpr):
+    """Slot s's hot-cache rows as registers: (in range [BP], positions, stamps, locations) int64,
+    -1 / 0 past B. They depend only on s, so the plan issues them before P1."""
     sl = tl.arange(0, BP)
     bm = sl < B
     hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
+    hs = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
+    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int64)
+    return bm, hp, hs, hl
+
+
+@triton.jit
+def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP: tl.constexpr):
+    """P3. Each slot (positions hp, locations hl [BP], in range bm) reads pv at its position; the uid
+    u read is this call's representative of that position only if 0 <= u < KK and sel[n, u] is the
+    slot's position (anything else is a stale cell: the position is not selected). Hits on
+    non-direct rows: out[uid] = hot_loc, stamp = now. Returns (hits, hit mask [BP]: the protected
+    slots)."""
+    sl = tl.arange(0, BP)
     ok = bm & (hp >= 0) & (hp < LCAP)
-    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int64)  # independent of the lookup
     u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
     found = ok & (u >= 0) & (u < KK)
     q = tl.load(sel_ptr + n * KK + u, mask=found, other=-1).to(tl.int64)  # these two loads depend
@@ -165,8 +174,7 @@ def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr
     hit = found & (q == hp) & (o < 0)
     tl.store(out + u, hl, mask=hit)
     tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
-    tl.store(prot + sl, hit.to(tl.int32), mask=bm)
-    return tl.sum(hit.to(tl.int32), axis=0)
+    return tl.sum(hit.to(tl.int32), axis=0), hit
 
 
 @triton.jit
@@ -197,23 +205,27 @@ def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
 
 
 @triton.jit
-def _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, prot, s, nmiss, nhot, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-            s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps, src_ptr, dst_ptr, C, now, KKP: tl.constexpr,
-            BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
-            SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr):
-    """P4. The misses that get a slot (at most B - hits), paired with their victims. Returns them."""
+def _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, s, nmiss, nhot, bm, hit, hs, hot_pos_ptr, hot_stamp_ptr,
+            hot_loc_ptr, s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps, src_ptr, dst_ptr, C, now,
+            KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
+            SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+    """P4. The misses that get a slot (at most B - hits), paired with their victims (the oldest of
+    the slots in range bm not hit, by their stamps hs as read before P3). Returns them. UPTO 41 / 43
+    (profiling): stop after P4a-b / P4c."""
     nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
     _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
-    _victims(prot, vk, s, hot_stamp_ptr, s_stamp, B, nhost, BP, VSTEPS)
+    _victims(bm & (~hit), hs, vk, nhost, BP, VSTEPS)
     tl.debug_barrier()
-    nsort = nmiss
-    if nmiss > SD:
-        _keep_smallest(mk, nmiss, nhost, KKP, CH)
-        nsort = nhost
-    _sort_keys(mk, nsort, SA, SB, SC, SD)
-    _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-            s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
-    tl.debug_barrier()
+    if UPTO >= 43:
+        nsort = nmiss
+        if nmiss > SD:
+            _keep_smallest(mk, nmiss, nhost, KKP, CH)
+            nsort = nhost
+        _sort_keys(mk, nsort, SA, SB, SC, SD)
+        if UPTO >= 45:
+            _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
+            tl.debug_barrier()
     return nhost
 
 
@@ -229,18 +241,19 @@ def resolve_plan_kernel(
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
     SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
-    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 5,
+    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50,
 ):
     """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
-    scr32 [N, 2*KKP + BP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
+    scr32 [N, 2*KKP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
     bm [N, WORDS] int32 and pre [N, 3] int32 (with PRE): P0's, zeros at entry and left so.
     PRE: P0 already ran in `direct_pre_kernel` (chunks of CHC entries), its counts in pre [N, 3]; the
     grid is (N, cdiv(KK, CHC)) and program (n, j) clears chunk j's bitmap words, program (n, 0)
     plans request n. Without PRE the grid is (N, 1).
-    UPTO (profiling only, bench/resolver_peer.py): phases after P{UPTO} are compiled out (1: P1, 3:
-    + P3, 4: + P4), so the outputs are incomplete below 5; the default 5 runs every phase."""
+    UPTO (profiling only, bench/resolver_peer.py; resolver.PHASE_STOPS): phases after the stop are
+    compiled out (0: none, 10: P1, 30: P3, 41: P4a-b, 43: P4c, 45: P4), so the outputs are
+    incomplete below 50; the default 50 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     if PRE:  # grid (N, cdiv(KK, CHC)): program (n, j) clears chunk j's bitmap words
@@ -265,9 +278,8 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
     out = scr64_ptr + n * (2 * KKP + BP)
     mk = out + KKP
     vk = mk + KKP
-    rep = scr32_ptr + n * (2 * KKP + BP)
+    rep = scr32_ptr + n * (2 * KKP)
     hflag = rep + KKP
-    prot = hflag + KKP
     pv = pv_ptr + n * LCAP
     c = cnt_ptr + n * 6
     nnd = 1
@@ -280,25 +292,29 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
         tl.debug_barrier()
         for jj in tl.static_range(3):
             tl.store(pre_ptr + n * 3 + jj, 0)
+    if UPTO == 0:
+        tl.store(copy_n_ptr + n, nnd * 0)
+        nnd = 0
     if nnd != 0:
+        # the hot rows depend only on s: their loads overlap P1's
+        bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
         nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
                                           tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
-        if (nnd == 0) | (UPTO < 3):  # every valid entry resolved directly: loc is final
+        if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
             tl.store(copy_n_ptr + n, nnd * 0)
             _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
         else:
             tl.debug_barrier()
-            nhot = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, prot, s, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                             s_pos, s_stamp, s_loc, B, now, BP)
+            nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
             tl.debug_barrier()
             nmiss = nrest - nhot
             nhost = nmiss * 0
-            if (nmiss > 0) & (UPTO >= 4):
-                nhost = _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, prot, s, nmiss, nhot, hot_pos_ptr,
+            if (nmiss > 0) & (UPTO >= 41):
+                nhost = _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, s, nmiss, nhot, bm, hit, hs, hot_pos_ptr,
                                 hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps,
-                                src_ptr, dst_ptr, C, now, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS)
+                                src_ptr, dst_ptr, C, now, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
             tl.store(copy_n_ptr + n, nhost)
             hsel = nhost * 0
-            if UPTO >= 5:
+            if UPTO >= 50:
                 hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
             _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)

@@ -3,7 +3,7 @@
 Per call `plan_triton` needs, per request n of a batch of N:
 
   scr64  [N, 2*KKP + BP] int64   out / miss keys / victims          (any contents at entry)
-  scr32  [N, 2*KKP + BP] int32   rep, flags, protection             (any contents at entry)
+  scr32  [N, 2*KKP] int32        rep, flags                         (any contents at entry)
   pv     [N, LCAP] int16/int32   P1's position-indexed claims       (any contents at entry)
   bm     [N, WORDS] int32        P0's distinct-row bitmap            (ZERO at entry; optional map only)
   pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry; optional map only)
@@ -56,7 +56,7 @@ class PlanWorkspace:
         return buf[:numel]
 
     def scratch(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
-        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP + BP], pv [N, lcap] of dtype `claim`, bm [N, words]
+        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP], pv [N, lcap] of dtype `claim`, bm [N, words]
         zeros, pre [N, 3] zeros; without `with_pre` (no optional map) bm is scr32 and pre None: P0's
         pre-pass does not run) as views of the persistent buffers (the same views for the same shape)."""
         key = (N, KKP, BP, lcap, claim, words, with_pre)
@@ -67,7 +67,7 @@ class PlanWorkspace:
 
     def _slice(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
         scr64 = self._get("scr64", N * (2 * KKP + BP), torch.int64, None).view(N, 2 * KKP + BP)
-        scr32 = self._get("scr32", N * (2 * KKP + BP), torch.int32, None).view(N, 2 * KKP + BP)
+        scr32 = self._get("scr32", N * 2 * KKP, torch.int32, None).view(N, 2 * KKP)
         pv = self._get(f"pv_{str(claim)[6:]}", N * lcap, claim, None).view(N, lcap)
         if not with_pre:
             return scr64, scr32, pv, scr32, None

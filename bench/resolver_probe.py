@@ -1,0 +1,141 @@
+"""Where the resolver plan's time goes, finer than resolver_peer.py --phases: the plan kernel stopped after
+each phase, and the full plan across num_warps.
+
+    python3 bench/resolver_probe.py --out $OUT/resolver_probe.json          # H200, ~3 min with a cold cache
+    python3 bench/resolver_probe.py --quick --out /tmp/resolver_probe.json  # CPU smoke (TRITON_INTERPRET)
+
+Plan alone (`plan_triton(defer=True, workspace=ws)`), same timing as resolver_peer.py (L2 flushed, state
+restored, 20 calls, median), one query per request, top-k 2,048. A floor: an empty Triton kernel on the same
+grid, timed the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402  (after TRITON_INTERPRET is set)
+import triton.language as tl  # noqa: E402
+
+import dhisparse.kernels.resolver as kr  # noqa: E402
+from bench.resolver_cases import Rig  # noqa: E402
+from bench.resolver_peer import Flush, build, shapes  # noqa: E402
+from bench.resolver_timing import stats, timeit  # noqa: E402
+
+STOPS = (0, 10, 30, 41, 43, 45, 50)
+
+
+@triton.jit
+def _empty(x_ptr):
+    if tl.program_id(0) < 0:
+        tl.store(x_ptr, 0)
+
+
+def variants(H: int, quick: bool) -> list[dict]:
+    """(warps, UPTO) to time at this H: every stop at 16 warps and the full plan at 4 / 8 / 32 (H 4,096);
+    the full plan at 8 / 16 / 32 (H 8,192)."""
+    if quick:
+        return [{"warps": 4, "UPTO": u} for u in (10, 50)]
+    if H == 4096:
+        return [{"warps": 16, "UPTO": u} for u in STOPS] + [{"warps": w, "UPTO": 50} for w in (4, 8, 32)]
+    return [{"warps": w, "UPTO": 50} for w in (8, 16, 32)]
+
+
+def planner(case, st, now, ws, v: dict):
+    return lambda: kr.plan_triton(case.sel, case.slots, st, now, defer=True, num_warps=v["warps"],
+                                  upto_phase=v["UPTO"], workspace=ws)
+
+
+def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: float, H: int) -> list[dict]:
+    recs = []
+    for N in sh["batches"]:
+        for level in levels:
+            if H != 4096 and N != sh["batches"][0]:
+                continue
+            case = build(rig, sh, H, N, 656, level)
+            st = case.state
+            snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+            now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
+
+            def restore():
+                st.hot_pos.copy_(snap[0])
+                st.hot_stamp.copy_(snap[1])
+                flush()
+
+            ws = kr.PlanWorkspace(rig.dev)
+            x = torch.zeros(1, dtype=torch.int32, device=rig.dev)
+            rec = {"case": case.name, "N": N, "H": H, "miss_level": level,
+                   "empty_kernel": stats(timeit(rig, lambda: _empty[(N, 1)](x), restore, iters, 3)), "variants": []}
+            for v in variants(H, rig.quick):
+                restore()
+                t = stats(timeit(rig, planner(case, st, now, ws, v), restore, iters, 3))
+                rec["variants"].append({**v, **t})
+            restore()
+            recs.append(rec)
+            print(f"[{time.time() - t0:6.1f}s] {case.name}: empty {rec['empty_kernel']['time_ms'] * 1e3:.1f}  "
+                  + "  ".join(f"w{v['warps']}u{v['UPTO']} {v['time_ms'] * 1e3:.1f}" for v in rec["variants"]),
+                  flush=True)
+    return recs
+
+
+def precompile_worker(spec: str) -> None:
+    H, w, u = (int(x) for x in spec.split(":"))
+    rig = Rig(quick=False, region=256 << 20)
+    case = build(rig, shapes(False) | {"L": 2048}, H, 2, 656, "20%")
+    planner(case, case.state, torch.full((1,), 1000, dtype=torch.int64, device=rig.dev), None,
+            {"warps": w, "UPTO": u})()
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.precompile:
+        return precompile_worker(args.precompile)
+    t0 = time.time()
+    sh = shapes(args.quick)
+    iters = args.iters or (2 if args.quick else 20)
+    if torch.cuda.is_available() and not args.quick:
+        specs = [f"{H}:{v['warps']}:{v['UPTO']}" for H in sh["Hs"] for v in variants(H, False)]
+        procs = []
+        for sp in specs:  # at most 14 compiling at once (16 cores)
+            while sum(p.poll() is None for p in procs) >= 14:
+                time.sleep(0.5)
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull,
+                                           "--precompile", sp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p in procs:
+            p.wait()
+        print(f"[{time.time() - t0:6.1f}s] {len(specs)} precompiled", flush=True)
+    rig = Rig(quick=args.quick)
+    flush = Flush(rig.dev, args.quick)
+    rig.fill(656)
+    recs = []
+    for H in sh["Hs"]:
+        recs += run_cases(rig, sh, flush, iters, ("0.1%", "20%", "all"), t0, H)
+        doc = {"kind": "resolver_probe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(["python3", "bench/resolver_probe.py", *sys.argv[1:]]),
+               "commit": os.environ.get("DHISPARSE_COMMIT", ""),
+               "machine": torch.cuda.get_device_name() if rig.cuda else "cpu", "iters": iters, "records": recs,
+               "wall_s": time.time() - t0}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
