@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,exact33r,probe33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,exact33r,probe33,prims33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -321,6 +321,8 @@ case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's
 case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, and across num_warps (~3 min cold)
   run "resolver plan probe" timeout ${PROBE33_TIMEOUT:-240} python3 bench/resolver_probe.py \
       --out "$OUT/resolver_probe_h200.json" ;; esac
+case ",$STEPS," in *,prims33,*)  # issue 33: one program's Triton primitives (scan, reduce, gathers, sort, atomics) (~1 min)
+  run "Triton primitives" timeout ${PRIMS33_TIMEOUT:-200} python3 bench/triton_prims.py --out "$OUT/triton_prims_h200.json" ;; esac
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
   run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
       --out "$OUT/resolver_bench_h200.json" ;; esac

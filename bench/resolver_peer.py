@@ -91,7 +91,7 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
 
     ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
 
-    def plan(u: int = 5, workspace: PlanWorkspace | None = ws):
+    def plan(u: int = 50, workspace: PlanWorkspace | None = ws):
         return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u, workspace=workspace)
 
     restore()
@@ -100,7 +100,7 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
            "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(), **case.meta}
     rec["plan_copy"] = stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup))
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
-    rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(5, None), restore, iters, warmup))
+    rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(50, None), restore, iters, warmup))
     rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
     rec["host_split_us"] = host_split(rig, plan, restore, host_n)
     restore()
@@ -163,7 +163,7 @@ def precompile(args, sh: dict) -> list:
     """CUDA: one worker per plan-kernel specialization (H, phase) compiling into Triton's disk cache."""
     if args.quick or not torch.cuda.is_available():
         return []
-    jobs = [(H, 5) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in PHASES] if args.phases else [])
+    jobs = [(H, 50) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in PHASES] if args.phases else [])
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile", f"{H}:{u}"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u in jobs]
 
