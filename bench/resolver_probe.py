@@ -30,7 +30,8 @@ import triton.language as tl  # noqa: E402
 
 import dhisparse.kernels.resolver as kr  # noqa: E402
 from bench.resolver_cases import Rig  # noqa: E402
-from bench.resolver_peer import Flush, build, shapes  # noqa: E402
+from bench.resolver_cases import Case  # noqa: E402
+from bench.resolver_peer import MISS, Flush, build, shapes  # noqa: E402
 from bench.resolver_timing import stats, timeit  # noqa: E402
 
 STOPS = (0, 10, 30, 41, 43, 45, 50)
@@ -42,28 +43,51 @@ def _empty(x_ptr):
         tl.store(x_ptr, 0)
 
 
-def variants(H: int, quick: bool) -> list[dict]:
-    """(warps, UPTO) to time at this H: every stop at 16 warps and the full plan at 4 / 8 / 32 (H 4,096);
-    the full plan at 8 / 16 / 32 (H 8,192)."""
+def variants(H: int, quick: bool, K: int = 1) -> list[dict]:
+    """(warps, UPTO, XP) to time. XP (measurement only, resolver_kernel's experiment bits): 1 skips the
+    claims' read-back (exact when every entry is distinct: one query), 2 also skips the claim stores
+    (P3 then finds nothing), 4 skips the tail's location loads."""
     if quick:
-        return [{"warps": 4, "UPTO": u} for u in (10, 50)]
+        return [{"warps": 4, "UPTO": u, "XP": x} for u in (10, 50) for x in (0, 1)]
+    if K > 1:
+        return [{"warps": w, "UPTO": 50, "XP": 0} for w in (16, 32)]
     if H == 4096:
-        return [{"warps": 16, "UPTO": u} for u in STOPS] + [{"warps": w, "UPTO": 50} for w in (4, 8, 32)]
-    return [{"warps": w, "UPTO": 50} for w in (8, 16, 32)]
+        return ([{"warps": 16, "UPTO": u, "XP": 0} for u in STOPS] + [{"warps": 32, "UPTO": 50, "XP": 0}]
+                + [{"warps": 16, "UPTO": u, "XP": x} for u in (10, 50) for x in (1, 2, 4, 5)])
+    return [{"warps": w, "UPTO": 50, "XP": 0} for w in (16, 32)]
 
 
 def planner(case, st, now, ws, v: dict):
-    return lambda: kr.plan_triton(case.sel, case.slots, st, now, defer=True, num_warps=v["warps"],
+    extra = {"XP": v["XP"]}
+
+    def plan():
+        real = kr._PLAN
+        kr._PLAN = lambda grid, args, consts, warps: real(grid, args, {**consts, **extra}, warps)
+        try:
+            return kr.plan_triton(case.sel, case.slots, st, now, defer=True, num_warps=v["warps"],
                                   upto_phase=v["UPTO"], workspace=ws)
+        finally:
+            kr._PLAN = real
+    return plan
 
 
-def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: float, H: int) -> list[dict]:
+def build_k(rig: Rig, sh: dict, K: int, kind: str, H: int, N: int, level: str):
+    """A verification-width case: K queries per request, `kind` union (resolver_cases' selection)."""
+    sel = rig.selection(kind, K, sh["L"], N=N, k=sh["k"])
+    st = rig.state(656, sh["L"], N=N, B=H, rows=N * (H + rig.TT))
+    rig.warm(st, sel, MISS[level], sh["L"])
+    return Case(f"K{K}_{kind}_{level}_N{N}_H{H}", 656, st, sel, torch.arange(N, device=rig.dev), sh["L"],
+                {"K": K, "union": kind}, N * (H + rig.TT))
+
+
+def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: float, H: int,
+              K: int = 1, kind: str = "shared") -> list[dict]:
     recs = []
     for N in sh["batches"]:
         for level in levels:
-            if H != 4096 and N != sh["batches"][0]:
+            if (H != 4096 or K > 1) and N != sh["batches"][0]:
                 continue
-            case = build(rig, sh, H, N, 656, level)
+            case = build(rig, sh, H, N, 656, level) if K == 1 else build_k(rig, sh, K, kind, H, N, level)
             st = case.state
             snap = (st.hot_pos.clone(), st.hot_stamp.clone())
             now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
@@ -75,26 +99,27 @@ def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: f
 
             ws = kr.PlanWorkspace(rig.dev)
             x = torch.zeros(1, dtype=torch.int32, device=rig.dev)
-            rec = {"case": case.name, "N": N, "H": H, "miss_level": level,
+            rec = {"case": case.name, "N": N, "H": H, "K": K, "union": kind, "miss_level": level,
                    "empty_kernel": stats(timeit(rig, lambda: _empty[(N, 1)](x), restore, iters, 3)), "variants": []}
-            for v in variants(H, rig.quick):
+            for v in variants(H, rig.quick, K):
                 restore()
                 t = stats(timeit(rig, planner(case, st, now, ws, v), restore, iters, 3))
                 rec["variants"].append({**v, **t})
             restore()
             recs.append(rec)
             print(f"[{time.time() - t0:6.1f}s] {case.name}: empty {rec['empty_kernel']['time_ms'] * 1e3:.1f}  "
-                  + "  ".join(f"w{v['warps']}u{v['UPTO']} {v['time_ms'] * 1e3:.1f}" for v in rec["variants"]),
+                  + "  ".join(f"w{v['warps']}u{v['UPTO']}x{v['XP']} {v['time_ms'] * 1e3:.1f}" for v in rec["variants"]),
                   flush=True)
     return recs
 
 
 def precompile_worker(spec: str) -> None:
-    H, w, u = (int(x) for x in spec.split(":"))
+    H, K, w, u, x = (int(v) for v in spec.split(":"))
     rig = Rig(quick=False, region=256 << 20)
-    case = build(rig, shapes(False) | {"L": 2048}, H, 2, 656, "20%")
+    sh = shapes(False) | {"L": 4096}
+    case = build(rig, sh, H, 2, 656, "20%") if K == 1 else build_k(rig, sh, K, "partial", H, 2, "20%")
     planner(case, case.state, torch.full((1,), 1000, dtype=torch.int64, device=rig.dev), None,
-            {"warps": w, "UPTO": u})()
+            {"warps": w, "UPTO": u, "XP": x})()
     torch.cuda.synchronize()
 
 
@@ -111,7 +136,8 @@ def main() -> None:
     sh = shapes(args.quick)
     iters = args.iters or (2 if args.quick else 20)
     if torch.cuda.is_available() and not args.quick:
-        specs = [f"{H}:{v['warps']}:{v['UPTO']}" for H in sh["Hs"] for v in variants(H, False)]
+        specs = ([f"{H}:1:{v['warps']}:{v['UPTO']}:{v['XP']}" for H in sh["Hs"] for v in variants(H, False)]
+                 + [f"4096:8:{v['warps']}:50:0" for v in variants(4096, False, 8)])
         procs = []
         for sp in specs:  # at most 14 compiling at once (16 cores)
             while sum(p.poll() is None for p in procs) >= 14:
@@ -127,6 +153,9 @@ def main() -> None:
     recs = []
     for H in sh["Hs"]:
         recs += run_cases(rig, sh, flush, iters, ("0.1%", "20%", "all"), t0, H)
+        if H == sh["Hs"][0]:
+            for kind in ("shared", "partial", "disjoint"):
+                recs += run_cases(rig, sh, flush, iters, ("0.1%", "20%"), t0, H, 2 if args.quick else 8, kind)
         doc = {"kind": "resolver_probe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(["python3", "bench/resolver_probe.py", *sys.argv[1:]]),
                "commit": os.environ.get("DHISPARSE_COMMIT", ""),

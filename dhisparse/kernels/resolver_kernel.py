@@ -60,7 +60,7 @@ def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, h
 
 @triton.jit
 def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
+             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr, XP: tl.constexpr):
     """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2
     reads each entry's representative u back into rep (-1 for padding), writes out[u] = direct
     location (-1: not direct) and hflag[u] = 0 for representatives, and loc (speculatively: final
@@ -70,7 +70,8 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
             p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-            tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
+            if (XP & 2) == 0:
+                tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
     tl.debug_barrier()
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     acc = tl.sum(tl.zeros([CH], tl.int64), axis=0)
@@ -81,9 +82,15 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
             valid = p >= 0
             inr = valid & (p < LCAP)
-            u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
+            if (XP & 3) == 0:
+                u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
+            else:
+                u = i
             is_rep = valid & (u == i)
-            o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
+            if (XP & 4) == 0:
+                o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
+            else:
+                o = tl.where(p >= ts, p, -1)
             # the four counts in one reduction: 16 bits each (K*k < 2^16)
             acc += tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
                           + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
@@ -241,7 +248,7 @@ def resolve_plan_kernel(
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
     SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
-    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50,
+    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, XP: tl.constexpr = 0,
 ):
     """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -262,7 +269,7 @@ def resolve_plan_kernel(
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
-                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, XP)
 
 
 @triton.jit
@@ -271,7 +278,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                   pv_ptr, LCAP, pre_ptr, n, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, XP: tl.constexpr):
     """Request n's plan (program (n, 0)): P0's exit or P1-P5."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -299,7 +306,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
         # the hot rows depend only on s: their loads overlap P1's
         bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
         nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
-                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH, XP)
         if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
             tl.store(copy_n_ptr + n, nnd * 0)
             _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
