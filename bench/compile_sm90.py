@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dhisparse.kernels.resolver import PHASE_STOPS, _sort_classes  # noqa: E402
+from dhisparse.kernels.resolver import PHASE_STOPS, _shape_consts, _sort_classes  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
 INT32_PTRS = {"copy_n_ptr", "scr32_ptr", "bm_ptr", "pre_ptr"}
@@ -46,21 +46,23 @@ def compile_kernel(kern, consts: dict, num_warps: int):
                           options={"num_warps": num_warps})
 
 
-def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50) -> dict:
+def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50, distinct: bool = False) -> dict:
     """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     return dict(KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD,
-                CHC=min(KKP, 1024), UPTO=upto)
+                CHC=min(KKP, 1024), UPTO=upto, DISTINCT=distinct)
 
 
 def main() -> None:
     # decode (K 1, k 2,048) at H 4,096 / 8,192, verification (K 8) at 4,096; V4's k 512; with and without P0's pre-pass
     for KKP, BP in ((2048, 4096), (2048, 8192), (16384, 4096), (512, 8192)):
-        for pre in (False, True):
-            k = compile_kernel(resolve_plan_kernel, plan_consts(KKP, BP, pre), 16 if max(KKP, BP) > 2048 else 8)
-            print(f"resolve_plan_kernel KKP {KKP} BP {BP} pre {pre}: ok, shared {k.metadata.shared} B", flush=True)
+        warps = _shape_consts(KKP, BP)[2]
+        for pre, distinct in ((False, False), (True, False), (False, True)):
+            k = compile_kernel(resolve_plan_kernel, plan_consts(KKP, BP, pre, distinct=distinct), warps)
+            print(f"resolve_plan_kernel KKP {KKP} BP {BP} pre {pre} distinct {distinct}: ok, {warps} warps, "
+                  f"shared {k.metadata.shared} B", flush=True)
     for upto in PHASE_STOPS:  # bench/resolver_peer.py --phases
-        compile_kernel(resolve_plan_kernel, plan_consts(2048, 4096, False, upto), 16)
+        compile_kernel(resolve_plan_kernel, plan_consts(2048, 4096, False, upto, True), 16)
         print(f"resolve_plan_kernel UPTO {upto}: ok", flush=True)
     compile_kernel(direct_pre_kernel, {"CH": 1024}, 4)
     print("direct_pre_kernel: ok")

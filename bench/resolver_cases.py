@@ -178,14 +178,15 @@ class Rig:
         return out
 
 
-def check_case(rig: Rig, case: Case) -> dict:
-    """plan_triton vs plan_reference (on CPU copies) bit for bit, then every copied row's bytes."""
+def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
+    """plan_triton (with `distinct` as the timed calls pass it) vs plan_reference (on CPU copies) bit
+    for bit, then every copied row's bytes."""
     st_t = copy.deepcopy(case.state)
     cpu = lambda v: v.to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731 (a copy on CPU too)
     st_r = ResolverState(**{f.name: cpu(getattr(case.state, f.name)) for f in dataclasses.fields(case.state)})
     now = int(case.state.hot_stamp.max()) + 1
     ref = plan_reference(case.sel.cpu(), case.slots.cpu(), st_r, now)
-    got = plan_triton(case.sel, case.slots, st_t, now)
+    got = plan_triton(case.sel, case.slots, st_t, now, distinct=distinct)
     same = {"loc": torch.equal(ref.loc, got.loc.cpu()), "copy_src": torch.equal(ref.copy_src, got.copy_src.cpu()),
             "copy_dst": torch.equal(ref.copy_dst, got.copy_dst.cpu()), "counters": ref.counters == got.counters,
             "hot_pos": torch.equal(st_r.hot_pos, st_t.hot_pos.cpu()),

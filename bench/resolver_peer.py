@@ -6,9 +6,10 @@
 Cases (the issue's, SGLang's own benchmark shapes): one query per request (K = 1), top-k 2,048, hot cache
 H = 4,096 and 8,192, batch 8 / 32 / 100, rows of 656 and 1,152 B, and three miss levels: 0.1% of the
 selection misses (2 rows), 20% (410 rows), and every row (a full hot cache holding none of the
-selection). Per case: plan + copy (`plan_triton(defer=True, workspace=ws)` + `launch_copies`, the engine's no-sync
-path with a store's persistent scratch), plan alone (also without the workspace: scratch allocated and
-zero-filled per call), and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
+selection). Each selection is one top-k (distinct positions), so ours is called with distinct=True, as
+the engine's decode step calls it (kv/hier/context.py). Per case: plan + copy (`plan_triton(defer=True,
+workspace=ws)` + `launch_copies`, the engine's no-sync path with a store's persistent scratch), plan alone
+(also without the workspace: scratch allocated and zero-filled per call), and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
 L2 is flushed (a 256-MiB write) and the hot-cache state restored before every timed call, untimed; 20
 timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
 
@@ -92,7 +93,8 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
 
     def plan(u: int = 50, workspace: PlanWorkspace | None = ws):
-        return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u, workspace=workspace)
+        return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u, workspace=workspace,
+                           distinct=True)
 
     restore()
     c = plan().materialize().counters
@@ -173,8 +175,8 @@ def precompile_worker(spec: str) -> None:
     rig = Rig(quick=False, region=256 << 20)
     sh = shapes(False) | {"L": 2048}
     case = build(rig, sh, H, 2, 656, "20%")
-    plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u)
-    launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True), rig.host_rows(656),
+    plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u, distinct=True)
+    launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True, distinct=True), rig.host_rows(656),
                   rig.dev_rows(656, case.dev_rows))
     torch.cuda.synchronize()
 
@@ -208,7 +210,7 @@ def main() -> None:
                 for level in MISS:
                     case = build(rig, sh, H, N, rb, level)
                     if N == sh["batches"][0]:
-                        checks.append(check_case(rig, case))
+                        checks.append(check_case(rig, case, distinct=True))
                     upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
                     rec = time_case(rig, case, flush, iters, args.warmup, upto)
                     rec["vs_peer"] = compare(rec)

@@ -1,5 +1,5 @@
 """Where the resolver plan's time goes, finer than resolver_peer.py --phases: the plan kernel stopped after
-each phase, and the full plan across num_warps.
+each phase, the full plan across num_warps and with / without `distinct` (K 1), K 8 unions.
 
     python3 bench/resolver_probe.py --out $OUT/resolver_probe.json          # H200, ~3 min with a cold cache
     python3 bench/resolver_probe.py --quick --out /tmp/resolver_probe.json  # CPU smoke (TRITON_INTERPRET)
@@ -44,31 +44,22 @@ def _empty(x_ptr):
 
 
 def variants(H: int, quick: bool, K: int = 1) -> list[dict]:
-    """(warps, UPTO, XP) to time. XP (measurement only, resolver_kernel's experiment bits): 1 skips the
-    claims' read-back (exact when every entry is distinct: one query), 2 also skips the claim stores
-    (P3 then finds nothing), 4 skips the tail's location loads."""
+    """(warps, UPTO, D) to time; D: plan_triton(distinct=) (one top-k query a request: no read-back
+    of the claims). Every stop at 16 warps with D; the full plan without D and at 32 warps (H 4,096);
+    the full plan at 16 and 32 warps (H 8,192, K 8 unions: D does not apply to K 8)."""
     if quick:
-        return [{"warps": 4, "UPTO": u, "XP": x} for u in (10, 50) for x in (0, 1)]
+        return [{"warps": 4, "UPTO": u, "D": d} for u in (10, 50) for d in ((0, 1) if K == 1 else (0,))]
     if K > 1:
-        return [{"warps": w, "UPTO": 50, "XP": 0} for w in (16, 32)]
+        return [{"warps": w, "UPTO": 50, "D": 0} for w in (16, 32)]
     if H == 4096:
-        return ([{"warps": 16, "UPTO": u, "XP": 0} for u in STOPS] + [{"warps": 32, "UPTO": 50, "XP": 0}]
-                + [{"warps": 16, "UPTO": u, "XP": x} for u in (10, 50) for x in (1, 2, 4, 5)])
-    return [{"warps": w, "UPTO": 50, "XP": 0} for w in (16, 32)]
+        return ([{"warps": 16, "UPTO": u, "D": 1} for u in STOPS] + [{"warps": 16, "UPTO": 50, "D": 0},
+                                                                      {"warps": 32, "UPTO": 50, "D": 1}])
+    return [{"warps": w, "UPTO": 50, "D": 1} for w in (16, 32)]
 
 
 def planner(case, st, now, ws, v: dict):
-    extra = {"XP": v["XP"]}
-
-    def plan():
-        real = kr._PLAN
-        kr._PLAN = lambda grid, args, consts, warps: real(grid, args, {**consts, **extra}, warps)
-        try:
-            return kr.plan_triton(case.sel, case.slots, st, now, defer=True, num_warps=v["warps"],
-                                  upto_phase=v["UPTO"], workspace=ws)
-        finally:
-            kr._PLAN = real
-    return plan
+    return lambda: kr.plan_triton(case.sel, case.slots, st, now, defer=True, num_warps=v["warps"],
+                                  upto_phase=v["UPTO"], workspace=ws, distinct=bool(v["D"]))
 
 
 def build_k(rig: Rig, sh: dict, K: int, kind: str, H: int, N: int, level: str):
@@ -108,18 +99,18 @@ def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: f
             restore()
             recs.append(rec)
             print(f"[{time.time() - t0:6.1f}s] {case.name}: empty {rec['empty_kernel']['time_ms'] * 1e3:.1f}  "
-                  + "  ".join(f"w{v['warps']}u{v['UPTO']}x{v['XP']} {v['time_ms'] * 1e3:.1f}" for v in rec["variants"]),
+                  + "  ".join(f"w{v['warps']}u{v['UPTO']}d{v['D']} {v['time_ms'] * 1e3:.1f}" for v in rec["variants"]),
                   flush=True)
     return recs
 
 
 def precompile_worker(spec: str) -> None:
-    H, K, w, u, x = (int(v) for v in spec.split(":"))
+    H, K, w, u, d = (int(v) for v in spec.split(":"))
     rig = Rig(quick=False, region=256 << 20)
     sh = shapes(False) | {"L": 4096}
     case = build(rig, sh, H, 2, 656, "20%") if K == 1 else build_k(rig, sh, K, "partial", H, 2, "20%")
     planner(case, case.state, torch.full((1,), 1000, dtype=torch.int64, device=rig.dev), None,
-            {"warps": w, "UPTO": u, "XP": x})()
+            {"warps": w, "UPTO": u, "D": d})()
     torch.cuda.synchronize()
 
 
@@ -136,7 +127,7 @@ def main() -> None:
     sh = shapes(args.quick)
     iters = args.iters or (2 if args.quick else 20)
     if torch.cuda.is_available() and not args.quick:
-        specs = ([f"{H}:1:{v['warps']}:{v['UPTO']}:{v['XP']}" for H in sh["Hs"] for v in variants(H, False)]
+        specs = ([f"{H}:1:{v['warps']}:{v['UPTO']}:{v['D']}" for H in sh["Hs"] for v in variants(H, False)]
                  + [f"4096:8:{v['warps']}:50:0" for v in variants(4096, False, 8)])
         procs = []
         for sp in specs:  # at most 14 compiling at once (16 cores)

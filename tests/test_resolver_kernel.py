@@ -38,10 +38,10 @@ class Pair:
     def __init__(self, st):
         self.ref, self.dev = clone_state(st), clone_state(st, DEV)
 
-    def step(self, sel, slots, now, defer=False, ws=None):
+    def step(self, sel, slots, now, defer=False, ws=None, distinct=False):
         slots = torch.as_tensor(slots)
         want = plan_reference(sel, slots, self.ref, now)
-        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer, workspace=ws)
+        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer, workspace=ws, distinct=distinct)
         if defer:
             assert got.counters is None
             got.materialize()
@@ -298,11 +298,12 @@ def test_all_direct_skips_dedup_and_scan(monkeypatch):
     """Under the interpreter the helpers are looked up at call time: an all-direct batch must not
     reach the hot scan or the miss phase; a batch with a hot row must."""
     import dhisparse.kernels.resolver_kernel as rk
+    import dhisparse.kernels.resolver_one as ro
 
     st = _direct_state()
     sel = torch.tensor([[[2, 4, 36, -1]], [[-1, -1, -1, -1]]])
-    monkeypatch.setattr(rk, "_misses", _boom)
-    monkeypatch.setattr(rk, "_hot_scan", _boom)
+    for mod, name in ((rk, "_pair_misses"), (rk, "_hot_scan"), (ro, "_pair_misses"), (ro, "_hot_scan_one")):
+        monkeypatch.setattr(mod, name, _boom)
     Pair(st).step(sel, [0, 1], now=3)
     with pytest.raises(Exception, match="full resolver path taken"):
         Pair(st).step(sel_of([2, 5]), [0], now=3)

@@ -111,7 +111,7 @@ def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: t
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
                 defer: bool = False, num_warps: int | None = None, upto_phase: int = 50,
-                workspace: PlanWorkspace | None = None) -> TritonResolvePlan:
+                workspace: PlanWorkspace | None = None, distinct: bool = False) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
@@ -121,6 +121,10 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     stops after that phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
     zero-fill launch per call; None allocates per call.
+    distinct: the caller guarantees that no request's K*k entries hold a position twice (one top-k
+    query a request, K == 1, as the engine's decode step): the kernel then skips deduplication (the
+    claims' read-back, one dependent round of K*k scattered loads) when K*k <= 2,048. A duplicate
+    under distinct=True gives a wrong plan (two slots for one row); the default deduplicates.
     Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
     launches through their held compiled handles (kernels/launch.py).
     """
@@ -147,7 +151,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
         slots = slots.to(device=dev, dtype=torch.int64).contiguous()
     loc, src, dst, cnt, copy_n = _outputs(sel.shape, C, sel.dtype, dev)
     plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
-    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace)
+    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct)
     return plan if defer else plan.materialize()
 
 
@@ -173,13 +177,16 @@ def _claim_dtype(KK: int) -> torch.dtype:
 
 @functools.lru_cache(maxsize=256)
 def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, int]]:
-    """(KKP, BP, default num_warps, sort classes) of a K*k / B pair."""
+    """(KKP, BP, default num_warps, sort classes) of a K*k / B pair. Warps (H200, bench/results/
+    resolver_probe_s27c_h200.json): 32 from 8,192 entries or slots (K 8 unions 7-18% faster than at 16,
+    H 8,192 up to 23%), 16 at 4,096 (32 is 3-4% slower with 20% misses)."""
     KKP, BP = next_pow2(max(KK, 1)), next_pow2(max(B, 1))
     big = max(KKP, BP)
-    return KKP, BP, (4 if big <= 512 else (8 if big <= 2048 else 16)), _sort_classes(min(KKP, BP))
+    warps = 4 if big <= 512 else (8 if big <= 2048 else (16 if big <= 4096 else 32))
+    return KKP, BP, warps, _sort_classes(min(KKP, BP))
 
 
-def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None):
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False):
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`."""
     hot_pos, s_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp, s_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
@@ -217,7 +224,8 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None)
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
         scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm),
         {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
-         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto}, num_warps or warps)
+         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto, "DISTINCT": bool(distinct)},
+        num_warps or warps)
 
 
 def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

@@ -121,13 +121,31 @@ def _sort_block(ptr, cnt, S: tl.constexpr):
 
 
 @triton.jit
+def _rank_block(ptr, cnt, S: tl.constexpr):
+    """Sort ptr[0:cnt] (distinct int64 keys, cnt <= S) by rank counting: key i goes to the number of
+    keys below it. An [S, S] comparison: for small S far cheaper than a bitonic sort in one program."""
+    i = tl.arange(0, S)
+    x = tl.load(ptr + i, mask=i < cnt, other=BIG)
+    r = tl.sum((x[None, :] < x[:, None]).to(tl.int32), axis=1)
+    tl.debug_barrier()
+    tl.store(ptr + r, x, mask=i < cnt)
+
+
+@triton.jit
 def _sort_keys(scr, cnt, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr):
-    """Sort scr[0:cnt] (int64) in place with the smallest size class (SA < SB < SC < SD) that holds it."""
+    """Sort scr[0:cnt] (int64, distinct) in place with the smallest size class (SA < SB < SC < SD) that
+    holds it: rank counting up to 128 keys, a bitonic sort above."""
     if cnt > 1:
         if cnt <= SA:
-            _sort_block(scr, cnt, SA)
+            if SA <= 128:
+                _rank_block(scr, cnt, SA)
+            else:
+                _sort_block(scr, cnt, SA)
         elif cnt <= SB:
-            _sort_block(scr, cnt, SB)
+            if SB <= 128:
+                _rank_block(scr, cnt, SB)
+            else:
+                _sort_block(scr, cnt, SB)
         elif cnt <= SC:
             _sort_block(scr, cnt, SC)
         else:
@@ -154,3 +172,25 @@ def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_st
             tl.store(hot_stamp_ptr + s * s_stamp + v, tl.zeros([CHB], tl.int64) + now, mask=take)
             tl.store(src_ptr + n * C + r, key // KKP, mask=take)
             tl.store(dst_ptr + n * C + r, lv, mask=take)
+
+
+@triton.jit
+def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr, hot_stamp_ptr,
+                 hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, KKP: tl.constexpr,
+                 BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
+                 SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+    """P4b-d, after the nmiss miss keys are compacted into mk: victims (the oldest nhost of the slots
+    in range bm not hit, by their stamps hs as read before P3), the nhost smallest keys sorted, and
+    miss r paired with victim r. UPTO 41 / 43 (profiling): stop after P4b / P4c."""
+    _victims(bm & (~hit), hs, vk, nhost, BP, VSTEPS)
+    tl.debug_barrier()
+    if UPTO >= 43:
+        nsort = nmiss
+        if nmiss > SD:
+            _keep_smallest(mk, nmiss, nhost, KKP, CH)
+            nsort = nhost
+        _sort_keys(mk, nsort, SA, SB, SC, SD)
+        if UPTO >= 45:
+            _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
+                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
+            tl.debug_barrier()

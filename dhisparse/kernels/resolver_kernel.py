@@ -44,23 +44,14 @@ import triton
 import triton.language as tl
 
 from dhisparse.kernels.launch import jit_unspecialized
-from dhisparse.kernels.resolver_evict import _assign, _compact_misses, _keep_smallest, _sort_keys, _victims
-
-
-@triton.jit
-def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map):
-    """Direct location of positions p [CH] (int64) of slot s where mask m holds: the tail's row for
-    p >= tail_start ts, else the optional map's; -1 when neither (or masked)."""
-    in_tail = p >= ts
-    t = p - ts
-    tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=m & in_tail & (t < TT), other=-1).to(tl.int64)
-    dv = tl.load(dmap_ptr + s * s_dmap + p, mask=m & (~in_tail) & (p < LMAX) & (has_map != 0), other=-1).to(tl.int64)
-    return tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+from dhisparse.kernels.resolver_common import _direct_loc, _hot_rows, _store_counts
+from dhisparse.kernels.resolver_evict import _compact_misses, _pair_misses
+from dhisparse.kernels.resolver_one import _plan_one
 
 
 @triton.jit
 def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr, XP: tl.constexpr):
+             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
     """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2
     reads each entry's representative u back into rep (-1 for padding), writes out[u] = direct
     location (-1: not direct) and hflag[u] = 0 for representatives, and loc (speculatively: final
@@ -70,8 +61,7 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
             p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-            if (XP & 2) == 0:
-                tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
+            tl.store(pv + p, i.to(pv.dtype.element_ty), mask=(p >= 0) & (p < LCAP))
     tl.debug_barrier()
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     acc = tl.sum(tl.zeros([CH], tl.int64), axis=0)
@@ -82,15 +72,9 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
             valid = p >= 0
             inr = valid & (p < LCAP)
-            if (XP & 3) == 0:
-                u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
-            else:
-                u = i
+            u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
             is_rep = valid & (u == i)
-            if (XP & 4) == 0:
-                o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
-            else:
-                o = tl.where(p >= ts, p, -1)
+            o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
             # the four counts in one reduction: 16 bits each (K*k < 2^16)
             acc += tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
                           + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
@@ -154,18 +138,6 @@ def _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC: tl.constexpr):
 
 
 @triton.jit
-def _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP: tl.constexpr):
-    """Slot s's hot-cache rows as registers: (in range [BP], positions, stamps, locations) int64,
-    -1 / 0 past B. They depend only on s, so the plan issues them before P1."""
-    sl = tl.arange(0, BP)
-    bm = sl < B
-    hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int64)
-    hs = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
-    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int64)
-    return bm, hp, hs, hl
-
-
-@triton.jit
 def _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP: tl.constexpr):
     """P3. Each slot (positions hp, locations hl [BP], in range bm) reads pv at its position; the uid
     u read is this call's representative of that position only if 0 <= u < KK and sel[n, u] is the
@@ -200,42 +172,6 @@ def _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP: tl.constexpr, CH: tl.co
     return hsel
 
 
-@triton.jit
-def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
-    """Counters of one request at c[0:6] (ResolveCounters order)."""
-    tl.store(c + 0, nsel.to(tl.int64))
-    tl.store(c + 1, ndir.to(tl.int64))
-    tl.store(c + 2, nhot.to(tl.int64))
-    tl.store(c + 3, nhost.to(tl.int64))
-    tl.store(c + 4, hsel.to(tl.int64))
-    tl.store(c + 5, nover.to(tl.int64))
-
-
-@triton.jit
-def _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, s, nmiss, nhot, bm, hit, hs, hot_pos_ptr, hot_stamp_ptr,
-            hot_loc_ptr, s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps, src_ptr, dst_ptr, C, now,
-            KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
-            SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
-    """P4. The misses that get a slot (at most B - hits), paired with their victims (the oldest of
-    the slots in range bm not hit, by their stamps hs as read before P3). Returns them. UPTO 41 / 43
-    (profiling): stop after P4a-b / P4c."""
-    nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
-    _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
-    _victims(bm & (~hit), hs, vk, nhost, BP, VSTEPS)
-    tl.debug_barrier()
-    if UPTO >= 43:
-        nsort = nmiss
-        if nmiss > SD:
-            _keep_smallest(mk, nmiss, nhost, KKP, CH)
-            nsort = nhost
-        _sort_keys(mk, nsort, SA, SB, SC, SD)
-        if UPTO >= 45:
-            _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
-            tl.debug_barrier()
-    return nhost
-
-
 @jit_unspecialized
 def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
@@ -248,7 +184,7 @@ def resolve_plan_kernel(
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
     SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
-    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, XP: tl.constexpr = 0,
+    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
 ):
     """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -269,7 +205,7 @@ def resolve_plan_kernel(
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
-                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, XP)
+                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
 
 
 @triton.jit
@@ -278,7 +214,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                   pv_ptr, LCAP, pre_ptr, n, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, XP: tl.constexpr):
+                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr):
     """Request n's plan (program (n, 0)): P0's exit or P1-P5."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -303,25 +239,46 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
         tl.store(copy_n_ptr + n, nnd * 0)
         nnd = 0
     if nnd != 0:
-        # the hot rows depend only on s: their loads overlap P1's
-        bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
-        nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
-                                          tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH, XP)
-        if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
-            tl.store(copy_n_ptr + n, nnd * 0)
-            _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
+        if KKP <= CH:  # one block of entries: kept in registers (resolver_one.py)
+            _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+                      tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                      has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
+                      KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
         else:
-            tl.debug_barrier()
-            nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
-            tl.debug_barrier()
-            nmiss = nrest - nhot
-            nhost = nmiss * 0
-            if (nmiss > 0) & (UPTO >= 41):
-                nhost = _misses(sel_ptr, KK, n, rep, out, hflag, mk, vk, s, nmiss, nhot, bm, hit, hs, hot_pos_ptr,
-                                hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B, table_ptr, s_table, HPW, ps,
-                                src_ptr, dst_ptr, C, now, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
-            tl.store(copy_n_ptr + n, nhost)
-            hsel = nhost * 0
-            if UPTO >= 50:
-                hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
-            _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
+            _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+                          tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
+                          LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
+                          LCAP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+
+
+@triton.jit
+def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                  has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
+                  KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
+                  SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+    """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH)."""
+    # the hot rows depend only on s: their loads overlap P1's
+    bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
+    nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
+                                      tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+    if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
+        tl.store(copy_n_ptr + n, nnd * 0)
+        _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
+    else:
+        tl.debug_barrier()
+        nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
+        tl.debug_barrier()
+        nmiss = nrest - nhot
+        nhost = nmiss * 0
+        if (nmiss > 0) & (UPTO >= 41):
+            nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
+            _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
+            _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
+                         hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now,
+                         KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+        tl.store(copy_n_ptr + n, nhost)
+        hsel = nhost * 0
+        if UPTO >= 50:
+            hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
+        _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)

@@ -102,6 +102,16 @@ def direct_counts(sel: torch.Tensor, dt: DecodeTokens) -> torch.Tensor:
     return torch.cat([torch.stack([selected, distinct]), selected.new_zeros(4)])
 
 
+def _check_distinct(per_req: torch.Tensor) -> None:
+    """Debug check of the resolver's `distinct` contract: no request's selection [N, 1, k] holds a
+    position twice (-1 padding aside). Synchronises."""
+    s = per_req.flatten(1).sort(dim=1).values
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if bool(dup.any()):
+        bad = dup.any(1).nonzero().flatten().tolist()
+        raise AssertionError(f"a one-query selection repeats a position (requests {bad})")
+
+
 def resolve_group(kv, g: int, per_req: torch.Tensor,
                   slots_t: torch.Tensor) -> tuple[ResolvePlan, ResolvePlan | StagePlan | None, Promotion | None]:
     """The resolver call of selection group g of hierarchy `kv`: per_req [Nd, K, k] positions of
@@ -118,7 +128,12 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
     reference resolver the call-level direct path (`direct_plan`) and staging read the plan on
     the host."""
     if kv.deferred:
-        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws)
+        # one query a request: its top-k holds distinct positions, so the kernel skips deduplication
+        distinct = per_req.shape[1] == 1
+        if distinct and kv.debug:
+            _check_distinct(per_req)
+        plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws,
+                          distinct=distinct)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)

@@ -1,0 +1,43 @@
+"""Parts both plan paths share (resolver_kernel.py's chunked one, resolver_one.py's registers-only one):
+a position's direct location, a slot's hot rows as registers, a request's counters."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _direct_loc(p, m, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map):
+    """Direct location of positions p [CH] (int64) of slot s where mask m holds: the tail's row for
+    p >= tail_start ts, else the optional map's; -1 when neither (or masked)."""
+    in_tail = p >= ts
+    t = p - ts
+    tv = tl.load(tail_loc_ptr + s * s_tail + t, mask=m & in_tail & (t < TT), other=-1).to(tl.int64)
+    dv = tl.load(dmap_ptr + s * s_dmap + p, mask=m & (~in_tail) & (p < LMAX) & (has_map != 0), other=-1).to(tl.int64)
+    return tl.where(in_tail, tv, tl.where(dv >= 0, dv, -1))
+
+
+@triton.jit
+def _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP: tl.constexpr):
+    """Slot s's hot-cache rows as registers [BP]: (in range, positions int32, stamps int64, device
+    locations int32), -1 / 0 past B. They depend only on s, so the plan issues them before P1.
+    Positions and device row locations are < 2^31 (the kernel's contract): int32 halves their
+    registers, which at B 8,192 and 32 warps is what keeps them from spilling."""
+    sl = tl.arange(0, BP)
+    bm = sl < B
+    hp = tl.load(hot_pos_ptr + s * s_pos + sl, mask=bm, other=-1).to(tl.int32)
+    hs = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
+    hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int32)
+    return bm, hp, hs, hl
+
+
+@triton.jit
+def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
+    """Counters of one request at c[0:6] (ResolveCounters order)."""
+    tl.store(c + 0, nsel.to(tl.int64))
+    tl.store(c + 1, ndir.to(tl.int64))
+    tl.store(c + 2, nhot.to(tl.int64))
+    tl.store(c + 3, nhost.to(tl.int64))
+    tl.store(c + 4, hsel.to(tl.int64))
+    tl.store(c + 5, nover.to(tl.int64))

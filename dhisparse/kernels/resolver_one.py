@@ -1,0 +1,127 @@
+"""The plan kernel's registers-only path: a request whose K*k entries fit one block (KKP <= 2,048: a decode
+step's one query of top-k 2,048, or a narrow verification round) keeps them in registers from P1 to P5.
+
+Same phases and results as the chunked path in resolver_kernel.py, with fewer dependent memory rounds:
+
+  P1  sel loaded once; the claims written; each entry's direct location and, for the not-direct ones,
+      its host page (the copy plan's source, needed only if it misses) loaded in the same round;
+      DISTINCT (one top-k query a request: no position twice) skips the claims' read-back and every
+      entry is its own representative
+  P3  the hot slots' lookups read sel and the direct locations through `tl.gather` from P1's registers
+      (shared memory) instead of from global memory
+  P4  the misses come from the entries' registers and one coalesced read of out (P3's hits)
+  P5  loc from the representatives held in registers
+
+Entry i of request n: p [KKP] positions, u [KKP] representatives (uids), o [KKP] direct locations
+(-1: not direct), hpg [KKP] host pages (-1 where direct or unmapped).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dhisparse.kernels.resolver_common import _direct_loc, _hot_rows, _store_counts
+from dhisparse.kernels.resolver_evict import _pair_misses
+
+
+@triton.jit
+def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
+                 dmap_ptr, s_dmap, LMAX, has_map, table_ptr, s_table, HPW, ps, KKP: tl.constexpr,
+                 DISTINCT: tl.constexpr):
+    """P1. Returns (valid entries, valid not direct, direct rows, not-direct rows, p, u, o, hpg)."""
+    i = tl.arange(0, KKP)
+    im = i < KK
+    p = tl.load(sel_ptr + n * KK + i, mask=im, other=-1).to(tl.int64)
+    valid = p >= 0
+    inr = valid & (p < LCAP)
+    tl.store(pv + p, i.to(pv.dtype.element_ty), mask=inr)
+    ts = tl.load(tail_start_ptr + s).to(tl.int64)
+    o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
+    page = p // ps
+    hpg = tl.load(table_ptr + s * s_table + page, mask=valid & (o < 0) & (page < HPW), other=-1).to(tl.int64)
+    if DISTINCT:
+        u = i
+    else:
+        tl.debug_barrier()
+        u = tl.where(inr, tl.load(pv + p, mask=inr, other=0).to(tl.int32), i)
+    is_rep = valid & (u == i)
+    # the four counts in one reduction: 16 bits each (K*k < 2^16)
+    acc = tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
+                 + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
+    tl.store(out + i, o, mask=is_rep)
+    tl.store(hflag + i, tl.zeros([KKP], tl.int32), mask=is_rep)
+    tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    return ((acc & 0xFFFF).to(tl.int32), ((acc >> 16) & 0xFFFF).to(tl.int32), ((acc >> 32) & 0xFFFF).to(tl.int32),
+            ((acc >> 48) & 0xFFFF).to(tl.int32), p, u, o, hpg)
+
+
+@triton.jit
+def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, BP: tl.constexpr):
+    """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o.
+    Returns (hits, hit mask [BP])."""
+    sl = tl.arange(0, BP)
+    ok = bm & (hp >= 0) & (hp < LCAP)
+    u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
+    found = ok & (u >= 0) & (u < KK)
+    uc = tl.where(found, u, 0)
+    hit = found & (tl.gather(p, uc, 0) == hp) & (tl.gather(o, uc, 0) < 0)
+    tl.store(out + u, hl, mask=hit)
+    tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
+    return tl.sum(hit.to(tl.int32), axis=0), hit
+
+
+@triton.jit
+def _compact_one(out, mk, p, u, hpg, ps, KKP: tl.constexpr):
+    """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order."""
+    i = tl.arange(0, KKP)
+    rep = (p >= 0) & (u == i)
+    miss = rep & (tl.load(out + i, mask=rep, other=0) < 0)
+    r = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+    tl.store(mk + r, (hpg * ps + p % ps) * KKP + i, mask=miss)
+
+
+@triton.jit
+def _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP: tl.constexpr):
+    """P5. loc row [KK] in selection order from the representatives u. Returns the host-selected entries."""
+    i = tl.arange(0, KKP)
+    im = i < KK
+    valid = im & (p >= 0)
+    o = tl.load(out + u, mask=valid, other=-1)
+    tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
+    return tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
+
+
+@triton.jit
+def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+              tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+              has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
+              KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
+              SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
+              DISTINCT: tl.constexpr):
+    """P1-P5 of request n (slot s) in registers; the scratch rows out / mk / vk / hflag and the claim
+    row pv are request n's."""
+    bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
+    nsel, nnd, ndir, nrest, p, u, o, hpg = _entries_one(
+        sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
+        s_dmap, LMAX, has_map, table_ptr, s_table, HPW, ps, KKP, DISTINCT)
+    if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
+        tl.store(copy_n_ptr + n, nnd * 0)
+        _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
+    else:
+        tl.debug_barrier()
+        nhot, hit = _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, BP)
+        tl.debug_barrier()
+        nmiss = nrest - nhot
+        nhost = nmiss * 0
+        if (nmiss > 0) & (UPTO >= 41):
+            nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
+            _compact_one(out, mk, p, u, hpg, ps, KKP)
+            _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
+                         hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, KKP, BP,
+                         KKP, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+        tl.store(copy_n_ptr + n, nhost)
+        hsel = nhost * 0
+        if UPTO >= 50:
+            hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP)
+        _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
