@@ -458,10 +458,27 @@ def test_resolver_peer_cases_phases_and_comparison():
     sh = rp.shapes(True)
     rig.fill(656)
     case = rp.build(rig, sh, 32, 2, 656, "20%")
-    assert all(v for k, v in check_case(rig, case).items() if k not in ("case", "copies"))
-    rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(1, 4), host_n=1)
-    assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[1], rp.PHASES[4]]
+    assert all(v for k, v in check_case(rig, case, distinct=True).items() if k not in ("case", "copies"))
+    rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(10, 45), host_n=1)
+    assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[10], rp.PHASES[45]]
     assert set(rec["host_split_us"]) == {"call", "python", "launch_compiled", "launch_jit"}
     cmp_ = rp.compare({**rec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
     assert cmp_["peer_us"] == 17.7 and cmp_["ours_over_peer"] == pytest.approx(cmp_["ours_us"] / 17.7)
     assert rp.compare({**rec, "H": 32}) is None
+
+
+def test_resolver_probe_times_every_variant():
+    """bench/resolver_probe.py (issue 33): one level at one H times the empty-kernel floor and every
+    variant (phase stops, warps, distinct) it lists, K 1 and a K 2 union."""
+    from bench import resolver_peer as rp
+    from bench import resolver_probe as probe
+    from bench.resolver_cases import Rig
+
+    rig = Rig(quick=True)
+    sh = rp.shapes(True) | {"Hs": (32,), "batches": (2,)}
+    rig.fill(656)
+    recs = probe.run_cases(rig, sh, rp.Flush(rig.dev, True), 1, ("20%",), 0.0, 32)
+    recs += probe.run_cases(rig, sh, rp.Flush(rig.dev, True), 1, ("20%",), 0.0, 32, 2, "partial")
+    assert [r["K"] for r in recs] == [1, 2] and all(r["empty_kernel"]["n_timings"] == 1 for r in recs)
+    assert [(v["UPTO"], v["D"]) for v in recs[0]["variants"]] == [(10, 0), (10, 1), (50, 0), (50, 1)]
+    assert all(v["D"] == 0 for v in recs[1]["variants"])

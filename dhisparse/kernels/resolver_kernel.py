@@ -1,7 +1,10 @@
 """Fused Triton resolver plan kernel: one program per request (grid = N), after an optional P0 pre-pass.
 
 Each program works over the union of its request's K*k selections (paper §3.2, eq. 5-6) in phases
-separated by CTA barriers, with a per-program scratch in global memory (L1/L2 resident).
+separated by CTA barriers, with a per-program scratch in global memory (L1/L2 resident). When the
+entries fit one block (K*k <= 2,048: KKP <= CH) the program keeps them in registers from P1 to P5
+(`resolver_one.py`, with `DISTINCT` skipping the claims' read-back); the chunked path here serves
+larger unions. Both read the slot's hot rows into registers before P1 (`resolver_common._hot_rows`).
 
 Distinct rows are found through a position-indexed claim table `pv` [N, LCAP] (int16 / int32, one
 entry per history position of the request's row): every valid entry i writes i at pv[p], and after
@@ -194,6 +197,8 @@ def resolve_plan_kernel(
     PRE: P0 already ran in `direct_pre_kernel` (chunks of CHC entries), its counts in pre [N, 3]; the
     grid is (N, cdiv(KK, CHC)) and program (n, j) clears chunk j's bitmap words, program (n, 0)
     plans request n. Without PRE the grid is (N, 1).
+    DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
+    registers-only path only (K*k <= CH), which then skips the claims' read-back.
     UPTO (profiling only, bench/resolver_peer.py; resolver.PHASE_STOPS): phases after the stop are
     compiled out (0: none, 10: P1, 30: P3, 41: P4a-b, 43: P4c, 45: P4), so the outputs are
     incomplete below 50; the default 50 runs every phase."""
