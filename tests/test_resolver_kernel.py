@@ -200,12 +200,9 @@ def test_stale_claims_never_resolve_a_row():
         p.step(sel, [0, 2], now=4 + now, ws=ws)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(S=hs.integers(1, 5), K=hs.integers(1, 4), k=hs.integers(1, 12), B=hs.integers(1, 24), L=hs.integers(8, 64),
-       TT=hs.integers(1, 8), direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3),
-       seed=hs.integers(0, 2**31 - 1))
-def test_random_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
-    g = torch.Generator().manual_seed(seed)
+def random_state(g, S, B, L, TT, direct, fill, seed):
+    """(state, top [S]): random tail starts, a `fill` share of each slot's hot cache holding distinct
+    positions < top (tail start + TT) with random stamps, and (direct) a random optional map."""
     ts = torch.randint(0, L + 1, (S,), generator=g)
     st = make_state(S=S, B=B, L=L + TT, TT=TT, tail_start=ts, direct=direct, seed=seed)
     top = ts + TT  # positions < tail_start + TT exist
@@ -217,6 +214,16 @@ def test_random_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
         if direct:
             m = torch.rand(L + TT, generator=g) < 0.3
             st.direct_loc[s] = torch.where(m, 500 + torch.arange(L + TT), -1)
+    return st, top
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(S=hs.integers(1, 5), K=hs.integers(1, 4), k=hs.integers(1, 12), B=hs.integers(1, 24), L=hs.integers(8, 64),
+       TT=hs.integers(1, 8), direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3),
+       seed=hs.integers(0, 2**31 - 1))
+def test_random_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    st, top = random_state(g, S, B, L, TT, direct, fill, seed)
     p = Pair(st)
     for step in range(steps):
         N = int(torch.randint(1, S + 1, (1,), generator=g))

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
-from test_resolver_kernel import DEV, Pair, fill_hot  # noqa: E402
+from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
 from test_resolver_reference import clone_state, make_state  # noqa: E402
 
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
@@ -42,17 +42,7 @@ def _distinct_sel(g, N, k, hi, pad=0.15):
 def test_distinct_one_query_against_reference(S, k, B, L, TT, direct, fill, steps, seed):
     """distinct=True on one top-k query a request: the same plans and state as the reference."""
     g = torch.Generator().manual_seed(seed)
-    ts = torch.randint(0, L + 1, (S,), generator=g)
-    st = make_state(S=S, B=B, L=L + TT, TT=TT, tail_start=ts, direct=direct, seed=seed)
-    top = ts + TT
-    for s in range(S):
-        nf = int(fill * min(B, int(top[s])))
-        st.hot_pos[s, :nf] = torch.randperm(int(top[s]), generator=g)[:nf]
-        st.hot_pos[s] = st.hot_pos[s, torch.randperm(B, generator=g)]
-        st.hot_stamp[s] = torch.where(st.hot_pos[s] >= 0, torch.randint(-1, 6, (B,), generator=g), -1)
-        if direct:
-            m = torch.rand(L + TT, generator=g) < 0.3
-            st.direct_loc[s] = torch.where(m, 500 + torch.arange(L + TT), -1)
+    st, top = random_state(g, S, B, L, TT, direct, fill, seed)
     p, ws = Pair(st), PlanWorkspace(DEV)
     for step in range(steps):
         N = int(torch.randint(1, S + 1, (1,), generator=g))

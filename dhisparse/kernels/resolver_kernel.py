@@ -38,7 +38,7 @@ clears the bitmap words (one program per chunk of entries, in parallel) and the 
 
 Cost depends on K*k, B and the misses, never on the history length (pv is touched only at selected
 and hot positions). Hot positions must be unique per slot row, slots unique within a call, host
-locations distinct (as the reference assumes), positions < 2^31.
+locations distinct (as the reference assumes), positions and hot-cache device locations < 2^31.
 """
 
 from __future__ import annotations
