@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,exact33,exact33r,probe33,prims33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,exact33,exact33r,probe33,prims33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -239,6 +239,15 @@ case ",$STEPS," in *,k2048mid,*)  # k 2,048, C27 and C9, 256-token outputs (~7 m
   run "serving at 100K, k 2048, C27 and C9" timeout 480 python3 bench/gpu_serving.py --model glm52-scaled \
       --input-len 102400 --resident-fit 3 --host-pool-gib 16 --concurrency 27,9 --presets hisparse,adaptive,adaptive+spec \
       --duration 20 --distinct-suffixes 18 --force --out "$OUT/gpu_serving_100k_k2048_mid_h200.json" ;; esac
+case ",$STEPS," in *,costed31,*)  # issue 31 items 2-3a: the costed DFlash2 oracle (the paper's drafter shape: 6 layers at the target's hidden) with speculation charged for its memory (--charge-spec-memory), k 2,048, 100K, C18, 2,048-token outputs, 30-s windows; one tokens-per-round value a call: COSTED_TPR 2.2 / 2.5 / 2.88 (~8 min)
+  run "DFlash2 checkpoint (random, paper shape)" python3 bench/drafter_checkpoint.py --model glm52-scaled --kind dflash2 \
+      --layers 6 --block 8 --out /tmp/dflash2_6l
+  run "costed DFlash2 oracle, charged memory, 100K k 2048 C18, ${COSTED_TPR:-2.88} tokens a round" timeout ${COSTED_TIMEOUT:-480} \
+      python3 bench/gpu_serving.py --model glm52-scaled --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 \
+      --concurrency 18 --presets "${COSTED_PRESETS:-hisparse,adaptive,adaptive+spec}" --duration 30 --distinct-suffixes 18 --force \
+      --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} --repeats ${COSTED_REPEATS:-1} \
+      --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l \
+      --out "$OUT/costed_dflash2_100k_k2048_c18_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,backupahead,*)  # the wave boundary's admission trickle: more host backups ahead of reclaim (~2 min)
   run "adaptive, backup ahead 32 vs 128 pages a step" timeout 200 python3 bench/gpu_serving.py --concurrency 36 \
       --presets hisparse,adaptive --duration 13 --force --engine-arg backup_ahead_pages=128 \
