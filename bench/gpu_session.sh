@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,exact33,exact33r,probe33,prims33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -332,6 +332,16 @@ case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, 
       --out "$OUT/resolver_probe_h200.json" ;; esac
 case ",$STEPS," in *,prims33,*)  # issue 33: one program's Triton primitives (scan, reduce, gathers, sort, atomics) (~1 min)
   run "Triton primitives" timeout ${PRIMS33_TIMEOUT:-200} python3 bench/triton_prims.py --out "$OUT/triton_prims_h200.json" ;; esac
+case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's counters and source-level stall samples on one plan call, batch 8, H 4,096, 0.1% and 20% misses (~3 min; ncu reads counters on the Firecracker runtime only: KINDS.md)
+  for lvl in 0.1 20; do
+    rep="$OUT/plan_ncu_miss${lvl}"
+    # launch-skip: check_case's plan and the 5 warm-up calls (one plan launch each)
+    run "ncu: plan kernel, ${lvl}% misses" timeout ${NCU33_TIMEOUT:-150} ncu --clock-control none \
+        --kernel-name regex:resolve_plan_kernel --launch-skip 6 --launch-count 1 --set full --import-source yes -f -o "$rep" \
+        python3 bench/resolver_one_call.py --level "${lvl}%" --batch 8
+    ncu --import "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1 || true
+    ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "${rep}_source.csv" 2>&1 || true
+  done ;; esac
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
   run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
       --out "$OUT/resolver_bench_h200.json" ;; esac

@@ -482,3 +482,10 @@ def test_resolver_probe_times_every_variant():
     assert [r["K"] for r in recs] == [1, 2] and all(r["empty_kernel"]["n_timings"] == 1 for r in recs)
     assert [(v["UPTO"], v["D"]) for v in recs[0]["variants"]] == [(10, 0), (10, 1), (50, 0), (50, 1)]
     assert all(v["D"] == 0 for v in recs[1]["variants"])
+
+
+def test_resolver_one_call_checks_and_plans():
+    """bench/resolver_one_call.py (issue 33's profiling driver): the case passes its reference check."""
+    from bench import resolver_one_call
+
+    assert resolver_one_call.main(["--quick", "--warmup", "1", "--calls", "1"]) == 0

@@ -178,8 +178,8 @@ def _claim_dtype(KK: int) -> torch.dtype:
 @functools.lru_cache(maxsize=256)
 def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, int]]:
     """(KKP, BP, default num_warps, sort classes) of a K*k / B pair. Warps (H200, bench/results/
-    resolver_probe_s27c_h200.json): 32 from 8,192 entries or slots (K 8 unions 7-18% faster than at 16,
-    H 8,192 up to 23%), 16 at 4,096 (32 is 3-4% slower with 20% misses)."""
+    resolver_probe_s27c_h200.json): 32 from 8,192 entries or slots (K 8 unions 6-18% faster than at 16,
+    H 8,192 up to 24%), 16 at 4,096 (32 is 3-4% slower with 20% misses)."""
     KKP, BP = next_pow2(max(KK, 1)), next_pow2(max(B, 1))
     big = max(KKP, BP)
     warps = 4 if big <= 512 else (8 if big <= 2048 else (16 if big <= 4096 else 32))
