@@ -25,7 +25,6 @@ checked bit for bit against `plan_reference` first (bench/resolver_cases.py's `c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -39,7 +38,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
-from bench.resolver_timing import stats, timeit  # noqa: E402
+from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
@@ -229,12 +228,9 @@ def main() -> None:
 def write(out: str, rig: Rig, sh: dict, iters: int, checks: list, records: list, t0: float) -> bool:
     """The JSON so far (rewritten after every case: a call cut short keeps what it measured)."""
     ok = all(all(v for k, v in c.items() if k not in ("case", "copies")) for c in checks)
-    doc = {"kind": "resolver_peer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3", "bench/resolver_peer.py", *sys.argv[1:]]),
-           "commit": os.environ.get("DHISPARSE_COMMIT", ""),
-           "machine": torch.cuda.get_device_name() if rig.cuda else "cpu", "shapes": sh, "iters": iters,
-           "peer_source": "issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
-           "checks_pass": ok, "checks": checks, "records": records, "wall_s": time.time() - t0}
+    doc = header("resolver_peer", "bench/resolver_peer.py", rig.cuda, t0, shapes=sh, iters=iters,
+                 peer_source="issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
+                 checks_pass=ok, checks=checks, records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -12,7 +12,6 @@ grid, timed the same way.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -32,7 +31,7 @@ import dhisparse.kernels.resolver as kr  # noqa: E402
 from bench.resolver_cases import Rig  # noqa: E402
 from bench.resolver_cases import Case  # noqa: E402
 from bench.resolver_peer import MISS, Flush, build, shapes  # noqa: E402
-from bench.resolver_timing import stats, timeit  # noqa: E402
+from bench.resolver_timing import header, stats, timeit  # noqa: E402
 
 STOPS = (0, 10, 30, 41, 43, 45, 50)
 
@@ -147,11 +146,7 @@ def main() -> None:
         if H == sh["Hs"][0]:
             for kind in ("shared", "partial", "disjoint"):
                 recs += run_cases(rig, sh, flush, iters, ("0.1%", "20%"), t0, H, 2 if args.quick else 8, kind)
-        doc = {"kind": "resolver_probe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(["python3", "bench/resolver_probe.py", *sys.argv[1:]]),
-               "commit": os.environ.get("DHISPARSE_COMMIT", ""),
-               "machine": torch.cuda.get_device_name() if rig.cuda else "cpu", "iters": iters, "records": recs,
-               "wall_s": time.time() - t0}
+        doc = header("resolver_probe", "bench/resolver_probe.py", rig.cuda, t0, iters=iters, records=recs)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s")

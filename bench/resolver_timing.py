@@ -3,6 +3,7 @@ case's plan + copy / plan only / copy only timings (used by resolver_bench.py an
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -42,6 +43,14 @@ def timeit(rig: Rig, fn, restore, iters: int, warmup: int) -> tuple[list[float],
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in ts], host
     return host, host
+
+
+def header(kind: str, script: str, cuda: bool, t0: float, **fields) -> dict:
+    """The fields every micro-benchmark JSON here opens with: kind, UTC date, the command as run, the
+    commit (DHISPARSE_COMMIT, set by the device-call wrapper), the machine, then `fields` and wall_s."""
+    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python3", script, *sys.argv[1:]]), "commit": os.environ.get("DHISPARSE_COMMIT", ""),
+            "machine": torch.cuda.get_device_name() if cuda else "cpu", **fields, "wall_s": time.time() - t0}
 
 
 def stats(ts: tuple[list[float], list[float]]) -> dict:

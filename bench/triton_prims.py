@@ -14,7 +14,6 @@ address with A lanes active.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ import triton.language as tl  # noqa: E402
 
 from bench.resolver_cases import Rig  # noqa: E402
 from bench.resolver_peer import Flush  # noqa: E402
-from bench.resolver_timing import stats, timeit  # noqa: E402
+from bench.resolver_timing import header, stats, timeit  # noqa: E402
 
 OPS = ("cumsum", "sum", "min", "barrier", "gather_global", "gather_reg", "sort", "atomic")
 
@@ -107,11 +106,8 @@ def main() -> None:
                     recs.append(rec)
                     print(f"[{time.time() - t0:5.1f}s] {op:13s} S {S:5d} {'i64' if wide else 'i32'} A {A:3d}: "
                           f"{per:6.2f} us/op  (R1 {rec['r1_us']:.1f}, R{hi} {rec[f'r{hi}_us']:.1f})", flush=True)
-    doc = {"kind": "triton_prims", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3", "bench/triton_prims.py", *sys.argv[1:]]),
-           "commit": os.environ.get("DHISPARSE_COMMIT", ""), "grid": N, "num_warps": 16,
-           "machine": torch.cuda.get_device_name() if rig.cuda else "cpu", "iters": iters, "records": recs,
-           "wall_s": time.time() - t0}
+    doc = header("triton_prims", "bench/triton_prims.py", rig.cuda, t0, grid=N, num_warps=16, iters=iters,
+                 records=recs)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s")
