@@ -62,7 +62,7 @@ def run_fig8(rig: Rig, args, t0: float) -> tuple[list[dict], list[dict]]:
             checks.append(check_case(rig, case))
             checks[-1]["seconds_incl_compile"] = time.time() - t1
             print(f"[{time.time() - t0:6.1f}s] fig8 reference check: {checks[-1]}", flush=True)
-        rec = run_case(rig, case, args, iters=args.fig8_iters)
+        rec = run_case(rig, case, args, iters=args.fig8_iters, engine_path=False)
         if case.meta["path"] == "direct":
             rec["defer_sync_free"] = sync_free(rig, case)
         records.append(rec)

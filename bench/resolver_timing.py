@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.resolver_cases import Case, Rig  # noqa: E402
-from dhisparse.kernels.resolver import launch_copies, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 SPIN_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than the CPU-side enqueue of one call
 
@@ -61,8 +61,11 @@ def stats(ts: tuple[list[float], list[float]]) -> dict:
             "n_timings": len(s), "host_enqueue_ms": h[len(h) // 2]}
 
 
-def run_case(rig: Rig, case: Case, args, iters: int | None = None) -> dict:
-    """Time plan+copy, plan alone and copy alone for one prepared case."""
+def run_case(rig: Rig, case: Case, args, iters: int | None = None, engine_path: bool = True) -> dict:
+    """Time plan+copy, plan alone and copy alone for one prepared case: `plan_triton` as called
+    since session 6 (an int `now`, scratch allocated per call), and the engine's call (a persistent
+    `PlanWorkspace` and `now` a device scalar: no fill launches) as `*_engine_path` (unless
+    engine_path=False)."""
     iters = iters or args.iters
     st, sel, slots = case.state, case.sel, case.slots
     snap = (st.hot_pos.clone(), st.hot_stamp.clone())
@@ -90,6 +93,17 @@ def run_case(rig: Rig, case: Case, args, iters: int | None = None) -> dict:
     rec.update(stats(timeit(rig, both, restore, iters, args.warmup)))
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, args.warmup))
     rec["copy_only"] = stats(timeit(rig, lambda: launch_copies(p, host, dev), lambda: None, iters, args.warmup))
+    if not engine_path:
+        return rec
+    ws, now_t = PlanWorkspace(rig.dev), torch.full((1,), now, dtype=torch.int64, device=rig.dev)
+
+    def plan_engine():
+        return plan_triton(sel, slots, st, now_t, defer=True, workspace=ws)
+
+    rec["time_ms_engine_path"] = stats(timeit(rig, lambda: launch_copies(plan_engine(), host, dev), restore, iters,
+                                              args.warmup))["time_ms"]
+    rec["plan_only_engine_path"] = stats(timeit(rig, plan_engine, restore, iters, args.warmup))
+    restore()
     return rec
 
 
