@@ -489,3 +489,19 @@ def test_resolver_one_call_checks_and_plans():
     from bench import resolver_one_call
 
     assert resolver_one_call.main(["--quick", "--warmup", "1", "--calls", "1"]) == 0
+
+
+def test_resolver_run_case_times_the_engine_path_too():
+    """bench/resolver_timing.run_case: the session-6 call and the engine's (workspace, device now)."""
+    from types import SimpleNamespace
+
+    from bench.resolver_cases import Rig
+    from bench.resolver_timing import run_case
+
+    rig = Rig(quick=True)
+    rig.fill(656)
+    case = rig.cases(656)[0]
+    rec = run_case(rig, case, SimpleNamespace(iters=1, warmup=0))
+    assert rec["plan_only"]["n_timings"] == rec["plan_only_engine_path"]["n_timings"] == 1
+    assert rec["time_ms_engine_path"] > 0
+    assert "plan_only_engine_path" not in run_case(rig, case, SimpleNamespace(iters=1, warmup=0), engine_path=False)
