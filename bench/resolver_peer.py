@@ -9,9 +9,10 @@ selection misses (2 rows), 20% (410 rows), and every row (a full hot cache holdi
 selection). Each selection is one top-k (distinct positions), so ours is called with distinct=True, as
 the engine's decode step calls it (kv/hier/context.py). Per case: plan + copy (`plan_triton(defer=True,
 workspace=ws)` + `launch_copies`, the engine's no-sync path with a store's persistent scratch), plan alone
-(also without the workspace: scratch allocated and zero-filled per call), and the host time to enqueue a call (Python and launches, outside CUDA graphs). The
-L2 is flushed (a 256-MiB write) and the hot-cache state restored before every timed call, untimed; 20
-timed calls, median; device times with the GPU spinning while the CPU enqueues (bench/resolver_timing.py).
+(also without the workspace: scratch allocated and zero-filled per call), and the host time to enqueue a
+call (Python and launches, outside CUDA graphs). The L2 is flushed (a 256-MiB write) and the hot-cache
+state restored before every timed call, untimed; 20 timed calls, median; device times with the GPU spinning
+while the CPU enqueues (bench/resolver_timing.py).
 
 `--phases` adds the plan kernel stopped after each of its phases (P1 entries: claims, representatives
 and direct rows; P3 hot scan; P4 misses, by parts; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096,

@@ -3,7 +3,6 @@ case's plan + copy / plan only / copy only timings (used by resolver_bench.py an
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -15,6 +14,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.resolver_cases import Case, Rig  # noqa: E402
+from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 SPIN_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than the CPU-side enqueue of one call
@@ -46,11 +46,11 @@ def timeit(rig: Rig, fn, restore, iters: int, warmup: int) -> tuple[list[float],
 
 
 def header(kind: str, script: str, cuda: bool, t0: float, **fields) -> dict:
-    """The fields every micro-benchmark JSON here opens with: kind, UTC date, the command as run, the
-    commit (DHISPARSE_COMMIT, set by the device-call wrapper), the machine, then `fields` and wall_s."""
-    return {"kind": kind, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python3", script, *sys.argv[1:]]), "commit": os.environ.get("DHISPARSE_COMMIT", ""),
-            "machine": torch.cuda.get_device_name() if cuda else "cpu", **fields, "wall_s": time.time() - t0}
+    """The fields every micro-benchmark JSON here opens with: kind, date, the command as run, the
+    commit (`dhisparse.bench.results.source_commit`), the machine, then `fields` and wall_s."""
+    return {"kind": kind, "date": R.now_iso(), "command": " ".join(["python3", script, *sys.argv[1:]]),
+            "commit": R.source_commit() or "", "machine": torch.cuda.get_device_name() if cuda else "cpu",
+            **fields, "wall_s": time.time() - t0}
 
 
 def stats(ts: tuple[list[float], list[float]]) -> dict:
