@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,fp8w31,faithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -313,6 +313,15 @@ case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper
       --presets adaptive+spec --duration 12 --force --spec-width 4 --spec-tokens-per-round 2.88 \
       --arms "${STAGING_ARMS:-staging_mode=paper;staging_mode=single}" --repeats ${STAGING_REPEATS:-3} \
       --out "$OUT/staging_8k_c18_h200.json" ;; esac
+case ",$STEPS," in *,fp8w31,*)  # issue 31 item 1: CUDA exactness of the FP8 weight GEMMs and the glm5-faithful model; their bandwidth against bf16 torch.matmul (~2 min)
+  run "exactness on CUDA, FP8 weights" timeout ${FP8W_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
+      tests/test_fp8_gemm.py tests/test_faithful_model.py tests/test_moe.py --junitxml="$OUT/fp8w31_cuda.xml"
+  run "FP8 weight GEMMs vs bf16 matmul" timeout 150 python3 bench/fp8_gemm_bench.py --out "$OUT/fp8_gemm_bench_h200.json" ;; esac
+case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100K decode step goes (the expert GEMMs' share), hisparse C${FAITHFUL_C:-47}, FP8 rows (~5 min)
+  run "decode-step profile, glm5-faithful, 100K k 2048, C${FAITHFUL_C:-47}, fp8" timeout ${FAITHFUL_TIMEOUT:-420} python3 bench/step_profile.py \
+      --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
+      --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step \
+      --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
   run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \

@@ -13,8 +13,8 @@ FAMILIES = (
     ("cache copy", ("gather_rows", "gather_copy", "copy_rows", "Memcpy", "memcpy", "scatter")),
     ("attention", ("sparse_mla", "_mla_", "flash", "attn")),
     ("indexer", ("indexer", "topk", "top_k", "sort", "radix")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "xmma")),
-    ("moe", ("moe", "expert", "index_add", "scatter_add")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "xmma", "fp8_linear")),
+    ("moe", ("moe", "expert", "index_add", "scatter_add")),  # fp8_moe_kernel: glm5-faithful's routed experts
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rope", "softmax", "cat", "fill", "copy_")),
 )
 

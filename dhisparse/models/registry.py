@@ -1,7 +1,7 @@
 """`load_model(spec)`: one entry point for the CLI, server and benchmarks.
 
 spec is the name of a built-in model (`tiny-code`: the trained checkpoint shipped in
-`models/builtin/`; `tiny` and the `*-scaled` models: seeded random weights), a checkpoint folder
+`models/builtin/`; `tiny`, the `*-scaled` models and `glm5-faithful`: seeded random weights), a checkpoint folder
 (config.json + safetensors, optionally tokenizer.json) or a Hub id `org/name` already in the local
 Hugging Face cache (found offline, `resolve_hub`; nothing is downloaded). The result carries its tokenizer.
 `load_for_config(config, device)` also applies the EngineConfig's revision, tokenizer, chat
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
+from dhisparse.models.faithful import FAITHFUL_CONFIGS, build_faithful, faithful_config
 from dhisparse.models.scaled import build_scaled, scaled_config
 from dhisparse.models.shard_load import ShardSpec, load_sharded, shard_in_memory
 from dhisparse.models.tiny import build_tiny, tiny_config
@@ -52,6 +53,17 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
     return load
 
 
+def _faithful(name: str) -> Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]:
+    """Loader of a compute-faithful benchmark model (dhisparse.models.faithful: FP8 weights, the
+    rest bfloat16 by default)."""
+
+    def load(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+        target = resolve_dtype(dtype, faithful_config(name, 1))
+        return dataclasses.replace(build_faithful(name, seed, target, device), tokenizer=ByteTokenizer())
+
+    return load
+
+
 def _v41(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
     """`v41-scaled`: DeepSeek-V4.1-shaped random model (models/v4_scaled.py); default bfloat16."""
     target = resolve_dtype(dtype, v41_scaled_config())  # None -> the config's bfloat16
@@ -61,6 +73,7 @@ def _v41(dtype: torch.dtype | str | None, device: str | torch.device, seed: int)
 BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {
     "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"), "v41-scaled": _v41,
     **{name: _scaled(name) for name in ("glm52-scaled", "glm52-scaled-k512")},
+    **{name: _faithful(name) for name in FAITHFUL_CONFIGS},
 }
 
 
@@ -181,6 +194,9 @@ def load_model(
             raise ModelLoadError(f"--revision applies to Hub ids (org/name), not to the built-in model {name!r}")
         if quantization == "fp8":
             raise ModelLoadError(f"--quantization fp8 needs a block-scaled FP8 checkpoint; the built-in {name!r} is not")
+        if shard is not None and name in FAITHFUL_CONFIGS:
+            raise ModelLoadError(f"--model {name!r} runs on one GPU: its FP8 weight modules are not TP / EP-sharded "
+                                 "(--tp-size / --ep-size 1); glm52-scaled shards")
         loaded = _whole_then_shard(lambda dev: BUILTINS[name](dtype, dev, seed), device, shard)
         tok = loaded.tokenizer if tokenizer is None else load_tokenizer(resolve_folder(tokenizer))
         return dataclasses.replace(loaded, tokenizer=with_chat_template(tok, chat_template))

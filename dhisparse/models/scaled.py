@@ -146,26 +146,40 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
     tensors.update(model.named_buffers())
     for name in sorted(model.state_dict()):
         t = tensors[name]
-        target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-        if name.endswith("norm.weight"):
-            value = torch.ones(t.shape, device=device, dtype=target)
-        elif name.endswith("norm.bias"):
-            value = torch.zeros(t.shape, device=device, dtype=target)
-        else:
-            value = torch.empty(t.shape, device=device, dtype=target)
-            value.normal_(0.0, _std(name, t.shape, cfg.num_layers), generator=gen)
-        if name == "lm_head.weight":
-            value[BYTE_VOCAB:] = 0.0
+        t.data = init_tensor(name, t.shape, cfg.num_layers, dtype, device, gen)
         if name.endswith("embed_tokens.weight") and embed_offset:
-            value += (embed_offset * shared).to(target)
-        t.data = value
+            t.data += (embed_offset * shared).to(t.dtype)
     _confident_head(model, cfg, seed, embed_offset * shared)
     if index_gain and embed_offset:
         _stable_index_queries(model, cfg, seed, shared, index_gain)
 
 
+def init_tensor(name: str, shape: torch.Size, layers: int, dtype: torch.dtype, device: torch.device | str,
+                gen: torch.Generator) -> torch.Tensor:
+    """The seeded initial value of one named tensor (module docstring): norms 1 (biases 0), every
+    other tensor N(0, `_std`) drawn from `gen`; the router and its bias stay fp32 (FP32_SUFFIXES),
+    the rest is `dtype`; lm_head rows past the byte ids are zero."""
+    target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device, dtype=target)
+    if name.endswith("norm.bias"):
+        return torch.zeros(shape, device=device, dtype=target)
+    value = torch.empty(shape, device=device, dtype=target)
+    value.normal_(0.0, _std(name, shape, layers), generator=gen)
+    if name == "lm_head.weight":
+        value[BYTE_VOCAB:] = 0.0
+    return value
+
+
 def _stable_index_queries(model: torch.nn.Module, cfg: ModelConfig, seed: int, shared: torch.Tensor,
                           gain: float) -> None:
+    """`stable_index_query` on every layer with an indexer, one generator in layer order."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 3)
+    for layer in model.model.layers:
+        stable_index_query(layer, shared, gain, gen)
+
+
+def stable_index_query(layer: torch.nn.Module, shared: torch.Tensor, gain: float, gen: torch.Generator) -> None:
     """Every indexer's wq_b += gain / sqrt(q_lora) * d c^T: c the unit direction of the shared
     embedding offset in that layer's normalized query latent (c . q_lat is large and positive for
     every token), d ~ N(0, 1) per head dim, zero on the RoPE'd dims. Each index query then carries
@@ -174,18 +188,16 @@ def _stable_index_queries(model: torch.nn.Module, cfg: ModelConfig, seed: int, s
     trained model's do. Unlike a larger embedding offset this leaves the residual stream (and the
     head's margin) alone, and unlike the offset alone it survives the RoPE'd half of the index dims
     (whose contribution turns with every new position)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed + 3)
-    for layer in model.model.layers:
-        ix = getattr(layer.self_attn, "indexer", None)
-        if ix is None:
-            continue
-        c = layer.self_attn.q_a_proj.weight.float() @ shared.float()
-        c = c / c.norm()
-        d = torch.randn(ix.n_heads, ix.head_dim, generator=gen)
-        d[:, : ix.rope_dim] = 0.0
-        w = ix.wq_b.weight
-        bump = (gain / c.numel() ** 0.5) * d.reshape(-1, 1).to(w.device) * c[None, :]
-        w.data = (w.float() + bump).to(w.dtype)
+    ix = getattr(layer.self_attn, "indexer", None)
+    if ix is None:
+        return
+    c = layer.self_attn.q_a_proj.weight.float() @ shared.float()
+    c = c / c.norm()
+    d = torch.randn(ix.n_heads, ix.head_dim, generator=gen)
+    d[:, : ix.rope_dim] = 0.0
+    w = ix.wq_b.weight
+    bump = (gain / c.numel() ** 0.5) * d.reshape(-1, 1).to(w.device) * c[None, :]
+    w.data = (w.float() + bump).to(w.dtype)
 
 
 def _confident_head(model: torch.nn.Module, cfg: ModelConfig, seed: int, offset: torch.Tensor) -> None:

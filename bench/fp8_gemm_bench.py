@@ -1,0 +1,133 @@
+"""FP8-weight GEMMs (kernels/fp8_gemm.py) against bf16 torch.matmul on the same shapes, in one run.
+
+    python3 bench/fp8_gemm_bench.py --out $OUT/fp8_gemm_bench_h200.json      # H200 (~1 min)
+    python3 bench/fp8_gemm_bench.py --quick --out /tmp/fp8_gemm_bench.json   # CPU smoke (interpreter)
+
+Shapes are glm5-faithful's (models/faithful.py): the attention projections q_a, q_b, kv_a, o_proj
+and the shared expert's up / down as `Fp8Linear`, and one layer's routed experts (24 of width
+2,048, top 8) as `Fp8Experts` (routing, the grouped gate-up GEMM, SiLU-GLU, the grouped down GEMM
+and the weighted combine), at decode and verification pass sizes. The named baseline is bf16: the
+same weights dequantized, through `nn.Linear` and through `layers.moe.Experts` (the bf16 path
+glm52-scaled runs: every expert on every token for small passes). Each time is the median replay
+of a CUDA graph of --graph calls (launch cost excluded, as in the engine's step graphs); weights
+exceed L2 so every call streams them. `gbps` = weight bytes (FP8 + scales, or bf16) / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--quick" in sys.argv:  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
+from bench.resolver_timing import header  # noqa: E402
+from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear  # noqa: E402
+
+LINEARS = {"q_a": (2048, 6144), "q_b": (16384, 2048), "kv_a": (576, 6144), "o_proj": (6144, 16384),
+           "shared_up": (2048, 6144), "shared_down": (6144, 2048)}  # name: (out, in)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--tokens", default="18,47,188", help="pass sizes T (decode: requests; verification: 4 x requests)")
+    a("--prefill-tokens", type=int, default=8192, help="one prefill-chunk size for the linears (0 = none)")
+    a("--experts", type=int, default=24); a("--top-k", type=int, default=8)
+    a("--hidden", type=int, default=6144); a("--inter", type=int, default=2048)
+    a("--reps", type=int, default=20); a("--warmup", type=int, default=3); a("--graph", type=int, default=10)
+    a("--quick", action="store_true", help="tiny shapes on CPU under the interpreter")
+    a("--out", default="bench/results/fp8_gemm_bench.json")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.tokens, ns.prefill_tokens, ns.experts, ns.top_k, ns.hidden, ns.inter = "3", 0, 3, 2, 128, 64
+        ns.reps, ns.warmup, ns.graph = 2, 1, 1
+    return ns
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _pair(name: str, T: int, fp8: nn.Module, bf16: nn.Module, fn8, fn16, tm: Timing, cuda: bool) -> dict:
+    t8, t16 = timed(fn8, tm, cuda), timed(fn16, tm, cuda)
+    b8, b16 = _bytes(fp8), _bytes(bf16)
+    row = {"case": name, "tokens": T, "fp8_ms": t8, "bf16_ms": t16, "fp8_over_bf16": t8 / t16,
+           "fp8_weight_bytes": b8, "bf16_weight_bytes": b16, "fp8_gbps": b8 / t8 / 1e6, "bf16_gbps": b16 / t16 / 1e6}
+    print(f"  {name:12} T{T:<5} fp8 {t8:8.4f} ms ({row['fp8_gbps']:7.0f} GB/s)  bf16 {t16:8.4f} ms "
+          f"({row['bf16_gbps']:7.0f} GB/s)  fp8/bf16 {row['fp8_over_bf16']:.2f}", flush=True)
+    return row
+
+
+def linear_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torch.Generator) -> list[dict]:
+    rows = []
+    scale = ns.hidden / 6144
+    for name, (n, k) in LINEARS.items():
+        n, k = max(16, int(n * scale)), max(16, int(k * scale))
+        lin = nn.Linear(k, n, bias=False).to(dev, dtype)
+        f8 = Fp8Linear.from_linear(lin)
+        lin.weight.data = f8_dequant(f8).to(dtype)  # the baseline multiplies the same (dequantized) weights
+        for T in [*ints(ns.tokens), *([ns.prefill_tokens] if ns.prefill_tokens else [])]:
+            x = torch.randn(T, k, generator=g).to(dev, dtype)
+            rows.append(_pair(name, T, f8, lin, lambda: f8(x), lambda: lin(x), tm, cuda))
+        del lin, f8
+    return rows
+
+
+def f8_dequant(f8: Fp8Linear) -> torch.Tensor:
+    from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
+
+    return dequantize_block_fp8(f8.weight, f8.weight_scale_inv)
+
+
+def expert_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torch.Generator) -> list[dict]:
+    from dhisparse.core.config import ModelConfig
+    from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
+    from dhisparse.layers.moe import Experts, Routing
+    from dhisparse.models.faithful import faithful_hf_config
+
+    over = dict(hidden_size=ns.hidden, moe_intermediate_size=ns.inter, n_routed_experts=ns.experts, num_experts_per_tok=ns.top_k)
+    cfg = ModelConfig.from_hf(faithful_hf_config("glm5-faithful", 4, over))
+    with torch.device(dev):
+        ex = Experts(cfg)
+    ex.gate_up_proj.data = (torch.randn(ex.gate_up_proj.shape, generator=g) / ns.hidden**0.5).to(dev, dtype)
+    ex.down_proj.data = (torch.randn(ex.down_proj.shape, generator=g) / ns.inter**0.5).to(dev, dtype)
+    f8 = Fp8Experts.from_experts(ex)
+    ex.gate_up_proj.data = dequantize_block_fp8(f8.gate_up_proj, f8.gate_up_proj_scale_inv).to(dtype)
+    ex.down_proj.data = dequantize_block_fp8(f8.down_proj, f8.down_proj_scale_inv).to(dtype)
+    rows = []
+    for T in ints(ns.tokens):
+        x = torch.randn(T, ns.hidden, generator=g).to(dev, dtype)
+        ids = torch.stack([torch.randperm(ns.experts, generator=g)[: ns.top_k] for _ in range(T)]).to(dev)
+        r = Routing(ids, torch.rand(T, ns.top_k, generator=g).to(dev))
+        rows.append(_pair(f"experts{ns.experts}", T, f8, ex, lambda: f8(x, r), lambda: ex(x, r), tm, cuda))
+    return rows
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    t0 = time.time()
+    cuda, dev, dtype, g, gpu = device_setup(ns.quick)
+    tm = Timing(ns.warmup, ns.reps, ns.graph)
+    with torch.inference_mode():
+        rows = linear_rows(ns, tm, cuda, dev, dtype, g) + expert_rows(ns, tm, cuda, dev, dtype, g)
+    doc = header("fp8_gemm_bench", "bench/fp8_gemm_bench.py", cuda, t0, gpu=gpu, dtype=str(dtype),
+                 config={k: v for k, v in vars(ns).items()}, rows=rows,
+                 baseline="bf16 torch.matmul (nn.Linear / layers.moe.Experts) on the dequantized weights, same run")
+    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
+    with open(ns.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"[done] {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

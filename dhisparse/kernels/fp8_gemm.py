@@ -1,0 +1,233 @@
+"""Triton GEMMs over block-scaled FP8 weights ("w8a16"): the contracts of `fp8_gemm_ref.py`.
+
+  fp8_linear_triton(x [T, K], w8 [N, K], scale [nb, kb])                        -> [T, N]
+  fp8_moe_triton(x [T, K], w8 [E, N, K], scale [E, nb, kb], expert_ids [T, top_k]) -> [T, top_k, N]
+
+Weights stay float8_e4m3fn in memory and are converted in the kernel to the activation's dtype
+(bf16 / fp16 on GPU; fp32 for fp32 x, and always under the interpreter, whose 16-bit tl.dot is
+wrong). A program owns an output tile [BM, BN] and walks K in steps of BK (a divisor of 128, so a
+step lies in one k-block); BN divides 128, so the step's scales are one per column,
+scale[(n0 + arange(BN)) // 128, k0 // 128], and acc += tl.dot(x_tile, w_tile.T) * scale[None, :]
+in fp32 -- the reference's sum in another order. Masks cover ragged T, N and K.
+Decode-sized linears have too few (m, n) tiles to stream their weight at HBM rate (q_a at T 47:
+32 tiles on 132 SMs), so they split K (`split_k_for`): fp32 partials added in a fixed order.
+
+The MoE kernel is grouped: `moe_align` sorts the T * top_k (token, slot) rows by expert on the
+device with no host sync (CUDA-graph safe), each expert's run padded to a multiple of BM, so each
+m-block of the sorted list is one expert's; a program gathers its rows' tokens (row // top_k),
+multiplies by that expert's weight tile and writes each row at its flat index t * top_k + j.
+Block sizes are keyword arguments (tests pass small ones; the defaults are for the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dhisparse.kernels.fp8_gemm_ref import BLOCK, check_expert_ids, check_weight, check_x
+
+
+@triton.jit
+def _k_step(acc, k0, x_ptr, w_ptr, s_ptr, xrow, rmask, wrow, srow, nmask, K, BK: tl.constexpr, IEEE: tl.constexpr):
+    """acc + (x tile @ w tile.T) * scale[n-blocks, k0 // 128] for columns k0 .. k0+BK-1 (all in one k-block)."""
+    kk = k0 + tl.arange(0, BK)
+    km = kk < K
+    a = tl.load(x_ptr + xrow[:, None] + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+    b = tl.load(w_ptr + wrow[:, None] + kk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+    s = tl.load(s_ptr + srow + k0 // 128, mask=nmask, other=0.0)
+    if IEEE:
+        part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        part = tl.dot(a, tl.trans(b.to(a.dtype)))
+    return acc + part * s[None, :]
+
+
+@triton.jit
+def _scaled_dot(x_ptr, w_ptr, s_ptr, xrow, rmask, rn, nmask, k_lo, k_hi, K, swn, ssn,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BM, BN] fp32 = sum over the K steps k_lo, k_lo + BK, .. < k_hi of (x[rows] tile @ w[rn]
+    tile.T) * the step's scales (k_lo a multiple of BK; K bounds the last step's mask).
+    xrow [BM] int64 element offsets of the x rows; w_ptr / s_ptr point at one [N, K] weight.
+    INTERP: the interpreter cannot run `range` over a runtime bound, so it walks K with `while`."""
+    wrow = rn.to(tl.int64) * swn
+    srow = (rn // 128) * ssn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if INTERP:
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _k_step(acc, k0, x_ptr, w_ptr, s_ptr, xrow, rmask, wrow, srow, nmask, K, BK, IEEE)
+            k0 += BK
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            acc = _k_step(acc, k0, x_ptr, w_ptr, s_ptr, xrow, rmask, wrow, srow, nmask, K, BK, IEEE)
+    return acc
+
+
+@triton.jit
+def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn, sos, sot,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                      INTERP: tl.constexpr):
+    """Program (m, n, s): out[s, m*BM : +BM, n*BN : +BN] = x [T, K] @ W [N, K].T over K columns
+    s*KPER .. s*KPER + KPER - 1 (split K; KPER a multiple of BK; one split writes out itself)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    k_lo = tl.program_id(2) * KPER
+    rmask = rm < T
+    nmask = rn < N
+    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm.to(tl.int64) * sxt, rmask, rn, nmask, k_lo, tl.minimum(k_lo + KPER, K),
+                      K, swn, ssn, BM, BN, BK, IEEE, INTERP)
+    out = out_ptr + tl.program_id(2).to(tl.int64) * sos + rm.to(tl.int64)[:, None] * sot + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def fp8_moe_kernel(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, bexp_ptr, M, N, K, E, TOPK,
+                   sxt, swe, swn, sse, ssn, sot,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                   INTERP: tl.constexpr):
+    """Program (m, n): sorted rows m*BM .. +BM (all of expert block_expert[m]; pads = M) times that
+    expert's W[n*BN : +BN].T, written at each row's flat index into out [M, N]. Blocks past the
+    used count (block_expert = E) exit at once."""
+    pid_m = tl.program_id(0)
+    e = tl.load(bexp_ptr + pid_m)
+    if e < E:
+        r = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        rmask = r < M
+        xrow = (r // TOPK).to(tl.int64) * sxt
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < N
+        e64 = e.to(tl.int64)
+        acc = _scaled_dot(x_ptr, w_ptr + e64 * swe, s_ptr + e64 * sse, xrow, rmask, rn, nmask, 0, K, K, swn, ssn,
+                          BM, BN, BK, IEEE, INTERP)
+        out = out_ptr + r.to(tl.int64)[:, None] * sot + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def block_m_for(rows: int) -> int:
+    """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, else 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def padded_rows(M: int, E: int, BM: int) -> int:
+    """P_max = M + E * (BM - 1) rounded up to BM: bounds the sum of every expert's count rounded up to BM."""
+    return triton.cdiv(M + E * (BM - 1), BM) * BM
+
+
+def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids [T, top_k] -> (sorted_rows int32 [P_max], block_expert int32 [P_max // BM]).
+
+    sorted_rows lists the flat rows t * top_k + j grouped by expert (ascending within an expert),
+    each expert's run padded with M = T * top_k (out of range: masked) to a multiple of BM and
+    starting at a multiple of BM; block_expert[b] is the expert of rows b*BM .. b*BM+BM-1, or E for
+    blocks past the used count. Torch ops of data-independent shapes only (no host sync). An id
+    outside [0, E) is left out: its row appears nowhere."""
+    flat = expert_ids.reshape(-1)
+    M, dev = flat.numel(), flat.device
+    P = padded_rows(M, E, BM)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)  # invalid ids: bucket E, never placed
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    pend = ((counts[:E] + BM - 1) // BM * BM).cumsum(0)  # [E] end of each expert's padded run
+    pstart = torch.cat([pend.new_zeros(1), pend])  # [E + 1]
+    ustart = counts.cumsum(0) - counts  # [E + 1] start of each expert in the sorted order
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    dest = pstart[skey] + torch.arange(M, device=dev) - ustart[skey]
+    dest = torch.where(skey < E, dest, P)  # slot P: dropped below
+    rows = torch.full((P + 1,), M, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:P]
+    block_expert = torch.searchsorted(pend, torch.arange(0, P, BM, device=dev), right=True)
+    return rows.to(torch.int32), block_expert.to(torch.int32)
+
+
+def _blocks(block_n: int, block_k: int, block_m: int) -> None:
+    for name, v, hi in (("block_n", block_n, BLOCK), ("block_k", block_k, BLOCK), ("block_m", block_m, 1 << 10)):
+        if v < 16 or v > hi or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two in [16, {hi}], got {v}")
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _modes(x: torch.Tensor) -> dict[str, bool]:
+    """IEEE: fp32 tl.dot (fp32 x, or the interpreter, whose 16-bit tl.dot is wrong); INTERP: the interpreter."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return {"IEEE": x.dtype == torch.float32 or interp, "INTERP": interp}
+
+
+SPLIT_MAX_ROWS = 256  # passes up to this many rows split K when their tiles are too few to fill the GPU
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs an SM on CUDA (enough weight reads in flight to stream HBM); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(T: int, N: int, K: int, BM: int, BN: int, BK: int, device: torch.device) -> int:
+    """K splits of a pass: decode-sized passes (T <= SPLIT_MAX_ROWS) whose (m, n) tiles number
+    fewer than `_programs_wanted` split K so the tiles x splits reach it (at most one split a K
+    step); larger passes and CPU runs do not split. A function of the shapes only."""
+    tiles = triton.cdiv(T, BM) * triton.cdiv(N, BN)
+    want = _programs_wanted(device)
+    if T > SPLIT_MAX_ROWS or tiles >= want:
+        return 1
+    return max(1, min(triton.cdiv(K, BK), triton.cdiv(want, tiles)))
+
+
+def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
+                      block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                      split_k: int | None = None) -> torch.Tensor:
+    """x [T, K] @ W.T -> [T, N] in x's dtype (contract of `fp8_linear_reference`). T == 0: no launch.
+    split_k: K splits (None: `split_k_for`); with more than one, each split writes fp32 partial
+    sums [split, T, N] that are added in split order (deterministic) and cast."""
+    check_weight(w8, scale, stacked=False)
+    check_x(x, w8)
+    T, (N, K) = x.shape[0], w8.shape
+    bm = block_m or block_m_for(T)
+    _blocks(block_n, block_k, bm)
+    if T == 0 or N == 0:
+        return x.new_empty(T, N)
+    split = split_k or split_k_for(T, N, K, bm, block_n, block_k, x.device)
+    kper = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+    split = triton.cdiv(K, kper)  # no empty split
+    out = x.new_empty(T, N) if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
+    grid = (triton.cdiv(T, bm), triton.cdiv(N, block_n), split)
+    fp8_linear_kernel[grid](x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
+                            out.stride(0) if split > 1 else 0, out.stride(-2),
+                            BM=bm, BN=block_n, BK=block_k, **_modes(x),
+                            num_warps=num_warps, num_stages=num_stages)
+    return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,
+                   block_m: int | None = None, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                   num_stages: int = 3) -> torch.Tensor:
+    """Grouped x [T, K] x experts -> [T, top_k, N] (contract of `fp8_moe_reference`). Sync-free on
+    CUDA, where ids are not checked (that would sync): a row whose id is outside [0, E) is zero.
+    On CPU ids are checked like the reference. T == 0: no launch."""
+    check_weight(w8, scale, stacked=True)
+    check_x(x, w8)
+    E, N, K = w8.shape
+    check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
+    T, top_k = expert_ids.shape
+    M = T * top_k
+    bm = block_m or block_m_for(triton.cdiv(M, max(E, 1)))
+    _blocks(block_n, block_k, bm)
+    out = x.new_zeros(M, N)
+    if M == 0 or N == 0:
+        return out.reshape(T, top_k, N)
+    rows, block_expert = moe_align(expert_ids, E, bm)
+    x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
+    grid = (block_expert.numel(), triton.cdiv(N, block_n))
+    fp8_moe_kernel[grid](x, w8, scale, out, rows, block_expert, M, N, K, E, top_k,
+                         x.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+                         BM=bm, BN=block_n, BK=block_k, **_modes(x),
+                         num_warps=num_warps, num_stages=num_stages)
+    return out.reshape(T, top_k, N)

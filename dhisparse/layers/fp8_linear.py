@@ -1,0 +1,94 @@
+"""Linear layers and routed experts over block-scaled FP8 weights, stored as FP8 checkpoints of
+GLM-5 / DeepSeek-V3 store them: float8_e4m3fn weights plus fp32 "scale_inv" buffers of one scale
+per 128x128 block (`kernels/fp8_gemm_ref.py`). The GEMMs run through `kernels/fp8_dispatch.py`.
+
+  Fp8Linear:  weight [out, in], weight_scale_inv [ceil(out/128), ceil(in/128)]; x [..., in] -> [..., out]
+  Fp8Experts: gate_up_proj [E, 2I, H] (gate first) + gate_up_proj_scale_inv [E, ceil(2I/128), ceil(H/128)],
+              down_proj [E, H, I] + down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]; x [T, H] -> [T, H]
+
+Fp8Experts keeps `layers/moe.py`'s stacked layout; its scale blocks tile the stacked [2I, H]
+matrix, so a checkpoint's separate gate / up scales stack into it when I is a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dhisparse.kernels.fp8_dispatch import fp8_linear, fp8_moe
+from dhisparse.kernels.fp8_gemm_ref import FP8, quantize_block_fp8, scale_shape
+from dhisparse.layers.moe import Experts, Routing
+
+
+def _fp8_buffers(module: nn.Module, name: str, shape: tuple[int, ...], device=None) -> None:
+    """Register `name` float8_e4m3fn [..., N, K] (zeros) and `name`_scale_inv fp32 [..., nb, kb] (ones)."""
+    module.register_buffer(name, torch.zeros(shape, dtype=FP8, device=device))
+    blocks = (*shape[:-2], *scale_shape(*shape[-2:]))
+    module.register_buffer(f"{name}_scale_inv", torch.ones(blocks, dtype=torch.float32, device=device))
+
+
+def _load_quantized(module: nn.Module, name: str, w: torch.Tensor) -> None:
+    """Quantize `w` into the buffers `name` and `name`_scale_inv."""
+    w8, scale = quantize_block_fp8(w.detach())
+    getattr(module, name).copy_(w8)
+    getattr(module, f"{name}_scale_inv").copy_(scale)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W.T, W = weight [out, in] (fp8) x weight_scale_inv blocks; no bias."""
+
+    def __init__(self, in_features: int, out_features: int, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        _fp8_buffers(self, "weight", (out_features, in_features), device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "Fp8Linear":
+        """`lin`'s weight (bf16 / fp32) quantized to 128x128-block FP8, on its device."""
+        if lin.bias is not None:
+            raise ValueError("lin has a bias; Fp8Linear has none")
+        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        _load_quantized(m, "weight", lin.weight)
+        return m
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks"
+
+
+class Fp8Experts(nn.Module):
+    """`layers.moe.Experts` over FP8 weights: every routed (token, slot) row through the grouped GEMMs."""
+
+    def __init__(self, E: int, hidden: int, inter: int, device=None) -> None:
+        super().__init__()
+        self.n_experts, self.hidden, self.inter = E, hidden, inter
+        _fp8_buffers(self, "gate_up_proj", (E, 2 * inter, hidden), device)
+        _fp8_buffers(self, "down_proj", (E, hidden, inter), device)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), the sum in fp32."""
+        ids = routing.experts
+        T, top_k = ids.shape
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids).chunk(2, dim=-1)
+        h = self.act(gate, up).reshape(T * top_k, self.inter)  # [T * top_k, I]
+        y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1)).reshape(T, top_k, self.hidden)
+        return torch.einsum("tjh,tj->th", y.float(), routing.weights.float()).to(x.dtype)
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Gated activation (SiLU-GLU); subclasses change it, as `Experts.act`."""
+        return F.silu(gate) * up
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> "Fp8Experts":
+        """`experts`' stacked weights (bf16 / fp32) quantized to 128x128-block FP8, on their device.
+        The activation is the class's (a subclass with its own `act` quantizes its own experts)."""
+        E, two_i, H = experts.gate_up_proj.shape
+        m = cls(E, H, two_i // 2, device=experts.gate_up_proj.device)
+        _load_quantized(m, "gate_up_proj", experts.gate_up_proj)
+        _load_quantized(m, "down_proj", experts.down_proj)
+        return m

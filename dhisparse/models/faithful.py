@@ -1,0 +1,184 @@
+"""`glm5-faithful`: GLM-5's attention and KV exactly, an MoE sized for one H200, FP8 weights.
+
+The `*-scaled` models (models/scaled.py) keep the KV shape of GLM-5.2 but compute ~74x less per
+token (hidden 1,024), and their head fixes the greedy tokens whatever attention returns. This
+model computes what GLM-5 computes per token, except for how many experts there are to choose from:
+
+- GLM-5's geometry (transformers' `GlmMoeDsaConfig` defaults, checkpoint zai-org/GLM-5): hidden
+  6,144, 78 layers, 64 heads, q_lora 2,048, kv_lora 512, nope 192 / rope 64 / value 256, 32
+  indexer heads of 128, top-k 2,048, 3 dense layers of width 12,288, every MoE token through 8
+  routed experts of width 2,048 plus one shared expert, vocabulary 154,880. GLM-5.2's index
+  sharing (21 `full` indexers, 57 `shared` layers: index_topk_freq 4, offset 3), as glm52-scaled.
+- **24 routed experts a layer instead of 256** (top-8 of 24, n_group 1). That is what one H200
+  holds next to the KV pools; see the arithmetic below.
+- **Block-scaled FP8 weights** (float8_e4m3fn + one fp32 scale per 128x128 block, as GLM-5-FP8
+  and DeepSeek-V3 checkpoints store them) for the projections that dominate: q_a, q_b, kv_a,
+  o_proj, the dense and shared MLPs and the routed experts, run by the weight-only FP8 GEMMs of
+  kernels/fp8_gemm.py (`layers/fp8_linear.py`). kv_b (split into the absorbed W_UK / W_UV), the
+  indexers, embeddings, the head and the norms stay bf16; the router stays fp32.
+- Seeded random weights (scaled.py's `init_tensor` scales) and the same selection locality
+  (EMBED_OFFSET, INDEX_GAIN) as glm52-scaled, but **no confident head**: lm_head is an ordinary
+  random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero), so the
+  greedy tokens depend on attention and a broken KV path changes them. The price: near-tied logits,
+  so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
+
+Memory (one H200, ~139 GiB usable):
+
+    FP8 q_a + q_b + kv_a + o_proj   78 x 150.3 M          11.7 GB
+    bf16 kv_b, indexers             78 x 14.7 M, 21 x 9.4 M  2.7 GB
+    FP8 dense (3) + shared (75)     0.68 G + 2.83 G          3.5 GB
+    bf16 embeddings + lm_head       2 x 154,880 x 6,144      3.8 GB
+    FP8 routed experts              E x 75 x 37.75 M       E x 2.83 GB   (E = 24: 68 GB)
+                                                   total ~ 89.7 GB = 83.6 GiB
+
+leaving ~55 GiB for the 27.4-GiB KV pools of the 100K benchmarks, a drafter of the paper's
+shape (DFlash2, 6 layers at hidden 6,144: ~5 GiB) and activations.
+
+Why the expert count, from GLM-5 on the paper's four decode GPUs: with expert parallelism each
+GPU holds 64 of 256 experts in each of 75 MoE layers, 64 x 75 x 37.75 M = 181 GB of FP8 expert
+weights. A decode batch of tens of tokens a GPU touches nearly all of them, so a step streams
+~181 GB at B300's ~8 TB/s: ~23 ms, the paper's 38% of its step. One H200 streams its experts at
+~4.8 TB/s and cannot hold 181 GB beside its pools; 24 experts (68 GB) is about what fits and
+streams in ~14-20 ms a step. Whether that is the paper's share at our high-load point is measured
+(bench/step_profile.py's `moe` family, docs/benchmarks.md), not assumed.
+
+`build_faithful(name, seed, dtype, device, num_layers=None, overrides=None)` builds layer by layer
+on `device`: each layer is made in `dtype`, initialised, quantized and its bf16 copies freed, so the
+peak is the FP8 model plus one bf16 layer (~2 GB). `overrides` changes config keys (tests build a
+small geometry through the same code).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dhisparse.core.config import ModelConfig
+from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
+from dhisparse.layers.rope import RotaryEmbedding
+from dhisparse.models.dsa import DsaForCausalLM
+from dhisparse.models.loader import LoadedModel
+from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_tensor, stable_index_query
+
+ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
+SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
+
+FAITHFUL_CONFIGS: dict[str, dict] = {
+    "glm5-faithful": {
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "vocab_size": 154880,
+        "hidden_size": 6144,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 78,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "q_lora_rank": 2048,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 192,
+        "v_head_dim": 256,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "index_topk": 2048,
+        "index_topk_freq": 4,
+        "index_skip_topk_offset": 3,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": ROUTED_EXPERTS,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    },
+}
+
+FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def faithful_hf_config(name: str, num_layers: int | None = None, overrides: dict | None = None) -> dict:
+    """The config.json-style dict of a faithful model; `num_layers` truncates it, `overrides`
+    replaces keys (tests)."""
+    if name not in FAITHFUL_CONFIGS:
+        raise KeyError(f"unknown faithful model {name!r}; known: {', '.join(FAITHFUL_CONFIGS)}")
+    d = {**FAITHFUL_CONFIGS[name], **(overrides or {})}
+    if num_layers is not None:
+        d["num_hidden_layers"] = num_layers
+    return d
+
+
+def faithful_config(name: str, num_layers: int | None = None, overrides: dict | None = None) -> ModelConfig:
+    """ModelConfig of a faithful model (no weights are built)."""
+    return ModelConfig.from_hf(faithful_hf_config(name, num_layers, overrides))
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Device bytes of a built model's weights: {'fp8': FP8 weights + their scales, 'other': the rest}."""
+    out = {"fp8": 0, "other": 0}
+    for mod in model.modules():
+        fp8 = isinstance(mod, (Fp8Linear, Fp8Experts))
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            out["fp8" if fp8 else "other"] += t.numel() * t.element_size()
+    return out
+
+
+def _init_module(module: nn.Module, prefix: str, layers: int, dtype: torch.dtype, device: torch.device,
+                 gen: torch.Generator) -> None:
+    """Materialize a meta `module` on `device` with scaled.py's seeded values (names `prefix` + own)."""
+    module.to_empty(device=device)
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    for name in sorted(module.state_dict()):
+        t = tensors[name]
+        t.data = init_tensor(prefix + name, t.shape, layers, dtype, device, gen)
+
+
+def _quantize(module: nn.Module) -> None:
+    """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if name in FP8_LINEARS and isinstance(child, nn.Linear):
+                setattr(parent, name, Fp8Linear.from_linear(child))
+            elif name == "experts" and not isinstance(child, Fp8Experts):
+                setattr(parent, name, Fp8Experts.from_experts(child))
+
+
+@torch.no_grad()
+def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                   device: str | torch.device = "cpu", num_layers: int | None = None,
+                   overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
+                   index_gain: float = INDEX_GAIN) -> LoadedModel:
+    """Deterministic random faithful model on `device` (same seed, device and config -> identical
+    weights), built one layer at a time (module docstring)."""
+    cfg = faithful_config(name, num_layers, overrides)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg)
+    m = model.model
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    for prefix, module in (("model.embed_tokens.", m.embed_tokens), ("model.norm.", m.norm), ("lm_head.", model.lm_head)):
+        _init_module(module, prefix, cfg.num_layers, dtype, device, gen)
+    if embed_offset:
+        m.embed_tokens.weight.data += (embed_offset * shared).to(dtype)
+    model.lm_head.weight.data[:SPECIAL_IDS] = 0.0
+    with torch.device(device):
+        m.rotary_emb = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)  # its inv_freq buffer is computed
+    index_gen = torch.Generator(device="cpu").manual_seed(seed + 3)
+    for i, layer in enumerate(m.layers):
+        layer_gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17 + i)
+        _init_module(layer, f"model.layers.{i}.", cfg.num_layers, dtype, device, layer_gen)
+        if index_gain and embed_offset:
+            stable_index_query(layer, shared, index_gain, index_gen)
+        _quantize(layer)
+    return LoadedModel(model.eval(), cfg, {})

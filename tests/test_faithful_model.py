@@ -1,0 +1,129 @@
+"""`glm5-faithful` (models/faithful.py): GLM-5's geometry, the memory arithmetic of its docstring,
+FP8 weights where it says, no confident head, and a small build through the same code on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
+from dhisparse.models.dsa import DsaForCausalLM
+from dhisparse.models.faithful import FP8_LINEARS, ROUTED_EXPERTS, build_faithful, faithful_config, weight_bytes
+from dhisparse.models.registry import BUILTINS
+from dhisparse.models.scaled import BYTE_VOCAB
+
+# a small geometry through the same builder: the KV row shape (latent 512 + rope 64) and index
+# keys of 128 stay, so the engine's row formats are the real ones
+SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+
+
+def test_geometry_is_glm5s():
+    from transformers import GlmMoeDsaConfig
+
+    ref, cfg = GlmMoeDsaConfig(), faithful_config("glm5-faithful")
+    for key in ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "moe_intermediate_size",
+                "intermediate_size", "num_experts_per_tok", "n_shared_experts", "vocab_size"):
+        assert getattr(cfg, key) == getattr(ref, key), key
+    assert cfg.num_heads == ref.num_attention_heads and cfg.num_layers == ref.num_hidden_layers
+    assert cfg.mlp_moe[:4] == (False, False, False, True)  # first_k_dense_replace 3
+    assert cfg.num_layers == 78 and sum(cfg.indexer_full) == 21  # GLM-5.2's index sharing
+    assert cfg.latent_dim == 576 and cfg.n_routed_experts == ROUTED_EXPERTS == 24
+
+
+def _meta_bytes(cfg) -> dict[str, int]:
+    """Weight bytes of the built model, counted on the meta device: FP8 (1 B + scales) where
+    `_quantize` swaps, model dtype (2 B) elsewhere, the router fp32."""
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg)
+    out = {"fp8": 0, "other": 0}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 2)
+        fp8 = leaf[-2] in FP8_LINEARS or ".experts." in name
+        if fp8:
+            out["fp8"] += p.numel() + 4 * (-(-p.shape[-2] // 128)) * (-(-p.shape[-1] // 128)) * (p.numel() // (p.shape[-2] * p.shape[-1]))
+        else:
+            out["other"] += p.numel() * (4 if name.endswith("mlp.gate.weight") else 2)
+    return out
+
+
+def test_memory_fits_one_h200_beside_the_pools():
+    b = _meta_bytes(faithful_config("glm5-faithful"))
+    total = (b["fp8"] + b["other"]) / 2**30
+    assert 80 < total < 88, total  # the docstring's ~83.6 GiB
+    assert 139 - total - 27.4 > 20  # pools of the 100K runs, a drafter and activations still fit
+
+
+def test_small_build_quantizes_what_the_docstring_says():
+    lm = build_faithful(num_layers=5, overrides=SMALL, dtype=torch.float32)
+    layers = lm.model.model.layers
+    for layer in layers:
+        a = layer.self_attn
+        assert all(isinstance(getattr(a, n), Fp8Linear) for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
+        assert isinstance(a.kv_b_proj, torch.nn.Linear) and a.kv_b_proj.weight.dtype == torch.float32
+    assert isinstance(layers[0].mlp.down_proj, Fp8Linear)  # dense layers 0-2
+    assert isinstance(layers[4].mlp.experts, Fp8Experts) and isinstance(layers[4].mlp.shared_experts.up_proj, Fp8Linear)
+    assert layers[4].mlp.gate.weight.dtype == torch.float32
+    assert layers[4].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    sizes = weight_bytes(lm.model)
+    assert sizes["fp8"] > 0 and sizes["other"] > 0
+    head = lm.model.lm_head.weight
+    assert head[:3].abs().sum() == 0 and head[BYTE_VOCAB:].abs().sum() == 0 and head[3:BYTE_VOCAB].abs().min() > 0
+    again = build_faithful(num_layers=5, overrides=SMALL, dtype=torch.float32)
+    for (n, t), (_, u) in zip(lm.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(t.float(), u.float()), n
+
+
+def _greedy(lm, prompt: list[int], n: int) -> list[int]:
+    from dhisparse.core.params import SamplingParams
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    lm = dataclasses.replace(lm, tokenizer=ByteTokenizer())
+    e = Engine(EngineConfig(model="glm5-faithful", device="cpu", dtype="float32", page_size=16,
+                            kv_pool_bytes=64 << 20, preset="hisparse",
+                            hot_cache_rows=2 * lm.config.index_topk), loaded=lm)
+    e.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    toks = []
+    while e.has_unfinished():
+        toks += [t for o in e.step() for t in o.new_token_ids]
+    return toks
+
+
+def test_output_depends_on_attention():
+    """No confident head: cutting every layer's attention output (o_proj zeroed, a stand-in for a
+    broken KV path) changes the greedy tokens. glm52-scaled's head keeps them."""
+    from dhisparse.models.scaled import build_scaled
+
+    prompt = list(range(3, 150))
+    lm = build_faithful(num_layers=4, overrides=SMALL, dtype=torch.float32)
+    base = _greedy(lm, prompt, 8)
+    assert all(3 <= t < BYTE_VOCAB for t in base)
+    for layer in lm.model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+    assert _greedy(lm, prompt, 8) != base
+    scaled = build_scaled("glm52-scaled", num_layers=4, dtype=torch.float32)
+    before = _greedy(scaled, prompt, 8)
+    for layer in scaled.model.model.layers:
+        layer.self_attn.o_proj.weight.data.zero_()
+    assert _greedy(scaled, prompt, 8) == before
+
+
+def test_registered_and_refuses_unknown():
+    assert "glm5-faithful" in BUILTINS
+    with pytest.raises(KeyError, match="unknown faithful model"):
+        faithful_config("glm5-nope")
+
+
+def test_sharding_is_refused_by_name():
+    from dhisparse.models.loader import ModelLoadError
+    from dhisparse.models.registry import load_model
+    from dhisparse.models.shard_load import ShardSpec
+
+    with pytest.raises(ModelLoadError, match="glm5-faithful.*--tp-size / --ep-size 1"):
+        load_model("glm5-faithful", shard=ShardSpec("ep", 0, 2))
