@@ -44,12 +44,15 @@ def parse(argv=None) -> argparse.Namespace:
     a("--experts", type=int, default=24); a("--top-k", type=int, default=8)
     a("--hidden", type=int, default=6144); a("--inter", type=int, default=2048)
     a("--reps", type=int, default=20); a("--warmup", type=int, default=3); a("--graph", type=int, default=10)
+    a("--sweep", default="64:4:3,64:4:4,64:4:5,128:4:3,128:4:4,128:8:3,32:4:4,32:2:5",
+      help="BN:warps:stages tile configurations timed on the decode shapes (fp8 only; '' = none)")
+    a("--sweep-tokens", default="47,188")
     a("--quick", action="store_true", help="tiny shapes on CPU under the interpreter")
     a("--out", default="bench/results/fp8_gemm_bench.json")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.tokens, ns.prefill_tokens, ns.experts, ns.top_k, ns.hidden, ns.inter = "3", 0, 3, 2, 128, 64
-        ns.reps, ns.warmup, ns.graph = 2, 1, 1
+        ns.reps, ns.warmup, ns.graph, ns.sweep, ns.sweep_tokens = 2, 1, 1, "32:4:3", "3"
     return ns
 
 
@@ -112,6 +115,37 @@ def expert_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: tor
     return rows
 
 
+def sweep_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torch.Generator) -> list[dict]:
+    """fp8 time of each --sweep tile configuration on the decode shapes: the linears' Triton call and
+    the experts' gate-up and down grouped GEMMs (the defaults' row is the 64:4:3 one)."""
+    from dhisparse.kernels.fp8_gemm import fp8_linear_triton, fp8_moe_triton
+    from dhisparse.kernels.fp8_gemm_ref import quantize_block_fp8
+
+    configs = [tuple(int(v) for v in c.split(":")) for c in ns.sweep.split(",") if c]
+    scale = ns.hidden / 6144
+    shapes = {n: (max(16, int(a * scale)), max(16, int(b * scale))) for n, (a, b) in LINEARS.items()}
+    shapes |= {"experts_gate_up": (2 * ns.inter, ns.hidden), "experts_down": (ns.hidden, ns.inter)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        stacked = name.startswith("experts")
+        w = torch.randn((ns.experts, n, k) if stacked else (n, k), generator=g).to(dev) / k**0.5
+        w8, sc = quantize_block_fp8(w)
+        del w
+        for T in ints(ns.sweep_tokens):
+            x = torch.randn(T * (ns.top_k if name == "experts_down" else 1), k, generator=g).to(dev, dtype)
+            ids = torch.stack([torch.randperm(ns.experts, generator=g)[: ns.top_k] for _ in range(T)]).to(dev)
+            ids = ids.reshape(-1, 1) if name == "experts_down" else ids
+            for bn, warps, stages in configs:
+                kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
+                fn = (lambda: fp8_moe_triton(x, w8, sc, ids, **kw)) if stacked else (lambda: fp8_linear_triton(x, w8, sc, **kw))
+                t = timed(fn, tm, cuda)
+                gbps = (w8.numel() + sc.numel() * 4) / t / 1e6
+                rows.append({"case": name, "tokens": T, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                             "fp8_ms": t, "fp8_gbps": gbps})
+                print(f"  sweep {name:16} T{T:<4} BN{bn:<4} w{warps} s{stages}  {t:8.4f} ms ({gbps:6.0f} GB/s)", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     t0 = time.time()
@@ -119,8 +153,9 @@ def main(argv=None) -> int:
     tm = Timing(ns.warmup, ns.reps, ns.graph)
     with torch.inference_mode():
         rows = linear_rows(ns, tm, cuda, dev, dtype, g) + expert_rows(ns, tm, cuda, dev, dtype, g)
+        sweep = sweep_rows(ns, tm, cuda, dev, dtype, g) if ns.sweep else []
     doc = header("fp8_gemm_bench", "bench/fp8_gemm_bench.py", cuda, t0, gpu=gpu, dtype=str(dtype),
-                 config={k: v for k, v in vars(ns).items()}, rows=rows,
+                 config={k: v for k, v in vars(ns).items()}, rows=rows, sweep=sweep,
                  baseline="bf16 torch.matmul (nn.Linear / layers.moe.Experts) on the dequantized weights, same run")
     os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
     with open(ns.out, "w") as f:

@@ -421,3 +421,16 @@ def test_other_errors():
         fp8_linear_triton(_x(2, 200), w8, s, block_k=256)
     with pytest.raises(ValueError, match="bias"):
         Fp8Linear.from_linear(nn.Linear(8, 8))
+
+
+def test_tiles_for_prefill_and_decode():
+    assert fg.block_m_for(300) == 128 and fg.block_m_for(256) == 64 and fg.block_m_for(16) == 16
+    assert fg.tiles_for(8192, None, None) == (128, 8) and fg.tiles_for(47, None, None) == (64, 4)
+    assert fg.tiles_for(8192, 32, 2) == (32, 2)
+
+
+def test_fp8_linear_large_pass_tiles_match_reference():
+    """A pass past LARGE_ROWS (BM 128, BN 128, 8 warps: the prefill tiles) on ragged N / K."""
+    w8, s = _weight(130, 200, seed=6)
+    x = _x(300, 200)
+    _close(fp8_linear_triton(x, w8, s), fp8_linear_reference(x, w8, s))

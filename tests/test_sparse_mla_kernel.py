@@ -247,6 +247,20 @@ def test_split_rows_do_not_depend_on_the_batch():
         assert torch.equal(one[0], full[t])
 
 
+def test_split_rows_in_token_chunks_are_bitwise_the_same(monkeypatch):
+    """A pass whose split-rows workspace would exceed SPLIT_WORKSPACE_BYTES (a GLM-5 prefill chunk)
+    runs in token chunks: the output is bitwise the one-launch output, ragged last chunk included.
+    (Breakage tried: the chunk loop writing every chunk to out[:Tc] fails this test.)"""
+    C, R, H, k = 32, 8, 4, 64
+    rows = torch.randn(6, 4, C + R).to(DEV)
+    q, qp, loc = _inputs(7, H, C, R, k, 24, seed=4)
+    plan = plan_sparse_mla(H, C, R, split_rows=16)
+    whole = run_sparse_mla(plan, q, qp, rows, loc, 0.5)
+    per_token = 4 * H * (C + 2) * 4  # S = 4 chunks of 16 rows
+    monkeypatch.setattr(sm, "SPLIT_WORKSPACE_BYTES", 3 * per_token)  # chunks of 3, 3, 1 tokens
+    assert torch.equal(run_sparse_mla(plan, q, qp, rows, loc, 0.5), whole)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the engine's shape and bf16 on the GPU")
 def test_default_plan_is_batch_invariant_at_the_scaled_models_shape():
     """The shipped plan (split rows on) at the scaled GLM's shape in bf16: a decode pass of 18

@@ -108,8 +108,19 @@ def fp8_moe_kernel(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, bexp_ptr, M, N, K, E,
 
 
 def block_m_for(rows: int) -> int:
-    """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, else 64."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, 64 up
+    to LARGE_ROWS, 128 above (prefill: see `tiles_for`)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= LARGE_ROWS else 128
+
+
+LARGE_ROWS = 256  # rows a weight sees above which a pass is compute-bound (prefill chunks)
+
+
+def tiles_for(rows: int, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
+    """(BN, num_warps): 128-wide tiles on 8 warps for compute-bound passes (rows > LARGE_ROWS, BM
+    128), else 64-wide tiles on 4 warps (memory-bound decode / verification). Explicit values win."""
+    large = rows > LARGE_ROWS
+    return block_n or (128 if large else 64), num_warps or (8 if large else 4)
 
 
 def padded_rows(M: int, E: int, BM: int) -> int:
@@ -181,7 +192,7 @@ def split_k_for(T: int, N: int, K: int, BM: int, BN: int, BK: int, device: torch
 
 
 def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
-                      block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                      block_n: int | None = None, block_k: int = 128, num_warps: int | None = None, num_stages: int = 3,
                       split_k: int | None = None) -> torch.Tensor:
     """x [T, K] @ W.T -> [T, N] in x's dtype (contract of `fp8_linear_reference`). T == 0: no launch.
     split_k: K splits (None: `split_k_for`); with more than one, each split writes fp32 partial
@@ -190,6 +201,7 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
     check_x(x, w8)
     T, (N, K) = x.shape[0], w8.shape
     bm = block_m or block_m_for(T)
+    block_n, num_warps = tiles_for(T, block_n, num_warps)
     _blocks(block_n, block_k, bm)
     if T == 0 or N == 0:
         return x.new_empty(T, N)
@@ -207,8 +219,8 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
 
 
 def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,
-                   block_m: int | None = None, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                   num_stages: int = 3) -> torch.Tensor:
+                   block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
+                   num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """Grouped x [T, K] x experts -> [T, top_k, N] (contract of `fp8_moe_reference`). Sync-free on
     CUDA, where ids are not checked (that would sync): a row whose id is outside [0, E) is zero.
     On CPU ids are checked like the reference. T == 0: no launch."""
@@ -218,7 +230,9 @@ def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, exper
     check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
     T, top_k = expert_ids.shape
     M = T * top_k
-    bm = block_m or block_m_for(triton.cdiv(M, max(E, 1)))
+    rows_per_expert = triton.cdiv(M, max(E, 1))
+    bm = block_m or block_m_for(rows_per_expert)
+    block_n, num_warps = tiles_for(rows_per_expert, block_n, num_warps)
     _blocks(block_n, block_k, bm)
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:

@@ -332,15 +332,33 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     return out
 
 
+SPLIT_WORKSPACE_BYTES = 1 << 30  # split-rows partials of one launch; longer passes run in token chunks
+
+
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
                two: bool, fp8: tuple) -> torch.Tensor:
     """The split-rows launch (module docstring): partials over S = cdiv(k, split_rows) chunks, then
-    the combine. Workspaces acc [T, S, H, C] and ml [T, S, H, 2] fp32."""
+    the combine. Workspaces acc [Tc, S, H, C] and ml [Tc, S, H, 2] fp32, Tc tokens a launch so they
+    stay under SPLIT_WORKSPACE_BYTES (a prefill chunk of GLM-5's 64 heads would need 17 GB at once);
+    a token's arithmetic is the same in any chunk."""
+    T, H, C = q_abs.shape
+    S = triton.cdiv(k, plan.split_rows)
+    per_token = S * H * (C + 2) * 4
+    Tc = max(1, min(T, SPLIT_WORKSPACE_BYTES // per_token))
+    acc = torch.empty((Tc, S, H, C), dtype=torch.float32, device=q_abs.device)
+    ml = torch.empty((Tc, S, H, 2), dtype=torch.float32, device=q_abs.device)
+    for t0 in range(0, T, Tc):
+        t1 = min(T, t0 + Tc)
+        _split_launch(plan, q_abs[t0:t1], q_pe[t0:t1], r0, r1, s0, s1, loc[t0:t1], k, S, scale, out[t0:t1],
+                      acc, ml, ieee, two, fp8)
+    return out
+
+
+def _split_launch(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, S: int, scale: float, out,
+                  acc, ml, ieee: bool, two: bool, fp8: tuple) -> None:
+    """One token chunk of `_run_split` (q_abs / q_pe / loc / out: that chunk's rows; acc / ml: at least as many)."""
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
-    S = triton.cdiv(k, plan.split_rows)
-    acc = torch.empty((T, S, H, C), dtype=torch.float32, device=q_abs.device)
-    ml = torch.empty((T, S, H, 2), dtype=torch.float32, device=q_abs.device)
     hb = triton.cdiv(H, plan.block_h)
     sparse_mla_split_kernel[(T, hb, S)](
         q_abs, q_pe, acc, ml, loc, r0, r1,
@@ -353,7 +371,6 @@ def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, sc
     )
     sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,
                                        S=S, C=C, BC=_p2(C), BLOCK_H=plan.block_h, num_warps=4)
-    return out
 
 
 def _interpreting() -> bool:
