@@ -127,3 +127,16 @@ def test_sharding_is_refused_by_name():
 
     with pytest.raises(ModelLoadError, match="glm5-faithful.*--tp-size / --ep-size 1"):
         load_model("glm5-faithful", shard=ShardSpec("ep", 0, 2))
+
+
+def test_routing_spreads_over_every_expert():
+    """The routers do not collapse onto the shared embedding direction: 47 tokens, top 4 of 12,
+    every expert chosen and none by nearly every token. (Breakage tried: `balance_router` skipped;
+    14-of-24-style collapse, caught here.)"""
+    over = {**SMALL, "n_routed_experts": 12, "num_experts_per_tok": 4}
+    lm = build_faithful(num_layers=6, overrides=over, dtype=torch.float32)
+    m = lm.model.model
+    h = m.embed_tokens(torch.randint(3, BYTE_VOCAB, (47,), generator=torch.Generator().manual_seed(0)))
+    for layer in m.layers[3:]:
+        counts = torch.bincount(layer.mlp.gate(layer.post_attention_layernorm(h)).experts.reshape(-1), minlength=12)
+        assert (counts > 0).sum() >= 11 and counts.max() <= 0.8 * 47, counts.tolist()

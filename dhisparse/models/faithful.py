@@ -17,7 +17,8 @@ model computes what GLM-5 computes per token, except for how many experts there 
   kernels/fp8_gemm.py (`layers/fp8_linear.py`). kv_b (split into the absorbed W_UK / W_UV), the
   indexers, embeddings, the head and the norms stay bf16; the router stays fp32.
 - Seeded random weights (scaled.py's `init_tensor` scales) and the same selection locality
-  (EMBED_OFFSET, INDEX_GAIN) as glm52-scaled, but **no confident head**: lm_head is an ordinary
+  (EMBED_OFFSET, INDEX_GAIN) as glm52-scaled, routers balanced over every expert
+  (`balance_router`), and **no confident head**: lm_head is an ordinary
   random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero), so the
   greedy tokens depend on attention and a broken KV path changes them. The price: near-tied logits,
   so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
@@ -143,6 +144,22 @@ def _init_module(module: nn.Module, prefix: str, layers: int, dtype: torch.dtype
         t.data = init_tensor(prefix + name, t.shape, layers, dtype, device, gen)
 
 
+def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
+    """Project the shared embedding direction out of a MoE layer's router rows (no-op for dense
+    layers). The locality offset (EMBED_OFFSET x `shared` in every embedding) is the largest common
+    part of every token's residual stream, so random router rows would score it alike for every
+    token: a batch of 47 tokens then chose 14 of 24 experts, most of them for every token (routing
+    collapse; an H200 step streamed about half the expert weights). A trained router is kept
+    balanced (GLM-5's aux-loss-free bias); without the common part the choice spreads over every
+    expert, as there."""
+    gate = getattr(layer.mlp, "gate", None)
+    if gate is None:
+        return
+    u = shared.float() / shared.float().norm()
+    w = gate.weight.data
+    gate.weight.data = (w.float() - (w.float() @ u)[:, None] * u[None, :]).to(w.dtype)
+
+
 def _quantize(module: nn.Module) -> None:
     """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place)."""
     for parent in list(module.modules()):
@@ -180,5 +197,7 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
         _init_module(layer, f"model.layers.{i}.", cfg.num_layers, dtype, device, layer_gen)
         if index_gain and embed_offset:
             stable_index_query(layer, shared, index_gain, index_gen)
+        if embed_offset:
+            balance_router(layer, shared)
         _quantize(layer)
     return LoadedModel(model.eval(), cfg, {})
