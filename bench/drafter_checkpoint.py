@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dhisparse.models.scaled import scaled_config  # noqa: E402
-from dhisparse.models.tiny import tiny_config  # noqa: E402
+from dhisparse.models.registry import builtin_config  # noqa: E402
 from dhisparse.spec.dflash_io import save_dflash  # noqa: E402
 from dhisparse.spec.dflash_model import DFlashModel  # noqa: E402
 from dhisparse.spec.factory import random_dflash_config  # noqa: E402
@@ -36,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
-    cfg = tiny_config() if ns.model == "tiny" else scaled_config(ns.model)
+    cfg = builtin_config(ns.model)
     fake = SimpleNamespace(model=SimpleNamespace(embed_tokens=None), lm_head=None, config=cfg)  # only its shape is read
     dcfg = random_dflash_config(fake, ns.block, num_layers=ns.layers, kind=ns.kind)
     model = DFlashModel(dcfg)

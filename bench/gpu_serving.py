@@ -138,13 +138,9 @@ def mem_available() -> int:
 
 
 def model_config(name: str):
-    if name == "tiny":
-        from dhisparse.models.tiny import tiny_config
+    from dhisparse.models.registry import builtin_config
 
-        return tiny_config()
-    from dhisparse.models.scaled import scaled_config
-
-    return scaled_config(name)
+    return builtin_config(name)
 
 
 def model_dtype(ns) -> torch.dtype:

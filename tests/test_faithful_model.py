@@ -140,3 +140,12 @@ def test_routing_spreads_over_every_expert():
     for layer in m.layers[3:]:
         counts = torch.bincount(layer.mlp.gate(layer.post_attention_layernorm(h)).experts.reshape(-1), minlength=12)
         assert (counts > 0).sum() >= 11 and counts.max() <= 0.8 * 47, counts.tolist()
+
+
+def test_builtin_config_names_every_random_model():
+    from dhisparse.models.registry import builtin_config
+
+    assert builtin_config("glm5-faithful").hidden_size == 6144
+    assert builtin_config("glm52-scaled").hidden_size == 1024 and builtin_config("tiny").num_layers >= 1
+    with pytest.raises(KeyError):
+        builtin_config("nope")

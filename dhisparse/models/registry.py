@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from dhisparse.core.config import ModelConfig
 from dhisparse.models.loader import LoadedModel, ModelLoadError, load_checkpoint, resolve_dtype
 from dhisparse.models.faithful import FAITHFUL_CONFIGS, build_faithful, faithful_config
 from dhisparse.models.scaled import build_scaled, scaled_config
@@ -81,6 +82,16 @@ BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int]
 BUILTIN_FOLDERS: dict[str, Path] = {"tiny-code": Path(__file__).resolve().parent / "builtin" / "tiny-code"}
 # each one's own drafter checkpoint, used when --speculative-draft-model-path is left out
 BUILTIN_DRAFTERS: dict[str, dict[str, str]] = {"tiny-code": {"dflash2": "dflash2", "dflash": "dflash2"}}
+
+
+def builtin_config(name: str) -> ModelConfig:
+    """The ModelConfig of a built-in random model (`tiny`, `*-scaled` GLM / V3.2, `glm5-faithful`),
+    no weights built; KeyError for other names (V4 models have their own `V4Config`)."""
+    if name == "tiny":
+        return tiny_config()
+    if name in FAITHFUL_CONFIGS:
+        return faithful_config(name)
+    return scaled_config(name)
 
 
 def builtin_names() -> list[str]:
