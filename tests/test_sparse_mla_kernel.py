@@ -247,6 +247,23 @@ def test_split_rows_do_not_depend_on_the_batch():
         assert torch.equal(one[0], full[t])
 
 
+@pytest.mark.parametrize("C", [48, 40])
+def test_combine_column_blocks_are_bitwise_the_same(monkeypatch, C):
+    """The combine's column blocks (COMBINE_COLUMNS) change parallelism, not arithmetic: 16-column
+    blocks over a ragged C give the one-block output bit for bit, and the reference's result.
+    (Breakage tried: the column offset `program_id(2) * BC` dropped; caught here.)"""
+    R, H, k = 8, 5, 70
+    rows = torch.randn(6, 4, C + R).to(DEV)
+    q, qp, loc = _inputs(4, H, C, R, k, 24, seed=7)
+    plan = plan_sparse_mla(H, C, R, split_rows=16)
+    monkeypatch.setattr(sm, "COMBINE_COLUMNS", 64)  # one block covers C
+    whole = run_sparse_mla(plan, q, qp, rows, loc, 0.5)
+    monkeypatch.setattr(sm, "COMBINE_COLUMNS", 16)
+    got = run_sparse_mla(plan, q, qp, rows, loc, 0.5)
+    assert torch.equal(got, whole)
+    torch.testing.assert_close(got, sparse_mla_reference(q, qp, rows, loc, 0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_split_rows_in_token_chunks_are_bitwise_the_same(monkeypatch):
     """A pass whose split-rows workspace would exceed SPLIT_WORKSPACE_BYTES (a GLM-5 prefill chunk)
     runs in token chunks: the output is bitwise the one-launch output, ragged last chunk included.

@@ -207,12 +207,14 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
 @triton.jit
 def sparse_mla_combine_kernel(acc_ptr, ml_ptr, out_ptr, so_t, so_h, H,
                               S: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (t, hb): merge the S partials of token t (fixed order j = 0 .. S-1) into out."""
+    """Program (t, hb, cb): merge the S partials of token t (fixed order j = 0 .. S-1) into out,
+    latent columns cb*BC .. cb*BC + BC - 1 (every column block recomputes the same weights, so a
+    column's arithmetic does not depend on BC: a [T]-row grid had one program a token and layer)."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
-    cc = tl.arange(0, BC)
+    cc = tl.program_id(2) * BC + tl.arange(0, BC)
     cm = cc < C
     M = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for j in tl.static_range(S):
@@ -333,6 +335,7 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
 
 
 SPLIT_WORKSPACE_BYTES = 1 << 30  # split-rows partials of one launch; longer passes run in token chunks
+COMBINE_COLUMNS = 64  # latent columns a combine program merges (C 512: 8 programs a token and head block)
 
 
 def _run_split(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int, scale: float, out, ieee: bool,
@@ -369,8 +372,9 @@ def _split_launch(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int,
         SCALES=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    sparse_mla_combine_kernel[(T, hb)](acc, ml, out, out.stride(0), out.stride(1), H,
-                                       S=S, C=C, BC=_p2(C), BLOCK_H=plan.block_h, num_warps=4)
+    bc = min(_p2(C), COMBINE_COLUMNS)
+    sparse_mla_combine_kernel[(T, hb, triton.cdiv(C, bc))](acc, ml, out, out.stride(0), out.stride(1), H,
+                                                           S=S, C=C, BC=bc, BLOCK_H=plan.block_h, num_warps=4)
 
 
 def _interpreting() -> bool:
