@@ -473,13 +473,14 @@ class Engine:
         c.req.prompt_logprobs.extend(token_logprobs(logits, toks, [c.req.params.prompt_logprobs] * n))
 
     def _commit(self, verifying, accs, captured) -> list[RequestOutput]:
+        """The drafter commits of a round at once; a request whose commit fails fails alone (an
+        AssertionError, a violated invariant or debug check, is never a request's fault: it propagates)."""
         now, outs = time.perf_counter(), []
-        for (c, a, _), acc in zip(verifying, accs):
-            try:
-                self.spec.commit(c, acc, captured, a)
-            except AssertionError:  # a violated invariant or debug check: never a request's own fault
-                raise
-            except Exception as e:  # noqa: BLE001 - that request's drafter state: it alone fails
+        if not verifying:
+            return outs
+        errors = self.spec.commit_all([(c, acc, a) for (c, a, _), acc in zip(verifying, accs)], captured)
+        for ((c, _, _), acc), e in zip(zip(verifying, accs), errors):
+            if e is not None:  # that request's drafter state: it alone fails
                 outs.append(self._fail(c.req, f"drafter commit failed: {type(e).__name__}: {e}"))
                 continue
             outs.append(self._append_tokens(c.req, acc.emitted, now, self._verify_lps.get(c.req.request_id)))

@@ -18,7 +18,7 @@ import torch
 
 from dhisparse.engine.scheduler import Chunk
 from dhisparse.spec.config import SpecConfig
-from dhisparse.spec.drafter import DraftProposal, DraftRequest
+from dhisparse.spec.drafter import Commit, DraftProposal, DraftRequest
 from dhisparse.spec.dspark import VerifyCost
 from dhisparse.spec.factory import build_drafter, static_schedule
 from dhisparse.spec.policy import OnlineWidthPolicy
@@ -189,9 +189,13 @@ class SpecRuntime:
         self._step_width = 0
         self._clipped = False
 
-    def commit(self, chunk: Chunk, acc: Acceptance, captured: dict[int, torch.Tensor], a: int) -> None:
-        feats = {l: captured[l][a : a + acc.committed] for l in self.capture} if self.capture else None
-        self.drafter.commit(chunk.req.request_id, acc.accepted, feats)
+    def commit_all(self, done: list[tuple[Chunk, Acceptance, int]], captured: dict[int, torch.Tensor]) -> list[Exception | None]:
+        """A round's commits in one `Drafter.commit_many` call: (chunk, acceptance, first row of its
+        captured features) each; returns each one's failure (None: committed)."""
+        items = [Commit(c.req.request_id, acc.accepted,
+                        {l: captured[l][a : a + acc.committed] for l in self.capture} if self.capture else None)
+                 for c, acc, a in done]
+        return self.drafter.commit_many(items)
 
     def admit(self, request_id: str) -> None:
         self.drafter.admit(request_id)

@@ -31,7 +31,7 @@ from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
-from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Features
+from dhisparse.spec.drafter import Commit, DrafterBytes, DraftProposal, DraftRequest, Features
 from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,40 @@ class DFlashDrafter:
         self._ingest(state, features)
 
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
+        self._ingest(self._committing(request_id, accepted, new_features), new_features)
+
+    def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
+        """Every valid item's features projected and written at once (`_ingest_many`: one pass of
+        the context projections and one ring write a layer for the round, not one a request). An
+        item that fails its checks gets its error; if the batched pass itself fails, the items are
+        ingested one at a time so only a failing one fails (writes are idempotent; no state moved)."""
+        errors: list[Exception | None] = [None] * len(items)
+        ok: list[tuple[int, _State, Features]] = []
+        for i, c in enumerate(items):
+            try:
+                ok.append((i, self._committing(c.request_id, c.accepted, c.new_features), c.new_features))
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - that request's own failure
+                errors[i] = e
+        if not ok:
+            return errors
+        try:
+            self._ingest_many([s for _, s, _ in ok], [f for _, _, f in ok])
+        except AssertionError:
+            raise
+        except Exception:  # noqa: BLE001 - find the request it belongs to, one at a time
+            for i, state, feats in ok:
+                try:
+                    self._ingest(state, feats)
+                except AssertionError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    errors[i] = e
+        return errors
+
+    def _committing(self, request_id: str, accepted: int, new_features: Features | None) -> "_State":
+        """The state a commit of `accepted` drafts with `new_features` goes to (checks its arguments)."""
         if request_id not in self._states:
             raise KeyError(f"DFlash drafter: commit for unknown request {request_id!r}; admit / propose it first")
         if new_features is None:
@@ -154,13 +188,12 @@ class DFlashDrafter:
         if rows != accepted + 1:
             raise ValueError(f"DFlash drafter: commit got {rows} feature rows for accepted={accepted}; "
                              "pass the anchor's and the accepted drafts' rows (accepted + 1)")
-        self._ingest(self._states[request_id], new_features)
+        return self._states[request_id]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         out: list[DraftProposal | None] = [None] * len(requests)
         live = []
-        for i, req in enumerate(requests):
-            state = self._prepare(req)
+        for i, (req, state) in enumerate(zip(requests, self._prepare_many(requests))):
             if req.max_drafts < 1:
                 out[i] = DraftProposal.empty()
             else:
@@ -191,20 +224,48 @@ class DFlashDrafter:
 
     def _ingest(self, state: _State, features: Features) -> None:
         """Project features of positions num_context.. into context K/V; only the last W matter."""
-        n_new = self._rows(features)
-        keep = min(n_new, self.window)
-        feats = torch.cat([features[l][n_new - keep:] for l in self.cfg.target_layer_ids], dim=-1)
-        start = state.num_context + n_new - keep
-        positions = torch.arange(start, start + keep, dtype=torch.int64)
-        for layer, (k, v) in enumerate(self.model.context_kv(feats, positions)):
-            self.kv.write(state.slot, layer, positions, k, v)
-        state.num_context += n_new
+        self._ingest_many([state], [features])
+
+    def _ingest_many(self, states: list[_State], features: list[Features]) -> None:
+        """`_ingest` of several requests in one pass: their kept rows concatenated through the
+        context projections, then one ring write a layer. States advance only once every write is done.
+
+            request i:  positions num_context_i .. +n_i - 1, of which the last min(n_i, W) are kept
+            rows:       [ kept_0 | kept_1 | ... ]  -> context_kv -> k, v [sum kept, kvh, d] per layer
+        """
+        parts, positions, counts = [], [], []
+        for state, feats in zip(states, features):
+            n_new = self._rows(feats)
+            keep = min(n_new, self.window)
+            parts.append(torch.cat([feats[l][n_new - keep:] for l in self.cfg.target_layer_ids], dim=-1))
+            start = state.num_context + n_new - keep
+            positions.append(torch.arange(start, start + keep, dtype=torch.int64))
+            counts.append(n_new)
+        slots = [s.slot for s in states]
+        kv = self.model.context_kv(torch.cat(parts), torch.cat(positions))
+        for layer, (k, v) in enumerate(kv):
+            self.kv.write_batch(slots, layer, positions, k, v)
+        for state, n_new in zip(states, counts):
+            state.num_context += n_new
 
     def _prepare(self, req: DraftRequest) -> _State:
-        self.admit(req.request_id)
-        state = self._states[req.request_id]
-        if req.new_features is not None and self._rows(req.new_features) > 0:
-            self._ingest(state, req.new_features)
+        return self._prepare_many([req])[0]
+
+    def _prepare_many(self, reqs: Sequence[DraftRequest]) -> list[_State]:
+        """Admit each request, ingest every request's new_features in one pass, check each is ready."""
+        for req in reqs:
+            self.admit(req.request_id)
+        states = [self._states[r.request_id] for r in reqs]
+        fresh = [(s, r.new_features) for r, s in zip(reqs, states)
+                 if r.new_features is not None and self._rows(r.new_features) > 0]
+        if fresh:
+            self._ingest_many([s for s, _ in fresh], [f for _, f in fresh])
+        for req, state in zip(reqs, states):
+            self._check_ready(req, state)
+        return states
+
+    def _check_ready(self, req: DraftRequest, state: _State) -> None:
+        """The drafter holds exactly the request's committed positions its window needs."""
         if max(0, req.num_committed - self.window) < state.floor:
             raise ValueError(
                 f"DFlash drafter: request {req.request_id!r} skipped positions before {state.floor} that its window "
@@ -221,7 +282,6 @@ class DFlashDrafter:
                 f"drafter holds features for {state.num_context}; pass positions {state.num_context}.."
                 f"{req.num_committed - 1} in DraftRequest.new_features, observe() or commit()"
             )
-        return state
 
     def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [N, B-1, H], fp32 logits [N, B-1, V]) of block rows 1..B-1."""

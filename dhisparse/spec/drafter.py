@@ -19,7 +19,7 @@ features of each round's committed positions go to `commit`. Drafters that need 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -198,6 +198,12 @@ class Drafter(Protocol):
         new_features: {layer: [accepted + 1, hidden]} target features of those positions."""
         ...
 
+    def commit_many(self, items: Sequence["Commit"]) -> list[Exception | None]:
+        """A verification round's commits at once (the engine's call): each item as `commit`, its
+        failure returned in its place (None: committed) so it fails that request alone; an
+        AssertionError (a violated invariant) propagates. `commit_each` loops over `commit`."""
+        ...
+
     def release(self, request_id: str) -> None:
         """Drop all state of a finished / aborted request (no-op if unknown)."""
         ...
@@ -209,6 +215,29 @@ class Drafter(Protocol):
     def device_bytes(self) -> "DrafterBytes":
         """Device memory the drafter holds: its own weights and its allocated state (ring)."""
         ...
+
+
+class Commit(NamedTuple):
+    """One request's verification outcome for its drafter: `accepted` drafts, and new_features
+    {layer: [accepted + 1, hidden]} of the committed positions (None: the drafter needs none)."""
+
+    request_id: str
+    accepted: int
+    new_features: Features | None = None
+
+
+def commit_each(drafter: "Drafter", items: Sequence[Commit]) -> list[Exception | None]:
+    """`drafter.commit` item by item: an item's exception is its result (AssertionError propagates)."""
+    out: list[Exception | None] = []
+    for c in items:
+        try:
+            drafter.commit(c.request_id, c.accepted, c.new_features)
+            out.append(None)
+        except AssertionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - that request's own failure, returned in its place
+            out.append(e)
+    return out
 
 
 @dataclass(frozen=True)
@@ -235,6 +264,9 @@ class StatelessDrafter:
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
         if accepted < 0:
             raise ValueError(f"commit: accepted must be >= 0, got {accepted}")
+
+    def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
+        return commit_each(self, items)
 
     def release(self, request_id: str) -> None:
         return None

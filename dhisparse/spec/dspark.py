@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
-from dhisparse.spec.drafter import DrafterBytes, DraftProposal, DraftRequest, Drafter, Features
+from dhisparse.spec.drafter import Commit, DrafterBytes, DraftProposal, DraftRequest, Drafter, Features
 
 
 def expected_emitted(confidences: Sequence[float], width: int) -> float:
@@ -155,6 +155,9 @@ class DSparkDrafter:
 
     def commit(self, request_id: str, accepted: int, new_features: Features | None = None) -> None:
         self.inner.commit(request_id, accepted, new_features)
+
+    def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
+        return self.inner.commit_many(items)
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)

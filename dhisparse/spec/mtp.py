@@ -45,7 +45,7 @@ import torch
 from dhisparse.core.sampling import make_generator, processed_probs
 from dhisparse.core.v4_config import V4Config
 from dhisparse.spec.config import SpecConfig
-from dhisparse.spec.drafter import DraftProposal, DrafterBytes, DraftRequest, Features
+from dhisparse.spec.drafter import Commit, DraftProposal, DrafterBytes, DraftRequest, Features, commit_each
 from dhisparse.spec.mtp_io import build_module
 from dhisparse.spec.mtp_model import MtpModule, MtpParts
 from dhisparse.spec.mtp_ring import LatentRing
@@ -153,6 +153,9 @@ class MtpDrafter:
             raise ValueError(f"MTP drafter: commit got {self._rows(new_features)} feature rows for accepted="
                              f"{accepted}; pass the anchor's and the accepted drafts' rows (accepted + 1)")
         self._ingest(self._states[request_id], new_features)
+
+    def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
+        return commit_each(self, items)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         states = [self._prepare(r) for r in requests]

@@ -23,7 +23,7 @@ import random
 import zlib
 from typing import Callable, Mapping, Sequence
 
-from dhisparse.spec.drafter import DraftProposal, DraftRequest, StatelessDrafter
+from dhisparse.spec.drafter import Commit, DraftProposal, DraftRequest, StatelessDrafter
 
 Reference = Mapping[tuple[int, ...], Sequence[int]] | Callable[[Sequence[int]], Sequence[int]]
 
@@ -144,6 +144,9 @@ class CostedOracle:
 
     def commit(self, request_id: str, accepted: int, new_features=None) -> None:
         self.inner.commit(request_id, accepted, new_features)
+
+    def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
+        return self.inner.commit_many(items)
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)

@@ -93,6 +93,8 @@ class ContextKV(Protocol):
     def admit(self, owner: object) -> int: ...
     def release(self, owner: object) -> None: ...
     def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def write_batch(self, slots: list[int], layer: int, positions: list[torch.Tensor], k: torch.Tensor,
+                    v: torch.Tensor) -> None: ...
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
                    valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -135,6 +137,21 @@ class DraftKVRing:
         self.k[layer][rows] = k.to(self.k[layer].dtype)
         self.v[layer][rows] = v.to(self.v[layer].dtype)
         self.tags[layer][rows] = positions.to(self.tags.device)
+
+    def write_batch(self, slots: list[int], layer: int, positions: list[torch.Tensor], k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """`write` of several slots at once: positions[i] [n_i] go to slots[i]; k, v [sum n_i, kv_heads,
+        head_dim] in that order (one indexed store per tensor). At most R_d positions a slot."""
+        for slot, pos in zip(slots, positions):
+            if pos.numel() > self.alloc.rows_per_slot:
+                raise ValueError(f"draft ring: {pos.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
+        pos = torch.cat(positions).to(self.tags.device)
+        starts = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64) * self.alloc.rows_per_slot,
+                                         torch.tensor([p.numel() for p in positions])).to(self.tags.device)
+        rows = starts + torch.remainder(pos, self.alloc.rows_per_slot)
+        self.k[layer][rows] = k.to(self.k[layer].dtype)
+        self.v[layer][rows] = v.to(self.v[layer].dtype)
+        self.tags[layer][rows] = pos
 
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> (k, v) [n, kv_heads, head_dim]; raises if a row was overwritten (I6)."""
@@ -184,6 +201,13 @@ class DenseDraftKV:
         store = self._data[slot][layer]
         for i, t in enumerate(positions.tolist()):
             store[t] = (k[i].clone(), v[i].clone())
+
+    def write_batch(self, slots: list[int], layer: int, positions: list[torch.Tensor], k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        a = 0
+        for slot, pos in zip(slots, positions):
+            self.write(slot, layer, pos, k[a : a + pos.numel()], v[a : a + pos.numel()])
+            a += pos.numel()
 
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         store = self._data[slot][layer]
