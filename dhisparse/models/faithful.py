@@ -59,6 +59,7 @@ from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
+from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
 from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_tensor, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
@@ -66,6 +67,7 @@ SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
 
 FAITHFUL_CONFIGS: dict[str, dict] = {
     "glm5-faithful": {
+        **SCALED_SHARED,  # routing scale, RoPE, special ids and dtype as the scaled models'; the rest is GLM-5's
         "model_type": "glm_moe_dsa",
         "architectures": ["GlmMoeDsaForCausalLM"],
         "vocab_size": 154880,
@@ -76,31 +78,14 @@ FAITHFUL_CONFIGS: dict[str, dict] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 64,
         "q_lora_rank": 2048,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 192,
         "v_head_dim": 256,
         "index_n_heads": 32,
-        "index_head_dim": 128,
-        "index_topk": 2048,
         "index_topk_freq": 4,
         "index_skip_topk_offset": 3,
-        "first_k_dense_replace": 3,
         "n_routed_experts": ROUTED_EXPERTS,
         "num_experts_per_tok": 8,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
         "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "max_position_embeddings": 262144,
-        "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "dtype": "bfloat16",
     },
 }
 

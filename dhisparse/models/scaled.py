@@ -37,7 +37,7 @@ from dhisparse.models.loader import LoadedModel
 
 BYTE_VOCAB = 259  # ByteTokenizer ids; lm_head rows past it are zero
 
-_SHARED: dict = {
+SHARED_CONFIG: dict = {  # the config keys every scaled (and the faithful) model starts from
     "vocab_size": 32768,
     "hidden_size": 1024,
     "intermediate_size": 2048,
@@ -71,7 +71,7 @@ _SHARED: dict = {
 
 SCALED_CONFIGS: dict[str, dict] = {
     "glm52-scaled": {
-        **_SHARED,
+        **SHARED_CONFIG,
         "model_type": "glm_moe_dsa",
         "architectures": ["GlmMoeDsaForCausalLM"],
         "num_hidden_layers": 78,
@@ -80,7 +80,7 @@ SCALED_CONFIGS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
     },
     "dsv32-scaled": {
-        **_SHARED,
+        **SHARED_CONFIG,
         "model_type": "deepseek_v32",
         "architectures": ["DeepseekV32ForCausalLM"],
         "num_hidden_layers": 61,
