@@ -434,3 +434,36 @@ def test_fp8_linear_large_pass_tiles_match_reference():
     w8, s = _weight(130, 200, seed=6)
     x = _x(300, 200)
     _close(fp8_linear_triton(x, w8, s), fp8_linear_reference(x, w8, s))
+
+
+@pytest.mark.parametrize("N,K", [(130, 200), (300, 129), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dequantize_kernel_is_the_reference_bit_for_bit(N, K, dtype):
+    """Bit for bit on the GPU (one fp32 product, one round-to-nearest cast). The CPU interpreter
+    truncates fp32 -> bf16 casts, so there a bf16 value may sit one ulp below the reference's."""
+    w8, s = _weight(N, K, seed=8)
+    got, want = fg.fp8_dequantize_triton(w8, s, dtype), dequantize_block_fp8(w8, s).to(dtype)
+    if DEV == "cuda" or dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all()  # one ulp
+        assert (got.float().abs() <= want.float().abs()).all()  # truncated, toward zero
+
+
+def test_large_16bit_linears_multiply_the_dequantized_weight(monkeypatch):
+    """From DEQUANT_ROWS rows a bf16 / fp16 linear dequantizes its weight (one Triton pass) and runs
+    torch.matmul; fewer rows, or fp32, keep the FP8 GEMM. (Breakage tried: the dequant kernel's
+    scale taken from block (0, 0) for every tile; caught here and by the bit-for-bit test.)"""
+    import dhisparse.kernels.fp8_dispatch as fd
+
+    monkeypatch.setattr(fd, "DEQUANT_ROWS", 24)
+    w8, s = _weight(130, 200, seed=9)
+    calls = []
+    monkeypatch.setattr(fg, "fp8_linear_triton", lambda *a, **k: calls.append(1) or fp8_linear_reference(*a))
+    _use("triton")
+    x = _x(24, 200, torch.bfloat16)
+    _close(fp8_linear(x, w8, s), fp8_linear_reference(x, w8, s))
+    assert calls == []
+    fp8_linear(_x(23, 200, torch.bfloat16), w8, s)
+    fp8_linear(_x(24, 200), w8, s)
+    assert calls == [1, 1]

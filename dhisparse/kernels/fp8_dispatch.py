@@ -6,6 +6,12 @@
 
 Triton is optional on CPU, as in `dispatch.py`: without it every call runs the reference (backend
 "triton" then fails with a clear error).
+
+A linear of at least DEQUANT_ROWS rows in a 16-bit dtype (a prefill chunk: compute-bound) takes
+its weight dequantized to that dtype by one Triton pass and multiplies with torch (cuBLAS): on the
+H200 our FP8 GEMM reaches 0.3-0.4x bf16 matmul's FLOP rate there (bench/results/fp8_gemm_bench_s28c_h200.json)
+and dequantizing costs one read and one write of the weight. The product then rounds each
+dequantized weight to 16 bits once (the kernels keep the scale in fp32).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kernels.backend import use_triton
-from dhisparse.kernels.fp8_gemm_ref import fp8_linear_reference, fp8_moe_reference
+from dhisparse.kernels.fp8_gemm_ref import check_x, fp8_linear_reference, fp8_moe_reference
 
 try:
     from dhisparse.kernels import fp8_gemm as _fp8_triton
@@ -29,9 +35,15 @@ def _triton_for(t: torch.Tensor) -> bool:
     return True
 
 
+DEQUANT_ROWS = 2048  # rows from which a 16-bit linear dequantizes its weight and runs torch.matmul
+
+
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ W.T -> [T, N] in x's dtype, W = w8 float8_e4m3fn [N, K] x block scales [nb, kb]."""
     if _triton_for(x):
+        if x.shape[0] >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            check_x(x, w8)
+            return torch.nn.functional.linear(x, _fp8_triton.fp8_dequantize_triton(w8, scale, x.dtype))
         return _fp8_triton.fp8_linear_triton(x, w8, scale)
     return fp8_linear_reference(x, w8, scale)
 

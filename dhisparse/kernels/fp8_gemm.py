@@ -107,6 +107,32 @@ def fp8_moe_kernel(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, bexp_ptr, M, N, K, E,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, swn, ssn, son, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (n, k): out[n*BN : +BN, k*BK : +BK] = w8 * scale[n // 128, k // 128] in out's dtype
+    (BN, BK divide 128: one scale a tile)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (rn < N)[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * swn + rk[None, :], mask=m, other=0.0)
+    s = tl.load(s_ptr + (tl.program_id(0) * BN // 128) * ssn + tl.program_id(1) * BK // 128)
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * son + rk[None, :], (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def fp8_dequantize_triton(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, block: int = 64) -> torch.Tensor:
+    """w8 float8_e4m3fn [N, K] x its block scales -> [N, K] in `dtype` (contract of
+    `dequantize_block_fp8(w8, scale).to(dtype)`, bit for bit: one fp32 product, one cast)."""
+    check_weight(w8, scale, stacked=False)
+    _blocks(block, block, 16)
+    N, K = w8.shape
+    out = torch.empty(N, K, dtype=dtype, device=w8.device)
+    if N and K:
+        w8, scale = _unit_last(w8), scale.contiguous()
+        fp8_dequant_kernel[(triton.cdiv(N, block), triton.cdiv(K, block))](
+            w8, scale, out, N, K, w8.stride(0), scale.stride(0), out.stride(0), BN=block, BK=block)
+    return out
+
+
 def block_m_for(rows: int) -> int:
     """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, 64 up
     to LARGE_ROWS, 128 above (prefill: see `tiles_for`)."""
