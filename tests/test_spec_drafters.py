@@ -165,3 +165,29 @@ def test_oracle_in_the_loop_is_exact():
     oracle = OracleDrafter(lambda p: target.greedy(p, 200), vocab_size=13, corrupt_rate=0.3, seed=1)
     out, rounds = speculative_greedy(target, oracle, prompt, steps=150, width=6)
     assert out == ref[:150] and 150 / rounds > 1.5
+
+
+def test_oracle_counts_proposals_made_off_the_reference():
+    """A request whose output follows its reference is on it; once an emitted token differs (a
+    batch that rounded differently, or sampling) every later proposal is counted off, and the
+    request once. (Breakage tried: comparing only token_ids, not the anchor, misses a flip in the
+    newest token: caught by the second request's first off count.)"""
+    prompt, ref = [5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17]
+    o = OracleDrafter({tuple(prompt): ref}, vocab_size=50)
+
+    def ask(rid, out):  # out: the output so far, its last token the anchor
+        return o.propose([DraftRequest.from_parts(rid, prompt, out, 4, num_prompt_tokens=len(prompt))])[0]
+
+    assert ask("a", [10]).tokens == [11, 12, 13]
+    assert ask("a", [10, 11, 12]).tokens == [13, 14, 15]
+    assert o.stats() == {"oracle_proposals": 2, "oracle_off_reference_share": 0.0, "oracle_requests_off_reference": 0}
+    ask("b", [10])
+    ask("b", [10, 99])  # the newest emitted token (the anchor) left the reference
+    assert o.stats()["oracle_requests_off_reference"] == 1
+    ask("b", [10, 99, 12, 13])
+    s = o.stats()
+    assert s["oracle_proposals"] == 5 and s["oracle_requests_off_reference"] == 1
+    assert s["oracle_off_reference_share"] == pytest.approx(2 / 5)
+    o.release("b")
+    ask("b", [10])  # a new request with that id starts on its reference
+    assert o.stats()["oracle_requests_off_reference"] == 1 and o.stats()["oracle_proposals"] == 6

@@ -40,6 +40,7 @@ def test_every_drafter_and_preset_is_exact(reference, preset, algorithm):
     assert st["spec_rounds"] > 0
     if algorithm == "oracle":
         assert st["spec_tokens_per_round"] > 2.0 and st["spec_accept_pos1"] > 0.5
+        assert st["oracle_proposals"] > 0 and st["oracle_off_reference_share"] == 0.0  # the outputs equal the reference
 
 
 def test_union_beyond_hot_cache_goes_through_staging(reference):

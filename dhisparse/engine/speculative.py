@@ -76,10 +76,12 @@ class SpecRuntime:
     def stats(self) -> dict:
         """Acceptance, steps by chosen width (`spec_steps_width{w}`, 1 = speculation off), the
         measured round cost by width (`spec_cost_ms_width{w}`, what the online policy and DSpark
-        price widths with) and drafter cost: time per propose call, device bytes of its weights and state."""
+        price widths with), drafter cost (time per propose call, device bytes of its weights and state)
+        and the drafter's own counters (`Drafter.stats`: the oracle's off-reference share)."""
         mem = self.drafter.device_bytes()
         costs = {f"spec_cost_ms_width{w}": 1e3 * s for w, s in self.cost.measured.items()}
-        return self.counters.as_dict() | costs | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
+        return (self.counters.as_dict() | costs | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
+                | self.drafter.stats())
 
     def forget_learning(self) -> None:
         """Back to the priors: the online policy's acceptance and every measured round cost. Run

@@ -126,6 +126,9 @@ class DFlashDrafter:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return DrafterBytes(weights, self.kv.device_bytes())
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def admit(self, request_id: str) -> None:
         if request_id not in self._states:
             self._states[request_id] = _State(self.kv.admit(request_id))

@@ -216,6 +216,10 @@ class Drafter(Protocol):
         """Device memory the drafter holds: its own weights and its allocated state (ring)."""
         ...
 
+    def stats(self) -> dict[str, float]:
+        """The drafter's own counters, merged into the engine's stats ({} when it keeps none)."""
+        ...
+
 
 class Commit(NamedTuple):
     """One request's verification outcome for its drafter: `accepted` drafts, and new_features
@@ -276,3 +280,6 @@ class StatelessDrafter:
 
     def device_bytes(self) -> DrafterBytes:
         return DrafterBytes()
+
+    def stats(self) -> dict[str, float]:
+        return {}

@@ -159,6 +159,9 @@ class DSparkDrafter:
     def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
         return self.inner.commit_many(items)
 
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 

@@ -120,6 +120,9 @@ class MtpDrafter:
         weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return DrafterBytes(weights, self.ring.device_bytes())
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def state_bytes_per_request(self) -> int:
         """The ring slot plus, until the first round, up to W prompt features awaiting their rows."""
         return self.ring.bytes_per_slot() + self._feat_bytes

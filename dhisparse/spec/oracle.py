@@ -59,8 +59,11 @@ class OracleDrafter(StatelessDrafter):
 
     reference: {tuple(prompt ids): reference output ids} or a callable prompt ids -> output ids.
     vocab_size: corrupted tokens are drawn uniformly among the other vocab_size - 1 ids.
-    If the request's output has left the reference (sampling, stop strings), the oracle keeps
-    proposing the reference at the same output offset; acceptance then drops, as it should.
+    If the request's output has left the reference (sampling, stop strings, or greedy tokens that
+    differ from the reference run's because the batch rounded differently: a model without a
+    confident head), the oracle keeps proposing the reference at the same output offset; acceptance
+    then drops, as it should. `stats()` says how often that happened: the share of proposals made
+    for a request already off its reference, and how many requests left it.
     """
 
     def __init__(self, reference: Reference, vocab_size: int, corrupt_rate: float = 0.0, seed: int = 0) -> None:
@@ -72,6 +75,9 @@ class OracleDrafter(StatelessDrafter):
         self.corrupt_rate, self.seed = corrupt_rate, seed
         self._refs: dict[str, list[int]] = {}
         self._rngs: dict[str, random.Random] = {}
+        self._checked: dict[str, int] = {}  # output tokens compared with the reference so far
+        self._off: set[str] = set()  # live requests whose output has left their reference
+        self.proposals = self.proposals_off = self.requests_off = 0
 
     @classmethod
     def for_tokens_per_round(cls, reference: Reference, vocab_size: int, tokens_per_round: float, width: int,
@@ -82,6 +88,15 @@ class OracleDrafter(StatelessDrafter):
     def release(self, request_id: str) -> None:
         self._refs.pop(request_id, None)
         self._rngs.pop(request_id, None)
+        self._checked.pop(request_id, None)
+        self._off.discard(request_id)
+
+    def stats(self) -> dict[str, float]:
+        """oracle_proposals, oracle_off_reference_share (proposals for a request whose output had
+        left its reference), oracle_requests_off_reference (requests that left it, ever)."""
+        share = self.proposals_off / self.proposals if self.proposals else 0.0
+        return {"oracle_proposals": self.proposals, "oracle_off_reference_share": share,
+                "oracle_requests_off_reference": self.requests_off}
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         return [self._propose_one(r) for r in requests]
@@ -89,10 +104,27 @@ class OracleDrafter(StatelessDrafter):
     def _propose_one(self, req: DraftRequest) -> DraftProposal:
         ref = self._reference_of(req)
         offset = req.num_committed - req.num_prompt_tokens + 1  # output tokens so far, anchor included
+        self._follow(req, ref, offset)
         truth = ref[offset: offset + req.max_drafts]
         rng = self._rngs.setdefault(req.request_id, random.Random(self._stream_seed(req.request_id)))
         tokens = [self._maybe_corrupt(t, rng) for t in truth]
         return DraftProposal(tokens, None, [1.0 - self.corrupt_rate] * len(tokens))
+
+    def _follow(self, req: DraftRequest, ref: list[int], offset: int) -> None:
+        """Compare the request's output tokens not compared yet (output index i: token_ids[prompt + i],
+        the anchor last) with its reference; count this proposal on or off the reference."""
+        rid = req.request_id
+        start = self._checked.get(rid, 0)
+        if rid not in self._off:
+            for i in range(start, offset):
+                tok = req.anchor if i == offset - 1 else int(req.token_ids[req.num_prompt_tokens + i])
+                if i >= len(ref) or ref[i] != tok:
+                    self._off.add(rid)
+                    self.requests_off += 1
+                    break
+        self._checked[rid] = max(start, offset)
+        self.proposals += 1
+        self.proposals_off += rid in self._off
 
     def _reference_of(self, req: DraftRequest) -> list[int]:
         if req.request_id not in self._refs:
@@ -147,6 +179,9 @@ class CostedOracle:
 
     def commit_many(self, items: Sequence[Commit]) -> list[Exception | None]:
         return self.inner.commit_many(items)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats() | self.oracle.stats()
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
