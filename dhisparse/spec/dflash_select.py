@@ -32,12 +32,10 @@ def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Ten
     """x [N, L, H]; dynamic [N, L, ks, G]; base [ks, H] (G = H / group) -> [N, L, H] (causal along L)."""
     n, length, h = x.shape
     ks, groups = base.shape[0], h // group
-    xs = x.view(n, length, groups, group)
-    out = torch.zeros_like(xs)
-    for o in range(ks):
-        shifted = xs if o == 0 else F.pad(xs[:, : length - o], (0, 0, 0, 0, o, 0))
-        out = out + (base[o].view(groups, group).to(x.dtype) + dynamic[:, :, o, :, None]) * shifted
-    return out.view(n, length, h)
+    xs = F.pad(x.view(n, length, groups, group), (0, 0, 0, 0, ks - 1, 0))  # [N, L + ks - 1, G, g]
+    shifted = xs.unfold(1, ks, 1).flip(-1)  # [N, L, G, g, ks]: [..., o] = x[t - o] (0 before the block)
+    kernel = base.view(ks, groups, group).to(x.dtype) + dynamic[..., None]  # [N, L, ks, G, g]
+    return (kernel.permute(0, 1, 3, 4, 2) * shifted).sum(-1).view(n, length, h)  # every tap at once
 
 
 class GroupedDynamicConv(nn.Module):
