@@ -346,11 +346,12 @@ class DFlashDrafter:
         gens = [None if t == 0 else self._generator(r, s, logits.device) for r, s, t in zip(reqs, states, temps)]
         anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=logits.device)
         sel = self.model.candidate_selector.select(hidden[:, :k_all], logits[:, :k_all], anchors, temps, gens)
+        tokens, confidence = sel.tokens.tolist(), sel.confidence.tolist()  # two device reads a round, not two a request
         out = []
         for row, (req, t) in enumerate(zip(reqs, temps)):
             k = min(req.max_drafts, k_all)
             probs = None if t == 0 else sel.dense_q(row, k, logits.shape[-1])
-            out.append(DraftProposal(sel.tokens[row, :k].tolist(), probs, sel.confidence[row, :k].tolist()))
+            out.append(DraftProposal(tokens[row][:k], probs, confidence[row][:k]))
         return out
 
     def _head(self, reqs: list[DraftRequest], states: list[_State], hidden: torch.Tensor,
