@@ -37,11 +37,13 @@ shape (DFlash2, 6 layers at hidden 6,144: ~5 GiB) and activations.
 
 Why the expert count, from GLM-5 on the paper's four decode GPUs: with expert parallelism each
 GPU holds 64 of 256 experts in each of 75 MoE layers, 64 x 75 x 37.75 M = 181 GB of FP8 expert
-weights. A decode batch of tens of tokens a GPU touches nearly all of them, so a step streams
-~181 GB at B300's ~8 TB/s: ~23 ms, the paper's 38% of its step. One H200 streams its experts at
-~4.8 TB/s and cannot hold 181 GB beside its pools; 24 experts (68 GB) is about what fits and
-streams in ~14-20 ms a step. Whether that is the paper's share at our high-load point is measured
-(bench/step_profile.py's `moe` family, docs/benchmarks.md), not assumed.
+weights. The global decode batch (tens of tokens per GPU, exchanged to their experts) touches
+nearly all of them, so a step streams ~181 GB at B300's ~8 TB/s: ~23 ms (were that the paper's
+38%, its step would be ~60 ms). One H200 streams its experts at ~4.8 TB/s and cannot hold 181 GB
+beside its pools; 24 experts (68 GB) is about what fits and streams in ~14-20 ms a step at full
+bandwidth. Whether that is the paper's share at our high-load point is measured, not assumed
+(bench/step_profile.py's `moe` family; docs/benchmarks.md, session 28: 16.2% of a 153.5-ms step
+at 100K C47, with the routing collapse `balance_router` now prevents).
 
 `build_faithful(name, seed, dtype, device, num_layers=None, overrides=None)` builds layer by layer
 on `device`: each layer is made in `dtype`, initialised, quantized and its bf16 copies freed, so the
