@@ -119,10 +119,11 @@ def arm_pairs(arm: str) -> list[str]:
 
 def schedule(ns) -> list[tuple[int, str, str]]:
     """(C, preset, arm) in run order: per load, `--repeats` rounds of every arm x preset; round r
-    starts at arm r mod len(arms), so no arm always runs first on a warm machine."""
-    n = len(ns.arm_list)
-    return [(c, preset, ns.arm_list[(r + i) % n]) for c in ns.concurrencies for r in range(ns.repeats)
-            for i in range(n) for preset in ns.preset_list]
+    starts at arm r mod len(arms) and, within each arm, at preset r mod len(presets), so no arm and
+    no preset always runs first on a warm machine (issue 31 item 4: preset order rotated)."""
+    n, m = len(ns.arm_list), len(ns.preset_list)
+    return [(c, ns.preset_list[(r + j) % m], ns.arm_list[(r + i) % n]) for c in ns.concurrencies
+            for r in range(ns.repeats) for i in range(n) for j in range(m)]
 
 
 def label(preset: str, arm: str) -> str:

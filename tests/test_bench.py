@@ -235,8 +235,9 @@ def test_gpu_serving_engine_args_are_typed_from_the_config():
 
 
 def test_gpu_serving_arms_rotate_and_apply_their_settings():
-    """--arms / --repeats: every (preset, arm) runs once a repeat, repeat r starts at arm r mod n, each
-    arm's settings reach its engine config, and a bad arm fails before any model is built."""
+    """--arms / --repeats: every (preset, arm) runs once a repeat, repeat r starts at arm r mod n and
+    at preset r mod m, each arm's settings reach its engine config, and a bad arm fails before any
+    model is built."""
     import importlib.util
     import pathlib
 
@@ -247,7 +248,7 @@ def test_gpu_serving_arms_rotate_and_apply_their_settings():
                    "--repeats", "2"])
     order = [(p, a.split("=")[1]) for _, p, a in gs.schedule(ns)]
     assert order == [("hisparse", "paper"), ("adaptive", "paper"), ("hisparse", "single"), ("adaptive", "single"),
-                     ("hisparse", "single"), ("adaptive", "single"), ("hisparse", "paper"), ("adaptive", "paper")]
+                     ("adaptive", "single"), ("hisparse", "single"), ("adaptive", "paper"), ("hisparse", "paper")]
     sz = gs.sizing(ns, gs.model_config(ns.model))
     assert gs.engine_config(ns, sz, "adaptive", "staging_mode=single").staging_mode == "single"
     assert gs.label("adaptive", "staging_mode=single") == "adaptive@staging_mode=single" and gs.label("adaptive", "") == "adaptive"
