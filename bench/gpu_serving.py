@@ -89,6 +89,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--graph-max-bs-per-load", action="store_true",
       help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
            "step_graph_warmup=true an engine captures only the graphs that load replays, not every bucket up to its slots")
+    a("--stagger", action="store_true", help="staggered starts (Workload.stagger): client k's first request is capped "
+      "at output_len * (k + 1) / C tokens, so a window sees completions and re-admissions from its start")
     a("--prewarm", action="store_true",
       help="before the first window build and drop one engine per (preset, arm) with graphs for one request: the "
            "process's first engine of a verification width compiles its shapes (s22: 2-8 s a graph), so no measured run pays that")
@@ -326,7 +328,7 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str =
     engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference,
                         **(dict(cuda_graph_max_bs=c) if ns.graph_max_bs_per_load else {}))
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
-                        timeout_s=ns.duration + 600)
+                        timeout_s=ns.duration + 600, stagger=ns.stagger)
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
     loop.distinct = ns.distinct_suffixes
     trace = loop.run()

@@ -328,7 +328,7 @@ case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle 
   run "costed DFlash2 oracle on glm5-faithful, ${COSTED_TPR:-2.88} tokens a round" timeout ${COSTED_TIMEOUT:-480} \
       python3 bench/gpu_serving.py --model glm5-faithful --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 \
       --kv-cache-dtype fp8_e4m3 --max-batched-tokens 8192 --concurrency ${FAITHFUL_C:-30} --presets "${COSTED_PRESETS:-hisparse,adaptive,adaptive+spec}" \
-      --duration 30 --distinct-suffixes ${FAITHFUL_C:-30} --force --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} \
+      --duration 30 --stagger --distinct-suffixes ${FAITHFUL_C:-30} --force --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} \
       --repeats ${COSTED_REPEATS:-1} --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --out "$OUT/costed_dflash2_faithful_100k_k2048_c${FAITHFUL_C:-30}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)

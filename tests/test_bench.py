@@ -59,6 +59,24 @@ def test_bench_duration_mode_counts_window_tokens(tmp_path):
     assert {"t", "output_tok_s", "running", "kv_pages_used"} <= set(run["series"][0])
 
 
+def test_staggered_starts_spread_the_first_requests():
+    """--stagger (issue 31 item 4): client k's first request is capped at ceil(L (k + 1) / C) tokens,
+    every later one at L, so requests complete from early on instead of as one wave. (Breakage
+    tried: every request staggered, not only the first: caught by the later requests' lengths.)"""
+    w = Workload(input_len=8, output_len=10, duration_s=1.0, stagger=True)
+    assert [w.max_tokens_for(k, True, 4) for k in range(4)] == [3, 5, 8, 10]
+    assert w.max_tokens_for(0, False, 4) == 10 and Workload(input_len=8, output_len=10).max_tokens_for(0, True, 4) == 10
+    import tempfile
+    from pathlib import Path
+
+    out = Path(tempfile.mkdtemp()) / "b.json"
+    assert main(["bench", *SMALL, "--concurrency", "3", "--num-requests", "6", "--output-len", "9", "--stagger",
+                 "--presets", AVAILABLE_PRESETS[0], "--out", str(out)]) == 0
+    reqs = sorted(json.loads(out.read_text())["runs"][0]["requests"], key=lambda r: r["index"])
+    assert [(r["client"], r["output_len"]) for r in reqs[:3]] == [(0, 3), (1, 6), (2, 9)]  # each client's first
+    assert [r["output_len"] for r in reqs[3:]] == [9, 9, 9]
+
+
 def test_loadstep_cli_phases_and_figure(tmp_path):
     out, figs = tmp_path / "ls.json", tmp_path / "figs"
     assert main(["loadstep", *SMALL, "--c-low", "1", "--c-high", "3", "--low-duration", "0.6", "--high-duration", "0.8",

@@ -54,3 +54,17 @@ def test_bench_over_http_sends_the_api_key(tmp_path, monkeypatch):
         assert main(["bench", "--url", srv.url, *args, "--out", str(tmp_path / "b.json")]) == 0
     for name in ("a.json", "b.json"):
         assert json.loads((tmp_path / name).read_text())["runs"][0]["metrics"]["requests_completed"] == 2
+
+
+def test_bench_over_http_staggers_the_first_requests(tmp_path):
+    """--stagger over HTTP: each client's first request asks for its share of --output-len."""
+    engine = Engine(EngineConfig(device="cpu", max_model_len=256, kv_pool_bytes=32 << 20))
+    out = tmp_path / "http.json"
+    with ServerThread(engine) as srv:
+        assert main(["bench", "--url", srv.url, "--concurrency", "2", "--num-requests", "4", "--input-len", "40",
+                     "--output-len", "6", "--stagger", "--no-warmup", "--no-progress", "--out", str(out)]) == 0
+    reqs = json.loads(out.read_text())["runs"][0]["requests"]
+    firsts = {}
+    for r in sorted(reqs, key=lambda r: r["index"]):
+        firsts.setdefault(r["client"], r["output_len"])
+    assert sorted(firsts.values()) == [3, 6] and sorted(r["output_len"] for r in reqs) == [3, 6, 6, 6]

@@ -112,22 +112,26 @@ class HttpLoop:
             return self.issued >= self.workload.num_requests and not self.live
         return self.now() >= self.phases.total_s
 
-    def _body(self, index: int, prompts: list) -> dict:
+    def _body(self, index: int, prompts: list, max_tokens: int) -> dict:
         w = self.workload
-        return {"model": self.target.model, "prompt": prompts[index % len(prompts)], "max_tokens": w.output_len,
+        return {"model": self.target.model, "prompt": prompts[index % len(prompts)], "max_tokens": max_tokens,
                 "temperature": w.temperature, "ignore_eos": w.ignore_eos, "stream": True,
                 "stream_options": {"include_usage": True}}
 
     async def _client(self, client: httpx.AsyncClient, k: int, prompts: list) -> None:
+        first = True
         while not self._done():
             if k >= self.phases.target(self.now()) or not self._may_issue():
                 await asyncio.sleep(POLL_S)
                 continue
             index, self.issued = self.issued, self.issued + 1
+            cap = self.workload.max_tokens_for(k, first, self.phases.max_concurrency)
+            first = False
             res = StreamResult(self.now())
             self.live[index] = res
             try:
-                await stream_completion(client, f"{self.target.url}/v1/completions", self._body(index, prompts), res, self.now)
+                await stream_completion(client, f"{self.target.url}/v1/completions", self._body(index, prompts, cap), res,
+                                        self.now)
             finally:
                 del self.live[index]
                 self.records.append(res.record(index, k))
@@ -171,7 +175,7 @@ class HttpLoop:
     async def _warmup(self, client: httpx.AsyncClient, prompts: list) -> None:
         """One short request per client, all at once, before the clock starts."""
         def body(k: int) -> dict:
-            b = dict(self._body(k, prompts), max_tokens=min(4, self.workload.output_len), stream=False)
+            b = dict(self._body(k, prompts, min(4, self.workload.output_len)), stream=False)
             b.pop("stream_options")
             return b
 

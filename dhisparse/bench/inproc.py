@@ -9,6 +9,7 @@ end and counts the tokens generated inside the window; a request-count run waits
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample
@@ -46,6 +47,7 @@ class InProcessLoop:
         self.steps: list[StepSample] = []
         self.series = SeriesRecorder(sample_interval_s)
         self.issued = self.window_tokens = 0
+        self.started: set[int] = set()  # clients that have issued their first request
         self.t0 = 0.0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -64,7 +66,10 @@ class InProcessLoop:
             if not self._may_issue(now):
                 return
             prompt = self._prompt(self.issued)
-            rid = self.engine.add_request(prompt, self.params)
+            cap = self.workload.max_tokens_for(client, client not in self.started, self.phases.max_concurrency)
+            self.started.add(client)
+            params = self.params if cap == self.params.max_tokens else replace(self.params, max_tokens=cap)
+            rid = self.engine.add_request(prompt, params)
             self.live[rid] = _Live(self.issued, client, now, len(prompt))
             self.idle_clients.discard(client)
             self.issued += 1

@@ -26,7 +26,11 @@ class Workload:
     duration_s / num_requests: stop after this long or this many requests (one of them);
     timeout_s: hard bound on a run in request-count mode; temperature 0 = greedy;
     warmup: before the timed window, run one short request per client at the run's highest
-    concurrency (first-time costs of a batch shape stay out of the numbers)."""
+    concurrency (first-time costs of a batch shape stay out of the numbers); stagger: client k's
+    first request is capped at ceil(output_len * (k + 1) / clients) tokens (`max_tokens_for`), so
+    completions and re-admissions are spread over one request lifetime from the start instead of
+    arriving as one wave (issue 31 item 4: staggered starts; a 30-s window with 2,048-token outputs
+    otherwise completes nothing)."""
 
     input_len: int = 1024
     output_len: int = 128
@@ -36,6 +40,7 @@ class Workload:
     ignore_eos: bool = True
     timeout_s: float = 3600.0
     warmup: bool = True
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -46,6 +51,13 @@ class Workload:
             raise ValueError(f"duration_s must be > 0; got {self.duration_s}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1; got {self.num_requests}")
+
+
+    def max_tokens_for(self, client: int, first: bool, clients: int) -> int:
+        """Output cap of a request: output_len, or with `stagger` a client's first request's share."""
+        if not (self.stagger and first):
+            return self.output_len
+        return max(1, -(-self.output_len * (client + 1) // max(clients, 1)))
 
 
 class Phase(NamedTuple):

@@ -32,6 +32,9 @@ def add_workload_args(p: argparse.ArgumentParser, duration: float | None = 30.0)
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--respect-eos", action="store_true", help="stop at EOS instead of always producing --output-len tokens")
     g.add_argument("--no-warmup", action="store_true", help="skip the short warm-up requests before each timed run")
+    g.add_argument("--stagger", action="store_true",
+                   help="staggered starts: client k's first request is capped at output_len * (k + 1) / clients "
+                        "tokens, so completions and re-admissions spread over one request lifetime from the start")
     g.add_argument("--timeout", type=float, default=3600.0, help="hard bound in seconds on one run")
     g.add_argument("--sample-interval", type=float, default=1.0, help="seconds per row of the engine-counter time series")
     if duration is not None:
@@ -74,7 +77,7 @@ def workload_from(ns: argparse.Namespace, duration_s: float | None = None):
     return Workload(input_len=ns.input_len, output_len=ns.output_len,
                     duration_s=None if count is not None else duration, num_requests=count,
                     temperature=ns.temperature, ignore_eos=not ns.respect_eos, timeout_s=ns.timeout,
-                    warmup=not ns.no_warmup)
+                    warmup=not ns.no_warmup, stagger=ns.stagger)
 
 
 def presets_from(ns: argparse.Namespace) -> list[str]:
