@@ -12,8 +12,9 @@ Target features: the engine runs the target with `capture_layers=drafter.capture
 passes `{layer: [rows, hidden]}` slices. Prompt features go to `observe(rid, feats, start)` per
 prefill chunk (a long prompt may pass only its last W positions: start = n - W), or all at once
 in the first `DraftRequest.new_features` (positions right after what the drafter holds); the
-features of each round's committed positions go to `commit`. Drafters that need no features
-(n-gram, oracle) report `capture_layers == ()` and ignore them.
+features of each round's committed positions go to `commit_many` (every request of the round in
+one call; `commit` for one). Drafters that need no features (n-gram, oracle) report
+`capture_layers == ()` and ignore them.
 """
 
 from __future__ import annotations
