@@ -322,15 +322,15 @@ case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
-case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle on glm5-faithful (drafter of the paper's shape: 6 layers at hidden 6,144, 5.0 GiB), charged memory, FP8 rows, 100K k 2,048, C${FAITHFUL_C:-30}; one tokens-per-round value a call (~9 min; untried)
+case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle on glm5-faithful (drafter of the paper's shape: 6 layers at hidden 6,144, 5.0 GiB), charged memory, FP8 rows, 100K k 2,048, C${COSTED_FAITHFUL_C:-20} (60% of the 33 slots that --resident-fit 3 gives with FP8 rows: the high-load point); one tokens-per-round value a call (untried; budget it first: the 100K prefix took 151 s to prefill in s28c and the oracle reference is COSTED_OUT greedy steps at ~150 ms, so the default output is 1,024 tokens and COSTED_PRESETS may need one preset a call)
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --out /tmp/dflash2_6l_faithful
   run "costed DFlash2 oracle on glm5-faithful, ${COSTED_TPR:-2.88} tokens a round" timeout ${COSTED_TIMEOUT:-480} \
-      python3 bench/gpu_serving.py --model glm5-faithful --input-len 102400 --output-len 2048 --resident-fit 3 --host-pool-gib 16 \
-      --kv-cache-dtype fp8_e4m3 --max-batched-tokens 8192 --concurrency ${FAITHFUL_C:-30} --presets "${COSTED_PRESETS:-hisparse,adaptive,adaptive+spec}" \
-      --duration 30 --stagger --distinct-suffixes ${FAITHFUL_C:-30} --force --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} \
+      python3 bench/gpu_serving.py --model glm5-faithful --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit 3 --host-pool-gib 16 \
+      --kv-cache-dtype fp8_e4m3 --max-batched-tokens 8192 --concurrency ${COSTED_FAITHFUL_C:-20} --presets "${COSTED_PRESETS:-hisparse,adaptive,adaptive+spec}" \
+      --duration 30 --stagger --distinct-suffixes ${COSTED_FAITHFUL_C:-20} --force --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} \
       --repeats ${COSTED_REPEATS:-1} --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
-      --out "$OUT/costed_dflash2_faithful_100k_k2048_c${FAITHFUL_C:-30}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
+      --out "$OUT/costed_dflash2_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
   run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \
