@@ -315,7 +315,7 @@ case ",$STEPS," in *,staging26,*)  # issue 26 item 1: verification staging paper
       --out "$OUT/staging_8k_c18_h200.json" ;; esac
 case ",$STEPS," in *,fp8w31,*)  # issue 31 item 1: CUDA exactness of the FP8 weight GEMMs and the glm5-faithful model; their bandwidth against bf16 torch.matmul (~2 min)
   run "exactness on CUDA, FP8 weights" timeout ${FP8W_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
-      tests/test_fp8_gemm.py tests/test_faithful_model.py tests/test_moe.py tests/test_sparse_mla_kernel.py --junitxml="$OUT/fp8w31_cuda.xml"
+      tests/test_fp8_gemm.py tests/test_fp8_modules.py tests/test_faithful_model.py tests/test_moe.py tests/test_sparse_mla_kernel.py --junitxml="$OUT/fp8w31_cuda.xml"
   run "FP8 weight GEMMs vs bf16 matmul" timeout ${FP8B_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --out "$OUT/fp8_gemm_bench_h200.json" ;; esac
 case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100K decode step goes (the expert GEMMs' share), hisparse C${FAITHFUL_C:-47}, FP8 rows (~5 min)
   run "decode-step profile, glm5-faithful, 100K k 2048, C${FAITHFUL_C:-47}, fp8" timeout ${FAITHFUL_TIMEOUT:-420} python3 bench/step_profile.py \
