@@ -187,10 +187,7 @@ def test_stale_claims_never_resolve_a_row():
     call's entries that hold other positions, of padding, out of range, negative), plans stay
     exact. Without the kernel's sel[u] == hot_pos check a stale uid would turn a miss into a hit."""
     g = torch.Generator().manual_seed(5)
-    st = make_state(S=3, B=8, L=48, TT=4)
-    fill_hot(st, 0, [1, 2, 3, 30, 31, 40, 41], [0, 0, 1, 2, 3, 1, 2])
-    fill_hot(st, 2, [5, 6, 7, 8], [1, 1, 1, 1])
-    p, ws = Pair(st), PlanWorkspace(DEV)
+    st, p, ws = stale_claims_rig()
     for now in range(4):
         sel = torch.randint(-1, 48, (2, 3, 6), generator=g)
         sel[0, 0, :3] = torch.tensor([1, 30, -1])  # hits among the stale cells
@@ -198,6 +195,15 @@ def test_stale_claims_never_resolve_a_row():
         for pv in ws.claims():
             pv.copy_(torch.randint(-3, 3 * 6 + 3, pv.shape, generator=g).to(pv))
         p.step(sel, [0, 2], now=4 + now, ws=ws)
+
+
+def stale_claims_rig():
+    """(state, Pair, workspace) of the stale-claim tests: 3 slots of 8 hot rows over 48 positions,
+    slot 0 with hot positions at both ends of the range, slot 2 with four at the same stamp."""
+    st = make_state(S=3, B=8, L=48, TT=4)
+    fill_hot(st, 0, [1, 2, 3, 30, 31, 40, 41], [0, 0, 1, 2, 3, 1, 2])
+    fill_hot(st, 2, [5, 6, 7, 8], [1, 1, 1, 1])
+    return st, Pair(st), PlanWorkspace(DEV)
 
 
 def random_state(g, S, B, L, TT, direct, fill, seed):

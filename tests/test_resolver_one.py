@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
-from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
+from test_resolver_kernel import DEV, Pair, fill_hot, random_state, stale_claims_rig  # noqa: E402
 from test_resolver_reference import clone_state, make_state  # noqa: E402
 
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
@@ -55,10 +55,7 @@ def test_distinct_one_query_against_reference(S, k, B, L, TT, direct, fill, step
 def test_distinct_with_stale_claims_and_hits_among_them():
     """Hot positions whose claim cells hold this call's uids of other positions stay misses."""
     g = torch.Generator().manual_seed(11)
-    st = make_state(S=3, B=8, L=48, TT=4)
-    fill_hot(st, 0, [1, 2, 3, 30, 31, 40, 41], [0, 0, 1, 2, 3, 1, 2])
-    fill_hot(st, 2, [5, 6, 7, 8], [1, 1, 1, 1])
-    p, ws = Pair(st), PlanWorkspace(DEV)
+    st, p, ws = stale_claims_rig()
     for now in range(4):
         sel = _distinct_sel(g, 2, 6, torch.tensor([44, 44]), pad=0.2)
         sel[0, 0, :2] = torch.tensor([1, 30])
