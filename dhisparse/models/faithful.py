@@ -62,7 +62,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
-from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_tensor, stable_index_query
+from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_module, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
@@ -124,11 +124,7 @@ def _init_module(module: nn.Module, prefix: str, layers: int, dtype: torch.dtype
                  gen: torch.Generator) -> None:
     """Materialize a meta `module` on `device` with scaled.py's seeded values (names `prefix` + own)."""
     module.to_empty(device=device)
-    tensors = dict(module.named_parameters())
-    tensors.update(module.named_buffers())
-    for name in sorted(module.state_dict()):
-        t = tensors[name]
-        t.data = init_tensor(prefix + name, t.shape, layers, dtype, device, gen)
+    init_module(module, prefix, layers, dtype, device, gen)
 
 
 def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:

@@ -142,16 +142,24 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    for name in sorted(model.state_dict()):
-        t = tensors[name]
-        t.data = init_tensor(name, t.shape, cfg.num_layers, dtype, device, gen)
-        if name.endswith("embed_tokens.weight") and embed_offset:
-            t.data += (embed_offset * shared).to(t.dtype)
+    init_module(model, "", cfg.num_layers, dtype, device, gen)
+    if embed_offset:
+        emb = model.model.embed_tokens.weight
+        emb.data += (embed_offset * shared).to(emb.dtype)
     _confident_head(model, cfg, seed, embed_offset * shared)
     if index_gain and embed_offset:
         _stable_index_queries(model, cfg, seed, shared, index_gain)
+
+
+def init_module(module: torch.nn.Module, prefix: str, layers: int, dtype: torch.dtype, device: torch.device | str,
+                gen: torch.Generator) -> None:
+    """Every state-dict tensor of `module` (named `prefix` + its own name) set to `init_tensor`'s
+    value, in sorted name order (one draw order from `gen` for a given set of names)."""
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    for name in sorted(module.state_dict()):
+        t = tensors[name]
+        t.data = init_tensor(prefix + name, t.shape, layers, dtype, device, gen)
 
 
 def init_tensor(name: str, shape: torch.Size, layers: int, dtype: torch.dtype, device: torch.device | str,
