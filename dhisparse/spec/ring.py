@@ -80,6 +80,13 @@ class RingAllocator:
         """positions [n] int64 -> rows [n] int64 (eq. 10, vectorised)."""
         return slot * self.rows_per_slot + torch.remainder(positions, self.rows_per_slot)
 
+    def rows_batch(self, slots: list[int], positions: list[torch.Tensor]) -> torch.Tensor:
+        """`rows` of positions[i] in slots[i] for every i, concatenated, in one pass."""
+        pos = torch.cat(positions)
+        counts = torch.tensor([p.numel() for p in positions], device=pos.device)
+        first = torch.tensor(slots, dtype=torch.int64, device=pos.device) * self.rows_per_slot
+        return torch.repeat_interleave(first, counts) + torch.remainder(pos, self.rows_per_slot)
+
     def check_integrity(self) -> None:
         used = set(self._slot.values())
         assert len(used) == len(self._slot), "draft ring: a slot is owned twice"
@@ -131,12 +138,7 @@ class DraftKVRing:
 
     def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """positions [n] int64; k, v [n, kv_heads, head_dim]. At most R_d positions per call."""
-        if positions.numel() > self.alloc.rows_per_slot:
-            raise ValueError(f"draft ring: {positions.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
-        rows = self.alloc.rows(slot, positions.to(self.tags.device))
-        self.k[layer][rows] = k.to(self.k[layer].dtype)
-        self.v[layer][rows] = v.to(self.v[layer].dtype)
-        self.tags[layer][rows] = positions.to(self.tags.device)
+        self.write_batch([slot], layer, [positions], k, v)
 
     def write_batch(self, slots: list[int], layer: int, positions: list[torch.Tensor], k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -145,13 +147,11 @@ class DraftKVRing:
         for slot, pos in zip(slots, positions):
             if pos.numel() > self.alloc.rows_per_slot:
                 raise ValueError(f"draft ring: {pos.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
-        pos = torch.cat(positions).to(self.tags.device)
-        starts = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64) * self.alloc.rows_per_slot,
-                                         torch.tensor([p.numel() for p in positions])).to(self.tags.device)
-        rows = starts + torch.remainder(pos, self.alloc.rows_per_slot)
+        positions = [p.to(self.tags.device) for p in positions]
+        rows = self.alloc.rows_batch(slots, positions)
         self.k[layer][rows] = k.to(self.k[layer].dtype)
         self.v[layer][rows] = v.to(self.v[layer].dtype)
-        self.tags[layer][rows] = pos
+        self.tags[layer][rows] = torch.cat(positions)
 
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> (k, v) [n, kv_heads, head_dim]; raises if a row was overwritten (I6)."""
