@@ -4,7 +4,8 @@ a failing batched pass falls back to one item at a time, and the host work no lo
 projection pass per request (ops counted on CPU; issue 31: the costed drafter's 22.6 ms a round).
 
 Breakages tried: `RingAllocator.rows_batch` without the slot offset (caught by
-test_write_batch_is_write_per_slot and test_batched_commits_match_one_at_a_time); the states
+test_batched_commits_match_one_at_a_time, test_spec_ring.py's wraparound test and the DFlash drafter
+tests: reads find other positions' tags); the states
 advanced before the writes in `_ingest_many` with the fallback on (caught by
 test_a_failing_batched_pass_falls_back_per_item: positions double-counted)."""
 
