@@ -30,6 +30,7 @@ from torch import nn  # noqa: E402
 
 from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
 from bench.resolver_timing import header  # noqa: E402
+from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8  # noqa: E402
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear  # noqa: E402
 
 LINEARS = {"q_a": (2048, 6144), "q_b": (16384, 2048), "kv_a": (576, 6144), "o_proj": (6144, 16384),
@@ -77,7 +78,7 @@ def linear_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: tor
         n, k = max(16, int(n * scale)), max(16, int(k * scale))
         lin = nn.Linear(k, n, bias=False).to(dev, dtype)
         f8 = Fp8Linear.from_linear(lin)
-        lin.weight.data = f8_dequant(f8).to(dtype)  # the baseline multiplies the same (dequantized) weights
+        lin.weight.data = dequantize_block_fp8(f8.weight, f8.weight_scale_inv).to(dtype)  # the same weights, dequantized
         for T in [*ints(ns.tokens), *([ns.prefill_tokens] if ns.prefill_tokens else [])]:
             x = torch.randn(T, k, generator=g).to(dev, dtype)
             rows.append(_pair(name, T, f8, lin, lambda: f8(x), lambda: lin(x), tm, cuda))
@@ -85,15 +86,8 @@ def linear_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: tor
     return rows
 
 
-def f8_dequant(f8: Fp8Linear) -> torch.Tensor:
-    from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
-
-    return dequantize_block_fp8(f8.weight, f8.weight_scale_inv)
-
-
 def expert_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torch.Generator) -> list[dict]:
     from dhisparse.core.config import ModelConfig
-    from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
     from dhisparse.layers.moe import Experts, Routing
     from dhisparse.models.faithful import faithful_hf_config
 
