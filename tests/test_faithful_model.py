@@ -10,7 +10,7 @@ import torch
 
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.models.dsa import DsaForCausalLM
-from dhisparse.models.faithful import FP8_LINEARS, ROUTED_EXPERTS, build_faithful, faithful_config, weight_bytes
+from dhisparse.models.faithful import ROUTED_EXPERTS, build_faithful, faithful_config, quantize_module, weight_bytes
 from dhisparse.models.registry import BUILTINS
 from dhisparse.models.scaled import BYTE_VOCAB
 
@@ -36,19 +36,15 @@ def test_geometry_is_glm5s():
 
 
 def _meta_bytes(cfg) -> dict[str, int]:
-    """Weight bytes of the built model, counted on the meta device: FP8 (1 B + scales) where
-    `_quantize` swaps, model dtype (2 B) elsewhere, the router fp32."""
+    """Weight bytes of the built model without building it: the model on the meta device in bf16
+    (routers fp32, as `init_tensor` keeps them), each layer through the builder's `quantize_module`."""
     with torch.device("meta"):
-        model = DsaForCausalLM(cfg)
-    out = {"fp8": 0, "other": 0}
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 2)
-        fp8 = leaf[-2] in FP8_LINEARS or ".experts." in name
-        if fp8:
-            out["fp8"] += p.numel() + 4 * (-(-p.shape[-2] // 128)) * (-(-p.shape[-1] // 128)) * (p.numel() // (p.shape[-2] * p.shape[-1]))
-        else:
-            out["other"] += p.numel() * (4 if name.endswith("mlp.gate.weight") else 2)
-    return out
+        model = DsaForCausalLM(cfg).to(torch.bfloat16)
+        for layer in model.model.layers:
+            if getattr(layer.mlp, "gate", None) is not None:
+                layer.mlp.gate.float()
+            quantize_module(layer)
+    return weight_bytes(model)
 
 
 def test_memory_fits_one_h200_beside_the_pools():

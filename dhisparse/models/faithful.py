@@ -143,7 +143,7 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     gate.weight.data = (w.float() - (w.float() @ u)[:, None] * u[None, :]).to(w.dtype)
 
 
-def _quantize(module: nn.Module) -> None:
+def quantize_module(module: nn.Module) -> None:
     """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
@@ -182,5 +182,5 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
             stable_index_query(layer, shared, index_gain, index_gen)
         if embed_offset:
             balance_router(layer, shared)
-        _quantize(layer)
+        quantize_module(layer)
     return LoadedModel(model.eval(), cfg, {})
