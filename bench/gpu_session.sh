@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,fp8w31,faithful31,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,fp8w31,faithful31,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -322,6 +322,13 @@ case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
+case ",$STEPS," in *,mla64,*)  # issue 31: sparse-MLA launch configurations at glm5-faithful's shape (64 heads, k 2,048, FP8 rows), decode C47 and its width-4 verification (~6 min cold)
+  run "sparse-MLA configurations, 64 heads, FP8 rows" timeout ${MLA64_TIMEOUT:-330} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
+      --kv-cache-dtype fp8_e4m3 --tokens 47,188 --block-h 16,32,64 --splits 128 --block-k 16,32,64 --warps 8,16 --stages 1,2 \
+      --out "$OUT/mla_tune_64h_fp8_h200.json"
+  run "sparse-MLA fold scale path, 64 heads" timeout ${MLA64F_TIMEOUT:-150} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
+      --kv-cache-dtype fp8_e4m3 --tokens 47,188 --block-h 32,64 --splits 128 --block-k 32 --warps 8,16 --stages 2 --scales fold \
+      --out "$OUT/mla_tune_64h_fp8_fold_h200.json" ;; esac
 case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle on glm5-faithful (drafter of the paper's shape: 6 layers at hidden 6,144, 5.0 GiB), charged memory, FP8 rows, 100K k 2,048, C${COSTED_FAITHFUL_C:-20} (60% of the 33 slots that --resident-fit 3 gives with FP8 rows: the high-load point); one tokens-per-round value a call (untried; budget it first: the 100K prefix took 151 s to prefill in s28c and the oracle reference is COSTED_OUT greedy steps at ~150 ms, so the default output is 1,024 tokens and COSTED_PRESETS may need one preset a call)
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --out /tmp/dflash2_6l_faithful

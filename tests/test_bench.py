@@ -368,6 +368,26 @@ def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in runs)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
+def test_mla_tune_bench_sweeps_head_blocks_and_scale_paths_on_fp8_rows(tmp_path):
+    """FP8 rows of the 656-B layout (at the quick shape): every head block and scale path is timed
+    against the shipped plan and agrees with it (fold rounds differently, within the tolerance)."""
+    import json
+
+    from bench import mla_tune_bench
+
+    out = tmp_path / "mla.json"
+    argv = ["--quick", "--kv-cache-dtype", "fp8_e4m3", "--block-h", "4,16", "--scales", "fold", "--tokens", "3",
+            "--out", str(out)]
+    assert mla_tune_bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert doc["config"]["row_bytes"] == 32 + 4 + 8 * 2  # 32 e4m3 values, one fp32 scale, 8 bf16 rope values
+    seen = {(r["block_h"], r["split_rows"], r["scales"]) for r in runs}
+    assert {(16, 0, "default"), (16, 16, "fold"), (16, 0, "fold")} <= seen and runs[0]["vs_default"] == 1.0
+    assert all(r["max_abs_diff_vs_default"] < 1e-2 for r in runs)
+
+
 def test_attention_replay_describes_and_varies_the_recorded_locations():
     """describe: empty / staging shares and distinct locations per request; variants keep each
     token's valid locations (sorted: same set, ascending, -1 last; one_space: staging folded into
