@@ -124,8 +124,10 @@ def test_every_fp8_scale_path_matches_the_reference(mode, monkeypatch):
     fmt, rows, q, qp, loc = _mla_case(512, 64, 2, 16, 40, P=2, per=32)
     assert sm._fp8_args(fmt, 512, 64)[4] == {"gather": 0, "reshape": 1, "select": 2, "fold": 3}[mode]
     want = sparse_mla_reference(q, qp, rows, loc, 0.05, fmt)
-    for split in (0, 32):
-        got = sm.run_sparse_mla(sm.plan_sparse_mla(16, 512, 64, split_rows=split), q, qp, rows, loc, 0.05, fmt)
+    for split, wide in ((0, False), (32, False), (64, True)):  # wide: the 64-head x 64-row tile of 16-bit models
+        plan = sm.plan_sparse_mla(16, 512, 64, split_rows=split, dtype=torch.bfloat16 if wide else None,
+                                  block_h=64 if wide else None)
+        got = sm.run_sparse_mla(plan, q, qp, rows, loc, 0.05, fmt)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 

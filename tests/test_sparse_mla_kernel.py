@@ -278,11 +278,38 @@ def test_split_rows_in_token_chunks_are_bitwise_the_same(monkeypatch):
     assert torch.equal(run_sparse_mla(plan, q, qp, rows, loc, 0.5), whole)
 
 
+def test_wide_plan_for_many_heads_at_a_large_latent():
+    """C > 256 with 16-bit queries: up to 64 heads a program, 64 rows a block, one stage (the
+    row tile is gathered once for all of them); fp32 queries and 16-head models keep 16 x 32."""
+    wide = plan_sparse_mla(64, 512, 64, dtype=torch.bfloat16)
+    assert (wide.block_h, wide.block_k, wide.num_warps, wide.num_stages) == (64, 64, 8, 1)
+    assert wide.split_rows % wide.block_k == 0
+    assert plan_sparse_mla(128, 512, 64).block_h == 64
+    for plan in (plan_sparse_mla(64, 512, 64, dtype=torch.float32), plan_sparse_mla(16, 512, 64, dtype=torch.bfloat16)):
+        assert (plan.block_h, plan.block_k, plan.num_warps, plan.num_stages) == (16, 32, 8, 2)
+    assert plan_sparse_mla(5, 32, 8).block_h == 16 and plan_sparse_mla(5, 32, 8).block_k == 16
+
+
+@pytest.mark.parametrize("split", [0, 64])
+def test_wide_tile_masks_heads_rows_and_columns(split):
+    """The wide tile (64 heads x 64 rows) on 33 heads (31 masked), C 288 (padded to 512 columns),
+    k 150 (a ragged last block) with skipped locations, whole and split: equals the reference."""
+    C, R, H, k = 288, 8, 33, 150
+    rows = torch.randn(8, 32, C + R).to(DEV)
+    q, qp, loc = _inputs(3, H, C, R, k, 256, seed=9)
+    plan = plan_sparse_mla(H, C, R, split_rows=split, dtype=torch.bfloat16)
+    assert (plan.block_h, plan.block_k) == (64, 64)
+    got = run_sparse_mla(plan, q, qp, rows, loc, 0.1)
+    torch.testing.assert_close(got, sparse_mla_reference(q, qp, rows, loc, 0.1), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the engine's shape and bf16 on the GPU")
-def test_default_plan_is_batch_invariant_at_the_scaled_models_shape():
-    """The shipped plan (split rows on) at the scaled GLM's shape in bf16: a decode pass of 18
-    tokens and a 72-token verification pass give each token bitwise the output it gets alone."""
-    H, C, R, k = 16, 512, 64, 512
+@pytest.mark.parametrize("H", [16, 64])
+def test_default_plan_is_batch_invariant_at_the_scaled_models_shape(H):
+    """The shipped plan (split rows on) at the scaled GLM's shape (16 heads) and glm5-faithful's
+    (64: the wide tile) in bf16: a decode pass of 18 tokens and a 72-token verification pass give
+    each token bitwise the output it gets alone."""
+    C, R, k = 512, 64, 512
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(64, 64, C + R, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(72, H, C, generator=g).to(DEV, torch.bfloat16)

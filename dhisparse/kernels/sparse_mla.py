@@ -253,21 +253,33 @@ def _p2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(1, n)))
 
 
+WIDE_HEADS = 64  # heads a program takes at C > 256 with 16-bit queries (GLM-5's 64: one head block a token)
+
+
 def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 2, split_rows: int | None = None) -> SparseMLAPlan:
+                    num_warps: int | None = None, num_stages: int | None = None, split_rows: int | None = None,
+                    dtype: torch.dtype | None = None) -> SparseMLAPlan:
     """Pick block sizes (tl.dot needs every dim >= 16; smaller H, C, R are padded and masked).
 
-    Defaults keep the fp32 accumulator [block_h, C] plus one row tile [block_k, C] in registers:
-    16 heads x 32 rows at C = 512 with 8 warps; up to 64 heads for small C. split_rows (default
-    KernelSettings.mla_split_rows, DEFAULT_SPLIT_ROWS unless configured; 0 = off) is rounded up to a multiple of block_k."""
+    At C > 256 a program takes up to WIDE_HEADS heads: every head reads the same latent rows, so a
+    token's rows are gathered (and FP8-decoded) once for all of them instead of once per 16-head
+    block. From 32 heads a program walks 64 rows a block in one stage (fp32 acc [64, 512] plus a
+    [64, 512] row tile on 8 warps); at 64 heads, k 2,048, FP8 rows that is 0.41x the 16 x 32
+    tile's time at T 47 and 0.37x at T 188 (bench/results/mla_tune_64h_fp8_s29c_h200.json).
+    fp32 queries (dtype float32: tests, the interpreter) keep 16 heads x 32 rows in two stages, as
+    every C > 256 plan did before; small C takes up to 64 heads x 16 rows on 4 warps. split_rows
+    (default KernelSettings.mla_split_rows, DEFAULT_SPLIT_ROWS unless configured; 0 = off) is
+    rounded up to a multiple of block_k."""
     big = C > 256
-    bh = block_h or min(_p2(H), 16 if big else 64)
-    bk = _p2(block_k or (32 if big else 16))
+    bh = _p2(block_h or min(_p2(H), (16 if dtype == torch.float32 else WIDE_HEADS) if big else 64))
+    wide = big and bh >= 32
+    bk = _p2(block_k or (64 if wide else 32 if big else 16))
     nw = num_warps or (8 if big else 4)
+    st = num_stages or (1 if wide else 2)
     n = settings().mla_split_rows if split_rows is None else split_rows
     if n < 0:
         raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
-    return SparseMLAPlan(H, C, R, _p2(bh), bk, nw, num_stages, -(-n // bk) * bk)
+    return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk)
 
 
 class RowSpace(NamedTuple):
@@ -381,17 +393,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_PLANS: dict[tuple[int, int, int], SparseMLAPlan] = {}
+_PLANS: dict[tuple[int, int, int, torch.dtype], SparseMLAPlan] = {}
 on_configure(_PLANS.clear)  # a new split setting takes effect at the next engine build
 
 
 def sparse_mla_triton(q_abs: torch.Tensor, q_pe: torch.Tensor, rows, loc: torch.Tensor, scale: float,
                       fmt: RowFormat | None = None) -> torch.Tensor:
-    """`run_sparse_mla` with a cached default plan for this (H, C, R)."""
-    key = (q_abs.shape[1], q_abs.shape[2], q_pe.shape[-1])
+    """`run_sparse_mla` with a cached default plan for this (H, C, R) and query dtype."""
+    key = (q_abs.shape[1], q_abs.shape[2], q_pe.shape[-1], q_abs.dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = plan_sparse_mla(*key)
+        plan = _PLANS[key] = plan_sparse_mla(*key[:3], dtype=key[3])
     return run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale, fmt)
 
 
