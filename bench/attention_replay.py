@@ -99,12 +99,12 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
     out = []
     for i, (q, qp, rows, loc, scale, fmt) in enumerate(calls):
         H, C, R = q.shape[1], q.shape[2], qp.shape[2]
-        shipped = plan_sparse_mla(H, C, R)
+        shipped = plan_sparse_mla(H, C, R, dtype=q.dtype)
         rec = {"call": i, **describe(loc, per_request), "ms": {}}
         for name, (r, lc) in variants(q, qp, rows, loc).items():
             o = torch.empty_like(q)
             rec["ms"][name] = tune.timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, fmt, out=o), timing, cuda)
-        for plan in tune.plans(H, C, R, *SWEEP[cuda]):
+        for plan in tune.plans(H, C, R, *SWEEP[cuda], dtype=q.dtype):
             if plan == shipped:
                 continue
             o = torch.empty_like(q)

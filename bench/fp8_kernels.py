@@ -83,7 +83,7 @@ def attention_runs(ns, dev, dtype, cuda, g) -> list[dict]:
 
     H, C, Rr = ns.heads, ns.latent, ns.rope
     plain, fp8, fmt = attention_rows(ns, dev, dtype, g)
-    plan, tm, runs = plan_sparse_mla(H, C, Rr), Timing(ns.warmup, ns.reps, ns.graph), []
+    plan, tm, runs = plan_sparse_mla(H, C, Rr, dtype=dtype), Timing(ns.warmup, ns.reps, ns.graph), []
     for n in ints(ns.requests):
         for K in ints(ns.widths):
             T = n * K

@@ -97,12 +97,12 @@ def timed(fn, tm: Timing, cuda: bool) -> float:
 
 
 def plans(H: int, C: int, R: int, splits: list[int], block_ks: list[int], warps: list[int], stages: list[int],
-          block_hs: list[int] | None = None):
-    """The default plan for (H, C, R) first, then every swept configuration that differs from it
-    (block_hs empty: the default plan's head block only)."""
+          block_hs: list[int] | None = None, dtype: torch.dtype | None = None):
+    """The default plan for (H, C, R) and query dtype first, then every swept configuration that
+    differs from it (block_hs empty: the default plan's head block only)."""
     from dhisparse.kernels.sparse_mla import plan_sparse_mla
 
-    default = plan_sparse_mla(H, C, R)
+    default = plan_sparse_mla(H, C, R, dtype=dtype)
     out = [default]
     for bh, n, bk, nw, st in itertools.product(block_hs or [default.block_h], splits, block_ks, warps, stages):
         if n and n % bk:
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             else:
                 os.environ["DHISPARSE_FP8_SCALES"] = sc
             for plan in plans(H, C, Rr, ints(ns.splits), ints(ns.block_k), ints(ns.warps), ints(ns.stages),
-                              ints(ns.block_h)):
+                              ints(ns.block_h), dtype):
                 out = torch.empty(T, H, C, device=dev, dtype=dtype)
                 run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, fmt, out=out)
                 ms = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, fmt, out=out), tm, cuda)

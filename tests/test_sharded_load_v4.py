@@ -194,8 +194,9 @@ def test_dp2_ep2_world_from_a_v4_folder_gives_one_process_tokens(folders):
         want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     finally:
         llm.close()
+    # dist_timeout_s: 20 s was short for four spawns among 14 test workers on the GPU machine (s30)
     engine = build(EngineConfig(model=folder, tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=True,
-                                dist_timeout_s=20.0, **SMALL), on_engine="test_sharded_load_v4:v4_sharded_on_every_rank")
+                                dist_timeout_s=60.0, **SMALL), on_engine="test_sharded_load_v4:v4_sharded_on_every_rank")
     try:
         assert generate_on(engine, PROMPTS, GREEDY) == want
     finally:

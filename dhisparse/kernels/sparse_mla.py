@@ -237,7 +237,9 @@ def sparse_mla_combine_kernel(acc_ptr, ml_ptr, out_ptr, so_t, so_h, H,
 class SparseMLAPlan:
     """Launch shape for (H, C, R): heads per program, locations per block, warps, stages, and
     split_rows: locations per program when a token's k locations are split (0: one program walks
-    all of them; else a multiple of block_k)."""
+    all of them; else a multiple of block_k). wide: the tile holds [block_h, C] queries and a
+    [block_k, C] row tile at C > 256 with block_h >= 32, which fits in shared memory only with
+    16-bit queries (run_sparse_mla refuses fp32 ones on the GPU)."""
 
     H: int
     C: int
@@ -247,6 +249,7 @@ class SparseMLAPlan:
     num_warps: int
     num_stages: int
     split_rows: int = 0
+    wide: bool = False
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -267,7 +270,9 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     [64, 512] row tile on 8 warps); at 64 heads, k 2,048, FP8 rows that is 0.41x the 16 x 32
     tile's time at T 47 and 0.37x at T 188 (bench/results/mla_tune_64h_fp8_s29c_h200.json).
     fp32 queries (dtype float32: tests, the interpreter) keep 16 heads x 32 rows in two stages, as
-    every C > 256 plan did before; small C takes up to 64 heads x 16 rows on 4 warps. split_rows
+    every C > 256 plan did before: the wide tile of fp32 queries needs ~280 KB of shared memory,
+    over the H200's 227 KB, so pass the query dtype when it may be fp32 (dtype None plans for
+    16-bit queries); small C takes up to 64 heads x 16 rows on 4 warps. split_rows
     (default KernelSettings.mla_split_rows, DEFAULT_SPLIT_ROWS unless configured; 0 = off) is
     rounded up to a multiple of block_k."""
     big = C > 256
@@ -279,7 +284,7 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     n = settings().mla_split_rows if split_rows is None else split_rows
     if n < 0:
         raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
-    return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk)
+    return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk, wide)
 
 
 class RowSpace(NamedTuple):
@@ -307,6 +312,9 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
     assert (H, C, R) == (plan.H, plan.C, plan.R), f"plan is for {(plan.H, plan.C, plan.R)}, got {(H, C, R)}"
+    if plan.wide and q_abs.dtype == torch.float32 and not _interpreting():
+        raise ValueError(f"q_abs: a wide plan ({plan.block_h} heads x {plan.block_k} rows at C {C}) needs 16-bit "
+                         "queries on the GPU (fp32 overflows shared memory); plan with dtype=torch.float32")
     spaces = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
     if not 1 <= len(spaces) <= 2:
         raise ValueError(f"the kernel reads one or two row spaces, got {len(spaces)}")
