@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,specpolicy,staging26,world1,costed31,fp8w31,faithful31,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -301,6 +301,9 @@ case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mt
 case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
   run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
       -n ${EXACT_N:-10} --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
+case ",$STEPS," in *,exactfiles,*)  # named test files on CUDA (EXACT_FILES, space-separated) under the same SIGINT deadline
+  run "exactness on CUDA, ${EXACT_FILES:-tests}, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
+      -n ${EXACT_N:-10} --dist loadfile ${EXACT_FILES:-tests} -rfE --junitxml="$OUT/exactfiles_cuda.xml" ;; esac
 case ",$STEPS," in *,world1,*)  # issue 30: world size 1 through the Coordinator vs the plain engine, one engine, arms alternated (~3 min cold)
   run "world size 1: Coordinator vs Engine, 2K C8" timeout ${WORLD1_TIMEOUT:-200} python3 bench/world1_overhead.py --device cuda \
       --model glm52-scaled --input-len 2048 --concurrency 8 --max-tokens 64 --repeats 3 \
