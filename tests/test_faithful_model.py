@@ -145,3 +145,41 @@ def test_builtin_config_names_every_random_model():
     assert builtin_config("glm52-scaled").hidden_size == 1024 and builtin_config("tiny").num_layers >= 1
     with pytest.raises(KeyError):
         builtin_config("nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wide sparse-MLA tile runs with bf16 queries on the GPU")
+def test_presets_give_resident_tokens_on_the_wide_tile():
+    """GLM-5's 64 heads and 512-value latent in bf16 on the GPU: the sparse-MLA plan is the wide one
+    (64 heads x 64 rows a program) and hisparse / adaptive, whose rows come through the hot cache and
+    the host, give resident's greedy tokens exactly."""
+    import dhisparse.kernels.sparse_mla as sm
+    from dhisparse.core.params import SamplingParams
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.engine import Engine
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    over = dict(SMALL, num_attention_heads=64, num_key_value_heads=64)
+    lm = dataclasses.replace(build_faithful(num_layers=3, overrides=over, device="cuda"), tokenizer=ByteTokenizer())
+    prompts = [[3 + (7 * i + 11 * j) % 250 for i in range(n)] for j, n in enumerate((300, 410, 520))]
+
+    def run(preset: str) -> tuple[list[list[int]], float]:
+        e = Engine(EngineConfig(model="glm5-faithful", device="cuda", dtype="bfloat16", page_size=16,
+                                kv_pool_bytes=256 << 20, host_pool_bytes=256 << 20, preset=preset,
+                                hot_cache_rows=lm.config.index_topk), loaded=lm)
+        for p in prompts:
+            e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+        toks: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            for o in e.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        share = e.stats().counters.get("resolver_host_share", 0.0)
+        e.close()
+        return list(toks.values()), share
+
+    want, _ = run("resident")
+    assert any(p.wide for p in sm._PLANS.values()), "the wide tile did not run"
+    for preset in ("hisparse", "adaptive"):
+        got, host_share = run(preset)
+        assert got == want, preset
+        if preset == "hisparse":
+            assert host_share > 0, "no row came from the host: the test would not see a broken fetch"
