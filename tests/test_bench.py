@@ -544,3 +544,42 @@ def test_resolver_run_case_times_the_engine_path_too():
     assert rec["plan_only"]["n_timings"] == rec["plan_only_engine_path"]["n_timings"] == 1
     assert rec["time_ms_engine_path"] > 0
     assert "plan_only_engine_path" not in run_case(rig, case, SimpleNamespace(iters=1, warmup=0), engine_path=False)
+
+
+def _bench_script(name: str):
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_drafter_checkpoint_takes_the_papers_ring_row(tmp_path, capsys):
+    """`--shape paper-glm5` on glm5-faithful: 12,288 B a draft-ring row (the paper's six layers' twelve
+    K/V allocations) and ~4.9 GiB of weights (counted on the meta device); the target's own shape is
+    12x that row. Explicit flags write a checkpoint the drafter loads with its K/V heads."""
+    from types import SimpleNamespace
+
+    from dhisparse.models.registry import builtin_config
+    from dhisparse.spec.dflash_model import DFlashModel
+    from dhisparse.spec.factory import random_dflash_config
+
+    dc = _bench_script("drafter_checkpoint")
+    cfg = builtin_config("glm5-faithful")
+    fake = SimpleNamespace(model=SimpleNamespace(embed_tokens=None), lm_head=None, config=cfg)
+    own = random_dflash_config(fake, 8, num_layers=6, kind="dflash2")
+    flags = dict(shape="paper-glm5", heads=None, kv_heads=None, head_dim=None, intermediate=None)
+    paper = dc.shaped(own, SimpleNamespace(**flags))
+    assert (dc.ring_row_bytes(paper), dc.ring_row_bytes(own)) == (12288, 12 * 12288)
+    assert paper.num_heads * paper.head_dim == cfg.hidden_size
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashModel(paper).parameters())
+    assert 4.7 < 2 * params / 2**30 < 5.0
+    out = tmp_path / "d"
+    assert dc.main(["--model", "glm52-scaled", "--layers", "2", "--heads", "8", "--kv-heads", "2", "--head-dim", "128",
+                    "--intermediate", "1536", "--out", str(out)]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (rec["kv_heads"], rec["ring_row_bytes"]) == (2, 2 * 2 * 2 * 128 * 2)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
