@@ -147,6 +147,29 @@ def test_plots_on_synthetic_data(tmp_path):
     assert_png(plot_loadstep({"kind": "loadstep", "runs": [run, off]}, tmp_path / "l.png"))
 
 
+def test_repeated_runs_of_a_point_plot_as_their_mean_and_spread(tmp_path):
+    """Three rotated runs a (preset, C) point: one point at the mean, bars from min to max; a run
+    without a TTFT (nothing finished in its window) is left out of that metric only."""
+    from dhisparse.bench.plots import Spread, serving_points
+
+    res = _bench_result(["hisparse", "adaptive+spec"])
+    runs = []
+    for k, scale in enumerate((0.9, 1.0, 1.2)):
+        for r in res["runs"]:
+            m = dict(r["metrics"], output_tok_s=r["metrics"]["output_tok_s"] * scale)
+            if k == 2 and r["concurrency"] == 64:
+                m["ttft_mean_ms"] = None
+            runs.append(dict(r, metrics=m))
+    pts = serving_points([r for r in runs if r["preset"] == "hisparse"])
+    assert [(p.concurrency, p.runs) for p in pts] == [(1, 3), (4, 3), (16, 3), (64, 3)]
+    want = 100 * 16 ** 0.8
+    assert pts[2].tok_s.mean == pytest.approx(want * 3.1 / 3) and pts[2].tok_s.bar() == pytest.approx(
+        (want * (3.1 / 3 - 0.9), want * (1.2 - 3.1 / 3)))
+    assert pts[3].ttft_ms == Spread(50 * 64 ** 1.3, 50 * 64 ** 1.3, 50 * 64 ** 1.3)
+    assert Spread.of([None, None]) is None
+    assert_png(plot_serving([dict(res, runs=runs)], tmp_path / "r.png"))
+
+
 def test_pieces_of_one_sweep_join_into_one_line_per_preset():
     from dhisparse.bench.plots import _lines
 

@@ -1,7 +1,8 @@
 """PNG figures in the paper's form (matplotlib, Agg backend).
 
 * `plot_serving`: Fig. 1/4 - (a) output tok/s against offered concurrency, (b) mean TTFT
-  (log axis) and (c) mean TPOT against output tok/s; one line per preset.
+  (log axis) and (c) mean TPOT against output tok/s; one line per preset. Repeated runs of a
+  (preset, C) point are one point at their mean with min-max bars (`serving_points`).
 * `plot_loadstep`: Fig. 6 - (a) request slots, (b) coverage, (c) host-fetched share against
   time, one line per arm, phases shaded.
 * `plot_resolver`: Fig. 8a - resolver time against unique host-miss bytes per case (linear
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -59,24 +61,70 @@ def _lines(results: list[dict]) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in lines.items()}
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Mean and min-max of one metric over a point's runs (None: no run reported it)."""
+
+    mean: float
+    lo: float
+    hi: float
+
+    @staticmethod
+    def of(values: list) -> "Spread | None":
+        v = [x for x in values if x is not None]
+        return Spread(sum(v) / len(v), min(v), max(v)) if v else None
+
+    def bar(self) -> tuple[float, float]:
+        """(below, above) the mean, for errorbar's yerr / xerr."""
+        return self.mean - self.lo, self.hi - self.mean
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    """One (line, C) point of Fig. 1/4: the runs measured there, summarized."""
+
+    concurrency: int
+    runs: int
+    tok_s: Spread
+    ttft_ms: Spread | None
+    tpot_ms: Spread | None
+
+
+def serving_points(runs: list[dict]) -> list[ServingPoint]:
+    """A line's runs grouped by offered concurrency (repeats of a point: mean, min, max), by C."""
+    by: dict[int, list[dict]] = defaultdict(list)
+    for r in runs:
+        by[r["concurrency"]].append(r["metrics"])
+    return [ServingPoint(c, len(ms), Spread.of([m["output_tok_s"] for m in ms]), Spread.of([m["ttft_mean_ms"] for m in ms]),
+                         Spread.of([m["tpot_mean_ms"] for m in ms])) for c, ms in sorted(by.items())]
+
+
+def _errorbar(ax, xs: list[Spread | float], ys: list[Spread], **kw) -> None:
+    """Points at their means joined by a line, with min-max bars where a point has a spread."""
+    xm = [x.mean if isinstance(x, Spread) else x for x in xs]
+    xerr = [[x.bar()[i] for x in xs] for i in (0, 1)] if all(isinstance(x, Spread) for x in xs) else None
+    ax.errorbar(xm, [y.mean for y in ys], yerr=[[y.bar()[i] for y in ys] for i in (0, 1)], xerr=xerr, capsize=2, **kw)
+
+
 def plot_serving(results: list[dict], out: str | Path, title: str | None = None) -> Path:
-    """Fig. 1/4 from one or more bench results."""
+    """Fig. 1/4 from one or more bench results (repeats: means with min-max bars)."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), constrained_layout=True)
     cs = sorted({r["concurrency"] for res in results for r in res["runs"]})
-    lines = _lines(results)
-    widest = max(lines, key=lambda k: max(r["metrics"]["output_tok_s"] for r in lines[k]), default=None)
-    for i, (label, runs) in enumerate(lines.items()):
+    lines = {label: serving_points(runs) for label, runs in _lines(results).items()}
+    widest = max(lines, key=lambda k: max(p.tok_s.mean for p in lines[k]), default=None)
+    repeats = max((p.runs for pts in lines.values() for p in pts), default=1)
+    for i, (label, pts) in enumerate(lines.items()):
         kw = dict(color=_color(label, i), marker="o", label=label)
-        x = [r["concurrency"] for r in runs]
-        tput = [r["metrics"]["output_tok_s"] for r in runs]
-        axes[0].plot(x, tput, **kw)
-        for ax, key in ((axes[1], "ttft_mean_ms"), (axes[2], "tpot_mean_ms")):
-            pts = [(t, r["metrics"][key], r["concurrency"]) for t, r in zip(tput, runs) if r["metrics"][key] is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+        _errorbar(axes[0], [p.concurrency for p in pts], [p.tok_s for p in pts], **kw)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
+            have = [p for p in pts if getattr(p, key) is not None]
+            if have:
+                _errorbar(ax, [p.tok_s for p in have], [getattr(p, key) for p in have], **kw)
             if label == widest:
-                _label_points(ax, pts)
+                _label_points(ax, [(p.tok_s.mean, getattr(p, key).mean, p.concurrency) for p in have])
     _decorate_serving(axes, cs)
-    fig.suptitle(title or _serving_title(results))
+    note = f" (mean of up to {repeats} runs a point, bars min-max)" if repeats > 1 else ""
+    fig.suptitle((title or _serving_title(results)) + note)
     return save_figure(fig, out)
 
 
