@@ -78,6 +78,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--drafter", default="oracle", choices=("oracle", "ngram", "dflash", "dflash2", "dspark", "mtp"),
       help="drafter of the +spec presets: the calibrated oracle (a measurement tool) or a real one")
     a("--distinct-suffixes", type=int, default=32, help="prompts cycle over this many suffixes (oracle reference size)")
+    a("--reference-file", default=None, metavar="PATH",
+      help="the oracle's reference outputs: read from PATH when it was made for this model, workload, row format and "
+           "commit, else decoded and written there (saves the reference decode in later calls; dhisparse.bench.reference)")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
@@ -299,22 +302,43 @@ def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
 
 
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
-    """Greedy non-speculative outputs of every distinct prompt (adaptive preset, one batch)."""
+    """Greedy non-speculative outputs of every distinct prompt (prompt ids -> output ids): those of
+    `--reference-file` when it holds this run's (dhisparse.bench.reference), else decoded here and
+    written there."""
+    from dhisparse.bench.reference import load_reference, reference_key, save_reference
+
+    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes,
+                        R.source_commit())
+    tok = loaded.tokenizer
+    prefix = prefix_ids(tok, ns.input_len, loaded.config.vocab_size)
+    prompts = [tuple(prefix + tok.encode(suffix_text(i))) for i in range(ns.distinct_suffixes)]
+    t = time.perf_counter()
+    outputs = load_reference(ns.reference_file, key) if ns.reference_file else None
+    if outputs is not None:
+        print(f"[reference] {len(outputs)} outputs read from {ns.reference_file}", flush=True)
+    else:
+        outputs = decode_reference(ns, sz, loaded, prefixes, prefix, prompts)
+        if ns.reference_file:
+            save_reference(ns.reference_file, key, outputs)
+        print(f"[reference] {len(outputs)} outputs decoded in {time.perf_counter() - t:.0f} s"
+              + (f", written to {ns.reference_file}" if ns.reference_file else ""), flush=True)
+    return {prompts[i]: outputs[i] for i in range(ns.distinct_suffixes)}
+
+
+def decode_reference(ns, sz, loaded, prefixes, prefix: list[int], prompts: list[tuple]) -> dict[int, list[int]]:
+    """Suffix index -> greedy output ids (adaptive preset, one batch; the prefix prepared first)."""
     engine = fresh_engine(engine_config(ns, sz, "adaptive"), loaded, prefixes)
-    prefix = prefix_ids(engine.tokenizer, ns.input_len, engine.model_config.vocab_size)
     engine.prepare_prefix(prefix)
-    prompts = {}
-    for i in range(ns.distinct_suffixes):
-        ids = prefix + engine.tokenizer.encode(suffix_text(i))
-        prompts[engine.add_request(ids, SamplingParams(max_tokens=ns.output_len, ignore_eos=True))] = tuple(ids)
-    ref = {}
+    index = {engine.add_request(list(ids), SamplingParams(max_tokens=ns.output_len, ignore_eos=True)): i
+             for i, ids in enumerate(prompts)}
+    out = {}
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
-                ref[prompts[o.request_id]] = list(o.token_ids)
+                out[index[o.request_id]] = list(o.token_ids)
     del engine  # the last reference: its pools go now, before the next engine sizes its own
     release_memory()
-    return ref
+    return out
 
 
 def arm_engine(ns, sz, loaded, prefixes, preset: str, arm: str, reference, **replace):

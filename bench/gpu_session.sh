@@ -332,7 +332,7 @@ case ",$STEPS," in *,mla64,*)  # issue 31: sparse-MLA launch configurations at g
   run "sparse-MLA fold scale path, 64 heads" timeout ${MLA64F_TIMEOUT:-150} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
       --kv-cache-dtype fp8_e4m3 --tokens 47,188 --block-h 32,64 --splits 128 --block-k 32 --warps 8,16 --stages 2 --scales fold \
       --out "$OUT/mla_tune_64h_fp8_fold_h200.json" ;; esac
-case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle on glm5-faithful (drafter of the paper's shape: 6 layers at hidden 6,144, 4 K/V heads: 12,288 B a ring row and 4.84 GiB, as the paper's 12,288 B and 4.9 GiB; s30's first run had the target's 64 K/V heads, 12x the ring), charged memory, FP8 rows, 100K k 2,048, C${COSTED_FAITHFUL_C:-20} (60% of the 33 slots that --resident-fit 3 gives with FP8 rows: the high-load point); one tokens-per-round value a call (untried; budget it first: the 100K prefix took 151 s to prefill in s28c and the oracle reference is COSTED_OUT greedy steps at ~150 ms, so the default output is 1,024 tokens and COSTED_PRESETS may need one preset a call)
+case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle on glm5-faithful (drafter of the paper's shape: 6 layers at hidden 6,144, 4 K/V heads: 12,288 B a ring row and 4.84 GiB, as the paper's 12,288 B and 4.9 GiB; s30's first run had the target's 64 K/V heads, 12x the ring), charged memory, FP8 rows, 100K k 2,048, C${COSTED_FAITHFUL_C:-20} (60% of the 33 slots that --resident-fit 3 gives with FP8 rows: the high-load point); one tokens-per-round value a call. Budget (s30, 533c048): model 7 s, 100K prefix ~90 s, oracle reference ~100 s (1,024 greedy steps at C20), hisparse's window 48 s, adaptive+spec's over 150 s; the reference comes back as $OUT/oracle_reference_faithful.json: carry it and pass COSTED_REF=<its absolute path> to a later call at the same commit to skip its decode (a file of another commit is refused)
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   run "costed DFlash2 oracle on glm5-faithful, ${COSTED_TPR:-2.88} tokens a round" timeout ${COSTED_TIMEOUT:-480} \
@@ -340,6 +340,7 @@ case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle 
       --kv-cache-dtype fp8_e4m3 --max-batched-tokens 8192 --concurrency ${COSTED_FAITHFUL_C:-20} --presets "${COSTED_PRESETS:-hisparse,adaptive,adaptive+spec}" \
       --duration 30 --stagger --distinct-suffixes ${COSTED_FAITHFUL_C:-20} --force --charge-spec-memory --spec-width 4 --spec-tokens-per-round ${COSTED_TPR:-2.88} \
       --repeats ${COSTED_REPEATS:-1} --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
       --out "$OUT/costed_dflash2_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
   run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \

@@ -606,3 +606,35 @@ def test_drafter_checkpoint_takes_the_papers_ring_row(tmp_path, capsys):
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["kv_heads"], rec["ring_row_bytes"]) == (2, 2 * 2 * 2 * 128 * 2)
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run(tmp_path, monkeypatch):
+    """gpu_serving --reference-file: the first call decodes and writes the outputs, a second at the
+    same commit reads them (no decode) and gives the same prompt -> output map; a file made for
+    another output length or commit is refused naming the field."""
+    from dhisparse.bench.reference import ReferenceMismatch, load_reference, reference_key
+    from dhisparse.bench.sweep import load_shared_model
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.kv.memory.prefix_store import PrefixStore
+
+    gs = _bench_script("gpu_serving")
+    path = tmp_path / "ref.json"
+    monkeypatch.setenv("DHISPARSE_COMMIT", "abc1234")
+    ns = gs.parse(["--quick", "--presets", "adaptive+spec", "--reference-file", str(path)])
+    sz = gs.sizing(ns, gs.model_config(ns.model))
+    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    first = gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
+    assert len(first) == ns.distinct_suffixes and all(len(v) == ns.output_len for v in first.values())
+
+    def no_decode(*a, **k):
+        raise AssertionError("decoded although the file holds this run's reference")
+
+    monkeypatch.setattr(gs, "decode_reference", no_decode)
+    assert gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False)) == first
+    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes, "abc1234")
+    with pytest.raises(ReferenceMismatch, match="output_len: file 12, run 13"):
+        load_reference(path, dict(key, output_len=13))
+    monkeypatch.setenv("DHISPARSE_COMMIT", "def5678")
+    with pytest.raises(ReferenceMismatch, match="commit"):
+        gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
+    assert load_reference(tmp_path / "none.json", key) is None
