@@ -264,6 +264,26 @@ def test_combine_column_blocks_are_bitwise_the_same(monkeypatch, C):
     torch.testing.assert_close(got, sparse_mla_reference(q, qp, rows, loc, 0.5), rtol=1e-5, atol=1e-5)
 
 
+def test_combine_head_blocks_are_bitwise_the_same(monkeypatch):
+    """The combine takes COMBINE_HEADS heads a program whatever the split tile's block_h: the wide
+    tile's partials (64 heads a program) merged 16 or 64 heads at a time give the same bits, over
+    a ragged head count (masked heads) and the reference's result. (Breakage tried: the head
+    offset `hb * BLOCK_H` dropped; caught here.)"""
+    C, R, H, k = 288, 8, 40, 150
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    rows = torch.randn(6, 32, C + R).to(DEV, dtype)
+    q, qp, loc = _inputs(3, H, C, R, k, 192, dtype=dtype, seed=11)
+    plan = plan_sparse_mla(H, C, R, split_rows=64, dtype=torch.bfloat16)
+    assert plan.wide and plan.block_h == 64
+    monkeypatch.setattr(sm, "COMBINE_HEADS", 64)
+    whole = run_sparse_mla(plan, q, qp, rows, loc, 0.2)
+    monkeypatch.setattr(sm, "COMBINE_HEADS", 16)
+    got = run_sparse_mla(plan, q, qp, rows, loc, 0.2)
+    assert torch.equal(got, whole)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), sparse_mla_reference(q, qp, rows, loc, 0.2).float(), rtol=tol, atol=tol)
+
+
 def test_split_rows_in_token_chunks_are_bitwise_the_same(monkeypatch):
     """A pass whose split-rows workspace would exceed SPLIT_WORKSPACE_BYTES (a GLM-5 prefill chunk)
     runs in token chunks: the output is bitwise the one-launch output, ragged last chunk included.
