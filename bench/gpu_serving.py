@@ -349,6 +349,9 @@ def arm_engine(ns, sz, loaded, prefixes, preset: str, arm: str, reference, **rep
 
 
 def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
+    cuda = ns.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference,
                         **(dict(cuda_graph_max_bs=c) if ns.graph_max_bs_per_load else {}))
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
@@ -356,9 +359,23 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str =
     loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
     loop.distinct = ns.distinct_suffixes
     trace = loop.run()
+    if cuda:
+        trace.engine.update(device_memory(loaded, trace.engine))
     del loop, engine  # the last references: the pools go now, before the next engine sizes its own
     release_memory()
     return R.run_result(label(preset, arm), c, "in-process", trace)
+
+
+def device_memory(loaded, counters: dict) -> dict:
+    """Device bytes of a run, for what speculation holds beyond what `--charge-spec-memory` charges:
+    the peak allocated from engine build to the window's end, the target's weights, the KV pool
+    and speculation's accounted bytes (drafter weights, ring, staging: `spec_bytes`), and the rest
+    (activations, graph pools, metadata, the verification batch's buffers) = peak - the three."""
+    weights = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+    peak = torch.cuda.max_memory_allocated()
+    pool, spec = int(counters.get("kv_pool_bytes", 0)), int(counters.get("spec_bytes", 0))
+    return {"device_peak_bytes": peak, "device_model_bytes": weights,
+            "device_outside_pool_bytes": peak - weights - pool - spec}
 
 
 def prewarm(ns, sz, loaded, prefixes, reference) -> None:

@@ -638,3 +638,16 @@ def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run
     with pytest.raises(ReferenceMismatch, match="commit"):
         gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
     assert load_reference(tmp_path / "none.json", key) is None
+
+
+def test_gpu_serving_reports_device_bytes_outside_the_pool(monkeypatch):
+    """A run's device memory: the peak less the target's weights, the KV pool and speculation's
+    accounted bytes is what nothing charges (activations, graph pools, metadata)."""
+    from types import SimpleNamespace
+
+    gs = _bench_script("gpu_serving")
+    model = torch.nn.Linear(4, 3)  # 15 fp32 parameters: 60 B
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 10_000)
+    got = gs.device_memory(SimpleNamespace(model=model), {"kv_pool_bytes": 6_000, "spec_bytes": 1_000})
+    assert got == {"device_peak_bytes": 10_000, "device_model_bytes": 60, "device_outside_pool_bytes": 2_940}
+    assert gs.device_memory(SimpleNamespace(model=model), {"kv_pool_bytes": 6_000})["device_outside_pool_bytes"] == 3_940
