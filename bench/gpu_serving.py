@@ -402,7 +402,7 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
             if k in m.counters:
                 row[k] = m.counters[k]
         for k in ("spec_tokens_per_round", "spec_rounds", "host_selected_rows", "resolver_overflow",
-                  "staging_promoted_rows", "staging_copyback_bytes"):
+                  "staging_promoted_rows", "staging_copyback_bytes", "device_peak_bytes", "device_outside_pool_bytes"):
             if k in r.engine:
                 row[k] = r.engine[k]
         rows.append(row)
