@@ -651,3 +651,89 @@ def test_gpu_serving_reports_device_bytes_outside_the_pool(monkeypatch):
     got = gs.device_memory(SimpleNamespace(model=model), {"kv_pool_bytes": 6_000, "spec_bytes": 1_000})
     assert got == {"device_peak_bytes": 10_000, "device_model_bytes": 60, "device_outside_pool_bytes": 2_940}
     assert gs.device_memory(SimpleNamespace(model=model), {"kv_pool_bytes": 6_000})["device_outside_pool_bytes"] == 3_940
+
+
+def _req(i, submit, first, queue, finish=None):
+    return {"index": i, "client": i, "submit": submit, "first": first, "finish": finish, "queue": queue,
+            "ttft": None if first is None else first - submit}
+
+
+def _served(preset, c, tok_s, ttft_p99_post, tpot, reqs):
+    return {"preset": preset, "concurrency": c, "requests": reqs,
+            "metrics": {"output_tok_s": tok_s, "ttft_mean_ms": 1.0, "ttft_p99_ms": 2.0, "post_wave_ttft_mean_ms": 1.0,
+                        "post_wave_ttft_p99_ms": ttft_p99_post, "tpot_mean_ms": tpot, "tpot_p99_ms": tpot}}
+
+
+def test_appendix_tables_split_ttft_average_repeats_and_find_the_capacity(tmp_path):
+    """Table A2: allocation wait + hand-off = TTFT, post-wave leaves out the first C submitted and
+    requests without a queue figure; Table A3: a point is the mean of its repeats; capacity: the
+    highest C within both bounds; a file of another model stays a separate source."""
+    from dhisparse.bench.tables import capacity, latency_rows, split_rows, ttft_split
+
+    reqs = [_req(0, 0.0, 1.0, 0.25), _req(1, 0.0, 2.0, 0.75), _req(2, 3.0, 3.5, 0.1), _req(3, 4.0, 5.0, None),
+            _req(4, 5.0, None, None)]
+    sp = ttft_split({"concurrency": 2, "requests": reqs})
+    assert (sp["all"].allocation_s, sp["all"].handoff_s, sp["all"].ttft_s, sp["all"].n) == \
+        pytest.approx((1.1 / 3, 2.4 / 3, 3.5 / 3, 3))
+    assert (sp["post_wave"].allocation_s, sp["post_wave"].ttft_s, sp["post_wave"].n) == pytest.approx((0.1, 0.5, 1))
+    cfg = {"engine": {"model": "m"}, "workload": {"input_len": 100, "output_len": 8}}
+    a = {"kind": "bench", "config": cfg, "runs": [
+        _served("hisparse", 4, 100.0, 5e3, 30.0, reqs), _served("hisparse", 4, 120.0, 7e3, 34.0, reqs),
+        _served("hisparse", 8, 150.0, 9e3, 45.0, reqs), _served("adaptive+spec", 8, 300.0, 9e3, 38.0, reqs),
+        _served("adaptive+spec", 16, 350.0, 12e3, 39.0, reqs)]}
+    other = {"kind": "bench", "config": dict(cfg, engine={"model": "n"}), "runs": [_served("hisparse", 4, 1.0, 1.0, 1.0, [])]}
+    rows = latency_rows([a, other])
+    h4 = next(r for r in rows if (r["source"], r["preset"], r["C"]) == ("m 100/8", "hisparse", 4))
+    assert (h4["runs"], h4["output_tok_s"], h4["post_wave_ttft_p99_ms"], h4["tpot_mean_ms"]) == (2, 110.0, 6e3, 32.0)
+    cap = {(c["source"], c["preset"]): (c["C"], c["output_tok_s"]) for c in capacity(rows, 10e3, 40.0)}
+    assert cap[("m 100/8", "hisparse")] == (4, 110.0)  # C8's TPOT 45 ms is over the bound
+    assert cap[("m 100/8", "adaptive+spec")] == (8, 300.0)  # C16's p99 TTFT 12 s is over
+    assert cap[("n 100/8", "hisparse")] == (4, 1.0)
+    assert capacity(rows, 1.0, 1.0)[0]["C"] is None
+    (s4,) = [r for r in split_rows([a]) if (r["preset"], r["C"]) == ("hisparse", 4)]
+    assert s4["all_ttft_s"] == pytest.approx(3.5 / 3) and s4["post_wave_allocation_s"] is None  # only r4 (no token)
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(a))
+    assert main(["table", str(path), "--out", str(tmp_path / "t.json")]) == 0
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert {"table_a2", "table_a3", "capacity"} <= set(saved)
+    bad = tmp_path / "l.json"
+    bad.write_text(json.dumps({"kind": "loadstep", "runs": []}))
+    assert main(["table", str(bad)]) == 2
+
+
+def test_an_aborted_request_keeps_its_allocation_wait():
+    """The closed loop takes a request's allocation wait from its first token on, so a request cut
+    at the window's end (finish None, 'abort') still counts in Table A2."""
+    from types import SimpleNamespace
+
+    from dhisparse.bench.inproc import InProcessLoop
+    from dhisparse.models.tiny import tiny_config
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    class Never:  # every request gets a token a step and never finishes
+        tokenizer, model_config = ByteTokenizer(), tiny_config()
+
+        def __init__(self):
+            self.ids = []
+
+        def prepare_prefix(self, prefix):
+            pass
+
+        def add_request(self, ids, params):
+            self.ids.append(f"r{len(self.ids)}")
+            return self.ids[-1]
+
+        def step(self):
+            return [SimpleNamespace(request_id=r, new_token_ids=[5], finished=False, finish_reason=None,
+                                    metrics=SimpleNamespace(queue=0.125)) for r in self.ids]
+
+        def abort(self, rid):
+            pass
+
+        def stats(self):
+            return SimpleNamespace(as_dict=lambda: {"running": len(self.ids)})
+
+    w = Workload(input_len=8, output_len=4, duration_s=0.05, warmup=False)
+    trace = InProcessLoop(Never(), w, Phases.constant(2, 0.05)).run()
+    assert trace.requests and all(r.finish_reason == "abort" and r.queue == 0.125 for r in trace.requests)

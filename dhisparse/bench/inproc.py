@@ -24,12 +24,13 @@ Progress = Callable[[float, int], None]  # (elapsed s, completed requests)
 class _Live:
     """A request in flight."""
 
-    __slots__ = ("index", "client", "submit", "first", "tokens", "prompt_len")
+    __slots__ = ("index", "client", "submit", "first", "tokens", "prompt_len", "queue")
 
     def __init__(self, index: int, client: int, submit: float, prompt_len: int) -> None:
         self.index, self.client, self.submit, self.prompt_len = index, client, submit, prompt_len
         self.first: float | None = None
         self.tokens = 0
+        self.queue: float | None = None  # allocation wait, known from the first token on (kept for aborts)
 
 
 class InProcessLoop:
@@ -89,7 +90,7 @@ class InProcessLoop:
             new += n
             live.tokens += n
             if live.first is None and n:
-                live.first = now
+                live.first, live.queue = now, out.metrics.queue
             if out.finished:
                 del self.live[out.request_id]
                 self._record(live, now, out.finish_reason, out.metrics.queue)
@@ -134,7 +135,7 @@ class InProcessLoop:
         final = self.engine.stats().as_dict()
         for rid, live in list(self.live.items()):
             self.engine.abort(rid)
-            self._record(live, None, "abort", None)
+            self._record(live, None, "abort", live.queue)
         self.live.clear()
         duration = now if self.workload.num_requests is not None else min(now, self.phases.total_s)
         return RunTrace(duration, self.window_tokens, tuple(self.records), tuple(self.steps),

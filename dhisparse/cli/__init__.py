@@ -1,4 +1,4 @@
-"""Command line: `dhisparse {demo,generate,serve,bench,loadstep,plot}` (or `python -m dhisparse`);
+"""Command line: `dhisparse {demo,generate,serve,bench,loadstep,plot,table}` (or `python -m dhisparse`);
 `dhisparse COMMAND --help` explains each flag. Global flags (--log-level, --version) go before or
 after the command. (One module per command; the package may import every room, and each command
 imports what it runs only when it runs, so this help stays fast.)
@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from dhisparse.cli import bench, demo, generate, loadstep, plot, serve
+from dhisparse.cli import bench, demo, generate, loadstep, plot, serve, table
 from dhisparse.cli.args import HelpFormatter, Parser, add_global_args
 
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     loadstep.add_parser(sub)
     plot.add_parser(sub)
+    table.add_parser(sub)
     return p
 
 

@@ -1,0 +1,103 @@
+"""The paper's appendix tables from bench results (serving runs with per-request records).
+
+* `ttft_split` — Table A2: mean first-token time split into allocation wait (submit -> a slot:
+  the engine's per-request `queue`) and hand-off (the slot -> the first token: prefill or the
+  prepared prefix's import, and the KV transport), over all requests and after the first wave
+  (the first C submitted requests left out). The paper's small "other" column is inside our
+  hand-off.
+* `latency_rows` — Table A3: TTFT mean / p99, post-wave TTFT mean / p99, TPOT mean / p99 at every
+  (preset, C), each the mean of the point's repeated runs, with the run count.
+* `capacity` — the highest C each preset sustains under a post-wave p99 TTFT bound and a mean
+  TPOT bound (the paper: 10 s and 40 ms), and its output there.
+
+Runs are grouped by (source, preset label, C), the source being the model and workload of the
+file (`source`): files of one sweep share a source, others stay apart. A point's value is the
+mean over its runs of each run's statistic (None where no run had one).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from dhisparse.bench.records import mean
+
+LATENCY_KEYS = ("ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "post_wave_ttft_p99_ms", "tpot_mean_ms",
+                "tpot_p99_ms", "output_tok_s")
+
+
+@dataclass(frozen=True)
+class TtftSplit:
+    """Mean seconds of a run's first tokens: allocation wait + hand-off = TTFT (n requests)."""
+
+    allocation_s: float | None
+    handoff_s: float | None
+    ttft_s: float | None
+    n: int
+
+
+def _split(reqs: list[dict]) -> TtftSplit:
+    have = [r for r in reqs if r.get("ttft") is not None and r.get("queue") is not None]
+    return TtftSplit(mean([r["queue"] for r in have]), mean([r["ttft"] - r["queue"] for r in have]),
+                     mean([r["ttft"] for r in have]), len(have))
+
+
+def ttft_split(run: dict) -> dict[str, TtftSplit]:
+    """Table A2 for one run: {"all": ..., "post_wave": ...} (post-wave: submitted after the first C)."""
+    reqs = sorted(run.get("requests") or [], key=lambda r: r["index"])
+    return {"all": _split(reqs), "post_wave": _split(reqs[run["concurrency"]:])}
+
+
+def source(result: dict) -> str:
+    """'model input/output' of a bench result (its engine model and workload lengths)."""
+    cfg = result.get("config") or {}
+    w = cfg.get("workload") or {}
+    return f"{(cfg.get('engine') or {}).get('model', '?')} {w.get('input_len', '?')}/{w.get('output_len', '?')}"
+
+
+def _points(results: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
+    by: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+    for res in results:
+        for r in res.get("runs", []):
+            by[(source(res), r["preset"], r["concurrency"])].append(r)
+    return dict(sorted(by.items()))
+
+
+def latency_rows(results: list[dict]) -> list[dict]:
+    """Table A3: one row per (preset, C) with the mean of each LATENCY_KEYS metric over its runs."""
+    rows = []
+    for (src, preset, c), runs in _points(results).items():
+        row = {"source": src, "preset": preset, "C": c, "runs": len(runs)}
+        for k in LATENCY_KEYS:
+            row[k] = mean([r["metrics"].get(k) for r in runs if r["metrics"].get(k) is not None])
+        rows.append(row)
+    return rows
+
+
+def split_rows(results: list[dict]) -> list[dict]:
+    """Table A2: one row per (preset, C): mean allocation / hand-off / TTFT seconds over its runs,
+    all requests and post-wave."""
+    rows = []
+    for (src, preset, c), runs in _points(results).items():
+        row = {"source": src, "preset": preset, "C": c, "runs": len(runs)}
+        for part in ("all", "post_wave"):
+            splits = [ttft_split(r)[part] for r in runs]
+            for f in ("allocation_s", "handoff_s", "ttft_s"):
+                row[f"{part}_{f}"] = mean([getattr(s, f) for s in splits if getattr(s, f) is not None])
+        rows.append(row)
+    return rows
+
+
+def capacity(rows: list[dict], post_wave_ttft_p99_ms: float, tpot_mean_ms: float) -> list[dict]:
+    """Per (source, preset), the highest C whose post-wave p99 TTFT and mean TPOT are within the
+    bounds (a point without either metric does not qualify), with its output; C None if none does."""
+    out = []
+    for src, preset in sorted({(r["source"], r["preset"]) for r in rows}):
+        ok = [r for r in rows if (r["source"], r["preset"]) == (src, preset) and r["post_wave_ttft_p99_ms"] is not None
+              and r["tpot_mean_ms"] is not None and r["post_wave_ttft_p99_ms"] <= post_wave_ttft_p99_ms
+              and r["tpot_mean_ms"] <= tpot_mean_ms]
+        best = max(ok, key=lambda r: r["C"], default=None)
+        out.append({"source": src, "preset": preset, "C": best["C"] if best else None,
+                    "output_tok_s": best["output_tok_s"] if best else None,
+                    "bounds": {"post_wave_ttft_p99_ms": post_wave_ttft_p99_ms, "tpot_mean_ms": tpot_mean_ms}})
+    return out

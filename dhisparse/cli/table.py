@@ -1,0 +1,80 @@
+"""`dhisparse table RESULT.json... [--ttft-bound-s 10 --tpot-bound-ms 40] [--out tables.json]`: the
+paper's Tables A2 / A3 and the capacity under latency bounds, from bench results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dhisparse.cli.args import HelpFormatter
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("table", help="Tables A2 / A3 and the capacity under latency bounds, from bench result JSON",
+                       formatter_class=HelpFormatter,
+                       description="Table A2: mean TTFT split into allocation wait and hand-off (all requests and "
+                                   "after the first wave); Table A3: TTFT, post-wave TTFT and TPOT (mean / p99) at every "
+                                   "(preset, C), means over repeated runs; capacity: the highest C each preset sustains "
+                                   "under the bounds, and its output. Bounds are yours to state: the paper's are 10 s "
+                                   "post-wave p99 TTFT and 40 ms mean TPOT at its step times.")
+    p.add_argument("results", nargs="+", help="bench result JSON files (runs with per-request records)")
+    p.add_argument("--ttft-bound-s", type=float, default=10.0, help="post-wave p99 TTFT bound, seconds")
+    p.add_argument("--tpot-bound-ms", type=float, default=40.0, help="mean TPOT bound, ms")
+    p.add_argument("--out", default=None, help="also write the three tables as JSON here")
+    p.set_defaults(func=run)
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _ms(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def run(ns: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from dhisparse.bench.report import console
+    from dhisparse.bench.results import read_json
+    from dhisparse.bench.tables import capacity, latency_rows, split_rows
+
+    if ns.ttft_bound_s <= 0 or ns.tpot_bound_ms <= 0:
+        raise ValueError("--ttft-bound-s and --tpot-bound-ms must be > 0")
+    results = [read_json(p) for p in ns.results]
+    if not any(r.get("kind") == "bench" and r.get("runs") for r in results):
+        raise ValueError("none of the files is a bench result with runs; nothing to tabulate")
+    results = [r for r in results if r.get("kind") == "bench"]
+    a2, a3 = split_rows(results), latency_rows(results)
+    cap = capacity(a3, 1e3 * ns.ttft_bound_s, ns.tpot_bound_ms)
+    out = console()
+    t = Table(title="Table A2: where first-token time goes (s; allocation wait + hand-off = TTFT)")
+    for c in ("source", "preset", "C", "runs", "alloc", "hand-off", "TTFT", "post-wave alloc", "post-wave hand-off",
+              "post-wave TTFT"):
+        t.add_column(c, justify="left" if c in ("source", "preset") else "right")
+    for r in a2:
+        t.add_row(r["source"], r["preset"], str(r["C"]), str(r["runs"]), *[_s(r[f"{p}_{f}"]) for p in ("all", "post_wave")
+                                                              for f in ("allocation_s", "handoff_s", "ttft_s")])
+    out.print(t)
+    t = Table(title="Table A3: latency at every load (TTFT s, TPOT ms; mean / p99; means over runs)")
+    for c in ("source", "preset", "C", "runs", "out tok/s", "TTFT", "post-wave TTFT", "TPOT"):
+        t.add_column(c, justify="left" if c in ("source", "preset") else "right")
+    for r in a3:
+        sec = [None if r[k] is None else r[k] / 1e3 for k in ("ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms",
+                                                             "post_wave_ttft_p99_ms")]
+        t.add_row(r["source"], r["preset"], str(r["C"]), str(r["runs"]), _ms(r["output_tok_s"]), f"{_s(sec[0])} / {_s(sec[1])}",
+                  f"{_s(sec[2])} / {_s(sec[3])}", f"{_ms(r['tpot_mean_ms'])} / {_ms(r['tpot_p99_ms'])}")
+    out.print(t)
+    t = Table(title=f"capacity: post-wave p99 TTFT <= {ns.ttft_bound_s:g} s and mean TPOT <= {ns.tpot_bound_ms:g} ms")
+    for c in ("source", "preset", "highest C", "out tok/s"):
+        t.add_column(c, justify="left" if c in ("source", "preset") else "right")
+    for r in cap:
+        t.add_row(r["source"], r["preset"], "-" if r["C"] is None else str(r["C"]), _ms(r["output_tok_s"]))
+    out.print(t)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps({"sources": ns.results, "table_a2": a2, "table_a3": a3, "capacity": cap},
+                                           indent=1) + "\n")
+        print(ns.out)
+    return 0
