@@ -14,7 +14,8 @@ FAMILIES = (
     ("attention", ("sparse_mla", "_mla_", "flash", "attn")),
     ("indexer", ("indexer", "topk", "top_k", "sort", "radix")),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "xmma", "fp8_linear")),
-    ("moe", ("moe", "expert", "index_add", "scatter_add")),  # fp8_moe_kernel: glm5-faithful's routed experts
+    # glm5-faithful's expert GEMMs: fp8_moe_kernel (routed) and fp8_expert_linear_kernel (shared, from c. s30)
+    ("moe", ("moe", "expert", "index_add", "scatter_add")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rope", "softmax", "cat", "fill", "copy_")),
 )
 

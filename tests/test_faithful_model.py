@@ -65,6 +65,9 @@ def test_small_build_quantizes_what_the_docstring_says():
     assert isinstance(layers[4].mlp.experts, Fp8Experts) and isinstance(layers[4].mlp.shared_experts.up_proj, Fp8Linear)
     assert layers[4].mlp.gate.weight.dtype == torch.float32
     assert layers[4].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    # the shared experts' GEMMs carry the experts' kernel name (profiles count them as expert work)
+    assert layers[4].mlp.shared_experts.down_proj.expert and not layers[4].self_attn.o_proj.expert
+    assert not layers[0].mlp.down_proj.expert  # a dense layer's MLP is not an expert
     sizes = weight_bytes(lm.model)
     assert sizes["fp8"] > 0 and sizes["other"] > 0
     head = lm.model.lm_head.weight

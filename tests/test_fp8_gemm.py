@@ -98,6 +98,40 @@ def test_fp8_linear_kernel_matches_reference_bf16(T, N, K):
     _close(fp8_linear_triton(x, w8, s, block_n=32, block_k=64), fp8_linear_reference(x, w8, s))
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_the_shared_experts_kernel_name_gives_the_same_bits(split, monkeypatch):
+    """expert=True launches fp8_expert_linear_kernel, the same program under the name a profile
+    counts as expert GEMMs: bit for bit the default kernel's output, whole and split-K, fp32 and
+    bf16, and its name is what the profile's family table files under "moe"."""
+    import importlib.util
+    import pathlib
+
+    w8, s = _weight(130, 200, seed=8)
+    for x in (_x(7, 200), _x(5, 200, torch.bfloat16)):
+        kw = dict(block_n=32, block_k=64, split_k=split)
+        assert torch.equal(fp8_linear_triton(x, w8, s, expert=True, **kw), fp8_linear_triton(x, w8, s, **kw))
+    spec = importlib.util.spec_from_file_location("kf", pathlib.Path(__file__).parents[1] / "bench" / "kernel_families.py")
+    kf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kf)
+    assert kf.family(fg.fp8_expert_linear_kernel.fn.__name__) == "moe"
+    assert kf.family(fg.fp8_linear_kernel.fn.__name__) == "gemm"
+
+    class Spy:  # counts launches of the experts' kernel
+        def __init__(self, k):
+            self.k, self.n = k, 0
+
+        def __getitem__(self, grid):
+            self.n += 1
+            return self.k[grid]
+
+    spy = Spy(fg.fp8_expert_linear_kernel)
+    monkeypatch.setattr(fg, "fp8_expert_linear_kernel", spy)
+    fp8_linear_triton(_x(3, 200), w8, s, block_n=32, block_k=64, split_k=split)
+    assert spy.n == 0
+    fp8_linear_triton(_x(3, 200), w8, s, block_n=32, block_k=64, split_k=split, expert=True)
+    assert spy.n == 1
+
+
 @pytest.mark.parametrize("split", [2, 3, 7, 50])
 @pytest.mark.parametrize("N,K", [(130, 200), (64, 384), (300, 129)])
 def test_fp8_linear_split_k_matches_reference(split, N, K):

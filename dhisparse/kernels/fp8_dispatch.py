@@ -38,13 +38,14 @@ def _triton_for(t: torch.Tensor) -> bool:
 DEQUANT_ROWS = 2048  # rows from which a 16-bit linear dequantizes its weight and runs torch.matmul
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ W.T -> [T, N] in x's dtype, W = w8 float8_e4m3fn [N, K] x block scales [nb, kb]."""
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: bool = False) -> torch.Tensor:
+    """x [T, K] @ W.T -> [T, N] in x's dtype, W = w8 float8_e4m3fn [N, K] x block scales [nb, kb].
+    expert: a shared expert's GEMM (the Triton path launches it under the experts' kernel name)."""
     if _triton_for(x):
         if x.shape[0] >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             check_x(x, w8)
             return torch.nn.functional.linear(x, _fp8_triton.fp8_dequantize_triton(w8, scale, x.dtype))
-        return _fp8_triton.fp8_linear_triton(x, w8, scale)
+        return _fp8_triton.fp8_linear_triton(x, w8, scale, expert=expert)
     return fp8_linear_reference(x, w8, scale)
 
 

@@ -73,6 +73,22 @@ def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn
                       INTERP: tl.constexpr):
     """Program (m, n, s): out[s, m*BM : +BM, n*BN : +BN] = x [T, K] @ W [N, K].T over K columns
     s*KPER .. s*KPER + KPER - 1 (split K; KPER a multiple of BK; one split writes out itself)."""
+    _linear_program(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn, sos, sot, BM, BN, BK, IEEE, INTERP)
+
+
+@triton.jit
+def fp8_expert_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn, sos, sot,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                             INTERP: tl.constexpr):
+    """`fp8_linear_kernel` under another name, for the shared experts' GEMMs: the same program,
+    so the same bits; a profile then counts them with the routed experts (the paper's "expert
+    matrix products") instead of with the dense projections."""
+    _linear_program(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn, sos, sot, BM, BN, BK, IEEE, INTERP)
+
+
+@triton.jit
+def _linear_program(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, KPER, sxt, swn, ssn, sos, sot,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     k_lo = tl.program_id(2) * KPER
@@ -219,10 +235,11 @@ def split_k_for(T: int, N: int, K: int, BM: int, BN: int, BK: int, device: torch
 
 def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int = 128, num_warps: int | None = None, num_stages: int = 3,
-                      split_k: int | None = None) -> torch.Tensor:
+                      split_k: int | None = None, expert: bool = False) -> torch.Tensor:
     """x [T, K] @ W.T -> [T, N] in x's dtype (contract of `fp8_linear_reference`). T == 0: no launch.
     split_k: K splits (None: `split_k_for`); with more than one, each split writes fp32 partial
-    sums [split, T, N] that are added in split order (deterministic) and cast."""
+    sums [split, T, N] that are added in split order (deterministic) and cast. expert: launch
+    `fp8_expert_linear_kernel` (the same program under the name a profile counts as experts)."""
     check_weight(w8, scale, stacked=False)
     check_x(x, w8)
     T, (N, K) = x.shape[0], w8.shape
@@ -237,10 +254,10 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
     out = x.new_empty(T, N) if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
     grid = (triton.cdiv(T, bm), triton.cdiv(N, block_n), split)
-    fp8_linear_kernel[grid](x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
-                            out.stride(0) if split > 1 else 0, out.stride(-2),
-                            BM=bm, BN=block_n, BK=block_k, **_modes(x),
-                            num_warps=num_warps, num_stages=num_stages)
+    kernel = fp8_expert_linear_kernel if expert else fp8_linear_kernel
+    kernel[grid](x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
+                 out.stride(0) if split > 1 else 0, out.stride(-2),
+                 BM=bm, BN=block_n, BK=block_k, **_modes(x), num_warps=num_warps, num_stages=num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 

@@ -36,29 +36,31 @@ def _load_quantized(module: nn.Module, name: str, w: torch.Tensor) -> None:
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W.T, W = weight [out, in] (fp8) x weight_scale_inv blocks; no bias."""
+    """y = x @ W.T, W = weight [out, in] (fp8) x weight_scale_inv blocks; no bias. expert: a shared
+    expert's projection (the same GEMM, launched under the experts' kernel name for profiles)."""
 
-    def __init__(self, in_features: int, out_features: int, device=None) -> None:
+    def __init__(self, in_features: int, out_features: int, device=None, expert: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.expert = in_features, out_features, expert
         _fp8_buffers(self, "weight", (out_features, in_features), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, expert=self.expert)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, lin: nn.Linear, expert: bool = False) -> "Fp8Linear":
         """`lin`'s weight (bf16 / fp32) quantized to 128x128-block FP8, on its device."""
         if lin.bias is not None:
             raise ValueError("lin has a bias; Fp8Linear has none")
-        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        m = cls(lin.in_features, lin.out_features, device=lin.weight.device, expert=expert)
         _load_quantized(m, "weight", lin.weight)
         return m
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks"
+                + (", shared expert" if self.expert else ""))
 
 
 class Fp8Experts(nn.Module):

@@ -42,8 +42,9 @@ nearly all of them, so a step streams ~181 GB at B300's ~8 TB/s: ~23 ms (were th
 38%, its step would be ~60 ms). One H200 streams its experts at ~4.8 TB/s and cannot hold 181 GB
 beside its pools; 24 experts (68 GB) is about what fits and streams in ~14-20 ms a step at full
 bandwidth. Whether that is the paper's share at our high-load point is measured, not assumed
-(bench/step_profile.py's `moe` family; docs/benchmarks.md, session 28: 16.2% of a 153.5-ms step
-at 100K C47, with the routing collapse `balance_router` now prevents).
+(bench/step_profile.py's `moe` family: the routed experts' fp8_moe_kernel and, from session 30,
+the shared experts' GEMMs, which `quantize_module` marks to launch as fp8_expert_linear_kernel;
+docs/benchmarks.md: routed experts 23.3% of a 117.8-ms step at 100K C47 in session 30).
 
 `build_faithful(name, seed, dtype, device, num_layers=None, overrides=None)` builds layer by layer
 on `device`: each layer is made in `dtype`, initialised, quantized and its bf16 copies freed, so the
@@ -144,11 +145,13 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
 
 
 def quantize_module(module: nn.Module) -> None:
-    """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place)."""
-    for parent in list(module.modules()):
+    """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place);
+    the shared experts' projections are marked `expert` (a profile counts them as expert GEMMs)."""
+    for path, parent in list(module.named_modules()):
+        shared = "shared_experts" in path.split(".")
         for name, child in list(parent.named_children()):
             if name in FP8_LINEARS and isinstance(child, nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(child))
+                setattr(parent, name, Fp8Linear.from_linear(child, expert=shared))
             elif name == "experts" and not isinstance(child, Fp8Experts):
                 setattr(parent, name, Fp8Experts.from_experts(child))
 
