@@ -737,3 +737,36 @@ def test_an_aborted_request_keeps_its_allocation_wait():
     w = Workload(input_len=8, output_len=4, duration_s=0.05, warmup=False)
     trace = InProcessLoop(Never(), w, Phases.constant(2, 0.05)).run()
     assert trace.requests and all(r.finish_reason == "abort" and r.queue == 0.125 for r in trace.requests)
+
+
+def test_the_context_sweep_finds_where_the_hierarchy_overtakes_resident(tmp_path):
+    """Bench results at 32K / 128K / 512K, one C: the ratio to resident crosses 1 between 32K and
+    128K, interpolated in log context; a line that never reaches resident has no crossover; a
+    single context or no resident run is not a context sweep; `dhisparse plot` draws context.png."""
+    from dhisparse.bench.plot_context import context_points, crossover, is_context_sweep, ratios
+
+    def res(ctx, out):
+        return {"kind": "bench", "config": {"engine": {"model": "m"}, "workload": {"input_len": ctx, "output_len": 8}},
+                "runs": [{"preset": p, "concurrency": 64, "metrics": {"output_tok_s": v, "ttft_mean_ms": 1.0,
+                                                                     "tpot_mean_ms": 1.0}} for p, v in out.items()]}
+
+    results = [res(32768, {"resident": 100.0, "adaptive": 90.0, "hisparse": 50.0}),
+               res(131072, {"resident": 50.0, "adaptive": 60.0, "hisparse": 40.0}),
+               res(524288, {"resident": 20.0, "adaptive": 40.0, "hisparse": 15.0}),
+               res(524288, {"resident": 22.0, "adaptive": 44.0, "hisparse": 16.5})]  # a repeat
+    assert is_context_sweep(results)
+    assert not is_context_sweep(results[:1]) and not is_context_sweep(
+        [dict(r, runs=[x for x in r["runs"] if x["preset"] != "resident"]) for r in results])
+    pts = context_points(results)
+    assert pts["adaptive"][2] == (524288, 42.0, 40.0, 44.0)
+    rs = ratios(pts, "adaptive")
+    assert rs[:2] == [(32768, 0.9), (131072, 1.2)]
+    # log2 32K = 15, 128K = 17: 0.9 -> 1.2 reaches 1 a third of the way, at 2^(15 + 2/3)
+    assert crossover(rs) == pytest.approx(2 ** (15 + 2 / 3))
+    assert crossover(ratios(pts, "hisparse")) is None and crossover([(1, 1.1), (2, 1.3)]) is None
+    paths = []
+    for k, r in enumerate(results):
+        paths.append(tmp_path / f"c{k}.json")
+        paths[-1].write_text(json.dumps(r))
+    assert main(["plot", *map(str, paths), "--out", str(tmp_path / "fig")]) == 0
+    assert_png(tmp_path / "fig" / "context.png")

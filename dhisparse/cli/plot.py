@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
                        formatter_class=HelpFormatter,
                        description="bench results -> serving.png (output vs concurrency, TTFT and TPOT vs "
                                    "output; all files on one figure) and series.png per file (output and requests "
-                                   "decoding over time); loadstep -> loadstep.png (slots, coverage, host-fetched share "
+                                   "decoding over time); bench results of one C at several context lengths with resident -> context.png "
+                                   "(output vs context and over resident's, where the hierarchy overtakes it); bench "
+                                   "results of one C at several hot-cache sizes -> budget.png (Fig. 9); loadstep -> loadstep.png (slots, coverage, host-fetched share "
                                    "vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel "
                                    "family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} -> "
                                    "resolver.png.")
