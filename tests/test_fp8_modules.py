@@ -113,7 +113,7 @@ def test_dispatchers_pick_the_backend(monkeypatch):
     ew8, es = _weight(3, 130, 200)
     x, ids = _x(5, 200), _ids(5, 2, 3)
     calls = []
-    monkeypatch.setattr(fg, "fp8_linear_triton", lambda *a: calls.append("linear") or fp8_linear_reference(*a))
+    monkeypatch.setattr(fg, "fp8_linear_triton", lambda *a, **k: calls.append("linear") or fp8_linear_reference(*a))
     monkeypatch.setattr(fg, "fp8_moe_triton", lambda *a: calls.append("moe") or fp8_moe_reference(*a))
     _use("torch")
     assert torch.equal(fp8_linear(x, w8, s), fp8_linear_reference(x, w8, s))

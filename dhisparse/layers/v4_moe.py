@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dhisparse.layers.fp8_linear import Fp8Experts
 from dhisparse.layers.moe import Experts, Routing
 from dhisparse.core.v4_config import V4Config
 
@@ -67,6 +68,22 @@ class V4Experts(Experts):
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu_clamped(gate, up, self.limit)
+
+
+class Fp8V4Experts(Fp8Experts):
+    """`V4Experts` over block-scaled FP8 weights (`layers/fp8_linear.py`): the clamped SwiGLU."""
+
+    limit: float = 10.0
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_clamped(gate, up, self.limit)
+
+    @classmethod
+    def from_v4(cls, experts: V4Experts) -> "Fp8V4Experts":
+        """`experts` quantized to 128x128-block FP8, with their clamp limit."""
+        m = cls.from_experts(experts)
+        m.limit = experts.limit
+        return m
 
 
 class SharedExpert(nn.Module):

@@ -32,6 +32,7 @@ from dhisparse.models.tiny import build_tiny, tiny_config
 from dhisparse.models.tokenizer import ByteTokenizer, load_tokenizer, with_chat_template
 from dhisparse.models.v4_loader import is_v4_folder, load_v4_checkpoint
 from dhisparse.models.v4_shard_load import load_v4_sharded
+from dhisparse.models.v4_faithful import build_v41_faithful, v41_faithful_config
 from dhisparse.models.v4_scaled import build_v41_scaled, v41_scaled_config
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,14 @@ def _v41(dtype: torch.dtype | str | None, device: str | torch.device, seed: int)
     return dataclasses.replace(build_v41_scaled(seed, target, device), tokenizer=ByteTokenizer())
 
 
+def _v41_faithful(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+    """`v41-faithful`: DeepSeek-V4.1-Flash's compute with FP8 weights (models/v4_faithful.py)."""
+    target = resolve_dtype(dtype, v41_faithful_config(3))
+    return dataclasses.replace(build_v41_faithful(seed, target, device), tokenizer=ByteTokenizer())
+
+
 BUILTINS: dict[str, Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]] = {
-    "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"), "v41-scaled": _v41,
+    "tiny": _tiny, "dsv32-scaled": _scaled("dsv32-scaled"), "v41-scaled": _v41, "v41-faithful": _v41_faithful,
     **{name: _scaled(name) for name in ("glm52-scaled", "glm52-scaled-k512")},
     **{name: _faithful(name) for name in FAITHFUL_CONFIGS},
 }
