@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -325,6 +325,11 @@ case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
+case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
+  run "decode-step profile, v41-faithful, ${FAITHFUL41_LEN:-131072}, C${FAITHFUL41_C:-16}, fp8" timeout ${FAITHFUL41_TIMEOUT:-420} python3 bench/step_profile.py \
+      --model v41-faithful --input-len ${FAITHFUL41_LEN:-131072} --concurrency ${FAITHFUL41_C:-16} --steps 5 --warmup 3 --presets ${FAITHFUL41_PRESETS:-hisparse} \
+      --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${FAITHFUL41_POOL_GIB:-24} --host-pool-gib ${FAITHFUL41_HOST_GIB:-32} --max-batched-tokens 8192 --cuda-graphs step \
+      --out "$OUT/step_profile_v41_faithful_${FAITHFUL41_LEN:-131072}_c${FAITHFUL41_C:-16}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,mla64,*)  # issue 31: sparse-MLA launch configurations at glm5-faithful's shape (64 heads, k 2,048, FP8 rows), decode C47 and its width-4 verification (~6 min cold)
   run "sparse-MLA configurations, 64 heads, FP8 rows" timeout ${MLA64_TIMEOUT:-330} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
       --kv-cache-dtype fp8_e4m3 --tokens 47,188 --block-h 16,32,64 --splits 128 --block-k 16,32,64 --warps 8,16 --stages 1,2 \

@@ -37,7 +37,7 @@ Memory (one H200, ~139 GiB usable):
     bf16 embeddings + lm_head           2 x 129,280 x 4,096          2.1 GB
     bf16 indexers, compressors, hc ...                               ~0.5 GB
     FP8 routed experts                  E x 43 x 25.17 M        E x 1.08 GB   (E = 48: 52 GB)
-                                                      total ~ 62 GB = 58 GiB
+                                                      total ~ 61.6 GB = 57.3 GiB
 
 Why 48: on the paper's two V4.1 decode GPUs each holds 128 of 256 experts, 128 x 43 x 25.17 M =
 138 G parameters (FP4: ~70 GB), streamed every step. One H200 cannot hold that in FP8 beside the
