@@ -54,6 +54,8 @@ small geometry through the same code).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -144,16 +146,18 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     gate.weight.data = (w.float() - (w.float() @ u)[:, None] * u[None, :]).to(w.dtype)
 
 
-def quantize_module(module: nn.Module) -> None:
-    """Swap FP8_LINEARS children and routed experts of `module`'s subtree for FP8 ones (in place);
-    the shared experts' projections are marked `expert` (a profile counts them as expert GEMMs)."""
+def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
+                    fp8_experts: Callable[[nn.Module], nn.Module] = Fp8Experts.from_experts) -> None:
+    """Swap the `linears` children and the routed experts (`fp8_experts` of each `experts` child) of
+    `module`'s subtree for FP8 ones, in place; the shared experts' projections are marked `expert`
+    (a profile counts them as expert GEMMs)."""
     for path, parent in list(module.named_modules()):
         shared = "shared_experts" in path.split(".")
         for name, child in list(parent.named_children()):
-            if name in FP8_LINEARS and isinstance(child, nn.Linear):
+            if name in linears and isinstance(child, nn.Linear):
                 setattr(parent, name, Fp8Linear.from_linear(child, expert=shared))
             elif name == "experts" and not isinstance(child, Fp8Experts):
-                setattr(parent, name, Fp8Experts.from_experts(child))
+                setattr(parent, name, fp8_experts(child))
 
 
 @torch.no_grad()

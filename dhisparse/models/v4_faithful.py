@@ -59,9 +59,9 @@ from torch import nn
 
 from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
-from dhisparse.layers.fp8_linear import Fp8Linear
-from dhisparse.layers.v4_moe import Fp8V4Experts, V4Experts
+from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
+from dhisparse.models.faithful import quantize_module
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.v4_loader import _FP32
 from dhisparse.models.v4_scaled import BYTE_VOCAB, V41_SCALED
@@ -157,15 +157,8 @@ def _materialize(module: nn.Module, prefix: str, cfg: V4Config, dtype: torch.dty
 
 
 def quantize_v4_module(module: nn.Module) -> None:
-    """Swap FP8_LINEARS children (shared experts marked `expert`) and routed experts of `module`'s
-    subtree for FP8 ones, in place."""
-    for path, parent in list(module.named_modules()):
-        shared = "shared_experts" in path.split(".")
-        for name, child in list(parent.named_children()):
-            if name in FP8_LINEARS and isinstance(child, nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(child, expert=shared))
-            elif name == "experts" and isinstance(child, V4Experts):
-                setattr(parent, name, Fp8V4Experts.from_v4(child))
+    """`faithful.quantize_module` with V4's projection names and clamped experts (in place)."""
+    quantize_module(module, FP8_LINEARS, Fp8V4Experts.from_v4)
 
 
 @torch.no_grad()
