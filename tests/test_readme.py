@@ -52,6 +52,8 @@ def expensive(cmd: str) -> str | None:
         return "trains a model for minutes on a GPU, or needs the folder it writes"
     if "dhisparse.bench.table3" in cmd:
         return "a benchmark run"
+    if any("*" in a for a in argv):
+        return "reads the result files of a run (a shell glob)"
     if "bench/results/" in cmd:
         return "writes a shipped result (test_readme_memreport_command_keeps_the_shipped_result)"
     return None
