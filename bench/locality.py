@@ -1,5 +1,7 @@
-"""Selection locality of the scaled models: hisparse's host-fetched share against the shared
-embedding direction (`embed_offset`, dhisparse/models/scaled.py) that calibrates it.
+"""Selection locality of the scaled and faithful models: hisparse's host-fetched share against the
+shared embedding direction (`embed_offset`, dhisparse/models/scaled.py) and the stable index-query
+gain (`index_gain`) that calibrate it (`--model v41-faithful`: models/v4_faithful.py, with
+`--overrides` for a small geometry on CPU).
 
     python3 bench/locality.py --out bench/results/locality_cpu.json      # CPU, ~ minutes
 
@@ -34,6 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--offsets", default="0,1,2,3,4,6"); a("--gains", default="0", help="index_gain values (models/scaled.py)"); a("--hot", default="1,2", help="hot cache sizes B in units of k")
     a("--prompt-len", type=int, default=4096); a("--steps", type=int, default=40); a("--warm", type=int, default=8)
     a("--device", default="cpu"); a("--dtype", default="float32"); a("--threads", type=int, default=2)
+    a("--overrides", default=None, help="v41-faithful only: config keys as JSON (a small geometry for CPU runs)")
     a("--out", default="bench/results/locality_cpu.json")
     ns = p.parse_args(argv)
     ns.argv = ["bench/locality.py"] + list(sys.argv[1:] if argv is None else argv)
@@ -68,13 +71,18 @@ def main(argv=None) -> int:
     ns = parse(argv)
     from dhisparse.engine.memory import DTYPES
     from dhisparse.models.scaled import build_scaled
+    from dhisparse.models.v4_faithful import build_v41_faithful
     from dhisparse.models.tokenizer import ByteTokenizer
 
     torch.set_num_threads(ns.threads)
     rows, t0 = [], time.perf_counter()
     for off in [float(x) for x in ns.offsets.split(",")]:
         for gain in [float(x) for x in ns.gains.split(",")]:
-            loaded = build_scaled(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, embed_offset=off, index_gain=gain)
+            if ns.model == "v41-faithful":
+                loaded = build_v41_faithful(0, DTYPES[ns.dtype], ns.device, ns.layers, json.loads(ns.overrides or "{}"),
+                                            embed_offset=off, index_gain=gain)
+            else:
+                loaded = build_scaled(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, embed_offset=off, index_gain=gain)
             loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
             k = loaded.config.index_topk
             for m in [float(x) for x in ns.hot.split(",")]:
@@ -83,7 +91,8 @@ def main(argv=None) -> int:
                 print(f"offset {off:4.1f}  gain {gain:4.1f}  B = {m:g}k: host-fetched share "
                       f"{100 * r['host_fetched_share']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
             del loaded
-    doc = {"kind": "locality", "date": R.now_iso(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
+    doc = {"kind": "locality", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv),
+           "machine": R.machine_info(),
            "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
     with open(ns.out, "w") as f:

@@ -86,6 +86,10 @@ def test_small_build_quantizes_what_the_docstring_says():
                                                                                            "down_proj"))
         assert not a.o_b_proj.expert
         assert layer.mlp.gate.weight.dtype == torch.float32
+    comp = layers[2].self_attn.compressor  # the source's Full layer: its compressor and indexer in FP8 too
+    assert all(isinstance(m, Fp8Linear) for m in (comp.kv_proj, comp.gate_proj, comp.indexer.q_b_proj,
+                                                   layers[6].self_attn.reindexer.q_b_proj))
+    assert isinstance(comp.indexer.scorer.weights_proj, torch.nn.Linear)
     assert lm.config.selection_types[2:7] == (FULL, FULL, REUSE, FULL, REINDEX)
     head = lm.model.lm_head.weight
     assert head[259:].abs().sum() == 0 and head[3:259].abs().min() > 0
@@ -123,3 +127,28 @@ def test_presets_give_resident_tokens_and_depend_on_attention(monkeypatch):
 
 def test_registered():
     assert "v41-faithful" in builtin_names()
+
+
+def test_selection_locality_bumps_only_the_index_queries_and_not_their_rope_dims():
+    """`stable_v4_index_query` on the unquantized model: a Full CSA layer's indexer query and a
+    Reindex layer's move by a rank-1 term along the shared embedding direction, zero on the
+    trailing RoPE'd dims; every other weight is unchanged. (The measured effect on hisparse's
+    host-fetched share: bench/results/locality_v41_faithful_small_cpu_s30.json.)"""
+    from dhisparse.models.v4_faithful import stable_v4_index_query
+    from dhisparse.models.v4_scaled import build_v4_random
+
+    cfg = v41_faithful_config(8, SMALL)
+    model = build_v4_random(cfg, seed=0)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    shared, gen = torch.randn(cfg.hidden_size), torch.Generator().manual_seed(3)
+    for layer in model.model.layers:
+        stable_v4_index_query(layer, shared, 8.0, gen)
+    after = model.state_dict()
+    changed = [n for n in after if not torch.equal(after[n], before[n])]
+    assert changed == ["model.layers.2.self_attn.compressor.indexer.q_b_proj.weight",
+                       "model.layers.6.self_attn.reindexer.q_b_proj.weight"]  # the source's Full and Reindex layers
+    for n in changed:
+        delta = after[n] - before[n]
+        assert torch.linalg.matrix_rank(delta) == 1
+        heads = delta.reshape(cfg.index_n_heads, cfg.index_head_dim, -1)
+        assert heads[:, -cfg.rope_head_dim:].abs().max() == 0 and heads.abs().max() > 0

@@ -19,15 +19,21 @@ token, except for how many experts there are to choose from:
   21), each reading one source row. HCA and sliding layers keep their own rows. The paper does not
   give V4.1's exact plan; this one is ours.
 - **48 routed experts a layer instead of 256** (top-6 of 48), sized to fit one H200 (below).
-- **Block-scaled FP8 weights** (float8_e4m3fn, one fp32 scale per 128 x 128 block) for q_a, q_b,
-  kv, o_b, the shared experts (launched as expert GEMMs) and the routed experts (`Fp8V4Experts`).
-  The grouped o_a projection, the indexers, compressors, routers, hyper-connections, norms,
-  embeddings and head stay bf16 / fp32 (V4-Flash itself ships FP4 experts; we have no FP4 GEMM).
+- **Block-scaled FP8 weights** (float8_e4m3fn, one fp32 scale per 128 x 128 block), as V4-Flash's
+  checkpoint stores its non-expert linears: q_a, q_b, kv, o_b, the compressors' kv / gate and the
+  indexers' q_b projections, the shared experts (launched as expert GEMMs) and the routed experts
+  (`Fp8V4Experts`; V4-Flash ships FP4 experts, and we have no FP4 GEMM). The grouped o_a projection
+  (no grouped FP8 GEMM here), the index scorers' weights, routers, hyper-connections, norms,
+  embeddings and head stay bf16 / fp32.
 - Seeded random weights by `build_v4_random`'s rules (matrices N(0, 1/fan_in), residual
   projections / sqrt(2L), random sinks, position biases and hyper-connection biases, distinct hash
   experts per token); lm_head rows past the byte tokenizer's 259 ids are zero. No confident head.
-  **Not yet done: a trained-looking selection** (glm5-faithful's locality); the indexers score at
-  random, so hot-cache hit rates are a lower bound.
+- glm5-faithful's **selection locality**, with its constants (not re-tuned): every embedding row
+  carries EMBED_OFFSET x one shared direction and each index query INDEX_GAIN x a fixed part
+  along it (`stable_v4_index_query`). On a small geometry on CPU (8 layers, k 64, 4K tokens,
+  hisparse, B = 2k per source) it takes the host-fetched share from 84% to 12%; at B = k it stays
+  ~94%, because a source's Full and Reindex layers select up to 2k distinct rows a step and
+  thrash a k-row hot cache (bench/results/locality_v41_faithful_small_cpu_s30.json).
 
 Memory (one H200, ~139 GiB usable):
 
@@ -35,7 +41,7 @@ Memory (one H200, ~139 GiB usable):
     bf16 o_a (grouped)                  43 x 33.6 M                  2.9 GB
     FP8 shared experts                  43 x 25.2 M                  1.1 GB
     bf16 embeddings + lm_head           2 x 129,280 x 4,096          2.1 GB
-    bf16 indexers, compressors, hc ...                               ~0.5 GB
+    FP8 indexers, compressors; bf16 hc, scorers ...                  ~0.4 GB
     FP8 routed experts                  E x 43 x 25.17 M        E x 1.08 GB   (E = 48: 52 GB)
                                                       total ~ 61.6 GB = 57.3 GiB
 
@@ -63,6 +69,7 @@ from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
 from dhisparse.models.faithful import quantize_module
 from dhisparse.models.loader import LoadedModel
+from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN
 from dhisparse.models.v4_loader import _FP32
 from dhisparse.models.v4_scaled import BYTE_VOCAB, V41_SCALED
 
@@ -156,6 +163,25 @@ def _materialize(module: nn.Module, prefix: str, cfg: V4Config, dtype: torch.dty
                 b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.05)
 
 
+def stable_v4_index_query(layer: nn.Module, shared: torch.Tensor, gain: float, gen: torch.Generator) -> None:
+    """glm5-faithful's selection locality (`scaled.stable_index_query`) for a V4 layer's index query
+    (the CSA indexer of a Full layer, or a Reindex layer's own): q_b_proj += gain / sqrt(q_lora) *
+    d c^T, c the unit direction of the shared embedding offset in the q latent, d ~ N(0, 1) per
+    index dim and zero on the trailing RoPE'd dims. Every index query then carries a fixed part
+    along d, so a compressed key's score has a query-independent term (d . k_s) and consecutive
+    steps select overlapping rows, as a trained model's do. No-op on layers without an index query."""
+    a = layer.self_attn
+    ix = a.reindexer if a.reindexer is not None else getattr(a.compressor, "indexer", None)
+    if ix is None:
+        return
+    c = a.q_a_proj.weight.float() @ shared.float()
+    c = c / c.norm()
+    d = torch.randn(ix.n_heads, ix.d, generator=gen).to(c.device)
+    d[:, ix.d - a.cfg.rope_head_dim:] = 0.0
+    w = ix.q_b_proj.weight
+    w.data = (w.float() + (gain / c.numel() ** 0.5) * d.reshape(-1, 1) * c[None, :]).to(w.dtype)
+
+
 def quantize_v4_module(module: nn.Module) -> None:
     """`faithful.quantize_module` with V4's projection names and clamped experts (in place)."""
     quantize_module(module, FP8_LINEARS, Fp8V4Experts.from_v4)
@@ -163,8 +189,10 @@ def quantize_v4_module(module: nn.Module) -> None:
 
 @torch.no_grad()
 def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                       num_layers: int | None = None, overrides: dict | None = None) -> LoadedModel:
-    """Deterministic random v41-faithful on `device`, built one layer at a time (module docstring)."""
+                       num_layers: int | None = None, overrides: dict | None = None,
+                       embed_offset: float = EMBED_OFFSET, index_gain: float = INDEX_GAIN) -> LoadedModel:
+    """Deterministic random v41-faithful on `device`, built one layer at a time (module docstring);
+    embed_offset / index_gain: the selection locality (0, 0: none; `stable_v4_index_query`)."""
     cfg = v41_faithful_config(num_layers, overrides)
     device = torch.device(device)
     with torch.device("meta"):
@@ -174,11 +202,17 @@ def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, devic
     for prefix, module in (("model.embed_tokens.", m.embed_tokens), ("model.norm.", m.norm),
                            ("model.hc_head.", m.hc_head), ("lm_head.", model.lm_head)):
         _materialize(module, prefix, cfg, dtype, device, gen)
+    shared = torch.randn(cfg.hidden_size, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
+    if embed_offset:
+        m.embed_tokens.weight.data += (embed_offset * shared).to(m.embed_tokens.weight.dtype)
     if cfg.vocab_size > BYTE_VOCAB and not cfg.tie_word_embeddings:
         model.lm_head.weight[BYTE_VOCAB:] = 0
+    index_gen = torch.Generator(device="cpu").manual_seed(seed + 3)
     for i, layer in enumerate(m.layers):
         _materialize(layer, f"model.layers.{i}.", cfg, dtype, device,
                      torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17 + i))
+        if index_gain and embed_offset:
+            stable_v4_index_query(layer, shared, index_gain, index_gen)
         quantize_v4_module(layer)
     m.build_ropes(cfg, device)
     return LoadedModel(model.eval(), cfg, {})
