@@ -199,11 +199,19 @@ def stable_index_query(layer: torch.nn.Module, shared: torch.Tensor, gain: float
     ix = getattr(layer.self_attn, "indexer", None)
     if ix is None:
         return
-    c = layer.self_attn.q_a_proj.weight.float() @ shared.float()
+    bump_index_query(ix.wq_b.weight, layer.self_attn.q_a_proj.weight, shared, ix.n_heads, ix.head_dim,
+                     slice(0, ix.rope_dim), gain, gen)
+
+
+def bump_index_query(w: torch.Tensor, q_a: torch.Tensor, shared: torch.Tensor, heads: int, head_dim: int,
+                     rope: slice, gain: float, gen: torch.Generator) -> None:
+    """w [heads * head_dim, q_lora] += gain / sqrt(q_lora) * d c^T in place: c the unit direction of
+    `shared` through q_a [q_lora, hidden], d ~ N(0, 1) [heads, head_dim] (from `gen`, on the CPU),
+    zero on the `rope` dims of every head (`stable_index_query`)."""
+    c = q_a.float() @ shared.float()
     c = c / c.norm()
-    d = torch.randn(ix.n_heads, ix.head_dim, generator=gen)
-    d[:, : ix.rope_dim] = 0.0
-    w = ix.wq_b.weight
+    d = torch.randn(heads, head_dim, generator=gen)
+    d[:, rope] = 0.0
     bump = (gain / c.numel() ** 0.5) * d.reshape(-1, 1).to(w.device) * c[None, :]
     w.data = (w.float() + bump).to(w.dtype)
 

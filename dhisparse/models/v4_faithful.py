@@ -58,8 +58,6 @@ copies freed, so the peak is the FP8 model plus one bf16 layer (~1.6 GB).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -69,9 +67,9 @@ from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
 from dhisparse.models.faithful import quantize_module
 from dhisparse.models.loader import LoadedModel
-from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN
+from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, bump_index_query
 from dhisparse.models.v4_loader import _FP32
-from dhisparse.models.v4_scaled import BYTE_VOCAB, V41_SCALED
+from dhisparse.models.v4_scaled import BYTE_VOCAB, V41_SCALED, init_rule
 
 ROUTED_EXPERTS = 48  # a layer's routed experts on one H200 (module docstring)
 FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,26 +125,6 @@ def v41_faithful_config(num_layers: int | None = None, overrides: dict | None = 
     return V4Config.from_hf(v41_faithful_hf_config(num_layers, overrides))
 
 
-
-def _value(name: str, p: torch.Tensor, layers: int, gen: torch.Generator) -> torch.Tensor:
-    """`build_v4_random`'s rule for parameter `name` (fp32, on p's device)."""
-    rnd = lambda mean, std: torch.randn(p.shape, generator=gen, device=p.device) * std + mean  # noqa: E731
-    if name.endswith("norm.weight"):
-        return rnd(1.0, 0.1)
-    if name.endswith((".sinks", "position_bias")):
-        return rnd(0.0, 1.0)
-    if name.endswith((".base", "hc_base")):
-        return rnd(0.0, 0.3)
-    if name.endswith((".scale", "hc_scale")):
-        return rnd(1.0, 0.3)
-    if name.endswith("embed_tokens.weight"):
-        return rnd(0.0, 1.0)
-    std = 1.0 / math.sqrt(p.shape[-1])
-    if name.endswith(("o_b_proj.weight", "down_proj.weight", "experts.down_proj")):
-        std /= math.sqrt(2 * layers)
-    return rnd(0.0, std)
-
-
 def _materialize(module: nn.Module, prefix: str, cfg: V4Config, dtype: torch.dtype, device: torch.device,
                  gen: torch.Generator) -> None:
     """A meta `module` on `device` with seeded values; fp32 where the checkpoint loader keeps fp32."""
@@ -154,7 +132,9 @@ def _materialize(module: nn.Module, prefix: str, cfg: V4Config, dtype: torch.dty
     with torch.no_grad():
         for name, p in module.named_parameters():
             full = prefix + name
-            p.data = _value(full, p, cfg.num_layers, gen).to(torch.float32 if _FP32.search(full) else dtype)
+            mean, std = init_rule(full, p.shape, cfg.num_layers)
+            v = torch.randn(p.shape, generator=gen, device=p.device) * std + mean
+            p.data = v.to(torch.float32 if _FP32.search(full) else dtype)
         for name, b in module.named_buffers():
             if name.endswith("tid2eid"):
                 E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -174,12 +154,8 @@ def stable_v4_index_query(layer: nn.Module, shared: torch.Tensor, gain: float, g
     ix = a.reindexer if a.reindexer is not None else getattr(a.compressor, "indexer", None)
     if ix is None:
         return
-    c = a.q_a_proj.weight.float() @ shared.float()
-    c = c / c.norm()
-    d = torch.randn(ix.n_heads, ix.d, generator=gen).to(c.device)
-    d[:, ix.d - a.cfg.rope_head_dim:] = 0.0
-    w = ix.q_b_proj.weight
-    w.data = (w.float() + (gain / c.numel() ** 0.5) * d.reshape(-1, 1) * c[None, :]).to(w.dtype)
+    bump_index_query(ix.q_b_proj.weight, a.q_a_proj.weight, shared, ix.n_heads, ix.d,
+                     slice(ix.d - a.cfg.rope_head_dim, ix.d), gain, gen)
 
 
 def quantize_v4_module(module: nn.Module) -> None:

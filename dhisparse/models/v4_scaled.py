@@ -63,11 +63,24 @@ def v41_scaled_config(groups: int = 4) -> V4Config:
     return V4Config.from_hf({**V41_SCALED, **v41_plan(groups)})
 
 
-def _std(name: str, shape: torch.Size, layers: int) -> float:
+def init_rule(name: str, shape: torch.Size, layers: int) -> tuple[float, float]:
+    """(mean, std) of parameter `name`'s seeded normal values (module docstring): norms ~1, sinks /
+    position biases / hyper-connection biases and scales random, embeddings N(0, 1), matrices
+    N(0, 1/fan_in), residual projections further / sqrt(2L)."""
+    if name.endswith("norm.weight"):
+        return 1.0, 0.1
+    if name.endswith((".sinks", "position_bias")):
+        return 0.0, 1.0
+    if name.endswith((".base", "hc_base")):
+        return 0.0, 0.3
+    if name.endswith((".scale", "hc_scale")):
+        return 1.0, 0.3
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
     std = 1.0 / math.sqrt(shape[-1])
     if name.endswith(("o_b_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * layers)
-    return std
+    return 0.0, std
 
 
 @torch.no_grad()
@@ -79,19 +92,7 @@ def build_v4_random(cfg: V4Config, seed: int = 0, dtype: torch.dtype = torch.flo
         model = DeepseekV4ForCausalLM(cfg)
     rnd = lambda shape, mean, std: (torch.randn(shape, generator=gen) * std + mean)  # noqa: E731
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            v = rnd(p.shape, 1.0, 0.1)
-        elif name.endswith((".sinks", "position_bias")):
-            v = rnd(p.shape, 0.0, 1.0)
-        elif name.endswith((".base", "hc_base")):
-            v = rnd(p.shape, 0.0, 0.3)
-        elif name.endswith((".scale", "hc_scale")):
-            v = rnd(p.shape, 1.0, 0.3)
-        elif name.endswith("embed_tokens.weight"):
-            v = rnd(p.shape, 0.0, 1.0)
-        else:
-            v = rnd(p.shape, 0.0, _std(name, p.shape, cfg.num_layers))
-        p.copy_(v.to(p.dtype))
+        p.copy_(rnd(p.shape, *init_rule(name, p.shape, cfg.num_layers)).to(p.dtype))
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
             E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
