@@ -744,6 +744,7 @@ def test_the_context_sweep_finds_where_the_hierarchy_overtakes_resident(tmp_path
     128K, interpolated in log context; a line that never reaches resident has no crossover; a
     single context or no resident run is not a context sweep; `dhisparse plot` draws context.png."""
     from dhisparse.bench.plot_context import context_points, crossover, is_context_sweep, ratios
+    from dhisparse.bench.plots import Spread
 
     def res(ctx, out):
         return {"kind": "bench", "config": {"engine": {"model": "m"}, "workload": {"input_len": ctx, "output_len": 8}},
@@ -758,7 +759,7 @@ def test_the_context_sweep_finds_where_the_hierarchy_overtakes_resident(tmp_path
     assert not is_context_sweep(results[:1]) and not is_context_sweep(
         [dict(r, runs=[x for x in r["runs"] if x["preset"] != "resident"]) for r in results])
     pts = context_points(results)
-    assert pts["adaptive"][2] == (524288, 42.0, 40.0, 44.0)
+    assert pts["adaptive"][2] == (524288, Spread(42.0, 40.0, 44.0))
     rs = ratios(pts, "adaptive")
     assert rs[:2] == [(32768, 0.9), (131072, 1.2)]
     # log2 32K = 15, 128K = 17: 0.9 -> 1.2 reaches 1 a third of the way, at 2^(15 + 2/3)

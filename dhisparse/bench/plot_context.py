@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dhisparse.bench.plots import save_figure  # noqa: E402
+from dhisparse.bench.plots import Spread, errorbar_points, save_figure  # noqa: E402
 
 BASE = "resident"
 
@@ -37,19 +37,19 @@ def is_context_sweep(results: list[dict]) -> bool:
     return None not in ctx and len(ctx) >= 2 and len(cs) == 1 and BASE in presets and len(presets) >= 2
 
 
-def context_points(results: list[dict]) -> dict[str, list[tuple[int, float, float, float]]]:
-    """preset -> [(context, mean, min, max output tok/s)] by context (repeats folded)."""
+def context_points(results: list[dict]) -> dict[str, list[tuple[int, Spread]]]:
+    """preset -> [(context, output tok/s over its runs)] by context (repeats folded)."""
     raw: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for res in results:
         for run in res["runs"]:
             raw[run["preset"]][context_of(res)].append(run["metrics"]["output_tok_s"])
-    return {p: [(c, sum(v) / len(v), min(v), max(v)) for c, v in sorted(by.items())] for p, by in sorted(raw.items())}
+    return {p: [(c, Spread.of(v)) for c, v in sorted(by.items())] for p, by in sorted(raw.items())}
 
 
-def ratios(points: dict[str, list[tuple[int, float, float, float]]], preset: str) -> list[tuple[int, float]]:
+def ratios(points: dict[str, list[tuple[int, Spread]]], preset: str) -> list[tuple[int, float]]:
     """[(context, preset's mean output / resident's)] at the contexts both have."""
-    base = {c: m for c, m, _, _ in points.get(BASE, [])}
-    return [(c, m / base[c]) for c, m, _, _ in points.get(preset, []) if base.get(c)]
+    base = {c: s.mean for c, s in points.get(BASE, [])}
+    return [(c, s.mean / base[c]) for c, s in points.get(preset, []) if base.get(c)]
 
 
 def crossover(pts: list[tuple[int, float]]) -> float | None:
@@ -68,9 +68,7 @@ def plot_context(results: list[dict], out: str | Path, colors: dict[str, str]) -
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for i, (preset, pts) in enumerate(points.items()):
         color = colors.get(preset, f"C{i}")
-        xs = [p[0] for p in pts]
-        axes[0].errorbar(xs, [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
-                         color=color, marker="o", capsize=2, label=preset)
+        errorbar_points(axes[0], [c for c, _ in pts], [sp for _, sp in pts], color=color, marker="o", label=preset)
         if preset == BASE:
             continue
         rs = ratios(points, preset)
@@ -80,7 +78,7 @@ def plot_context(results: list[dict], out: str | Path, colors: dict[str, str]) -
         if x:
             axes[1].axvline(x, color=color, ls=":", lw=1)
     axes[1].axhline(1.0, color="0.5", lw=1)
-    ctx = sorted({p[0] for pts in points.values() for p in pts})
+    ctx = sorted({c for pts in points.values() for c, _ in pts})
     for ax, ylabel in ((axes[0], "output tok/s"), (axes[1], f"output / {BASE}'s")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ctx, [f"{c / 1024:g}K" for c in ctx])

@@ -101,7 +101,7 @@ def serving_points(runs: list[dict]) -> list[ServingPoint]:
                          Spread.of([m["tpot_mean_ms"] for m in ms])) for c, ms in sorted(by.items())]
 
 
-def _errorbar(ax, xs: list[Spread | float], ys: list[Spread], **kw) -> None:
+def errorbar_points(ax, xs: list[Spread | float], ys: list[Spread], **kw) -> None:
     """Points at their means joined by a line, with min-max bars where a point has a spread."""
     xm = [x.mean if isinstance(x, Spread) else x for x in xs]
     xerr = [[x.bar()[i] for x in xs] for i in (0, 1)] if all(isinstance(x, Spread) for x in xs) else None
@@ -117,11 +117,11 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
     repeats = max((p.runs for pts in lines.values() for p in pts), default=1)
     for i, (label, pts) in enumerate(lines.items()):
         kw = dict(color=_color(label, i), marker="o", label=label)
-        _errorbar(axes[0], [p.concurrency for p in pts], [p.tok_s for p in pts], **kw)
+        errorbar_points(axes[0], [p.concurrency for p in pts], [p.tok_s for p in pts], **kw)
         for ax, key in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
             have = [p for p in pts if getattr(p, key) is not None]
             if have:
-                _errorbar(ax, [p.tok_s for p in have], [getattr(p, key) for p in have], **kw)
+                errorbar_points(ax, [p.tok_s for p in have], [getattr(p, key) for p in have], **kw)
             if label == widest:
                 _label_points(ax, [(p.tok_s.mean, getattr(p, key).mean, p.concurrency) for p in have])
     _decorate_serving(axes, cs)
