@@ -298,12 +298,10 @@ case ",$STEPS," in *,train29drafter,*)  # issue 29: the DFlash2 drafter of the c
 case ",$STEPS," in *,tinyspec,*)  # issue 29: tokens per round and speedup of mtp / dflash2 / ngram at width 4 on tiny-code, 3 presets (~3 min)
   run "tiny-code drafters through the engine" timeout ${TINYSPEC_TIMEOUT:-200} python3 bench/tiny_code_spec.py --device cuda \
       --out "$OUT/tiny_code_spec_h200.json" ;; esac
-case ",$STEPS," in *,exactint,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran
-  run "exactness on CUDA, whole suite, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
-      -n ${EXACT_N:-10} --dist loadfile tests -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
-case ",$STEPS," in *,exactfiles,*)  # named test files on CUDA (EXACT_FILES, space-separated) under the same SIGINT deadline
-  run "exactness on CUDA, ${EXACT_FILES:-tests}, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
-      -n ${EXACT_N:-10} --dist loadfile ${EXACT_FILES:-tests} -rfE --junitxml="$OUT/exactfiles_cuda.xml" ;; esac
+case ",$STEPS," in *,exactint,*|*,exactfiles,*)  # exactall under a deadline: SIGINT at EXACT_S seconds still writes the JUnit file of what ran;
+  # EXACT_FILES (space-separated pytest arguments, e.g. '--dist load tests/test_a.py') narrows it (step exactfiles: the same step)
+  run "exactness on CUDA, ${EXACT_FILES:-whole suite}, ${EXACT_S:-300}-s deadline" timeout -s INT ${EXACT_S:-300} python3 -m pytest -q -p no:cacheprovider \
+      -n ${EXACT_N:-10} --dist loadfile ${EXACT_FILES:-tests} -rfE --junitxml="$OUT/exact_cuda.xml" ;; esac
 case ",$STEPS," in *,world1,*)  # issue 30: world size 1 through the Coordinator vs the plain engine, one engine, arms alternated (~3 min cold)
   run "world size 1: Coordinator vs Engine, 2K C8" timeout ${WORLD1_TIMEOUT:-200} python3 bench/world1_overhead.py --device cuda \
       --model glm52-scaled --input-len 2048 --concurrency 8 --max-tokens 64 --repeats 3 \
