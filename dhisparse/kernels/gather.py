@@ -4,12 +4,16 @@ Rows are the last dimension of paged row spaces [pages, rows_per_page, W] (any W
 dtype on both sides), or of layered ones [pages, G, rows_per_page, W] where every one of the G
 layers copies the same rows (a layer group shares one selection: one launch serves the group).
 Rows are moved in the widest integer unit the row size and strides allow (8 B for 656-B and
-1152-B rows) and vector hints let 16-B loads issue. Grid (cdiv(C, R), N, G): it scales with the
-copy capacity; programs past a request's count exit at once.
+1152-B rows) and vector hints let 16-B loads issue. Grid (P, N, G) with P programs a (request, layer)
+bounded by GATHER_PROGRAMS in all: each steps through its request's rows P*R at a time, so a launch
+costs the same whether a plan's capacity is 32 rows or 2,048, and programs past a request's count
+exit at once.
 On CUDA a CPU source must be pinned: it is read zero-copy through `host_view` (UVA).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,32 +21,47 @@ import triton.language as tl
 
 from dhisparse.kernels.uva import host_view
 
+GATHER_PROGRAMS = 1024  # programs a gather launch aims at (H200: 132 SMs x 8 four-warp programs)
 _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+@triton.jit
+def copy_row_block(src_ptr, dst_ptr, si, di, rm, g, hp, hs0, hsl, hs1, dp, ds0, dsl, ds1,
+                   W: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
+    """Rows si -> di (flat row indices [R] int64: page * rows_per_page + row; mask rm [R]) of layer g
+    of a layered row-space pair, W units a row in column blocks of CW. Shared by the gather kernel and
+    the resolver plan kernel's fused copy (resolver_kernel.py, P6)."""
+    sb = tl.multiple_of((si // hp) * hs0 + g * hsl + (si % hp) * hs1, VEC)
+    db = tl.multiple_of((di // dp) * ds0 + g * dsl + (di % dp) * ds1, VEC)
+    for c0 in tl.static_range(0, W, CW):
+        cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
+        m = rm[:, None] & (cols[None, :] < W)
+        v = tl.load(src_ptr + sb[:, None] + cols[None, :], mask=m)
+        tl.store(dst_ptr + db[:, None] + cols[None, :], v, mask=m)
 
 
 @triton.jit(do_not_specialize=["C"])
 def gather_rows_kernel(src_ptr, dst_ptr, sidx_ptr, didx_ptr, cnt_ptr, C,
                        hp, hs0, hsl, hs1, dp, ds0, dsl, ds1,
                        W: tl.constexpr, R: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
-    """Program (pid, n, g) copies rows pid*R .. pid*R+R-1 of request n's plan (src/dst idx [N, C])
-    in layer g of the row spaces."""
+    """Program (pid, n, g) of grid (P, N, G) copies rows pid*R .. pid*R+R-1, then the same R rows
+    P*R further on, and so on below count[n], of request n's plan (src/dst idx [N, C]) in layer g of
+    the row spaces. P is bounded (`gather_programs`), not C / R: a plan's capacity C is min(K*k, B)
+    rows a request while a steady-state step copies a few, and programs with nothing to copy still
+    cost the launch their scheduling (issue 33)."""
     pid = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     g = tl.program_id(2).to(tl.int64)
-    cnt = tl.load(cnt_ptr + n)
+    step = tl.num_programs(0) * R
+    cnt = tl.load(cnt_ptr + n).to(tl.int32)
     r0 = pid * R
-    if r0 < cnt:
+    while r0 < cnt:
         r = r0 + tl.arange(0, R)
         rm = r < cnt
         si = tl.load(sidx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
         di = tl.load(didx_ptr + n * C + r, mask=rm, other=0).to(tl.int64)
-        sb = tl.multiple_of((si // hp) * hs0 + g * hsl + (si % hp) * hs1, VEC)
-        db = tl.multiple_of((di // dp) * ds0 + g * dsl + (di % dp) * ds1, VEC)
-        for c0 in tl.static_range(0, W, CW):
-            cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
-            m = rm[:, None] & (cols[None, :] < W)
-            v = tl.load(src_ptr + sb[:, None] + cols[None, :], mask=m)
-            tl.store(dst_ptr + db[:, None] + cols[None, :], v, mask=m)
+        copy_row_block(src_ptr, dst_ptr, si, di, rm, g, hp, hs0, hsl, hs1, dp, ds0, dsl, ds1, W, CW, VEC)
+        r0 += step
 
 
 def _unit(t: torch.Tensor) -> int:
@@ -109,28 +128,60 @@ def _layout(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tenso
     return s, _as_units(dst_rows, ub), vec, cw
 
 
+@dataclass(frozen=True)
+class RowCopy:
+    """A row-space pair prepared for a copy kernel: `src` / `dst` layered views [pages, G, rows_per_page,
+    W] in copy units (a pinned host source as its zero-copy CUDA view), `strides` the kernel's
+    (hp, hs0, hsl, hs1, dp, ds0, dsl, ds1), and the constexprs W (units a row), CW (column block)
+    and VEC (units a 16-B vector)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    strides: tuple[int, ...]
+    W: int
+    CW: int
+    VEC: int
+
+    @property
+    def layers(self) -> int:
+        """G: the layers every row is copied in."""
+        return self.src.shape[1]
+
+
+def row_copy(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> RowCopy:
+    """Check and prepare src_rows [HP, hp, W] -> dst_rows [P, dp, W] (same dtype, unit last stride),
+    or layered [HP, G, hp, W] / [P, G, dp, W] (same G), for `gather_rows_kernel` or the resolver plan
+    kernel's fused copy."""
+    if src_rows.dtype != dst_rows.dtype or src_rows.shape[-1] != dst_rows.shape[-1]:
+        raise ValueError("source and destination rows must share dtype and width")
+    if src_rows.stride(-1) != 1 or dst_rows.stride(-1) != 1:
+        raise ValueError("row spaces need a contiguous last dimension")
+    s, d, vec, cw = _layout(src_rows, dst_rows)
+    if s.shape[1] != d.shape[1]:
+        raise ValueError(f"layered row spaces need the same layer count, got {s.shape[1]} and {d.shape[1]}")
+    return RowCopy(s, d, (s.shape[2], s.stride(0), s.stride(1), s.stride(2),
+                          d.shape[2], d.stride(0), d.stride(1), d.stride(2)), s.shape[-1], cw, vec)
+
+
+def gather_programs(C: int, R: int, N: int, G: int) -> int:
+    """Programs a (request, layer) of the gather grid: enough for GATHER_PROGRAMS in all, at most
+    cdiv(C, R) (a request's whole capacity in one pass), at least one."""
+    return max(1, min(triton.cdiv(C, R), triton.cdiv(GATHER_PROGRAMS, N * G)))
+
+
 def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: torch.Tensor,
                        dst_idx: torch.Tensor, count: torch.Tensor, *, rows_per_prog: int | None = None,
                        num_warps: int = 4) -> None:
     """src_rows [HP, hp, W], dst_rows [P, dp, W] (same dtype, unit last stride), or layered
     [HP, G, hp, W] / [P, G, dp, W] (same G: every layer copies the same rows); src_idx, dst_idx
     [N, C] flat row indices (page * rows_per_page + row); count [N] rows to copy per request."""
-    if src_rows.dtype != dst_rows.dtype or src_rows.shape[-1] != dst_rows.shape[-1]:
-        raise ValueError("source and destination rows must share dtype and width")
-    if src_rows.stride(-1) != 1 or dst_rows.stride(-1) != 1:
-        raise ValueError("row spaces need a contiguous last dimension")
     if not (src_idx.is_contiguous() and dst_idx.is_contiguous()):
         raise ValueError("src_idx and dst_idx must be contiguous [N, C] (the kernel steps rows by C)")
     N, C = src_idx.shape
+    rc = row_copy(src_rows, dst_rows)
     if N == 0 or C == 0:
         return
-    s, d, vec, CW = _layout(src_rows, dst_rows)
-    if s.shape[1] != d.shape[1]:
-        raise ValueError(f"layered row spaces need the same layer count, got {s.shape[1]} and {d.shape[1]}")
-    W = s.shape[-1]
-    R = rows_per_prog or max(1, min(16, 1024 // CW))
-    grid = (triton.cdiv(C, R), N, s.shape[1])
-    gather_rows_kernel[grid](s, d, src_idx, dst_idx, count, C,
-                             s.shape[2], s.stride(0), s.stride(1), s.stride(2),
-                             d.shape[2], d.stride(0), d.stride(1), d.stride(2),
-                             W=W, R=R, CW=CW, VEC=vec, num_warps=num_warps)
+    R = rows_per_prog or max(1, min(16, 1024 // rc.CW))
+    grid = (gather_programs(C, R, N, rc.layers), N, rc.layers)
+    gather_rows_kernel[grid](rc.src, rc.dst, src_idx, dst_idx, count, C, *rc.strides,
+                             W=rc.W, R=R, CW=rc.CW, VEC=rc.VEC, num_warps=num_warps)
