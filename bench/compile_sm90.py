@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dhisparse.kernels.resolver import PHASE_STOPS, _shape_consts, _sort_classes  # noqa: E402
+from dhisparse.kernels.gather import gather_rows_kernel  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
 INT32_PTRS = {"copy_n_ptr", "scr32_ptr", "bm_ptr", "pre_ptr"}
@@ -29,13 +30,17 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _type(name: str) -> str:
+    if name in ("src_ptr", "dst_ptr"):  # gather_rows_kernel's row spaces (8-B copy units)
+        return "*i64"
     if name.endswith("_ptr"):
         return "*i16" if name == "pv_ptr" else ("*i32" if name in INT32_PTRS else "*i64")
     return "i32"
 
 
 def compile_kernel(kern, consts: dict, num_warps: int):
-    """triton.compile one specialization of `kern` (constexprs `consts`) for sm_90."""
+    """triton.compile one specialization of `kern` (constexprs `consts`, the kernel's defaults for the
+    rest) for sm_90."""
+    consts = {p.name: p.default for p in kern.params if p.is_constexpr and p.has_default} | consts
     sig, cst = {}, {}
     for i, name in enumerate(kern.arg_names):
         if name in consts:
@@ -64,8 +69,15 @@ def main() -> None:
     for upto in PHASE_STOPS:  # bench/resolver_peer.py --phases
         compile_kernel(resolve_plan_kernel, plan_consts(2048, 4096, False, upto, True), 16)
         print(f"resolve_plan_kernel UPTO {upto}: ok", flush=True)
+    for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of
+        warps = _shape_consts(KKP, BP)[2]                                       # 656- / 1,152-B rows
+        consts = plan_consts(KKP, BP, False, distinct=KKP <= 2048) | dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=64)
+        k = compile_kernel(resolve_plan_kernel, consts, warps)
+        print(f"resolve_plan_kernel COPY KKP {KKP} BP {BP} W {W}: ok, shared {k.metadata.shared} B", flush=True)
     compile_kernel(direct_pre_kernel, {"CH": 1024}, 4)
     print("direct_pre_kernel: ok")
+    compile_kernel(gather_rows_kernel, dict(W=82, R=16, CW=64, VEC=2), 4)
+    print("gather_rows_kernel: ok")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kernels.gather import gather_rows_padded
+from dhisparse.kernels.gather import RowCopy, gather_rows_padded, row_copy
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
@@ -59,6 +59,7 @@ class TritonResolvePlan(ResolvePlan):
     copy_n: torch.Tensor | None = None
     cnt: torch.Tensor | None = None
     _counts: torch.Tensor | None = None
+    copied: bool = False  # plan_triton(copy=...): the plan kernel already copied its rows into that target
 
     @property
     def counts(self) -> torch.Tensor:
@@ -111,7 +112,8 @@ def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: t
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
                 defer: bool = False, num_warps: int | None = None, upto_phase: int = 50,
-                workspace: PlanWorkspace | None = None, distinct: bool = False) -> TritonResolvePlan:
+                workspace: PlanWorkspace | None = None, distinct: bool = False,
+                copy: "tuple[torch.Tensor, torch.Tensor] | RowCopy | None" = None) -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
@@ -125,6 +127,10 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     query a request, K == 1, as the engine's decode step): the kernel then skips deduplication (the
     claims' read-back, one dependent round of K*k scattered loads) when K*k <= 2,048. A duplicate
     under distinct=True gives a wrong plan (two slots for one row); the default deduplicates.
+    copy: (host_rows, dev_rows) as `launch_copies` takes them (layered [pages, G, ps, W] included), or a
+    `RowCopy` of them: the plan kernel copies each request's planned rows itself after planning them
+    (P6): one launch plans and copies, as `plan` + `launch_copies` into that pair would, and the plan
+    comes back with `copied` set (its copy plan is still there for other layers' row spaces).
     Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
     launches through their held compiled handles (kernels/launch.py).
     """
@@ -141,7 +147,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
         loc = torch.full(sel.shape, -1, dtype=sel.dtype, device=dev)
         z = torch.zeros((N, C), dtype=torch.int64, device=dev)
         plan = TritonResolvePlan(loc, None, None, None, z, z.clone(), torch.zeros(N, dtype=torch.int64, device=dev),
-                                 torch.zeros((N, 6), dtype=torch.int64, device=dev))
+                                 torch.zeros((N, 6), dtype=torch.int64, device=dev), copied=copy is not None)
         return plan if defer else plan.materialize()
     if sel.device != dev:
         sel = sel.to(dev)
@@ -150,8 +156,9 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     if slots.dtype != torch.int64 or slots.device != dev or not slots.is_contiguous():
         slots = slots.to(device=dev, dtype=torch.int64).contiguous()
     loc, src, dst, cnt, copy_n = _outputs(sel.shape, C, sel.dtype, dev)
-    plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt)
-    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct)
+    rc = copy if copy is None or isinstance(copy, RowCopy) else row_copy(*copy)
+    plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt, copied=rc is not None and upto_phase >= 50)
+    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct, rc)
     return plan if defer else plan.materialize()
 
 
@@ -186,8 +193,21 @@ def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, 
     return KKP, BP, warps, _sort_classes(min(KKP, BP))
 
 
-def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False):
-    """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`."""
+def _copy_args(rc: RowCopy | None, dummy: torch.Tensor, warps: int) -> tuple[tuple, dict]:
+    """The plan kernel's fused-copy arguments (crs, crd, CG and the eight strides) and constexprs;
+    without a copy a dummy pointer and zeros (COPY=0 compiles P6 out). CR rows a chunk: about 8 units a
+    thread of a CCW-unit column block, a power of two up to 64 (16 warps, 64-unit blocks of 8 B: 64
+    rows, 32 KB a round)."""
+    if rc is None:
+        return (dummy, dummy, 0, 1, 0, 0, 0, 1, 0, 0, 0), {"COPY": 0}
+    cr = min(64, 1 << max(0, (warps * 256 // rc.CW).bit_length() - 1))
+    return ((rc.src, rc.dst, rc.layers, *rc.strides),
+            {"COPY": 1, "CPW": rc.W, "CCW": rc.CW, "CVEC": rc.VEC, "CR": cr})
+
+
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None):
+    """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`; with a
+    RowCopy `rc`, the plan kernel copies the planned rows into it (P6)."""
     hot_pos, s_pos = _row(st.hot_pos, "hot_pos", writable=True)
     hot_stamp, s_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
     hot_loc, s_loc = _row(st.hot_loc, "hot_loc")
@@ -212,6 +232,8 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
+    warps = num_warps or warps
+    cargs, cconsts = _copy_args(rc, hot_pos, warps)
     chp = min(KKP, 1024)
     chunks = -(-KK // chp) if dmap is not None else 1  # P0's programs per request; the plan's grid width
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
@@ -222,10 +244,10 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
-        scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm),
+        scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm, *cargs),
         {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
-         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto, "DISTINCT": bool(distinct)},
-        num_warps or warps)
+         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
+        warps)
 
 
 def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> None:

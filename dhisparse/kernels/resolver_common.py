@@ -1,10 +1,12 @@
 """Parts both plan paths share (resolver_kernel.py's chunked one, resolver_one.py's registers-only one):
-a position's direct location, a slot's hot rows as registers, a request's counters."""
+a position's direct location, a slot's hot rows as registers, a request's counters, the fused copy."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from dhisparse.kernels.gather import copy_row_block
 
 
 @triton.jit
@@ -41,3 +43,24 @@ def _store_counts(c, nsel, ndir, nhot, nhost, hsel, nover):
     tl.store(c + 3, nhost.to(tl.int64))
     tl.store(c + 4, hsel.to(tl.int64))
     tl.store(c + 5, nover.to(tl.int64))
+
+
+@triton.jit
+def _copy_planned(src_row, dst_row, nhost, crs, crd, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
+                  CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr):
+    """P6, the fused copy (`plan_triton(copy=...)`): the request's copy-plan rows 0 .. nhost-1
+    (src_row / dst_row: its row of src_pad / dst_pad, written by P4) copied host -> device in each
+    of the CG layers of the target pair, CR rows at a time. Each row chunk's indices are read once
+    for every layer."""
+    tl.debug_barrier()  # P4's copy-plan stores, made by other threads of this program, are visible
+    r0 = nhost * 0
+    while r0 < nhost:
+        r = r0 + tl.arange(0, CR)
+        rm = r < nhost
+        si = tl.load(src_row + r, mask=rm, other=0).to(tl.int64)
+        di = tl.load(dst_row + r, mask=rm, other=0).to(tl.int64)
+        g = (CG * 0).to(tl.int64)
+        while g < CG:
+            copy_row_block(crs, crd, si, di, rm, g, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, CPW, CCW, CVEC)
+            g += 1
+        r0 += CR

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from dhisparse.kernels.launch import jit_unspecialized
-from dhisparse.kernels.resolver_common import _direct_loc, _hot_rows, _store_counts
+from dhisparse.kernels.resolver_common import _copy_planned, _direct_loc, _hot_rows, _store_counts
 from dhisparse.kernels.resolver_evict import _compact_misses, _pair_misses
 from dhisparse.kernels.resolver_one import _plan_one
 
@@ -185,9 +185,12 @@ def resolve_plan_kernel(
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
+    crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
     SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
     VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
+    COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
+    CR: tl.constexpr = 1,
 ):
     """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -199,6 +202,10 @@ def resolve_plan_kernel(
     plans request n. Without PRE the grid is (N, 1).
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
+    COPY (`plan_triton(copy=...)`): P6 copies each request's planned rows (copy-plan rows 0 .. copy_n-1)
+    from the host rows crs to the device rows crd (layered [pages, CG, rows_per_page, CPW units], the
+    strides (chp, chs0, chsl, chs1) and (cdp, cds0, cdsl, cds1) as `gather_rows_kernel` takes them) in
+    the same program, CR rows of CCW-unit column blocks at a time: one launch plans and copies.
     UPTO (profiling only, bench/resolver_peer.py; resolver.PHASE_STOPS): phases after the stop are
     compiled out (0: none, 10: P1, 30: P3, 41: P4a-b, 43: P4c, 45: P4), so the outputs are
     incomplete below 50; the default 50 runs every phase."""
@@ -210,17 +217,20 @@ def resolve_plan_kernel(
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
-                      pv_ptr, LCAP, pre_ptr, n, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
+                      pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
+                      KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY, CPW, CCW, CVEC, CR)
 
 
 @triton.jit
 def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                   tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                   has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
-                  pv_ptr, LCAP, pre_ptr, n, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
+                  pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
+                  KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr):
-    """Request n's plan (program (n, 0)): P0's exit or P1-P5."""
+                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr,
+                  COPY: tl.constexpr, CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr):
+    """Request n's plan (program (n, 0)): P0's exit or P1-P5, then (COPY) P6's copy of its planned rows."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
     out = scr64_ptr + n * (2 * KKP + BP)
@@ -243,17 +253,22 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
     if UPTO == 0:
         tl.store(copy_n_ptr + n, nnd * 0)
         nnd = 0
+    nhost = nnd * 0
     if nnd != 0:
         if KKP <= CH:  # one block of entries: kept in registers (resolver_one.py)
-            _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+            nhost = _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
                       KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
         else:
-            _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
+            nhost = _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                           tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
                           LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
                           LCAP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+    if COPY:
+        if UPTO >= 50:
+            _copy_planned(src_ptr + n * C, dst_ptr + n * C, nhost, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1,
+                          cdp, cds0, cdsl, cds1, CPW, CCW, CVEC, CR)
 
 
 @triton.jit
@@ -262,11 +277,13 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
                   KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
                   SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
-    """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH)."""
+    """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH).
+    Returns the rows it planned to copy (copy_n[n])."""
     # the hot rows depend only on s: their loads overlap P1's
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
     nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
                                       tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+    planned = nnd * 0
     if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
         tl.store(copy_n_ptr + n, nnd * 0)
         _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
@@ -287,3 +304,5 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
         if UPTO >= 50:
             hsel = _emit(sel_ptr, loc_ptr, KK, n, rep, out, hflag, KKP, CH)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
+        planned = nhost
+    return planned

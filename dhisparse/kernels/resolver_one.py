@@ -100,11 +100,12 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
               SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
               DISTINCT: tl.constexpr):
     """P1-P5 of request n (slot s) in registers; the scratch rows out / mk / vk / hflag and the claim
-    row pv are request n's."""
+    row pv are request n's. Returns the rows it planned to copy (copy_n[n])."""
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
     nsel, nnd, ndir, nrest, p, u, o, hpg = _entries_one(
         sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
         s_dmap, LMAX, has_map, table_ptr, s_table, HPW, ps, KKP, DISTINCT)
+    planned = nnd * 0
     if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
         tl.store(copy_n_ptr + n, nnd * 0)
         _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
@@ -125,3 +126,5 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
         if UPTO >= 50:
             hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
+        planned = nhost
+    return planned
