@@ -180,7 +180,8 @@ class Rig:
 
 def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
     """plan_triton (with `distinct` as the timed calls pass it) vs plan_reference (on CPU copies) bit
-    for bit, then every copied row's bytes."""
+    for bit, then every copied row's bytes; `fused`: the plan with its copy fused (`copy=`) gives the
+    same locations, state and device rows as plan + `launch_copies`."""
     st_t = copy.deepcopy(case.state)
     cpu = lambda v: v.to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731 (a copy on CPU too)
     st_r = ResolverState(**{f.name: cpu(getattr(case.state, f.name)) for f in dataclasses.fields(case.state)})
@@ -192,7 +193,11 @@ def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
             "hot_pos": torch.equal(st_r.hot_pos, st_t.hot_pos.cpu()),
             "hot_stamp": torch.equal(st_r.hot_stamp, st_t.hot_stamp.cpu())}
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
+    dev_f, st_f = dev.clone(), copy.deepcopy(case.state)  # the fused plan + copy (one launch) on the same input
+    fused = plan_triton(case.sel, case.slots, st_f, now, distinct=distinct, copy=(host, dev_f))
     launch_copies(got, host, dev)
+    same["fused"] = bool(torch.equal(fused.loc, got.loc) and torch.equal(st_f.hot_pos, st_t.hot_pos)
+                         and torch.equal(dev_f.view(torch.uint8), dev.view(torch.uint8)))
     hf, df = host.reshape(-1, host.shape[-1]), dev.reshape(-1, dev.shape[-1])
     src = got.copy_src.cpu()
     same["rows"] = bool(torch.equal(df[got.copy_dst].cpu().view(torch.uint8), hf[src].view(torch.uint8)))

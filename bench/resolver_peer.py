@@ -8,7 +8,8 @@ H = 4,096 and 8,192, batch 8 / 32 / 100, rows of 656 and 1,152 B, and three miss
 selection misses (2 rows), 20% (410 rows), and every row (a full hot cache holding none of the
 selection). Each selection is one top-k (distinct positions), so ours is called with distinct=True, as
 the engine's decode step calls it (kv/hier/context.py). Per case: plan + copy (`plan_triton(defer=True,
-workspace=ws)` + `launch_copies`, the engine's no-sync path with a store's persistent scratch), plan alone
+workspace=ws)` + `launch_copies`, the engine's no-sync path with a store's persistent scratch), plan and
+copy fused in one launch (`plan_triton(copy=...)`, the engine's `--resolver-copy fused`), plan alone
 (also without the workspace: scratch allocated and zero-filled per call), and the host time to enqueue a
 call (Python and launches, outside CUDA graphs). The L2 is flushed (a 256-MiB write) and the hot-cache
 state restored before every timed call, untimed; 20 timed calls, median; device times with the GPU spinning
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
+from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
@@ -101,6 +103,10 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     rec = {"case": case.name, "row_bytes": case.rb, "N": case.sel.shape[0], "k": case.sel.shape[2],
            "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(), **case.meta}
     rec["plan_copy"] = stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup))
+    fused = row_copy(host, dev)  # prepared once, as a store's producer target is
+    rec["plan_copy_fused"] = stats(timeit(rig, lambda: plan_triton(case.sel, case.slots, st, now, defer=True,
+                                                                   workspace=ws, distinct=True, copy=fused),
+                                          restore, iters, warmup))
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
     rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(50, None), restore, iters, warmup))
     rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
@@ -151,9 +157,11 @@ def compare(rec: dict) -> dict | None:
     out = {}
     key = (rec["miss_level"], rec["batch"], rec["row_bytes"])
     us = rec["plan_copy"]["time_ms"] * 1e3
+    fused = rec["plan_copy_fused"]["time_ms"] * 1e3
     if rec["H"] == 4096 and key in PEER_US:
         peer, filed = PEER_US[key]
-        out |= {"peer_us": peer, "ours_at_filing_us": filed, "ours_us": us, "ours_over_peer": us / peer}
+        out |= {"peer_us": peer, "ours_at_filing_us": filed, "ours_us": us, "ours_over_peer": us / peer,
+                "ours_fused_us": fused, "ours_fused_over_peer": fused / peer}
     lo, hi = PEER_PLAN_US.get(rec["H"], (None, None))
     if lo:
         p = rec["plan_only"]["time_ms"] * 1e3
@@ -178,6 +186,10 @@ def precompile_worker(spec: str) -> None:
     plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u, distinct=True)
     launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True, distinct=True), rig.host_rows(656),
                   rig.dev_rows(656, case.dev_rows))
+    if u == 50:  # the fused plan + copy of each row size (its own specializations)
+        for i, rb in enumerate(sh["row_bytes"]):
+            plan_triton(case.sel, case.slots, case.state, 1002 + i, defer=True, distinct=True,
+                        copy=(rig.host_rows(rb), rig.dev_rows(rb, case.dev_rows)))
     torch.cuda.synchronize()
 
 
@@ -216,6 +228,7 @@ def main() -> None:
                     rec["vs_peer"] = compare(rec)
                     records.append(rec)
                     print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
+                          f"  fused {rec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
                           f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
                           f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
                           + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items())

@@ -94,19 +94,24 @@ def test_host_pool_exhaustion_makes_admission_wait(caplog):
                                              ("hisparse", 64, {"speculative_algorithm": "ngram"})])
 def test_deferred_triton_resolver_matches_reference_resolver(preset, hot, spec):
     """The Triton resolver runs sync-free (defer=True, counters folded on read): same tokens as
-    resident and the same census as the reference resolver, with hot-cache misses and direct calls."""
+    resident and the same census as the reference resolver, with hot-cache misses and direct calls;
+    with its copies fused into the plan kernel (resolver_copy="fused": one launch plans and copies
+    the producer's rows) every located row is also checked against a dense mirror (I2)."""
     ps, short = prompts(3), SamplingParams(max_tokens=10, ignore_eos=True)
     ref = [o.token_ids for o in LLM("tiny", page_size=4).generate(ps, short)]
     census = {}
-    for resolver in ("torch", "triton"):
-        llm = LLM("tiny", preset=preset, resolver=resolver, hot_cache_rows=hot, page_size=4, kv_pool_bytes=1 << 20,
-                  max_running_requests=8, **spec)
+    for resolver, copy in (("torch", "separate"), ("triton", "separate"), ("triton", "fused")):
+        llm = LLM("tiny", preset=preset, resolver=resolver, resolver_copy=copy, hot_cache_rows=hot, page_size=4,
+                  kv_pool_bytes=1 << 20, max_running_requests=8, debug_checks=copy == "fused", **spec)
         assert llm.engine.store.deferred == (resolver == "triton")
+        assert llm.engine.store.fuse_copies == (copy == "fused")
+        if copy == "fused":
+            llm = checked(llm)
         assert [o.token_ids for o in llm.generate(ps, short)] == ref
         c = llm.engine.store.census
-        census[resolver] = {k: getattr(c, k) for k in c.FIELDS} | {"calls": c.calls}
-    assert census["triton"] == census["torch"]
-    assert census["torch"]["host"] > 0 or preset == "adaptive"
+        census[resolver, copy] = {k: getattr(c, k) for k in c.FIELDS} | {"calls": c.calls}
+    assert census["triton", "separate"] == census["torch", "separate"] == census["triton", "fused"]
+    assert census["torch", "separate"]["host"] > 0 or preset == "adaptive"
 
 
 @pytest.mark.parametrize("preset", ["hisparse", "adaptive"])

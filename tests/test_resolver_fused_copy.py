@@ -117,3 +117,12 @@ def test_mismatched_copy_targets_are_refused():
     sel = torch.tensor([[[1, 2]]], device=DEV)
     with pytest.raises(ValueError, match="dtype and width"):
         plan_triton(sel, torch.tensor([0], device=DEV), st, 1, copy=(torch.zeros(4, 4, 3), torch.zeros(4, 8, 2)))
+
+
+def test_the_engine_setting_reaches_the_store():
+    from dhisparse.engine.config import ConfigValueError, EngineConfig
+
+    assert EngineConfig(preset="hisparse").store_settings().resolver_copy == "separate"
+    assert EngineConfig(preset="hisparse", resolver_copy="fused").store_settings().resolver_copy == "fused"
+    with pytest.raises(ConfigValueError, match="resolver_copy"):
+        EngineConfig(resolver_copy="both")

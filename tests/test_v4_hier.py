@@ -128,3 +128,22 @@ def test_v4_host_counted_direct_passes_equal_the_device_census(loaded, reference
         st = eng.stats().as_dict()
         stats[host] = {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))}
     assert stats[True] == stats[False]
+
+
+@pytest.mark.parametrize("preset", ["hisparse", "adaptive"])
+def test_v4_fused_resolver_copies_are_exact(loaded, reference, preset, monkeypatch):
+    """The deferred Triton resolver with its copies fused into the plan kernel (resolver_copy="fused")
+    on V4's compressed sources: resident's tokens, every located row checked against the shadow
+    copy, and the same census as the separate copy launch."""
+    pytest.importorskip("triton")
+    stats = {}
+    for copy in ("separate", "fused"):
+        ck = SourceCheck().install(monkeypatch)
+        eng = engine(loaded, preset=preset, hot_cache_rows=4, resolver="triton", resolver_copy=copy)
+        assert eng.store.kv.fuse_copies == (copy == "fused")
+        assert generate(eng, PROMPTS, GREEDY) == expected(reference)
+        assert ck.located > 0
+        st = eng.stats().as_dict()
+        stats[copy] = {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))}
+    assert stats["fused"] == stats["separate"]
+    assert preset == "adaptive" or stats["fused"]["host_selected_rows"] > 0

@@ -19,7 +19,8 @@ import dataclasses
 import logging
 
 from dhisparse import __version__
-from dhisparse.engine.config import KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, STAGING_MODES, EngineConfig
+from dhisparse.engine.config import (KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, RESOLVER_COPIES, STAGING_MODES,
+                                     EngineConfig)
 from dhisparse.spec.config import COSTED
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -221,6 +222,9 @@ FLAGS: list[Flag] = [
     Flag("--prefetch-stream", "prefetch_stream", help_="hierarchical presets on CUDA: where follower layers' "
          "copies of a shared selection run (side: HiSparse's layer-wise prefetch under the intervening layers)",
          choices=("compute", "side")),
+    Flag("--resolver-copy", "resolver_copy", help_="hierarchical presets, Triton resolver: the producer layer's "
+         "host -> device copies in a gather launch of their own (separate) or made by the plan kernel itself "
+         "(fused: one launch plans and copies)", choices=RESOLVER_COPIES),
     Flag("--load-stream", "load_stream", help_="CUDA: where admission copies (prefix import, hisparse hand-off) run",
          choices=("compute", "side")),
     Flag("--speculative-algorithm", "speculative_algorithm",

@@ -9,6 +9,7 @@ from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kv.build import StoreSettings
+from dhisparse.kv.hier.context import RESOLVER_COPIES  # separate, fused
 from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
 from dhisparse.models.registry import builtin_drafter
 from dhisparse.spec.config import SpecConfig
@@ -99,6 +100,11 @@ class EngineConfig:
         layer of the group by the producer, before its attention) or "side" (HiSparse's layer-wise
         prefetch: each follower's copy on a side stream, waited on by that follower alone, so it
         runs under the intervening layers' compute).
+    resolver_copy [--resolver-copy]: how a deferred (Triton) resolver plan's copies for the group's
+        producer reach the device: "separate" (default: the plan kernel, then one gather launch) or
+        "fused" (the plan kernel copies each request's planned rows itself: one launch, issue 33;
+        `kernels/resolver.py`'s `plan_triton(copy=...)`). Follower layers' copies under
+        prefetch_stream "side" and staged rows keep their own launches either way.
     load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
         host -> device; hisparse's hand-off backup device -> host): "compute" (default: in stream
         order on the compute stream; the batch waits, the request does not) or "side" (side
@@ -184,6 +190,7 @@ class EngineConfig:
     copy_stream: str = "side"
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
+    resolver_copy: str = "separate"
     admission_placement: str = "auto"
     staging_mode: str = "auto"
     cuda_graphs: str = "auto"
@@ -250,6 +257,8 @@ class EngineConfig:
             raise ConfigValueError(f"admission_placement must be one of {PLACEMENTS}; got {self.admission_placement!r}")
         if self.staging_mode not in STAGING_MODES:
             raise ConfigValueError(f"staging_mode must be one of {STAGING_MODES}; got {self.staging_mode!r}")
+        if self.resolver_copy not in RESOLVER_COPIES:
+            raise ConfigValueError(f"resolver_copy must be one of {RESOLVER_COPIES}, got {self.resolver_copy!r}")
         for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
@@ -357,7 +366,7 @@ class EngineConfig:
             preset=self.base_preset, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows,
             source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
-            load_stream=self.load_stream, prefetch_stream=self.prefetch_stream,
+            load_stream=self.load_stream, prefetch_stream=self.prefetch_stream, resolver_copy=self.resolver_copy,
             admission_placement=self.admission_placement, staging_mode=self.staging_mode, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,

@@ -15,6 +15,8 @@ CSA source, its own arena layer, with no followers):
         resolve_group                the resolver call: deferred Triton plan + sync-free staging,
                                      or the reference path (call-level direct exit, host staging)
         DirectPlan                   an all-direct pass (no resolver call, device census or none)
+    producer_rows                  the row spaces a group's producer copies its plan into (the
+                                   plan kernel's own target under fused resolver copies)
     copy_group                     a layer's host -> device copies of the plan (+ census)
     restage                        re-copy a group's staged rows into the shared staging arena
 """
@@ -32,6 +34,9 @@ from dhisparse.core.batch import ForwardBatch, GraphPass, ScratchRows
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
 from dhisparse.kv.hier.promotion import Promotion, copy_layered_torch, flush, plan_promotion, rank_stamps
 from dhisparse.kv.hier.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
+
+RESOLVER_COPIES = ("separate", "fused")  # EngineConfig.resolver_copy: the producer's copies in a launch of their own, or
+                                          # by the plan kernel (HierarchicalKV.fuse_copies)
 
 try:  # Triton is optional: only a deferred (Triton) plan launches its copies here
     from dhisparse.kernels.resolver import launch_copies
@@ -133,7 +138,7 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
         if distinct and kv.debug:
             _check_distinct(per_req)
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws,
-                          distinct=distinct)
+                          distinct=distinct, copy=producer_rows(kv, g) if kv.fuse_copies else None)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)
@@ -184,6 +189,18 @@ def locate_group(kv, g: int, selection: torch.Tensor, dt: DecodeTokens, slots_t:
     return loc, plan, staged, promo
 
 
+def producer_rows(kv, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host rows, device rows) that group g's producer layer copies a deferred plan into
+    (`copy_group`): its own layer's when each layer copies for itself (no layered span) or when the
+    followers copy on the side stream (prefetch), else every layer of the group at once, layered
+    [pages, G, ps, W]. Under fused resolver copies this is the plan kernel's target."""
+    p = kv.groups[g]
+    span = kv.group_span[g]
+    if span is None or (kv.prefetch is not None and kv.followers[g]):
+        return kv.host.layer_rows(p), kv.arena.latent_rows(p)
+    return kv.host.rows[:, span], kv.arena.latent[:, span]
+
+
 def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
                zero: torch.Tensor | None = None) -> None:
     """Layer `layer`'s host -> device copies of its group's (plan, staged) from `locate_group`
@@ -193,8 +210,10 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
     the same rows into their own row spaces, and nothing reads a follower's victim rows before
     the follower itself runs in this pass. With `kv.prefetch` (prefetch_stream "side") the
     producer copies its own rows and issues each follower's on the side stream; a follower waits
-    for its own copy. Staged rows share one buffer across layers, so each
-    layer still stages its own. zero: a 0-d int64 device tensor (the bytes of a direct call)."""
+    for its own copy. The producer's copy (into `producer_rows`) is skipped when the plan kernel
+    already made it (`plan.copied`: fused resolver copies). Staged rows share one buffer across
+    layers, so each layer still stages its own. zero: a 0-d int64 device tensor (the bytes of a
+    direct call)."""
     if isinstance(plan, DirectPlan):
         if producer and plan.counts is not None:  # None: counted on the host for the whole pass
             kv.census.add_device(plan.counts, zero if zero is not None else plan.counts.new_zeros(()))  # nothing copied
@@ -202,17 +221,20 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
     if plan.deferred:
         g = kv.group_of[layer]
         span = kv.group_span[g]
+        own = producer and not plan.copied  # the producer's copy, unless the plan kernel made it
         if kv.prefetch is not None and kv.followers[g]:  # layer-wise prefetch (kv/hier/prefetch.py)
+            if own:
+                launch_copies(plan, *producer_rows(kv, g))
             if producer:
-                launch_copies(plan, kv.host.layer_rows(layer), rows)
                 kv.prefetch.issue({f: partial(launch_copies, plan, kv.host.layer_rows(f), kv.arena.latent_rows(f))
                                    for f in kv.followers[g]})
             else:
                 kv.prefetch.wait(layer)
         elif span is None:
-            launch_copies(plan, kv.host.layer_rows(layer), rows)
-        elif producer:  # one layered launch copies the rows of every layer of the group
-            launch_copies(plan, kv.host.rows[:, span], kv.arena.latent[:, span])
+            if own or not producer:
+                launch_copies(plan, kv.host.layer_rows(layer), rows)
+        elif own:  # one layered launch copies the rows of every layer of the group
+            launch_copies(plan, *producer_rows(kv, g))
         if staged is not None and kv.staging_mode == "paper":  # chi arenas: every layer's, once
             if producer:
                 launch_copies(staged, kv.host.rows[:, span], kv.stage_arenas[:, : span.stop - span.start])

@@ -89,7 +89,8 @@ class HierarchicalKV(KVStore):
     def __init__(self, arena: KVArena, host: HostStore, hot_rows: int, max_slots: int, plan_fn=plan_reference,
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
                  side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None,
-                 prefetch: str = "compute", placement: str = "import", staging_mode: str = "auto") -> None:
+                 prefetch: str = "compute", placement: str = "import", staging_mode: str = "auto",
+                 fuse_copies: bool = False) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -102,6 +103,8 @@ class HierarchicalKV(KVStore):
         "paper", "single" or "auto" (`STAGING_MODES`, kv/hier/promotion.py).
         deferred: plan_fn can be enqueued without a host sync (`plan(..., defer=True, workspace=ws)`,
         the Triton resolver: kv/build.py's `Resolver`; `plan_ws` is its persistent scratch).
+        fuse_copies (deferred only): the plan kernel copies the rows of the group's producer itself
+        (`plan(..., copy=...)`, one launch; kv/hier/context.py's `producer_rows`).
         source_hot_rows: one hot-cache budget B_g per selection group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
         from, 4,096 for the others), each page-rounded and >= index_topk; None: `hot_rows` for every
         one. A request holds max_g B_g rows of pages (a page holds every source's rows), and group
@@ -151,6 +154,7 @@ class HierarchicalKV(KVStore):
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = deferred  # plan(defer=True) never waits for the device
+        self.fuse_copies = fuse_copies and deferred
         # the deferred (Triton) plan's persistent scratch: no allocation or zero-fill launch per call
         self.plan_ws = PlanWorkspace(dev) if deferred else None
         self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
