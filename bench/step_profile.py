@@ -54,6 +54,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None)
     a("--prefetch-stream", default="compute", choices=("compute", "side"),
       help="follower layers' copies: with the producer's (compute) or layer-wise on a side stream (side)")
+    a("--resolver-copy", default="separate", choices=("separate", "fused"),
+      help="the Triton resolver's producer copies: a gather launch of their own, or made by the plan kernel")
     a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="stored row format (auto, bfloat16, fp8_e4m3: 656-B rows)")
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions (and CUDA kernels) listed per preset")
@@ -89,7 +91,8 @@ def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
-                        cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype, prefetch_stream=ns.prefetch_stream)
+                        cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype, prefetch_stream=ns.prefetch_stream,
+                        resolver_copy=ns.resolver_copy)
 
 
 def placeholder_reference(prompt: list[int]) -> list[int]:
