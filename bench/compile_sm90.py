@@ -1,6 +1,7 @@
 """Compile the resolver's Triton kernels for the H200 (sm_90) on a machine without a GPU.
 
-    python3 bench/compile_sm90.py        # ~1 min; prints one line per specialization, fails on the first error
+    python3 bench/compile_sm90.py        # ~3 min; prints one line per specialization, fails on the first error
+    python3 bench/compile_sm90.py --regs # and each plan variant's registers and spills (ptxas -v, ~2 s more each)
 
 Triton lowers each specialization to PTX and runs the ptxas its wheel ships, so a kernel change
 that the CPU interpreter accepts but the GPU compiler would refuse (a loop-carried type, a shape
@@ -11,8 +12,14 @@ and pointers by their tensors' dtypes (the engine's specializations can differ i
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's jit functions cannot be compiled
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -22,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dhisparse.kernels.resolver import PHASE_STOPS, _shape_consts, _sort_classes  # noqa: E402
+from bench.resolver_timing import header  # noqa: E402
 from dhisparse.kernels.gather import gather_rows_kernel  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
@@ -51,6 +59,23 @@ def compile_kernel(kern, consts: dict, num_warps: int):
                           options={"num_warps": num_warps})
 
 
+def regs(k) -> str:
+    """ptxas's register and spill report of a compiled kernel's PTX (the ptxas Triton's wheel ships):
+    a static check, no GPU; spills are local-memory traffic the CPU interpreter never shows."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(k.asm["ptx"])
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    used = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"{used.group(1) if used else '?'} registers, spills {spill.group(1)} / {spill.group(2)} B (stores / loads)"
+            if spill else text.strip()[-200:])
+
+
 def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50, distinct: bool = False) -> dict:
     """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
@@ -58,26 +83,46 @@ def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50, distinct: bool = F
                 CHC=min(KKP, 1024), UPTO=upto, DISTINCT=distinct)
 
 
-def main() -> None:
+def _variants() -> list[tuple[str, dict, int]]:
+    """(label, constexprs, warps) of every plan-kernel specialization checked."""
+    out = []
     # decode (K 1, k 2,048) at H 4,096 / 8,192, verification (K 8) at 4,096; V4's k 512; with and without P0's pre-pass
     for KKP, BP in ((2048, 4096), (2048, 8192), (16384, 4096), (512, 8192)):
         warps = _shape_consts(KKP, BP)[2]
         for pre, distinct in ((False, False), (True, False), (False, True)):
-            k = compile_kernel(resolve_plan_kernel, plan_consts(KKP, BP, pre, distinct=distinct), warps)
-            print(f"resolve_plan_kernel KKP {KKP} BP {BP} pre {pre} distinct {distinct}: ok, {warps} warps, "
-                  f"shared {k.metadata.shared} B", flush=True)
+            out.append((f"KKP {KKP} BP {BP} pre {pre} distinct {distinct}", plan_consts(KKP, BP, pre, distinct=distinct),
+                        warps))
     for upto in PHASE_STOPS:  # bench/resolver_peer.py --phases
-        compile_kernel(resolve_plan_kernel, plan_consts(2048, 4096, False, upto, True), 16)
-        print(f"resolve_plan_kernel UPTO {upto}: ok", flush=True)
-    for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of
-        warps = _shape_consts(KKP, BP)[2]                                       # 656- / 1,152-B rows
+        out.append((f"UPTO {upto}", plan_consts(2048, 4096, False, upto, True), 16))
+    for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of 656- / 1,152-B rows
         consts = plan_consts(KKP, BP, False, distinct=KKP <= 2048) | dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=64)
+        out.append((f"COPY KKP {KKP} BP {BP} W {W}", consts, _shape_consts(KKP, BP)[2]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--regs", action="store_true", help="also each plan variant's registers and spills (ptxas -v)")
+    ap.add_argument("--out", default=None, help="write the report as JSON (command, commit, date)")
+    args = ap.parse_args()
+    t0, records = time.time(), []
+    for label, consts, warps in _variants():
         k = compile_kernel(resolve_plan_kernel, consts, warps)
-        print(f"resolve_plan_kernel COPY KKP {KKP} BP {BP} W {W}: ok, shared {k.metadata.shared} B", flush=True)
+        rec = {"kernel": "resolve_plan_kernel", "variant": label, "num_warps": warps, "shared_bytes": k.metadata.shared}
+        if args.regs and not label.startswith("UPTO"):
+            rec["ptxas"] = regs(k)
+        records.append(rec)
+        print(f"resolve_plan_kernel {label}: ok, {warps} warps, shared {k.metadata.shared} B"
+              + (f", {rec['ptxas']}" if "ptxas" in rec else ""), flush=True)
     compile_kernel(direct_pre_kernel, {"CH": 1024}, 4)
-    print("direct_pre_kernel: ok")
     compile_kernel(gather_rows_kernel, dict(W=82, R=16, CW=64, VEC=2), 4)
-    print("gather_rows_kernel: ok")
+    records += [{"kernel": "direct_pre_kernel"}, {"kernel": "gather_rows_kernel"}]
+    print("direct_pre_kernel, gather_rows_kernel: ok")
+    if args.out:
+        doc = header("compile_sm90", "bench/compile_sm90.py", False, t0, target="sm_90 (ptxas -arch=sm_90a for --regs)",
+                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
