@@ -2,12 +2,14 @@
 
     python3 bench/gpu_serving.py --out bench/results/gpu_serving_h200.json           # H200
     python3 bench/gpu_serving.py --quick --out /tmp/smoke.json                       # CPU smoke, < 60 s
+    python3 bench/gpu_serving.py --quick --model v41-faithful --out /tmp/smoke4.json # DeepSeek-V4 CPU smoke, < 2 min
     python3 bench/gpu_serving.py --kv-cache-dtype fp8_e4m3 --out $OUT/gpu_serving_fp8.json  # FP8 rows (656 B)
 
-Sizing (printed, and written under config.sizing): the KV pool holds `--resident-fit` full
-histories under `resident` (pages from KVArena.page_bytes of the `--kv-cache-dtype` row format, the
-one every preset's engine is given, and the stores' per-request page counts)
-plus the whole-step graphs' scratch page;
+Sizing (printed, and written under config.sizing; dhisparse.bench.sizing): the KV pool holds
+`--resident-fit` full histories under `resident` (the stores' own page formulas for the
+`--kv-cache-dtype` row format every preset's engine is given: GLM's arena pages, DeepSeek-V4's
+resident pages and its row hierarchy's pages) plus the pages the engine holds for its life (GLM: the
+whole-step graphs' scratch page);
 max_running_requests = min(admit_factor x resident_fit, the hierarchy's steady-state device slots,
 the host pool's histories: the prefix's complete pages once, which every request borrows, plus each
 request's own pages). Every preset runs with the same pool and slot settings, unless
@@ -18,13 +20,15 @@ prepared prefix + one of `--distinct-suffixes` short suffixes (cycled), so the o
 reference (a short non-speculative greedy run of those prompts) covers every request. The oracle is
 calibrated to --spec-tokens-per-round at width --spec-width (a MEASUREMENT TOOL: label it oracle).
 The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` is overridden).
+`--model v41-faithful --layers N --overrides JSON` builds a smaller geometry through v41-faithful's
+own builder (`--quick --model v41-faithful`: QUICK_V4's, on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import json
 import os
 import sys
 import time
@@ -39,16 +43,25 @@ from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.core.params import SamplingParams  # noqa: E402
-from dhisparse.engine.step_graphs import StepGraphs  # noqa: E402
-from dhisparse.core.kvformat import KV_CACHE_DTYPES, KVFormats  # noqa: E402
-from dhisparse.kv.memory.arena import KVArena  # noqa: E402
+from dhisparse.core.kvformat import KV_CACHE_DTYPES  # noqa: E402
+from dhisparse.core.v4_config import CSA, HCA, V4Config  # noqa: E402
+from dhisparse.bench.sizing import (GIB, charge, describe, kv_formats, mem_available, model_config,  # noqa: E402,F401
+                                    model_dtype, resident_bytes, resident_fit_for, sizing)
 
-GIB = float(1 << 30)
 BUDGET_S = 9 * 60
 METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "queue_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
            "active", "slots", "requests_completed")
 QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2", duration=1.5,
              resident_fit=2, page_size=16, distinct_suffixes=4, max_batched_tokens=512)
+# --quick --model v41-faithful: tests/test_v41_faithful.py's small geometry (8 layers: one CSA source with Full,
+# Reuse and Reindex layers, 3 HCA layers; the 512-wide K = V head and 128-wide index keys kept; k 8, so B = 16 rows a
+# source and the hierarchy fetches from host)
+QUICK_V4 = dict(layers=8, overrides=dict(hidden_size=256, num_attention_heads=4, q_lora_rank=128, o_groups=2,
+                                         o_lora_rank=64, index_n_heads=8, index_topk=8, n_routed_experts=6,
+                                         num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=512,
+                                         sliding_window=8, compress_rates={CSA: 4, HCA: 16}))
+V4_PREFILL_TOK_S = 5000  # estimate_s's guess for DeepSeek-V4 prefill tokens a second on the H200 (unmeasured)
+V4_BUILD_S = 60  # estimate_s's guess for building v41-faithful layer by layer on the device (unmeasured)
 
 
 class CyclingLoop(InProcessLoop):
@@ -64,10 +77,14 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
+    a("--layers", type=int, default=None, help="v41-faithful only: truncate its layer plan (a small geometry)")
+    a("--overrides", default=None, help="v41-faithful only: config keys as JSON (a small geometry)")
     a("--input-len", type=int, default=8192); a("--output-len", type=int, default=256)
     a("--concurrency", default="4,12,36"); a("--duration", type=float, default=15.0, help="seconds per run")
     a("--presets", default="hisparse,adaptive,adaptive+spec,resident")
     a("--resident-fit", type=int, default=12, help="full histories the KV pool holds under resident")
+    a("--kv-pool-gib", type=float, default=None, help="a KV pool of this size instead: --resident-fit becomes the full "
+      "histories it holds under resident (a context sweep at one device budget)")
     a("--admit-factor", type=float, default=10.0, help="max_running_requests target = factor x resident-fit")
     a("--page-size", type=int, default=64); a("--hot-cache-rows", type=int, default=None, help="B (default 2k)")
     a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -100,12 +117,20 @@ def parse(argv=None) -> argparse.Namespace:
     a("--charge-spec-memory", action="store_true",
       help="+spec presets pay for speculation out of the same device memory (issue 31): the drafter's weights and "
            "ring come out of the KV pool's bytes and each slot also holds its staging share, so they get fewer slots")
-    a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s)")
+    a("--quick", action="store_true", help="CPU smoke test with the tiny model (< 60 s); with --model v41-faithful "
+      "its small geometry (QUICK_V4, < 2 min)")
     a("--force", action="store_true", help="run even if the estimate exceeds 9 minutes")
     ns = p.parse_args(argv)
     if ns.quick:
-        for k, v in QUICK.items():
-            setattr(ns, k, v)
+        v4 = ns.model == "v41-faithful"
+        for k, v in (QUICK | (dict(QUICK_V4, model=ns.model) if v4 else {})).items():
+            if not (v4 and k in QUICK_V4 and getattr(ns, k) is not None):  # an explicit --layers / --overrides wins
+                setattr(ns, k, v)
+    try:
+        ns.overrides = json.loads(ns.overrides) if isinstance(ns.overrides, str) else ns.overrides
+        model_config(ns.model, ns.layers, ns.overrides)  # --layers / --overrides on another model fail here
+    except (ValueError, KeyError) as e:
+        p.error(f"--model {ns.model} --layers {ns.layers} --overrides {ns.overrides}: {e}")
     ns.argv = ["bench/gpu_serving.py"] + list(sys.argv[1:] if argv is None else argv)
     ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
     ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
@@ -135,76 +160,11 @@ def label(preset: str, arm: str) -> str:
     return f"{preset}@{arm}" if arm else preset
 
 
-def mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
-
-
-def model_config(name: str):
-    from dhisparse.models.registry import builtin_config
-
-    return builtin_config(name)
-
-
-def model_dtype(ns) -> torch.dtype:
-    return torch.bfloat16 if ns.dtype in (None, "auto") else getattr(torch, ns.dtype)
-
-
-def kv_formats(ns, cfg) -> KVFormats:
-    """The stored row formats the engine builds for `--kv-cache-dtype` (kv/build.py)."""
-    return KVFormats.of_model(ns.kv_cache_dtype, cfg, model_dtype(ns))
-
-
-def sizing(ns, cfg) -> dict:
-    """KV pool, slots and host pool from the stores' own page formulas (see the module docstring),
-    for rows of `--kv-cache-dtype` (a page is page_size x layers x the stored row's bytes)."""
-    ps = ns.page_size
-    formats = kv_formats(ns, cfg)
-    arena = KVArena(cfg, 1, ps, "meta", model_dtype(ns), formats)
-    page_bytes = KVArena.page_bytes(cfg, ps, formats.latent.nbytes)
-    assert page_bytes == arena.page_nbytes, (page_bytes, arena.page_nbytes)
-    total = ns.input_len + 8 + ns.output_len  # prefix + suffix (< 8 tokens) + output cap
-    resident = arena.latent_pages_for(total) + arena.index_pages_for(total)  # ResidentKV.pages_for
-    B = ns.hot_cache_rows or 2 * cfg.index_topk
-    tail = 1 + math.ceil(ns.spec_width / ps)  # HierarchicalKV.tail_pages at K_max
-    hier = B // ps + tail + arena.index_pages_for(total)  # HierarchicalKV.required_pages
-    # + the page an engine with whole-step graphs keeps for padding (StepGraphs.SCRATCH_PAGES): without
-    # it `resident` would hold resident_fit - 1 histories
-    pool_pages = ns.resident_fit * resident + StepGraphs.SCRATCH_PAGES
-    # the prefix's complete pages sit on host once and every request borrows them (kv/hier/prefix_pages.py):
-    # HostStore.admit reserves the rest of its history
-    shared = ns.input_len // ps * page_bytes
-    host_per_req = (math.ceil(total / ps) - ns.input_len // ps) * page_bytes
-    target = int(ns.admit_factor * ns.resident_fit)
-    host_cap_bytes = int(0.8 * mem_available()) or 1 << 40  # pinned at its exact size (kv/memory/pinned.py)
-    want = shared + min(target, pool_pages // hier) * host_per_req
-    host_bytes = int(ns.host_pool_gib * GIB) if ns.host_pool_gib else min(want, host_cap_bytes)
-    host_slots = max(0, host_bytes - shared) // host_per_req
-    slots = max(1, min(target, pool_pages // hier, host_slots))
-    host_bytes = max(host_bytes, shared + host_per_req)
-    return dict(kv_cache_dtype=ns.kv_cache_dtype, latent_row_bytes=formats.latent.nbytes,
-                index_row_bytes=formats.index.nbytes, page_bytes=page_bytes, tokens_per_request=total, resident_pages_per_request=resident,
-                hierarchy_required_pages_per_request=hier, hierarchy_admission_transient_pages=arena.latent_pages_for(ns.input_len + 8),
-                hot_cache_rows=B, kv_pool_pages=pool_pages, kv_pool_bytes=pool_pages * page_bytes,
-                resident_fit=ns.resident_fit, hierarchy_device_slots=pool_pages // hier, slot_target=target,
-                host_bytes_per_request=host_per_req, host_shared_prefix_bytes=shared, host_pool_bytes=host_bytes,
-                host_slots=max(0, host_bytes - shared) // host_per_req,
-                host_mem_available=mem_available(), max_running_requests=slots)
-
-
 def spec_charge(ns, sz: dict, cfg, loaded, reference) -> dict:
     """The +spec presets' pool and slots when speculation is charged for its memory
-    (`--charge-spec-memory`). The non-speculative presets' device memory is the pool; a +spec engine
-    holds in that same memory the drafter's weights W, its ring (R bytes a slot, allocated outside
-    the pool for every slot) and, inside the pool, the staging arenas (X bytes a slot) beside each
-    session's required pages (H bytes):
-
-        slots      S = min(target, host slots, (pool - W - scratch) // (H + X + R))
-        its pool   pool - W - S * R          (so pool + W + S * R = the others' pool)
-    """
+    (`--charge-spec-memory`; the arithmetic: dhisparse.bench.sizing.charge). The drafter is built
+    as the engine builds it, for its weights and one slot's ring; the staging share is a meta-device
+    hierarchy's (memreport.staging_bytes_per_slot)."""
     from dhisparse.bench.memreport import staging_bytes_per_slot
     from dhisparse.spec.factory import build_drafter
 
@@ -215,16 +175,14 @@ def spec_charge(ns, sz: dict, cfg, loaded, reference) -> dict:
     release_memory()
     stage = staging_bytes_per_slot(cfg, ns.page_size, sz["hot_cache_rows"], model_dtype(ns), ns.spec_width,
                                    kv_formats(ns, cfg), config.staging_mode)
-    session = sz["hierarchy_required_pages_per_request"] * sz["page_bytes"]
-    usable = sz["kv_pool_bytes"] - weights - StepGraphs.SCRATCH_PAGES * sz["page_bytes"]
-    slots = min(sz["slot_target"], sz["host_slots"], usable // (session + stage + ring))
-    if slots < 1 or usable - slots * ring < sz["page_bytes"]:
-        raise SystemExit(f"--charge-spec-memory: speculation does not fit the {sz['kv_pool_bytes']} B pool (drafter "
-                         f"weights {weights} B; a slot needs {session} B of pages + {stage} B of staging + {ring} B of "
-                         "ring); raise --resident-fit or shrink the drafter's window")
-    return dict(drafter_weight_bytes=weights, drafter_ring_bytes_per_slot=ring, staging_bytes_per_slot=stage,
-                kv_pool_bytes=sz["kv_pool_bytes"] - weights - slots * ring, max_running_requests=slots,
-                uncharged_max_running_requests=sz["max_running_requests"])
+    return charge(sz, weights, ring, stage)
+
+
+def bench_sizing(ns, cfg) -> dict:
+    """`sizing`, with --resident-fit set first from --kv-pool-gib where given (`resident_fit_for`)."""
+    if ns.kv_pool_gib:
+        ns.resident_fit = resident_fit_for(ns, cfg, int(ns.kv_pool_gib * GIB))
+    return sizing(ns, cfg)
 
 
 def uses_oracle(ns) -> bool:
@@ -234,14 +192,16 @@ def uses_oracle(ns) -> bool:
 
 def estimate_s(ns, sz: dict) -> float:
     """Rough wall time: model build, reference run, and per run: engine (host pool pinning), prefix
-    hand-off, warm-up imports (one per client at ~20 GB/s) and the timed window."""
+    hand-off, warm-up imports (one per client at ~20 GB/s) and the timed window; DeepSeek-V4 adds
+    its model build and the prefix's prefill at guessed rates (V4_BUILD_S, V4_PREFILL_TOK_S)."""
     if ns.quick:
         return 10 + len(schedule(ns)) * (ns.duration + 3)
-    import_s = sz["resident_pages_per_request"] * sz["page_bytes"] / 20e9
+    v4_s = V4_BUILD_S + ns.input_len / V4_PREFILL_TOK_S if sz.get("model_family") == "deepseek_v4" else 0
+    import_s = resident_bytes(sz) / 20e9
     engine_s = sz["host_pool_bytes"] / 4e9 + 4 + ns.input_len / 20000
     runs = sum(engine_s + ns.duration + c * import_s for c, _, _ in schedule(ns))
     ref_s = engine_s + ns.distinct_suffixes * import_s + ns.output_len * 0.06 if uses_oracle(ns) else 0
-    return 30 + ref_s + runs
+    return 30 + v4_s + ref_s + runs
 
 
 def engine_overrides(pairs: list[str]) -> dict:
@@ -277,6 +237,27 @@ def _number(raw: str):
     return raw
 
 
+def model_key(ns) -> str:
+    """The model's name, with --layers / --overrides when a smaller geometry is built."""
+    if ns.layers is None and not ns.overrides:
+        return ns.model
+    return f"{ns.model} layers={ns.layers} overrides={json.dumps(ns.overrides, sort_keys=True)}"
+
+
+def load_model(ns):
+    """The model every engine shares: a built-in by name, or v41-faithful's builder at --layers /
+    --overrides (with the byte tokenizer, as the registry gives it)."""
+    if ns.layers is None and not ns.overrides:
+        from dhisparse.bench.sweep import load_shared_model
+
+        return load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    from dhisparse.models.tokenizer import ByteTokenizer
+    from dhisparse.models.v4_faithful import build_v41_faithful
+
+    loaded = build_v41_faithful(EngineConfig.seed, model_dtype(ns), ns.device, ns.layers, ns.overrides)
+    return dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+
+
 def engine_config(ns, sz: dict, preset: str, arm: str = "") -> EngineConfig:
     spec = preset.endswith("+spec")
     charged = sz.get("spec_charged") if spec else None  # --charge-spec-memory: the +spec presets' own pool and slots
@@ -297,8 +278,27 @@ def fresh_engine(cfg: EngineConfig, loaded, prefixes, reference=None):
 
     engine = Engine(cfg, loaded=loaded, oracle_reference=reference)
     if prefixes is not None:
-        engine.prefixes = prefixes  # the prefix is prefilled once, then imported by every engine
+        engine.prefixes = prefix_store(prefixes, cfg.preset)  # prefilled once, then imported by every engine
     return engine
+
+
+def new_prefixes(ns, cfg):
+    """The prepared prefixes the engines share: one PrefixStore, or for DeepSeek-V4 one for `resident`
+    and one for the hierarchy (a V4 prefix is the exporting store's whole state, its CSA rows tiered or
+    not: kv/v4/prefix.py; a resident V4 store cannot import a hierarchical one, nor the reverse)."""
+    from dhisparse.kv.memory.prefix_store import PrefixStore
+
+    pin = ns.device.startswith("cuda")
+    if isinstance(cfg, V4Config):
+        return {"resident": PrefixStore(pin=pin), "hierarchy": PrefixStore(pin=pin)}
+    return PrefixStore(pin=pin)
+
+
+def prefix_store(prefixes, preset: str):
+    """The PrefixStore an engine of `preset` imports from (`new_prefixes`)."""
+    if isinstance(prefixes, dict):
+        return prefixes["resident" if preset.partition("+")[0] == "resident" else "hierarchy"]
+    return prefixes
 
 
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
@@ -307,7 +307,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     written there."""
     from dhisparse.bench.reference import load_reference, reference_key, save_reference
 
-    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes,
+    key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes,
                         R.source_commit())
     tok = loaded.tokenizer
     prefix = prefix_ids(tok, ns.input_len, loaded.config.vocab_size)
@@ -455,15 +455,10 @@ def write(ns, sz, est, t0, runs):
 
 def main(argv=None) -> int:
     ns = parse(argv)
-    cfg = model_config(ns.model)
-    sz = sizing(ns, cfg)
+    cfg = model_config(ns.model, ns.layers, ns.overrides)
+    sz = bench_sizing(ns, cfg)
     est = estimate_s(ns, sz)
-    print(f"[sizing] {ns.kv_cache_dtype} rows ({sz['latent_row_bytes']}-B latent, {sz['index_row_bytes']}-B index); "
-          f"page {sz['page_bytes'] / 2**20:.2f} MiB; resident {sz['resident_pages_per_request']} pages/request, "
-          f"hierarchy {sz['hierarchy_required_pages_per_request']} (+{sz['hierarchy_admission_transient_pages']} at admission); "
-          f"pool {sz['kv_pool_pages']} pages = {sz['kv_pool_bytes'] / GIB:.1f} GiB; slots: target {sz['slot_target']}, "
-          f"device {sz['hierarchy_device_slots']}, host {sz['host_slots']} -> max_running_requests {sz['max_running_requests']}; "
-          f"host pool {sz['host_pool_bytes'] / GIB:.1f} GiB", flush=True)
+    print(f"[sizing] {describe(sz)}", flush=True)
     if sz["max_running_requests"] < sz["slot_target"]:
         print(f"[sizing] WARNING: the hierarchy admits only {sz['max_running_requests']} < {sz['slot_target']} requests "
               "(device or host memory); more host memory or a shorter --input-len raises it", flush=True)
@@ -473,13 +468,9 @@ def main(argv=None) -> int:
         print(f"[budget] REFUSING: {est:.0f} s > {BUDGET_S} s; lower --duration / --concurrency / --presets or pass --force")
         return 2
     t0 = time.perf_counter()
-    from dhisparse.bench.sweep import load_shared_model
-
-    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
-    print(f"[model] {ns.model} built in {time.perf_counter() - t0:.1f} s", flush=True)
-    from dhisparse.kv.memory.prefix_store import PrefixStore
-
-    prefixes = PrefixStore(pin=ns.device.startswith("cuda"))
+    loaded = load_model(ns)
+    print(f"[model] {model_key(ns)} built in {time.perf_counter() - t0:.1f} s", flush=True)
+    prefixes = new_prefixes(ns, cfg)
     reference = oracle_reference(ns, sz, loaded, prefixes) if uses_oracle(ns) else None
     if ns.charge_spec_memory and any(p.endswith("+spec") for p in ns.preset_list):
         sz["spec_charged"] = ch = spec_charge(ns, sz, cfg, loaded, reference)

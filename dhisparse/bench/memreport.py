@@ -29,12 +29,15 @@ import torch
 
 from dhisparse.core.config import ModelConfig
 from dhisparse.core.kvformat import KV_CACHE_DTYPES, KVFormats, RowFormat
+from dhisparse.core.v4_config import V4Config
 from dhisparse.core.rows import cdiv
 from dhisparse.kv.hier.adaptive import AdaptiveKV
 from dhisparse.kv.hier.hierarchy import HierarchicalKV
 from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.host import HostStore
+from dhisparse.kv.memory.layout import RowGeometry
 from dhisparse.kv.resident.store import ResidentKV
+from dhisparse.kv.v4.hier import V4HierarchicalKV, v4_row_geometry
 
 GIB = float(1 << 30)
 BOTH = "both"  # --kv-cache-dtype both: the bf16 and the fp8_e4m3 rows, one after the other
@@ -89,7 +92,7 @@ class MemoryRow:
                 + self.draft_ring + self.staging)
 
 
-def _arena(cfg: ModelConfig, page_size: int, pages: int, dtype: torch.dtype, formats: KVFormats | None = None) -> KVArena:
+def _arena(cfg: ModelConfig | RowGeometry, page_size: int, pages: int, dtype: torch.dtype, formats: KVFormats | None = None) -> KVArena:
     """A meta-device arena of `pages` pages; dtype: the model dtype; formats: the stored rows (None: plain)."""
     return KVArena(cfg, pages, page_size, "meta", dtype, formats)
 
@@ -99,14 +102,17 @@ def _host(arena: KVArena, pages: int) -> HostStore:
     return HostStore(pages, arena.cfg.num_layers, arena.page_size, arena.row_width, arena.dtype, pin=False, device="meta")
 
 
-def staging_bytes_per_slot(cfg: ModelConfig, page_size: int, hot_rows: int, dtype: torch.dtype, k_max: int,
+def staging_bytes_per_slot(cfg: ModelConfig | V4Config, page_size: int, hot_rows: int, dtype: torch.dtype, k_max: int,
                            formats: KVFormats | None = None, staging_mode: str = "auto") -> int:
     """One request slot's share of the verification staging arenas (eq. 11: chi x K_max x k stored
-    rows), from a meta-device hierarchy built the way the engine builds it; 0 for K_max = 1."""
+    rows), from a meta-device hierarchy built the way the engine builds it (DeepSeek-V4: its row
+    hierarchy over the CSA sources, kv/build.py; `formats` then V4's rows); 0 for K_max = 1."""
     if k_max < 2:
         return 0
-    arena = _arena(cfg, page_size, 1 << 20, dtype, formats)
-    kv = HierarchicalKV(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=k_max, staging_mode=staging_mode)
+    v4 = isinstance(cfg, V4Config)
+    arena = _arena(v4_row_geometry(cfg) if v4 else cfg, page_size, 1 << 20, dtype, formats)
+    cls, extra = (V4HierarchicalKV, {"v4": cfg}) if v4 else (HierarchicalKV, {})
+    kv = cls(arena, _host(arena, 1), hot_rows, max_slots=1, max_queries=k_max, staging_mode=staging_mode, **extra)
     return kv.stage_arenas.numel() * kv.stage.element_size()
 
 
