@@ -8,7 +8,8 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
+#        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -351,11 +352,11 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8.py tests/test_launch.py \
-      --junitxml="$OUT/exact33_cuda.xml" ;; esac
+      tests/test_gather.py tests/test_resolver_fused_copy.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
   run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_launch.py \
-      --junitxml="$OUT/exact33r_cuda.xml" ;; esac
+      tests/test_gather.py tests/test_resolver_fused_copy.py --junitxml="$OUT/exact33r_cuda.xml" ;; esac
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
@@ -377,10 +378,14 @@ case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's c
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
   run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
       --out "$OUT/resolver_bench_h200.json" ;; esac
-case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step, fp8profile100k's C47 (~2.5 min)
-  run "decode-step profile, 100K k 2048, C47, fp8" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py --model glm52-scaled \
-      --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 \
-      --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_h200.json" ;; esac
+case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step, fp8profile100k's C47, with the
+  # producer's copies in their own gather launch and fused into the plan kernel (--resolver-copy; ~2.5 min each)
+  for RC in ${STEP33_COPIES:-separate fused}; do
+  run "decode-step profile, 100K k 2048, C47, fp8, resolver copy $RC" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py \
+      --model glm52-scaled --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 \
+      --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --resolver-copy $RC \
+      --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_copy_${RC}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
   # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
   # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the
@@ -399,3 +404,31 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
       --concurrency ${SPEC_C:-2,6,11} --presets adaptive+spec --duration 10 --force --spec-width 4 --arms "${ARMS#;}" \
       --engine-arg step_graph_warmup=true --graph-max-bs-per-load --prewarm \
       --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_c${SPEC_C:-2,6,11}_h200.json" ;; esac
+# Fig. 5 on v41-faithful (issue 31): output against context at one concurrency, resident vs the hierarchy, FP8 rows;
+# one context a call: fig5v41a 32K, b 64K, c 128K, d 256K, e 512K, and 1M in two halves (f: resident + hisparse,
+# g: adaptive + adaptive+spec). The KV pool is FIG5_POOL_GIB (16) at every context (--kv-pool-gib: --resident-fit
+# becomes the histories it holds), so resident holds 350 / 210 / 131 / 75 / 38 / 20 sessions at 32K ... 1M and the
+# hierarchy 643 / 504 / 349 / 217 / 119 / 65 (dhisparse/bench/sizing.py on the meta device): at C${FIG5_C:-64} resident
+# queues from 512K while the hierarchy holds every client. The host pools stay under 1 GiB (the prefix's row pages
+# are shared on host: 18 MiB at 32K, 557 MiB at 1M, and 0.3 MiB a request), far inside the host's 128 GiB: the
+# model's 1,048,576 positions bound the context, not host memory. adaptive+spec is the costed oracle with DSpark's
+# network (a MEASUREMENT TOOL: 2.88 tokens a round at width 4; the drafter runs every round and holds its memory,
+# charged out of the pool by --charge-spec-memory): the factory's seeded random DSpark for the target (2 layers at
+# hidden 4,096: 0.70 GiB, 68 MiB of ring a slot), as bench/drafter_checkpoint.py cannot write a V4-shaped checkpoint
+# (its builtin_config is GLM-only). UNTRIED: v41-faithful has not run on the GPU; gpu_serving's estimate guesses its
+# build and prefill (V4_BUILD_S, V4_PREFILL_TOK_S), 230-450 s a step. Draw: dhisparse plot $OUT/fig5_v41_*.json --out fig5/
+fig5v41() {  # $1 input length, $2 presets, $3 file tag
+  run "Fig. 5, v41-faithful, $1 tokens, C${FIG5_C:-64}, ${FIG5_POOL_GIB:-16}-GiB pool, fp8 rows, $2" timeout ${FIG5_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model v41-faithful --input-len $1 --output-len 256 --kv-pool-gib ${FIG5_POOL_GIB:-16} \
+      --concurrency ${FIG5_C:-64} --presets $2 --duration ${FIG5_DURATION:-20} --distinct-suffixes 8 --kv-cache-dtype fp8_e4m3 \
+      --max-batched-tokens 8192 --charge-spec-memory --spec-width 4 --engine-arg speculative_oracle_drafter=dspark \
+      --reference-file "$OUT/oracle_reference_v41_$1.json" --force --out "$OUT/fig5_v41_faithful_$1_c${FIG5_C:-64}_fp8${3:-}_h200.json"
+}
+FIG5_ALL=resident,hisparse,adaptive,adaptive+spec
+case ",$STEPS," in *,fig5v41a,*) fig5v41 32768 $FIG5_ALL ;; esac
+case ",$STEPS," in *,fig5v41b,*) fig5v41 65536 $FIG5_ALL ;; esac
+case ",$STEPS," in *,fig5v41c,*) fig5v41 131072 $FIG5_ALL ;; esac
+case ",$STEPS," in *,fig5v41d,*) fig5v41 262144 $FIG5_ALL ;; esac
+case ",$STEPS," in *,fig5v41e,*) fig5v41 524288 $FIG5_ALL ;; esac
+case ",$STEPS," in *,fig5v41f,*) fig5v41 1000000 resident,hisparse _f ;; esac
+case ",$STEPS," in *,fig5v41g,*) fig5v41 1000000 adaptive,adaptive+spec _g ;; esac

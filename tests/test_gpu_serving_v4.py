@@ -1,5 +1,6 @@
 """bench/gpu_serving.py's sizing for DeepSeek-V4 models (dhisparse/bench/sizing.py), checked against
-engines built with its settings on CPU; GLM's numbers unchanged; the V4 CPU smoke run.
+engines built with its settings on CPU; GLM's numbers unchanged; the Fig. 5 steps of
+bench/gpu_session.sh (`fig5v41*`) parse and fit a device call; the V4 CPU smoke run.
 
 Mutations tried once each in dhisparse/bench/sizing.py's v4_sizing (each failed
 test_v4_sizing_is_what_the_engine_holds on the engine's count, then the line was restored):
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +168,50 @@ def test_glm_sizing_is_unchanged(argv):
     assert "resident_page_bytes" not in sz and "model_family" not in sz  # GLM's keys only
     if argv in GLM_ESTIMATES:
         assert gs.estimate_s(ns, sz) == GLM_ESTIMATES[argv]
+
+
+FIG5_STEPS = "fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g"
+
+
+def fig5_commands(tmp_path: Path, env: dict | None = None) -> list[list[str]]:
+    """The gpu_serving.py argument lists bench/gpu_session.sh's fig5v41* steps run, read by running
+    the script with `timeout` and `python3` replaced by functions that record their arguments."""
+    log = tmp_path / "argv.jsonl"
+    stub = ('timeout() { while [ "${1#-}" != "$1" ]; do shift 2; done; shift; "$@"; }; '
+            f'python3() {{ printf "%s\\0" "$@" >> {shlex.quote(str(log))}; printf "\\n" >> {shlex.quote(str(log))}; }}; '
+            "export -f timeout python3; bash bench/gpu_session.sh " + FIG5_STEPS)
+    subprocess.run(["bash", "-c", stub], cwd=ROOT, check=True, capture_output=True, timeout=60,
+                   env={**os.environ, "OUT": str(tmp_path / "out"), **(env or {})})
+    cmds = [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
+    return [c[1:] for c in cmds if c[0] == "bench/gpu_serving.py"]
+
+
+def test_fig5v41_steps_parse_fit_a_call_and_make_a_context_sweep(tmp_path):
+    """Every fig5v41* command parses; v41-faithful, FP8 rows, one concurrency, the four presets over
+    the steps with resident among them, every input length one file under $OUT, each estimated
+    under the 9-minute budget; the pool is --kv-pool-gib at every context, so resident's fit
+    falls with the context while the hierarchy (and the charged +spec slots' bound) still hold C
+    at the longest context but one."""
+    cmds = fig5_commands(tmp_path)
+    assert len(cmds) >= 5
+    seen, fits = {}, {}
+    for argv in cmds:
+        ns = gs.parse(argv)
+        assert (ns.model, ns.kv_cache_dtype, ns.device) == ("v41-faithful", "fp8_e4m3", "cuda")
+        assert ns.out.startswith(str(tmp_path / "out")) and ns.kv_pool_gib and not ns.quick
+        sz = gs.bench_sizing(ns, gs.model_config(ns.model))
+        assert gs.estimate_s(ns, sz) < gs.BUDGET_S, argv
+        assert abs(sz["kv_pool_bytes"] - ns.kv_pool_gib * gs.GIB) <= sz["resident_bytes_per_request"]
+        seen.setdefault(ns.input_len, set()).update(ns.preset_list)
+        fits[ns.input_len] = (ns.resident_fit, sz["max_running_requests"], ns.concurrencies)
+    assert len({tuple(c) for _, _, c in fits.values()}) == 1 and len(next(iter(fits.values()))[2]) == 1
+    C = next(iter(fits.values()))[2][0]
+    lengths = sorted(seen)
+    assert lengths[:3] == [32768, 65536, 131072] and len(lengths) >= 5
+    for L in lengths:
+        assert seen[L] == {"resident", "hisparse", "adaptive", "adaptive+spec"}, L
+    assert fits[lengths[0]][0] >= C and fits[lengths[-2]][0] < C  # resident queues at the long end
+    assert all(fits[L][1] >= C for L in lengths[:-1])  # the hierarchy holds C up to there
 
 
 def test_quick_v4_smoke_run(tmp_path):
