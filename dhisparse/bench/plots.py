@@ -12,6 +12,8 @@
 * `plot_context` (`plot_context.py`): output against context length and over resident's, with
   the context where the hierarchy overtakes resident (section 4.2, Fig. 5's question).
 * `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
+* `plot_widths` (`plot_widths.py`): Fig. 7 - tokens per round and output of static verification
+  widths and eq. 13's online policy at each load, and the widths the policy chose.
 * `plot_series` (`plot_series.py`): a serving run over time - output tok/s and requests decoding
   per interval, one line per preset (admission waves against steady decoding).
 * `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
@@ -353,13 +355,15 @@ def save_figure(fig, out: str | Path) -> Path:
 def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     """Every figure the given result files support: serving curves from all bench results
     together (or, for bench results of one concurrency at different hot-cache sizes, the budget
-    sweep; at different context lengths with resident among the presets, the context crossover), one over-time figure per bench result with per-interval series, one load-step figure
+    sweep; at different context lengths with resident among the presets, the context crossover; arms of
+    verification widths, Fig. 7), one over-time figure per bench result with per-interval series, one load-step figure
     per loadstep result, one step-profile figure (Fig. 10) per step_profile result with kernel
     data, one resolver figure per resolver file."""
     from dhisparse.bench.plot_budget import is_budget_sweep, plot_budget
     from dhisparse.bench.plot_context import is_context_sweep, plot_context
     from dhisparse.bench.plot_profile import plot_profile, step_bars
     from dhisparse.bench.plot_series import has_series, plot_series
+    from dhisparse.bench.plot_widths import is_width_sweep, plot_widths
 
     out_dir = Path(out_dir)
     written = []
@@ -368,6 +372,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
         written.append(plot_budget(bench, out_dir / "budget.png", STYLE))
     elif bench and is_context_sweep(bench):
         written.append(plot_context(bench, out_dir / "context.png", STYLE))
+    elif bench and is_width_sweep(bench):
+        written.append(plot_widths(bench, out_dir / "widths.png"))
     elif bench:
         written.append(plot_serving(bench, out_dir / "serving.png"))
     for k, r in enumerate(x for x in bench if has_series(x)):

@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
                                    "output; all files on one figure) and series.png per file (output and requests "
                                    "decoding over time); bench results of one C at several context lengths with resident -> context.png "
                                    "(output vs context and over resident's, where the hierarchy overtakes it); bench "
-                                   "results of one C at several hot-cache sizes -> budget.png (Fig. 9); loadstep -> loadstep.png (slots, coverage, host-fetched share "
+                                   "results at several hot-cache sizes (one or more loads) -> budget.png (Fig. 9); arms of "
+                                   "verification widths (--arms speculative_num_draft_tokens=...) -> widths.png (Fig. 7); loadstep -> loadstep.png (slots, coverage, host-fetched share "
                                    "vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel "
                                    "family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} -> "
                                    "resolver.png.")
