@@ -1,5 +1,8 @@
-"""The paper's appendix tables from bench results (serving runs with per-request records).
+"""The paper's Table 2 and appendix tables from bench results (serving runs with per-request records).
 
+* `table2_rows` — Table 2: at every (C, preset) the output (mean and min-max over repeats), its
+  ratio to the baseline preset's mean output at the same C (hisparse: "against HiSparse"), TTFT mean,
+  post-wave mean and post-wave p99, mean TPOT, and active / slots.
 * `ttft_split` — Table A2: mean first-token time split into allocation wait (submit -> a slot:
   the engine's per-request `queue`) and hand-off (the slot -> the first token: prefill or the
   prepared prefix's import, and the KV transport), over all requests and after the first wave
@@ -69,6 +72,29 @@ def latency_rows(results: list[dict]) -> list[dict]:
     for (src, preset, c), runs in _points(results).items():
         row = {"source": src, "preset": preset, "C": c, "runs": len(runs)}
         for k in LATENCY_KEYS:
+            row[k] = mean([r["metrics"].get(k) for r in runs if r["metrics"].get(k) is not None])
+        rows.append(row)
+    return rows
+
+
+TABLE2_KEYS = ("ttft_mean_ms", "post_wave_ttft_mean_ms", "post_wave_ttft_p99_ms", "tpot_mean_ms", "active", "slots")
+
+
+def table2_rows(results: list[dict], baseline: str = "hisparse") -> list[dict]:
+    """Table 2: one row per (source, C, preset), loads ascending, the baseline first at each load:
+    output mean / min / max over the point's runs, `vs_baseline` = its mean over the baseline's mean
+    at the same (source, C) (None without a baseline run there), and the means of TABLE2_KEYS."""
+    points = _points(results)
+    rows = []
+    for (src, preset, c), runs in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1] != baseline,
+                                                                          kv[0][1])):
+        out = [r["metrics"]["output_tok_s"] for r in runs]
+        base = points.get((src, baseline, c))
+        base_mean = mean([r["metrics"]["output_tok_s"] for r in base]) if base else None
+        row = {"source": src, "C": c, "preset": preset, "runs": len(runs), "output_tok_s": mean(out),
+               "output_min": min(out), "output_max": max(out),
+               "vs_baseline": mean(out) / base_mean if base_mean else None, "baseline": baseline}
+        for k in TABLE2_KEYS:
             row[k] = mean([r["metrics"].get(k) for r in runs if r["metrics"].get(k) is not None])
         rows.append(row)
     return rows

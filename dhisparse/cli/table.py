@@ -1,5 +1,5 @@
-"""`dhisparse table RESULT.json... [--ttft-bound-s 10 --tpot-bound-ms 40] [--out tables.json]`: the
-paper's Tables A2 / A3 and the capacity under latency bounds, from bench results."""
+"""`dhisparse table RESULT.json... [--baseline hisparse] [--ttft-bound-s 10 --tpot-bound-ms 40] [--out
+tables.json]`: the paper's Table 2, Tables A2 / A3 and the capacity under latency bounds, from bench results."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from dhisparse.cli.args import HelpFormatter
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("table", help="Tables A2 / A3 and the capacity under latency bounds, from bench result JSON",
+    p = sub.add_parser("table", help="Tables 2, A2, A3 and the capacity under latency bounds, from bench result JSON",
                        formatter_class=HelpFormatter,
-                       description="Table A2: mean TTFT split into allocation wait and hand-off (all requests and "
+                       description="Table 2: output (mean, min-max over repeats) and its ratio to the baseline "
+                                   "preset's at the same load, TTFT mean / post-wave / post-wave p99, TPOT and active / "
+                                   "slots at every (C, preset); Table A2: mean TTFT split into allocation wait and hand-off (all requests and "
                                    "after the first wave); Table A3: TTFT, post-wave TTFT and TPOT (mean / p99) at every "
                                    "(preset, C), means over repeated runs; capacity: the highest C each preset sustains "
                                    "under the bounds, and its output. Bounds are yours to state: the paper's are 10 s "
                                    "post-wave p99 TTFT and 40 ms mean TPOT at its step times.")
     p.add_argument("results", nargs="+", help="bench result JSON files (runs with per-request records)")
+    p.add_argument("--baseline", default="hisparse", help="Table 2's ratio is each preset's output over this one's")
     p.add_argument("--ttft-bound-s", type=float, default=10.0, help="post-wave p99 TTFT bound, seconds")
     p.add_argument("--tpot-bound-ms", type=float, default=40.0, help="mean TPOT bound, ms")
     p.add_argument("--out", default=None, help="also write the three tables as JSON here")
@@ -33,12 +36,30 @@ def _ms(v, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _table2(rows: list[dict], baseline: str):
+    """Table 2 as printed: output mean [min-max], the ratio to `baseline`, TTFT in s, TPOT in ms."""
+    from rich.table import Table
+
+    t = Table(title=f"Table 2: output (tok/s: mean, min-max over runs), against {baseline}, latency, active / slots")
+    for c in ("source", "C", "preset", "runs", "output", f"vs {baseline}", "TTFT mean", "post-wave", "post-wave p99",
+              "TPOT ms", "active / slots"):
+        t.add_column(c, justify="left" if c in ("source", "preset") else "right")
+    for r in rows:
+        sec = [None if r[k] is None else r[k] / 1e3 for k in ("ttft_mean_ms", "post_wave_ttft_mean_ms",
+                                                             "post_wave_ttft_p99_ms")]
+        t.add_row(r["source"], str(r["C"]), r["preset"], str(r["runs"]),
+                  f"{r['output_tok_s']:.1f} [{r['output_min']:.1f}-{r['output_max']:.1f}]",
+                  "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}x", *map(_s, sec), _ms(r["tpot_mean_ms"]),
+                  f"{_ms(r['active'])} / {'-' if r['slots'] is None else int(r['slots'])}")
+    return t
+
+
 def run(ns: argparse.Namespace) -> int:
     from rich.table import Table
 
     from dhisparse.bench.report import console
     from dhisparse.bench.results import read_json
-    from dhisparse.bench.tables import capacity, latency_rows, split_rows
+    from dhisparse.bench.tables import capacity, latency_rows, split_rows, table2_rows
 
     if ns.ttft_bound_s <= 0 or ns.tpot_bound_ms <= 0:
         raise ValueError("--ttft-bound-s and --tpot-bound-ms must be > 0")
@@ -46,9 +67,10 @@ def run(ns: argparse.Namespace) -> int:
     if not any(r.get("kind") == "bench" and r.get("runs") for r in results):
         raise ValueError("none of the files is a bench result with runs; nothing to tabulate")
     results = [r for r in results if r.get("kind") == "bench"]
-    a2, a3 = split_rows(results), latency_rows(results)
+    t2, a2, a3 = table2_rows(results, ns.baseline), split_rows(results), latency_rows(results)
     cap = capacity(a3, 1e3 * ns.ttft_bound_s, ns.tpot_bound_ms)
     out = console()
+    out.print(_table2(t2, ns.baseline))
     t = Table(title="Table A2: where first-token time goes (s; allocation wait + hand-off = TTFT)")
     for c in ("source", "preset", "C", "runs", "alloc", "hand-off", "TTFT", "post-wave alloc", "post-wave hand-off",
               "post-wave TTFT"):
@@ -74,7 +96,7 @@ def run(ns: argparse.Namespace) -> int:
     out.print(t)
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps({"sources": ns.results, "table_a2": a2, "table_a3": a3, "capacity": cap},
-                                           indent=1) + "\n")
+        Path(ns.out).write_text(json.dumps({"sources": ns.results, "table_2": t2, "table_a2": a2, "table_a3": a3,
+                                            "capacity": cap}, indent=1) + "\n")
         print(ns.out)
     return 0

@@ -1,10 +1,11 @@
-"""Figures of issue 31 drawn from result JSONs: Fig. 7 (verification widths against eq. 13's online
-policy) and Fig. 9 at several loads with repeats (`dhisparse plot`).
+"""Figures and tables of issue 31 drawn from result JSONs: Fig. 7 (verification widths against eq. 13's
+online policy) and Fig. 9 at several loads with repeats (`dhisparse plot`), Table 2 (`dhisparse table`).
 
 Breakages tried (each fails here): width arms keyed by preset only (every arm one bar: the point's
 runs mix widths, its spread is wrong); the online arm's width shares not averaged over its runs
 (shares sum past 100%); the budget sweep's points taken from their first run only (the mean and
-spread checks fail)."""
+spread checks fail); Table 2's ratio taken over the baseline's first run instead of its mean (the 1.5x check
+fails)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,28 @@ def test_budget_sweep_at_two_loads_with_repeats(tmp_path):
         paths[-1].write_text(json.dumps(r))
     assert main(["plot", *map(str, paths), "--out", str(tmp_path / "fig")]) == 0
     _png(tmp_path / "fig" / "budget.png")
+
+
+def _served(preset: str, c: int, tok_s: float, active: float, slots: int) -> dict:
+    return {"preset": preset, "concurrency": c, "metrics": {
+        "output_tok_s": tok_s, "ttft_mean_ms": 4e3, "post_wave_ttft_mean_ms": 2e3, "post_wave_ttft_p99_ms": 9e3,
+        "tpot_mean_ms": 40.0, "active": active, "slots": slots}, "requests": []}
+
+
+def test_table2_gives_the_ratio_to_hisparse_at_each_load_with_the_spread(tmp_path):
+    from dhisparse.bench.tables import table2_rows
+
+    res = {"kind": "bench", "config": {"engine": {"model": "m"}, "workload": {"input_len": 100, "output_len": 8}},
+           "runs": [_served("adaptive+spec", 128, 780.0, 124.0, 140), _served("hisparse", 128, 500.0, 120.0, 208),
+                    _served("hisparse", 128, 540.0, 122.0, 208), _served("adaptive+spec", 128, 780.0, 125.0, 140),
+                    _served("adaptive", 256, 800.0, 200.0, 208)]}
+    rows = table2_rows([res])
+    assert [(r["C"], r["preset"]) for r in rows] == [(128, "hisparse"), (128, "adaptive+spec"), (256, "adaptive")]
+    h, spec, a = rows
+    assert (h["output_tok_s"], h["output_min"], h["output_max"], h["runs"], h["vs_baseline"]) == (520.0, 500.0, 540.0, 2, 1.0)
+    assert spec["vs_baseline"] == pytest.approx(1.5) and (spec["active"], spec["slots"]) == (124.5, 140)
+    assert a["vs_baseline"] is None  # no hisparse run at C256
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    assert main(["table", str(path), "--out", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["table_2"][1]["vs_baseline"] == pytest.approx(1.5)
