@@ -23,6 +23,13 @@ def _png(path) -> None:
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _files(tmp_path, results: list[dict]) -> list[str]:
+    """The results written as JSON files, as `dhisparse plot` / `table` read them."""
+    for k, r in enumerate(results):
+        (tmp_path / f"r{k}.json").write_text(json.dumps(r))
+    return [str(tmp_path / f"r{k}.json") for k in range(len(results))]
+
+
 def _arm(policy: str, k: int) -> str:
     return f"adaptive+spec@speculative_policy={policy},speculative_num_draft_tokens={k},speculative_oracle_tokens_per_round=3"
 
@@ -74,11 +81,7 @@ def test_budget_sweep_at_two_loads_with_repeats(tmp_path):
     b, tok_s, share, active = lines["hisparse C16"][1]
     assert b == 4096 and tok_s.mean == pytest.approx(490.4) and tok_s.lo == pytest.approx(0.95 * 490.4)
     assert share == Spread(pytest.approx(1.5625), pytest.approx(1.5625), pytest.approx(1.5625)) and active == 16
-    paths = []
-    for k, r in enumerate(results):
-        paths.append(tmp_path / f"b{k}.json")
-        paths[-1].write_text(json.dumps(r))
-    assert main(["plot", *map(str, paths), "--out", str(tmp_path / "fig")]) == 0
+    assert main(["plot", *_files(tmp_path, results), "--out", str(tmp_path / "fig")]) == 0
     _png(tmp_path / "fig" / "budget.png")
 
 
@@ -101,7 +104,5 @@ def test_table2_gives_the_ratio_to_hisparse_at_each_load_with_the_spread(tmp_pat
     assert (h["output_tok_s"], h["output_min"], h["output_max"], h["runs"], h["vs_baseline"]) == (520.0, 500.0, 540.0, 2, 1.0)
     assert spec["vs_baseline"] == pytest.approx(1.5) and (spec["active"], spec["slots"]) == (124.5, 140)
     assert a["vs_baseline"] is None  # no hisparse run at C256
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(res))
-    assert main(["table", str(path), "--out", str(tmp_path / "t.json")]) == 0
+    assert main(["table", *_files(tmp_path, [res]), "--out", str(tmp_path / "t.json")]) == 0
     assert json.loads((tmp_path / "t.json").read_text())["table_2"][1]["vs_baseline"] == pytest.approx(1.5)
