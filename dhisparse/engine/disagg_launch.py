@@ -37,7 +37,7 @@ from dhisparse.engine.disagg_ranks import DecodeRank, PrefillRank
 from dhisparse.engine.disagg_round import follow
 from dhisparse.engine.disagg_wire import Wire
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.rank_spawn import free_addr, run_hook, shard_engine, spawn_ranks
+from dhisparse.engine.rank_spawn import bind_device, free_addr, hook_reference, run_hook, shard_engine, spawn_ranks
 from dhisparse.models.shard_load import ShardSpec
 
 
@@ -46,24 +46,28 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
     cleared). A prefill rank reads each whole prompt from its workspace, so it imports prepared
     prefixes onto the device (--admission-placement import); decode ranks keep the setting (auto:
     resident-first while pages are spare, else host-first). on_engine: "module:function" called as
-    function(engine, rank) (a test or debug hook). Under EP: the rank's expert block (`ep_engine`)."""
+    function(engine, rank) (a test or debug hook; its module may give the oracle drafter's reference:
+    `rank_spawn.hook_reference`). The rank's CUDA device is made current first (`bind_device`).
+    Under EP: the rank's expert block (`ep_engine`)."""
     cfg = dataclasses.replace(config, device=layout.parallel_config().device_of(rank, config.device),
                               disaggregation_mode="null", disaggregation_prefill_size=0, disaggregation_decode_size=0,
                               nnodes=1, node_rank=0, dist_init_addr=None, dp_size=1, tp_size=1, ep_size=1,
                               enable_dp_attention=False)
+    bind_device(cfg.device)  # before anything of the engine touches CUDA (rank_spawn.bind_device)
     if layout.role_of(rank) == "prefill":
         cfg = dataclasses.replace(cfg, admission_placement="import")
-    engine = ep_engine(cfg, layout, rank) if layout.expert_parallel else Engine(cfg)
+    reference = hook_reference(on_engine, cfg)
+    engine = ep_engine(cfg, layout, rank, reference) if layout.expert_parallel else Engine(cfg, oracle_reference=reference)
     run_hook(on_engine, engine, rank)
     return engine
 
 
-def ep_engine(cfg: EngineConfig, layout: DisaggLayout, rank: int) -> Engine:
+def ep_engine(cfg: EngineConfig, layout: DisaggLayout, rank: int, oracle_reference=None) -> Engine:
     """A rank's engine over its EP shard: 1/E of every MoE layer's routed experts (the block of its
     index in its EP group), no CUDA graphs (the exchanges are collectives), lock-step over its EP
     group (`any_rank` there once `join_ep_groups` has run)."""
     cfg = dataclasses.replace(cfg, cuda_graphs="none")
-    engine = shard_engine(cfg, ShardSpec("ep", layout.ep_rank(rank), layout.ep_size), layout.ep_size)
+    engine = shard_engine(cfg, ShardSpec("ep", layout.ep_rank(rank), layout.ep_size), layout.ep_size, oracle_reference)
     engine.lockstep = any_rank
     return engine
 

@@ -35,7 +35,7 @@ from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_launch import build_disagg, run_disagg_node
 from dhisparse.engine.distributed import Coordinator, follow
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.rank_spawn import free_addr, run_hook, shard_engine, spawn_ranks
+from dhisparse.engine.rank_spawn import bind_device, free_addr, hook_reference, run_hook, shard_engine, spawn_ranks
 from dhisparse.models.shard_load import ShardSpec
 
 BATCH_CHECK = "the tensor-parallel batch check (every rank must run the same requests and rows)"
@@ -43,19 +43,22 @@ POOL_CHECK = "the tensor-parallel pool check (every rank must size the same KV p
 
 
 def rank_engine(config: EngineConfig, pc: ParallelConfig, rank: int, on_engine: str | None = None) -> Engine:
-    """The engine of one rank: the same config on that rank's device (cuda:local index on CUDA).
-    on_engine: "module:function" called as function(engine, rank) (a test or debug hook, e.g. a row
-    checker on every rank)."""
+    """The engine of one rank: the same config on that rank's device (cuda:local index on CUDA, made
+    the process's current device first: `rank_spawn.bind_device`). on_engine: "module:function"
+    called as function(engine, rank) (a test or debug hook, e.g. a row checker on every rank); its
+    module may also give the oracle drafter's reference (`rank_spawn.hook_reference`)."""
     rank_cfg = dataclasses.replace(config, device=pc.device_of(rank, config.device))
+    bind_device(rank_cfg.device)  # before anything of the engine touches CUDA (rank_spawn.bind_device)
     if pc.expert_parallel or pc.tensor_parallel:  # the exchanges / sums are collectives: no CUDA graphs, one pass a step
         rank_cfg = dataclasses.replace(rank_cfg, cuda_graphs="none")
     if pc.tensor_parallel:
         rank_cfg = tp_engine_config(rank_cfg)
+    reference = hook_reference(on_engine, rank_cfg)
     if pc.tensor_parallel or pc.expert_parallel:
         shard = ShardSpec("tp" if pc.tensor_parallel else "ep", rank, pc.world_size)
-        engine = shard_engine(rank_cfg, shard, pc.ep_size if pc.expert_parallel else None)
+        engine = shard_engine(rank_cfg, shard, pc.ep_size if pc.expert_parallel else None, reference)
     else:
-        engine = Engine(rank_cfg)
+        engine = Engine(rank_cfg, oracle_reference=reference)
     if pc.tensor_parallel:
         guard_batches(engine)
     if pc.expert_parallel:

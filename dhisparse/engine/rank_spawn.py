@@ -4,8 +4,10 @@ shard, and the test / debug hook every rank's engine is handed to.
 
     free_addr()                           127.0.0.1:<a free port>
     spawn_ranks(target, config, ranks, …)  one "spawn" process a rank but 0: target(config, rank, addr, hook)
+    bind_device(device)                   make the rank's CUDA device current before its engine is built
     shard_engine(cfg, shard, ep_size)      the rank's Engine over its ShardSpec (checkpoint read shard-wise)
     run_hook(on_engine, engine, rank)     "module:function" called as function(engine, rank)
+    hook_reference(on_engine, cfg)        the oracle drafter's reference from the hook's module, if it has one
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import importlib
 import multiprocessing as mp
 import socket
 from typing import Callable, Iterable
+
+import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
@@ -45,15 +49,40 @@ def spawn_ranks(target: Callable, config: EngineConfig, ranks: Iterable[int], ad
     return procs
 
 
-def shard_engine(cfg: EngineConfig, shard: ShardSpec, ep_size: int | None = None) -> Engine:
+def bind_device(device: str) -> None:
+    """Make a rank's CUDA device (cuda:i) the process's current device, before anything of its
+    engine is built. Every process starts on cuda:0, and several things follow the current device
+    rather than a tensor's: the engine's side streams and CUDA-graph capture stream
+    (models/graphs.py), the fast Triton launcher (kernels/launch.py keys and launches by
+    `torch.cuda.current_device()`), zero-copy host views (kernels/uva.py) and NCCL's choice of
+    device for a group. Without this a rank on cuda:1 would launch kernels on cuda:0 with cuda:1's
+    pointers (and hold a second CUDA context on GPU 0). A no-op off CUDA."""
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
+def shard_engine(cfg: EngineConfig, shard: ShardSpec, ep_size: int | None = None, oracle_reference=None) -> Engine:
     """The engine of a rank over its shard: the checkpoint read shard-wise onto cfg.device
     (models/shard_load.py), the built-in model sharded in memory. ep_size: expert parallelism, so
-    a model with no routed-expert MoE layer is refused naming --ep-size."""
+    a model with no routed-expert MoE layer is refused naming --ep-size. oracle_reference: the
+    oracle drafter's (`hook_reference`)."""
     loaded = load_for_config(cfg, resolve_device(cfg.device), shard=shard)
     if ep_size is not None and ep_layers(loaded.model) == 0:
         raise ValueError(f"--ep-size {ep_size}: {cfg.model} has no routed-expert MoE layers to shard "
                          "(expert parallelism shards GLM-5.x / V3.2 MoE and DeepSeek-V4 MoE layers)")
-    return Engine(cfg, loaded=loaded)
+    return Engine(cfg, loaded=loaded, oracle_reference=oracle_reference)
+
+
+def hook_reference(on_engine: str | None, cfg: EngineConfig):
+    """The oracle drafter's reference (prompt ids -> output ids) a rank's engine is built with: the
+    hook module's `oracle_reference(cfg)` when cfg drafts with the oracle (a benchmark measurement
+    tool) and the "module:function" hook's module defines one, else None. The oracle needs its
+    reference when the engine is built, before `run_hook`; a benchmark of a parallel world passes
+    it this way (dhisparse/bench/multi.py), since the spawned ranks share no objects with rank 0."""
+    if not on_engine or cfg.speculative_algorithm != "oracle":
+        return None
+    make = getattr(importlib.import_module(on_engine.partition(":")[0]), "oracle_reference", None)
+    return make(cfg) if make is not None else None
 
 
 def run_hook(on_engine: str | None, engine: Engine, rank: int) -> None:
