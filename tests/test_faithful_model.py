@@ -119,13 +119,27 @@ def test_registered_and_refuses_unknown():
         faithful_config("glm5-nope")
 
 
-def test_sharding_is_refused_by_name():
+def test_tensor_parallel_is_refused_by_name_and_an_ep_rank_is_built_on_its_device(monkeypatch):
+    """TP is refused naming --tp-size; an EP rank is built through build_faithful(ep=(rank, world))
+    on the rank's device (the full geometry's 84 GiB is never built on the host: the call is checked
+    with a small geometry standing in)."""
+    from dhisparse.layers.ep_moe import ep_layers
+    from dhisparse.models import registry
     from dhisparse.models.loader import ModelLoadError
-    from dhisparse.models.registry import load_model
     from dhisparse.models.shard_load import ShardSpec
 
-    with pytest.raises(ModelLoadError, match="glm5-faithful.*--tp-size / --ep-size 1"):
-        load_model("glm5-faithful", shard=ShardSpec("ep", 0, 2))
+    with pytest.raises(ModelLoadError, match="glm5-faithful.*--tp-size 1"):
+        registry.load_model("glm5-faithful", shard=ShardSpec("tp", 0, 2))
+    seen = {}
+
+    def small(name, seed, dtype, device, ep=None):
+        seen.update(name=name, device=str(device), ep=ep)
+        return build_faithful(name, seed, dtype, device, num_layers=5, overrides=SMALL, ep=ep)
+
+    monkeypatch.setattr(registry, "build_faithful", small)
+    lm = registry.load_model("glm5-faithful", dtype="float32", device="cpu", shard=ShardSpec("ep", 1, 2))
+    assert seen == {"name": "glm5-faithful", "device": "cpu", "ep": (1, 2)}
+    assert ep_layers(lm.model) == 2  # layers 3 and 4 (first_k_dense_replace 3)
 
 
 def test_routing_spreads_over_every_expert():

@@ -25,6 +25,17 @@ token ids), so each all-to-all has every rank in it (the engine's lock-step, SGL
 The expert block is one `Cut` (layers/tp.py) along the stacks' expert dim, `expert_cuts`: the same
 description drives `EPMoE` (copying the block out of a built MoE, or keeping a meta MoE's shapes)
 and the sharded checkpoint loader (models/shard_load.py: other ranks' expert tensors are never read).
+
+Block-scaled FP8 experts (`layers/fp8_linear.Fp8Experts`, glm5-faithful's and v41-faithful's) are
+cut the same way, weights and their scale blocks along the expert dim, and an owner runs all its
+received rows through them at once (`Fp8Experts.each_row`: the two grouped FP8 GEMMs, one expert a
+row), not in 16-row tiles: one launch a GEMM and no host sync, for the throughput runs these
+models exist for. Batch invariance is then NOT kept for FP8 experts: the FP8 kernel picks its tile
+shape from the rows per expert and the CPU reference's matmul rounds by batch shape, so a token's
+result can move in the last bits with the other rows of the launch (as the one-GPU FP8 MoE's
+already does; glm5-faithful's greedy tokens are batch-dependent anyway: models/faithful.py). EP
+exactness is the bf16 / fp32 path's (tests/test_parallel_ep.py); tests/test_ep_fp8.py checks the
+FP8 path against the whole FP8 MoE to a tolerance.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 from torch import nn
 
 from dhisparse.core.parallel import exchange
+from dhisparse.layers.fp8_linear import Fp8Experts
 from dhisparse.layers.moe import MoE, Routing
 from dhisparse.layers.tp import Cut
 from dhisparse.layers.v4_moe import V4MoE
@@ -73,9 +85,14 @@ class EPMoE(nn.Module):
         self.rank, self.world, self.n_local = rank, world, cut.size
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
         self.takes_ids = isinstance(moe, V4MoE)
-        self.experts = moe.experts
-        self.experts.gate_up_proj = nn.Parameter(cut.take(moe.experts.gate_up_proj.data), requires_grad=False)
-        self.experts.down_proj = nn.Parameter(cut.take(moe.experts.down_proj.data), requires_grad=False)
+        self.experts = ex = moe.experts
+        if isinstance(ex, Fp8Experts):  # FP8 weights and their scale blocks are buffers, cut alike
+            for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"):
+                ex.register_buffer(name, cut.take(getattr(ex, name)))
+            ex.n_experts = cut.size
+            return
+        ex.gate_up_proj = nn.Parameter(cut.take(ex.gate_up_proj.data), requires_grad=False)
+        ex.down_proj = nn.Parameter(cut.take(ex.down_proj.data), requires_grad=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] (T may be 0: an idle rank), input_ids [T] int64 token ids (read by a V4 router,
@@ -115,6 +132,8 @@ class EPMoE(nn.Module):
         if rows.shape[0] == 0:
             return out
         ex = self.experts
+        if isinstance(ex, Fp8Experts):  # one grouped FP8 launch a GEMM (not batch-invariant: module docstring)
+            return ex.each_row(rows, local)
         for e in torch.unique(local).tolist():  # ascending
             idx = (local == e).nonzero().flatten()
             for a in range(0, idx.numel(), EP_TILE):

@@ -4,7 +4,8 @@ per 128x128 block (`kernels/fp8_gemm_ref.py`). The GEMMs run through `kernels/fp
 
   Fp8Linear:  weight [out, in], weight_scale_inv [ceil(out/128), ceil(in/128)]; x [..., in] -> [..., out]
   Fp8Experts: gate_up_proj [E, 2I, H] (gate first) + gate_up_proj_scale_inv [E, ceil(2I/128), ceil(H/128)],
-              down_proj [E, H, I] + down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]; x [T, H] -> [T, H]
+              down_proj [E, H, I] + down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]; x [T, H] -> [T, H];
+              `each_row` (row i through one expert) is what an expert-parallel owner runs (layers/ep_moe.py)
 
 Fp8Experts keeps `layers/moe.py`'s stacked layout; its scale blocks tile the stacked [2I, H]
 matrix, so a checkpoint's separate gate / up scales stack into it when I is a multiple of 128.
@@ -80,6 +81,14 @@ class Fp8Experts(nn.Module):
         h = self.act(gate, up).reshape(T * top_k, self.inter)  # [T * top_k, I]
         y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1)).reshape(T, top_k, self.hidden)
         return torch.einsum("tjh,tj->th", y.float(), routing.weights.float()).to(x.dtype)
+
+    def each_row(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x [n, H], expert_ids int64 [n] in [0, E) -> [n, H]: row i through expert expert_ids[i] alone
+        (no routing weight): the per-row expert outputs an expert-parallel owner sends back
+        (layers/ep_moe.py), by the same two grouped GEMMs as `forward` with one slot a row."""
+        ids = expert_ids.reshape(-1, 1)
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids).reshape(x.shape[0], -1).chunk(2, dim=-1)
+        return fp8_moe(self.act(gate, up), self.down_proj, self.down_proj_scale_inv, ids).reshape(x.shape[0], self.hidden)
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """Gated activation (SiLU-GLU); subclasses change it, as `Experts.act`."""

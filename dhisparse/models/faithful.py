@@ -50,6 +50,13 @@ docs/benchmarks.md: routed experts 23.3% of a 117.8-ms step at 100K C47 in sessi
 on `device`: each layer is made in `dtype`, initialised, quantized and its bf16 copies freed, so the
 peak is the FP8 model plus one bf16 layer (~2 GB). `overrides` changes config keys (tests build a
 small geometry through the same code).
+
+Expert parallelism (`ep=(rank, world)`, `--ep-size` under DP attention): every rank builds every
+layer from the same seeds, on its own device, then keeps only its block of each MoE layer's routed
+experts (`layers/ep_moe.EPMoE`: experts [rank * 24/W, (rank + 1) * 24/W), FP8 weights and scales);
+the rest (attention, dense and shared MLPs, embeddings, head: 20.3 GiB) is replicated. A rank's
+weights: 20.3 + 63.3 / W GiB (W = 2: 51.9 GiB, 4: 36.1, 8: 28.2), so the full model never exists
+on one device; the peak is that plus one layer being built. Tensor parallelism is not built here.
 """
 
 from __future__ import annotations
@@ -60,7 +67,9 @@ import torch
 from torch import nn
 
 from dhisparse.core.config import ModelConfig
+from dhisparse.layers.ep_moe import EPMoE
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
+from dhisparse.layers.moe import MoE
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
@@ -164,9 +173,10 @@ def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
 def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", num_layers: int | None = None,
                    overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
-                   index_gain: float = INDEX_GAIN) -> LoadedModel:
+                   index_gain: float = INDEX_GAIN, ep: tuple[int, int] | None = None) -> LoadedModel:
     """Deterministic random faithful model on `device` (same seed, device and config -> identical
-    weights), built one layer at a time (module docstring)."""
+    weights), built one layer at a time (module docstring). ep=(rank, world): expert parallelism,
+    each MoE layer keeping only the rank's block of its routed experts (an `EPMoE`)."""
     cfg = faithful_config(name, num_layers, overrides)
     device = torch.device(device)
     with torch.device("meta"):
@@ -190,4 +200,6 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
         if embed_offset:
             balance_router(layer, shared)
         quantize_module(layer)
+        if ep is not None and isinstance(layer.mlp, MoE):
+            layer.mlp = EPMoE(layer.mlp, *ep)  # the rank's expert block; the full stacks are freed here
     return LoadedModel(model.eval(), cfg, {})

@@ -8,7 +8,8 @@ Hugging Face cache (found offline, `resolve_hub`; nothing is downloaded). The re
 template and quantization settings. With `shard` (a `shard_load.ShardSpec`: a TP or EP rank) a
 GLM-5.x / V3.2 checkpoint folder is read shard-wise (each rank reads only what it keeps), and so is
 a DeepSeek-V4 folder for an EP rank (models/v4_shard_load.py: its expert block, the rest whole); a
-built-in random model is built whole on the CPU and sharded in memory.
+built-in random model is built whole on the CPU and sharded in memory, except `glm5-faithful` under
+EP, which each rank builds on its own device keeping only its experts (models/faithful.py; TP refused).
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def _scaled(name: str) -> Callable[[torch.dtype | str | None, str | torch.device
 
 def _faithful(name: str) -> Callable[[torch.dtype | str | None, str | torch.device, int], LoadedModel]:
     """Loader of a compute-faithful benchmark model (dhisparse.models.faithful: FP8 weights, the
-    rest bfloat16 by default)."""
+    rest bfloat16 by default); ep=(rank, world): a rank's expert-parallel part, built on `device`."""
 
-    def load(dtype: torch.dtype | str | None, device: str | torch.device, seed: int) -> LoadedModel:
+    def load(dtype: torch.dtype | str | None, device: str | torch.device, seed: int,
+             ep: tuple[int, int] | None = None) -> LoadedModel:
         target = resolve_dtype(dtype, faithful_config(name, 1))
-        return dataclasses.replace(build_faithful(name, seed, target, device), tokenizer=ByteTokenizer())
+        return dataclasses.replace(build_faithful(name, seed, target, device, ep=ep), tokenizer=ByteTokenizer())
 
     return load
 
@@ -213,9 +215,15 @@ def load_model(
         if quantization == "fp8":
             raise ModelLoadError(f"--quantization fp8 needs a block-scaled FP8 checkpoint; the built-in {name!r} is not")
         if shard is not None and name in FAITHFUL_CONFIGS:
-            raise ModelLoadError(f"--model {name!r} runs on one GPU: its FP8 weight modules are not TP / EP-sharded "
-                                 "(--tp-size / --ep-size 1); glm52-scaled shards")
-        loaded = _whole_then_shard(lambda dev: BUILTINS[name](dtype, dev, seed), device, shard)
+            if shard.mode != "ep":
+                raise ModelLoadError(f"--model {name!r}: its FP8 weight modules are not tensor-parallel (--tp-size 1); "
+                                     "it shards its routed experts under --ep-size (DP attention), and glm52-scaled "
+                                     "shards under TP")
+            # built on the device layer by layer, each keeping the rank's experts (the whole model, 84 GiB,
+            # is never built on the host)
+            loaded = BUILTINS[name](dtype, device, seed, ep=(shard.rank, shard.world))
+        else:
+            loaded = _whole_then_shard(lambda dev: BUILTINS[name](dtype, dev, seed), device, shard)
         tok = loaded.tokenizer if tokenizer is None else load_tokenizer(resolve_folder(tokenizer))
         return dataclasses.replace(loaded, tokenizer=with_chat_template(tok, chat_template))
     folder = resolve_folder(name, revision)
