@@ -172,6 +172,19 @@ def test_the_exactness_report_merges_records_and_junit(tmp_path):
     assert (tmp_path / "all.xml").read_text().count("<testcase") == 2
 
 
+def test_dhisparse_bench_in_process_runs_the_world_its_flags_ask_for():
+    """`dhisparse bench --dp-size 2` (in-process) builds a DP2 world for each run; it used to build
+    one Engine on the shared model and report it under the world's flags."""
+    from dhisparse.bench.sweep import ProgressBar, sweep_inprocess
+    from dhisparse.bench.workload import Workload
+    from dhisparse.engine.config import EngineConfig
+
+    base = EngineConfig(model="tiny", device="cpu", dtype="float32", dp_size=2, dist_timeout_s=30.0,
+                        kv_pool_bytes=8 << 20, host_pool_bytes=16 << 20)
+    (run,) = sweep_inprocess(base, ["hisparse"], [2], Workload(input_len=64, output_len=8, duration_s=1.0), ProgressBar(False))
+    assert run.engine["dp_size"] == 2 and run.metrics.output_tok_s > 0
+
+
 # -- the device steps, read without a GPU ----------------------------------------------------------
 
 def step_commands(tmp_path: Path, steps: str, gpus: int) -> list[dict]:

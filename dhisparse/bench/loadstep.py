@@ -13,7 +13,7 @@ import dataclasses
 from dhisparse.bench.records import COUNTERS, RunTrace, mean
 from dhisparse.bench.results import RunResult, run_result
 from dhisparse.engine.series import interval_shares
-from dhisparse.bench.sweep import ProgressBar, load_shared_model, on_fresh_engine
+from dhisparse.bench.sweep import ProgressBar, is_world, load_shared_model, on_fresh_engine
 from dhisparse.bench.inproc import run_inprocess
 from dhisparse.bench.workload import Phase, Phases, Workload
 from dhisparse.engine.config import AVAILABLE_PRESETS, EngineConfig
@@ -75,7 +75,7 @@ def _ms(x: float | None) -> float | None:
 def run_loadstep(base: EngineConfig, arms: list[str], phases: Phases, workload: Workload, bar: ProgressBar,
                  sample_interval_s: float = 1.0) -> list[RunResult]:
     """One in-process run per arm over the same phases and model."""
-    loaded = load_shared_model(base)
+    loaded = None if is_world(base) else load_shared_model(base)  # a world's ranks load their own
     runs = []
     for arm in arms:
         cfg = dataclasses.replace(base, preset=arm)

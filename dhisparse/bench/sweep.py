@@ -1,7 +1,11 @@
 """Sweeps: every (preset, concurrency) pair as one closed-loop run, in-process or over HTTP.
 
 In-process, the model is loaded once and each run gets a fresh `Engine` (fresh KV pool and
-counters) built on it; the prefix is prepared in each engine before its timed window.
+counters) built on it; the prefix is prepared in each engine before its timed window. A parallel
+world (--dp-size / --tp-size / --ep-size, or prefill/decode disaggregation) is built afresh for
+each run by `engine.launch.build` (every rank loads its own model) and closed after it; before,
+such a config was given to one `Engine` on the shared model, which ran one process and
+reported it under the world's flags.
 """
 
 from __future__ import annotations
@@ -35,15 +39,24 @@ def load_shared_model(config: EngineConfig):
     return load_model(config.model, dtype=dtype, device=resolve_device(config.device), seed=config.seed)
 
 
-def on_fresh_engine(config: EngineConfig, loaded, fn: Callable):
-    """`fn(engine)` on a new Engine over the shared model; the engine (and its KV pool) is
-    released before returning, so two pools never coexist on the device."""
-    from dhisparse.engine.engine import Engine
+def is_world(config: EngineConfig) -> bool:
+    """Whether `config` asks for several processes (a parallel or prefill/decode world)."""
+    return config.disaggregated or config.parallel_config().distributed
 
-    engine = Engine(config, loaded=loaded)
+
+def on_fresh_engine(config: EngineConfig, loaded, fn: Callable):
+    """`fn(engine)` on a new Engine over the shared model, or on a new world (`is_world`: loaded is
+    None, every rank loads its own) closed after; the engine (and its KV pool) is released before
+    returning, so two pools never coexist on the device."""
+    from dhisparse.engine.engine import Engine
+    from dhisparse.engine.launch import build
+
+    engine = build(config) if is_world(config) else Engine(config, loaded=loaded)
     try:
         return fn(engine)
     finally:
+        if is_world(config):
+            engine.close()
         del engine
         gc.collect()
         _empty_cuda_cache()
@@ -96,8 +109,8 @@ class ProgressBar:
 
 def sweep_inprocess(base: EngineConfig, presets: list[str], concurrencies: list[int], workload: Workload,
                     bar: ProgressBar, sample_interval_s: float = 1.0) -> list[RunResult]:
-    """Run every preset at every concurrency on one loaded model."""
-    loaded = load_shared_model(base)
+    """Run every preset at every concurrency on one loaded model (a world: each run builds its own)."""
+    loaded = None if is_world(base) else load_shared_model(base)
     runs = []
     for preset in presets:
         cfg = dataclasses.replace(base, preset=preset)
