@@ -49,11 +49,11 @@ case ",$STEPS," in *,exact32,*)  # issue 32 run 1: tests/test_parallel_cuda.py o
 case ",$STEPS," in *,scale32,*)  # issue 32 run 2: glm5-faithful, ${SCALE_LEN:-102400} tokens, FP8 rows, DP attention + EP on every GPU against one GPU,
   # ${SCALE_C:-32} clients a GPU, 256-token outputs, a 30-s window, ONE preset a call (SCALE_PRESETS; the oracle for +spec).
   # Memory a GPU (dhisparse.bench.multi.weight_bytes_per_gpu; the routed experts are 63.3 of the 83.6 GiB of FP8 weights):
-  #   one GPU 83.6 GiB weights; EP2 20.3 + 63.3/2 = 51.9; EP4 36.1; EP8 28.2 GiB; + the same 27.4-GiB KV pool a rank
-  #   (faithful31's: 5 resident 100K FP8 histories of 5.16 GiB, or 58 hierarchy sessions of 0.47 GiB; slots 50 a rank)
-  #   = 111.0 / 79.3 / 63.5 / 55.6 GiB before activations, of the H200's ~139 GiB usable: 100K fits every layout, one GPU
-  #   included, so the context is 100K; the EP layouts leave 32-55 GiB unused (kept equal for a per-GPU comparison).
-  #   Host a rank: the 100K prefix once (4.9 GiB) + 16 MiB a session -> --host-pool-gib 24.
+  #   one GPU 83.6 GiB weights; EP2 20.3 + 63.3/2 = 51.9; EP4 36.1; EP8 28.2 GiB; + the same KV pool a rank: faithful31's
+  #   27.4-GiB budget holds 5 resident 100K FP8 histories of 5.16 GiB, so the pool is 25.8 GiB (54 hierarchy sessions of
+  #   0.47 GiB; slots 50 a rank) = 109.4 / 77.7 / 61.9 / 54.0 GiB before activations, of the H200's ~139 GiB usable: 100K
+  #   fits every layout, one GPU included, so the context is 100K; the EP layouts leave 32-55 GiB unused (kept equal for
+  #   a per-GPU comparison). Host a rank: the 100K prefix once (4.9 GiB) + 16 MiB a session -> --host-pool-gib 24.
   # Order: the one-GPU world (GPU 0) side by side with the smaller EP worlds on disjoint GPUs (x4: EP2 on GPUs 1-2;
   # x8: EP2 on 1-2 and EP4 on 4-7; they share the host's CPUs and DRAM, noted in the results), then EP on every GPU;
   # one merged file. Each world ~3 min (build ~40 s, the 100K prefix on every rank ~85 s, warm-up, 30-s window).
@@ -88,10 +88,11 @@ case ",$STEPS," in *,disagg32,*)  # issue 32 run 3: the paper's prefill/decode l
   # hand-off (prefill, the round's lag, the KV transfer), per request and summed (Table A2).
   # Why 32K: a decode rank receives each request's whole prompt KV (1.66 GiB of FP8 rows at 32K; 5.16 at 100K) and keeps a
   # host-first session's history on its host with no shared prefix pages, so its host pool holds 1.25 x its sessions'
-  # histories: 20 x 1.66 = 33 GiB + the prefix a rank at 32K (every rank of the world gets the same pool: prefill ranks
-  # over-allocate), 8 x 35 = 280 GiB on x8; at 100K it would be 8 x 108 GiB, over the x8's 560 GiB. Device per GPU:
-  # 83.6 GiB weights (51.9 / 36.1 with EP2 / EP4 per role) + the 27.4-GiB pool. Each world ~2.5 min (build, the prefix on
-  # every prefill rank ~30 s, warm-up, window).
+  # histories: 20 x 1.66 = 33.2 GiB + the 1.6-GiB prefix = 34.8 GiB a rank at 32K (every rank of the world gets the same
+  # pool: prefill ranks over-allocate), 8 x 34.8 = 278 GiB on x8; at 100K it would be 8 x 108 GiB, over the x8's 560 GiB.
+  # The colocated worlds need 3 GiB a rank (shared prefix pages). Device per GPU: 83.6 GiB weights (51.9 / 36.1 with EP2 /
+  # EP4 per role; 36.1 / 28.2 colocated under EP4 / EP8) + a 26.6-GiB pool (16 resident 32K histories). Each world ~2-2.5
+  # min (build, the prefix on every prefill rank ~30 s, warm-up, window).
   DP=${DISAGG_PRESETS:-adaptive}; DPN=${DP//+/_}
   H=$(( GPUS / 2 ))
   if [ "${DISAGG_EP:-1}" = 1 ] && [ "$H" -gt 1 ]; then LAYS="pd$H+${H}ep$H;dpep$GPUS"; else LAYS="pd$H+$H;dp$GPUS"; fi
