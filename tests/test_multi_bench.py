@@ -192,9 +192,9 @@ def step_commands(tmp_path: Path, steps: str, gpus: int) -> list[dict]:
     arguments with its CUDA_VISIBLE_DEVICES and test environment, and the `timeout` around it,
     recorded by shell functions standing in for python3, timeout and nvidia-smi."""
     log = tmp_path / f"argv{gpus}.jsonl"
-    rec = ('printf "%s\\0" "T=$T" "CVD=${CUDA_VISIBLE_DEVICES:-}" "SHARD=${DHISPARSE_PARALLEL_SHARD:-}" '
-           '"LAYOUTS=${DHISPARSE_PARALLEL_LAYOUTS:-}" "$@" >> ' + shlex.quote(str(log)) + '; printf "\\n" >> '
-           + shlex.quote(str(log)))
+    # one write a call (the exact32 step's pytest processes start side by side): fields joined by \037
+    rec = ('r=$(printf "%s\\037" "T=$T" "CVD=${CUDA_VISIBLE_DEVICES:-}" "SHARD=${DHISPARSE_PARALLEL_SHARD:-}" '
+           '"LAYOUTS=${DHISPARSE_PARALLEL_LAYOUTS:-}" "$@"); printf "%s\\n" "$r" >> ' + shlex.quote(str(log)))
     stub = ('timeout() { while [ "${1#-}" != "$1" ]; do shift 2; done; T=$1; shift; "$@"; }; '
             f'python3() {{ {rec}; }}; nvidia-smi() {{ :; }}; export -f timeout python3 nvidia-smi; '
             f"bash bench/gpu_multi.sh {steps}")
@@ -204,7 +204,7 @@ def step_commands(tmp_path: Path, steps: str, gpus: int) -> list[dict]:
     for line in log.read_text().splitlines():
         if not line:
             continue
-        t, cvd, shard, lays, *argv = line.rstrip("\0").split("\0")
+        t, cvd, shard, lays, *argv = line.rstrip("\037").split("\037")
         cmds.append({"timeout": float(t[2:]) if t[2:] else None, "gpus": cvd[4:], "shard": shard[6:],
                      "layouts": lays[8:], "argv": argv})
     return cmds
