@@ -6,7 +6,10 @@ top-k query a request with distinct=True (no claims read-back), stale claim tabl
 path next to it on the same state. Breakages tried (each fails a test here): the slot-side check of
 the gathered position (tl.gather(p, uc) == hp) dropped; the gathered direct location's test (< 0)
 dropped; the host page prefetch masked to direct rows; every entry its own representative without
-distinct=True (the duplicates test).
+distinct=True (the duplicates test); the packed gather's direct bit ignored (q & 1); the host-selected
+count of a distinct plan taken as 0 instead of its copied rows (session 31: P5 reads no flags under
+distinct). Not catchable by results, and so not claimed: `_min_count` dropping the right operand's count
+only sends the victim search from its walk to its bisection (the same victims, more rounds).
 """
 
 from __future__ import annotations

@@ -75,6 +75,13 @@ def _keep_smallest(mk, m, need, KKP: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
+def _min_count(av, ac, bv, bc):
+    """Combine of a (minimum, how many hold it) reduction."""
+    v = tl.minimum(av, bv)
+    return v, tl.where(av == v, ac, 0) + tl.where(bv == v, bc, 0)
+
+
+@triton.jit
 def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
     """P4b. vk[0:nhost] <- slot ids of the first nhost candidate slots (cand [BP]: in range and
     unprotected) in (stamp, slot) order (stamps st [BP] int64), stored in slot order (misses pair
@@ -83,14 +90,15 @@ def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
     STEPS of them (one group of equal stamps usually covers a round's misses), then by bisection on
     what is left."""
     sl = tl.arange(0, BP)
-    lo = tl.min(tl.where(cand, st, BIG), axis=0)
-    have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
+    # the oldest stamp and how many candidates hold it, in one reduction (`_min_count`)
+    lo, have = tl.reduce((tl.where(cand, st, BIG), cand.to(tl.int32)), 0, _min_count)
     nbelow = have * 0  # #(candidates with stamp < lo): none below the oldest
     j = 0
     while (have < nhost) & (j < STEPS):  # the next distinct stamp up: what was <= lo is now < lo
         nbelow = have
-        lo = tl.min(tl.where(cand & (st > lo), st, BIG), axis=0)
-        have = tl.sum((cand & (st <= lo)).to(tl.int32), axis=0)
+        up = cand & (st > lo)
+        lo, more = tl.reduce((tl.where(up, st, BIG), up.to(tl.int32)), 0, _min_count)
+        have += more
         j += 1
     if have < nhost:  # s* lies in (lo, hi]
         hi = tl.max(tl.where(cand, st, -BIG), axis=0)

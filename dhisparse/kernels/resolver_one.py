@@ -50,7 +50,8 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
     acc = tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
                  + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
     tl.store(out + i, o, mask=is_rep)
-    tl.store(hflag + i, tl.zeros([KKP], tl.int32), mask=is_rep)
+    if not DISTINCT:  # P5 counts host-selected entries through the flags (DISTINCT: one entry a row)
+        tl.store(hflag + i, tl.zeros([KKP], tl.int32), mask=is_rep)
     tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
     return ((acc & 0xFFFF).to(tl.int32), ((acc >> 16) & 0xFFFF).to(tl.int32), ((acc >> 32) & 0xFFFF).to(tl.int32),
             ((acc >> 48) & 0xFFFF).to(tl.int32), p, u, o, hpg)
@@ -58,14 +59,16 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
 
 @triton.jit
 def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, BP: tl.constexpr):
-    """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o.
-    Returns (hits, hit mask [BP])."""
+    """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o,
+    packed as (p << 1) | direct so one gather through shared memory brings both. Returns (hits, hit
+    mask [BP])."""
     sl = tl.arange(0, BP)
     ok = bm & (hp >= 0) & (hp < LCAP)
     u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
     found = ok & (u >= 0) & (u < KK)
     uc = tl.where(found, u, 0)
-    hit = found & (tl.gather(p, uc, 0) == hp) & (tl.gather(o, uc, 0) < 0)
+    q = tl.gather((p << 1) | (o >= 0).to(tl.int64), uc, 0)  # padding (p -1) unpacks to -1: never a hot position
+    hit = found & ((q >> 1) == hp) & ((q & 1) == 0)
     tl.store(out + u, hl, mask=hit)
     tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
     return tl.sum(hit.to(tl.int32), axis=0), hit
@@ -82,14 +85,19 @@ def _compact_one(out, mk, p, u, hpg, ps, KKP: tl.constexpr):
 
 
 @triton.jit
-def _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP: tl.constexpr):
-    """P5. loc row [KK] in selection order from the representatives u. Returns the host-selected entries."""
+def _emit_one(loc_ptr, KK, n, out, hflag, p, u, nhost, KKP: tl.constexpr, DISTINCT: tl.constexpr):
+    """P5. loc row [KK] in selection order from the representatives u. Returns the host-selected
+    entries: with DISTINCT each row has one entry, so they are the nhost copied rows (no flags read)."""
     i = tl.arange(0, KKP)
     im = i < KK
     valid = im & (p >= 0)
     o = tl.load(out + u, mask=valid, other=-1)
     tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
-    return tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
+    if DISTINCT:
+        hsel = nhost
+    else:
+        hsel = tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
+    return hsel
 
 
 @triton.jit
@@ -124,7 +132,7 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost * 0
         if UPTO >= 50:
-            hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP)
+            hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, nhost, KKP, DISTINCT)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
         planned = nhost
     return planned
