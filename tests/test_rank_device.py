@@ -68,6 +68,10 @@ def test_the_oracle_reference_comes_from_the_hooks_module(calls, monkeypatch):
     assert hook_reference("fake_oracle_hook:hook", oracle) == {(1, 2): [3]}
     assert hook_reference(None, oracle) is None
     assert hook_reference("fake_oracle_hook:hook", EngineConfig(model="tiny", preset="adaptive+spec")) is None  # dflash
+    bare = types.ModuleType("bare_hook")
+    monkeypatch.setitem(sys.modules, "bare_hook", bare)
+    with pytest.raises(ValueError, match="oracle_reference"):
+        hook_reference("bare_hook:hook", oracle)
     monkeypatch.setattr(launch, "Engine", stub_engine(calls))
     cfg = EngineConfig(model="tiny", device="cuda", dp_size=2, preset="adaptive+spec", speculative_algorithm="oracle")
     launch.rank_engine(cfg, ParallelConfig(dp_size=2), 1, "fake_oracle_hook:hook")

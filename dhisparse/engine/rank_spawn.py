@@ -74,15 +74,22 @@ def shard_engine(cfg: EngineConfig, shard: ShardSpec, ep_size: int | None = None
 
 
 def hook_reference(on_engine: str | None, cfg: EngineConfig):
-    """The oracle drafter's reference (prompt ids -> output ids) a rank's engine is built with: the
-    hook module's `oracle_reference(cfg)` when cfg drafts with the oracle (a benchmark measurement
-    tool) and the "module:function" hook's module defines one, else None. The oracle needs its
-    reference when the engine is built, before `run_hook`; a benchmark of a parallel world passes
-    it this way (dhisparse/bench/multi.py), since the spawned ranks share no objects with rank 0."""
+    """The oracle drafter's reference (prompt ids -> output ids) a rank's engine is built with: when
+    cfg drafts with the oracle (a benchmark measurement tool) and a "module:function" hook is given,
+    the hook module's `oracle_reference(cfg)`, which such a module must define (ValueError naming it
+    otherwise); else None. The oracle needs its reference when the engine is built, before
+    `run_hook`; a benchmark of a parallel world passes it this way (dhisparse/bench/multi.py), since
+    the spawned ranks share no objects with rank 0."""
     if not on_engine or cfg.speculative_algorithm != "oracle":
         return None
-    make = getattr(importlib.import_module(on_engine.partition(":")[0]), "oracle_reference", None)
-    return make(cfg) if make is not None else None
+    name = on_engine.partition(":")[0]
+    module = importlib.import_module(name)
+    try:
+        make = module.oracle_reference
+    except AttributeError:
+        raise ValueError(f"hook module {name!r} drives an oracle-drafter engine but defines no "
+                         "oracle_reference(cfg): the oracle needs its reference when the engine is built") from None
+    return make(cfg)
 
 
 def run_hook(on_engine: str | None, engine: Engine, rank: int) -> None:
