@@ -88,8 +88,10 @@ case ",$STEPS," in *,disagg32,*)  # issue 32 run 3: the paper's prefill/decode l
   # hand-off (prefill, the round's lag, the KV transfer), per request and summed (Table A2).
   # Why 32K: a decode rank receives each request's whole prompt KV (1.66 GiB of FP8 rows at 32K; 5.16 at 100K) and keeps a
   # host-first session's history on its host with no shared prefix pages, so its host pool holds 1.25 x its sessions'
-  # histories: 20 x 1.66 = 33.2 GiB + the 1.6-GiB prefix = 34.8 GiB a rank at 32K (every rank of the world gets the same
-  # pool: prefill ranks over-allocate), 8 x 34.8 = 278 GiB on x8; at 100K it would be 8 x 108 GiB, over the x8's 560 GiB.
+  # histories: 20 x 1.66 = 33.2 GiB + the 1.6-GiB prefix = 34.8 GiB a decode rank at 32K; prefill ranks pin only the
+  # colocated sizing (--disaggregation-prefill-host-pool-bytes: the shared prefix and their in-flight prompts), so x8
+  # pins 4 x 34.8 + 4 x ~3 GiB. At 100K a decode rank needs ~108 GiB: DISAGG_LEN=102400 fits x2 (~114 GiB) and x4
+  # (~228 GiB), not x8 (~456 of 560 GiB), and its worlds take longer (the 100K prefix on every prefill rank).
   # The colocated worlds need 3 GiB a rank (shared prefix pages). Device per GPU: 83.6 GiB weights (51.9 / 36.1 with EP2 /
   # EP4 per role; 36.1 / 28.2 colocated under EP4 / EP8) + a 26.6-GiB pool (16 resident 32K histories). Each world ~2-2.5
   # min (build, the prefix on every prefill rank ~30 s, warm-up, window).

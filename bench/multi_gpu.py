@@ -129,7 +129,8 @@ def clients(ns, layout: M.Layout) -> int:
 
 def host_pool_for(ns, sz: dict, layout: M.Layout) -> int:
     """A rank's host pool: the sizing's (the shared prefix once + each slot's own pages), or for a
-    disaggregated world what a decode rank needs for whole histories: KV arrives as rows of the
+    disaggregated world's decode ranks what they need for whole histories (its prefill ranks:
+    `prefill_host_pool_for`): KV arrives as rows of the
     whole prompt, which a host-first admission keeps on the host for each session (no shared
     prefix pages there): ceil(1.25 x clients / D) histories + the prefix (prefill ranks' copy)."""
     if ns.host_pool_gib:
@@ -140,6 +141,24 @@ def host_pool_for(ns, sz: dict, layout: M.Layout) -> int:
 
     sessions = math.ceil(1.25 * clients(ns, layout) / layout.decode)
     return max(sz["host_pool_bytes"], sz["host_shared_prefix_bytes"] + sessions * resident_bytes(sz))
+
+
+def prefill_host_pool_for(ns, sz: dict, layout: M.Layout) -> int | None:
+    """A disaggregated world's prefill ranks' host pool (None elsewhere): the colocated sizing's (the
+    shared prefix once + each slot's own pages), since a prefill rank holds only its in-flight
+    prompts and sends their KV on (`--disaggregation-prefill-host-pool-bytes`); --host-pool-gib sets
+    every rank's."""
+    if layout.kind != "pd":
+        return None
+    return int(ns.host_pool_gib * GIB) if ns.host_pool_gib else sz["host_pool_bytes"]
+
+
+def world_host_gib(ns, sz: dict, layout: M.Layout) -> float:
+    """Host pool GiB the whole world pins: per rank, and per role in a disaggregated world."""
+    pre = prefill_host_pool_for(ns, sz, layout)
+    if pre is None:
+        return layout.gpus * host_pool_for(ns, sz, layout) / GIB
+    return (layout.prefill * pre + layout.decode * host_pool_for(ns, sz, layout)) / GIB
 
 
 def engine_kwargs(ns, sz: dict, preset: str, layout: M.Layout) -> dict:
@@ -154,6 +173,9 @@ def engine_kwargs(ns, sz: dict, preset: str, layout: M.Layout) -> dict:
                 speculative_algorithm="oracle" if spec else None, speculative_num_draft_tokens=ns.spec_width,
                 speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec else None,
                 cuda_graphs=ns.cuda_graphs, kv_cache_dtype=ns.kv_cache_dtype, dist_timeout_s=ns.dist_timeout)
+    pre = prefill_host_pool_for(ns, sz, layout)
+    if pre is not None:
+        base["disaggregation_prefill_host_pool_bytes"] = pre
     return base | layout.engine_fields() | engine_overrides(ns.engine_arg)
 
 
@@ -166,6 +188,8 @@ def memory_rows(ns, sz: dict) -> list[dict]:
         rows.append({"layout": layout.name, "ep": ep, "weights_per_gpu_gib": w and w["per_gpu"] / GIB,
                      "weights_total_gib": w and w["total"] / GIB, "routed_experts_gib": w and w["routed_experts"] / GIB,
                      "kv_pool_gib": sz["kv_pool_bytes"] / GIB, "host_pool_gib_per_rank": host_pool_for(ns, sz, layout) / GIB,
+                     "host_pool_gib_per_prefill_rank": (lambda b: b and b / GIB)(prefill_host_pool_for(ns, sz, layout)),
+                     "host_pool_gib_world": world_host_gib(ns, sz, layout),
                      "device_gib_per_gpu_before_activations": w and (w["per_gpu"] + sz["kv_pool_bytes"]) / GIB})
     return rows
 

@@ -93,6 +93,21 @@ def references() -> dict[str, list[list[int]]]:
     return one_process_tokens(PROMPTS, GREEDY)
 
 
+def test_a_prefill_rank_takes_its_own_host_pool(references):
+    """--disaggregation-prefill-host-pool-bytes: the prefill rank's host pool is a quarter of the decode
+    rank's (it holds only its in-flight prompts) and the world still gives one process's tokens.
+    (Breakage tried: rank_engine ignoring the setting: the page totals are equal.)"""
+    eng = world("hisparse", disaggregation_prefill_host_pool_bytes=4 << 20)
+    try:
+        llm = LLM.__new__(LLM)
+        llm.engine = eng
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["hisparse"]
+        prefill, decode = (s.as_dict() for s in eng.rank_stats())
+        assert 4 * prefill["host_pages_total"] <= decode["host_pages_total"] + 4
+    finally:
+        closed(eng)
+
+
 @pytest.mark.parametrize("preset", world_presets())
 def test_tokens_equal_one_process(preset, references):
     """Every rank checks its rows (I2); the decode rank also checks each arrived prompt's placement,

@@ -249,7 +249,11 @@ def test_disagg32_runs_the_papers_layout_beside_colocated_and_fits(tmp_path, gpu
     sz = mg.rank_sizing(ns, mg.model_config(ns.model))
     for row, layout in zip(mg.memory_rows(ns, sz), ns.layout_list):
         assert row["device_gib_per_gpu_before_activations"] < 125
-        assert row["host_pool_gib_per_rank"] * layout.gpus < 0.6 * MACHINE_RAM_GIB[gpus], row
+        assert row["host_pool_gib_world"] < 0.6 * MACHINE_RAM_GIB[gpus], row
+        if layout.kind == "pd":  # prefill ranks pin only what their in-flight prompts need
+            assert row["host_pool_gib_per_prefill_rank"] < row["host_pool_gib_per_rank"] / 4, row
+            assert mg.engine_kwargs(ns, sz, "adaptive", layout)["disaggregation_prefill_host_pool_bytes"] < \
+                mg.engine_kwargs(ns, sz, "adaptive", layout)["host_pool_bytes"]
     assert sum(mg.estimate_s(ns, l, ns.preset_list[0]) for l in ns.layout_list) < c["timeout"] < 600
     assert 2 * ns.world_timeout <= c["timeout"]
 

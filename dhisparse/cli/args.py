@@ -187,6 +187,9 @@ FLAGS: list[Flag] = [
     Flag("--disaggregation-decode-size", "disaggregation_decode_size", positive_int,
          help_="ours: decode ranks D of a disaggregated world (they admit the KV sent to them resident-first or "
                "host-first and decode; default: 1 when only --disaggregation-mode is given)"),
+    Flag("--disaggregation-prefill-host-pool-bytes", "disaggregation_prefill_host_pool_bytes", positive_int,
+         help_="ours: a prefill rank's host pool in bytes (default: --host-pool-bytes, as every rank); prefill ranks "
+               "hold only their in-flight prompts, decode ranks every session's history"),
     Flag("--hot-cache-rows", "hot_cache_rows", positive_int,
          "hot-cache rows B per request and KV source in hierarchical presets (default 2 x index_topk)"),
     Flag("--source-hot-cache-rows", "source_hot_cache_rows", _positive_ints,

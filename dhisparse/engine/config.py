@@ -156,6 +156,10 @@ class EngineConfig:
         decode; sizes 0 / mode "null" = off. On one host give both sizes; on several, each host's
         mode names its role. Inside each role: ep_size E with enable_dp_attention, E dividing
         both sizes (EP groups of E ranks, attention data-parallel); other dp / tp / ep > 1 refused.
+    disaggregation_prefill_host_pool_bytes [--disaggregation-prefill-host-pool-bytes]: a prefill rank's
+        host pool (None = host_pool_bytes, as every rank). A prefill rank holds its in-flight prompts
+        (a shared prefix once, each request's own pages) and sends their KV on; a decode rank keeps
+        every session's whole history, so the two roles' pools can differ by the sessions' histories.
     revision [--revision]: Hub revision of a `model` given as org/name (None = "main").
     tokenizer [--tokenizer]: tokenizer folder or Hub id (None = the model's).
     chat_template [--chat-template]: a Jinja file or the template text (None = the tokenizer's).
@@ -222,6 +226,7 @@ class EngineConfig:
     disaggregation_mode: str = "null"
     disaggregation_prefill_size: int = 0
     disaggregation_decode_size: int = 0
+    disaggregation_prefill_host_pool_bytes: int | None = None
     debug_checks: bool = False
     revision: str | None = None
     tokenizer: str | None = None
@@ -280,7 +285,7 @@ class EngineConfig:
             raise ConfigValueError(str(e)) from None
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
             raise ConfigValueError(f"cpu_threads must be >= 1 (or unset); got {self.cpu_threads}")
-        for name in ("hot_cache_rows", "host_pool_bytes"):
+        for name in ("hot_cache_rows", "host_pool_bytes", "disaggregation_prefill_host_pool_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigValueError(f"{name} must be positive; got {getattr(self, name)}")
         per = self.source_hot_cache_rows

@@ -45,7 +45,8 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
     """One rank's engine: the config on the rank's device as a single engine (the layout's fields
     cleared). A prefill rank reads each whole prompt from its workspace, so it imports prepared
     prefixes onto the device (--admission-placement import); decode ranks keep the setting (auto:
-    resident-first while pages are spare, else host-first). on_engine: "module:function" called as
+    resident-first while pages are spare, else host-first); a prefill rank's host pool is
+    `prefill_host_pool`'s. on_engine: "module:function" called as
     function(engine, rank) (a test or debug hook; its module may give the oracle drafter's reference:
     `rank_spawn.hook_reference`). The rank's CUDA device is made current first (`bind_device`).
     Under EP: the rank's expert block (`ep_engine`)."""
@@ -55,11 +56,17 @@ def rank_engine(config: EngineConfig, layout: DisaggLayout, rank: int, on_engine
                               enable_dp_attention=False)
     bind_device(cfg.device)  # before anything of the engine touches CUDA (rank_spawn.bind_device)
     if layout.role_of(rank) == "prefill":
-        cfg = dataclasses.replace(cfg, admission_placement="import")
+        cfg = dataclasses.replace(cfg, admission_placement="import", host_pool_bytes=prefill_host_pool(config))
     reference = hook_reference(on_engine, cfg)
     engine = ep_engine(cfg, layout, rank, reference) if layout.expert_parallel else Engine(cfg, oracle_reference=reference)
     run_hook(on_engine, engine, rank)
     return engine
+
+
+def prefill_host_pool(config: EngineConfig) -> int | None:
+    """A prefill rank's host pool: `disaggregation_prefill_host_pool_bytes` when set, else the
+    world's `host_pool_bytes` (every rank the same)."""
+    return config.disaggregation_prefill_host_pool_bytes or config.host_pool_bytes
 
 
 def ep_engine(cfg: EngineConfig, layout: DisaggLayout, rank: int, oracle_reference=None) -> Engine:
