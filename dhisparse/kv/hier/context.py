@@ -16,7 +16,7 @@ CSA source, its own arena layer, with no followers):
                                      or the reference path (call-level direct exit, host staging)
         DirectPlan                   an all-direct pass (no resolver call, device census or none)
     producer_rows                  the row spaces a group's producer copies its plan into (the
-                                   plan kernel's own target under fused resolver copies)
+                                   plan kernel's own target under fused resolver copies: fused_target)
     copy_group                     a layer's host -> device copies of the plan (+ census)
     restage                        re-copy a group's staged rows into the shared staging arena
 """
@@ -39,9 +39,10 @@ RESOLVER_COPIES = ("separate", "fused")  # EngineConfig.resolver_copy: the produ
                                           # by the plan kernel (HierarchicalKV.fuse_copies)
 
 try:  # Triton is optional: only a deferred (Triton) plan launches its copies here
+    from dhisparse.kernels.gather import row_copy
     from dhisparse.kernels.resolver import launch_copies
 except ImportError:  # no Triton on this machine: plans are never deferred
-    launch_copies = None
+    launch_copies = row_copy = None
 
 
 # -- the resolver step of one selection group (shared by HierContext and V4HierPass) ----------------
@@ -138,7 +139,7 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
         if distinct and kv.debug:
             _check_distinct(per_req)
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws,
-                          distinct=distinct, copy=producer_rows(kv, g) if kv.fuse_copies else None)
+                          distinct=distinct, copy=fused_target(kv, g) if kv.fuse_copies else None)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)
@@ -199,6 +200,15 @@ def producer_rows(kv, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     if span is None or (kv.prefetch is not None and kv.followers[g]):
         return kv.host.layer_rows(p), kv.arena.latent_rows(p)
     return kv.host.rows[:, span], kv.arena.latent[:, span]
+
+
+def fused_target(kv, g: int):
+    """Group g's `producer_rows` prepared once for the plan kernel's fused copy (a `RowCopy`, kept in
+    `kv.copy_targets`: the row spaces never move, so later calls skip the views and the layout probe)."""
+    target = kv.copy_targets.get(g)
+    if target is None:
+        target = kv.copy_targets[g] = row_copy(*producer_rows(kv, g))
+    return target
 
 
 def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
