@@ -90,11 +90,19 @@ class InProcessLoop:
             new += n
             live.tokens += n
             if live.first is None and n:
-                live.first, live.queue = now, out.metrics.queue
+                self._first(live, out, now)
             if out.finished:
                 del self.live[out.request_id]
-                self._record(live, now, out.finish_reason, out.metrics.queue)
+                self._record(live, now, out.finish_reason, self._finish_queue(live, out))
         return new
+
+    def _first(self, live: _Live, out, now: float) -> None:
+        """A request's first token arrived at `now`: its time and its allocation wait."""
+        live.first, live.queue = now, out.metrics.queue
+
+    def _finish_queue(self, live: _Live, out) -> float | None:
+        """The allocation wait recorded with a finished request."""
+        return out.metrics.queue
 
     # -- the loop ---------------------------------------------------------------------------------
     def _done(self, now: float) -> bool:

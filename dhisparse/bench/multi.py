@@ -249,23 +249,14 @@ class MultiLoop(InProcessLoop):
             self.at_start = rank_stats(self.engine)
         super()._issue(now)
 
-    def _consume(self, outputs, now: float) -> int:
-        new = 0
-        for out in outputs:
-            live = self.live.get(out.request_id)
-            if live is None:
-                continue
-            n = len(out.new_token_ids)
-            new += n
-            live.tokens += n
-            if live.first is None and n:
-                parts = ttft_parts(out.metrics)
-                live.first, live.queue = now, parts["allocation"]
-                self.parts[live.index] = parts
-            if out.finished:
-                del self.live[out.request_id]
-                self._record(live, now, out.finish_reason, live.queue)
-        return new
+    def _first(self, live, out, now: float) -> None:
+        """The first token's time, its allocation wait and (disaggregated) the other parts of TTFT."""
+        parts = ttft_parts(out.metrics)
+        live.first, live.queue = now, parts["allocation"]
+        self.parts[live.index] = parts
+
+    def _finish_queue(self, live, out) -> float | None:
+        return live.queue
 
 
 def reference_decoder(path: Path, key: dict, output_len: int):
