@@ -97,6 +97,9 @@ def _variants() -> list[tuple[str, dict, int]]:
     for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of 656- / 1,152-B rows
         consts = plan_consts(KKP, BP, False, distinct=KKP <= 2048) | dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=64)
         out.append((f"COPY KKP {KKP} BP {BP} W {W}", consts, _shape_consts(KKP, BP)[2]))
+        if KKP <= 2048:  # with P0's pre-pass too (adaptive's optional map: --resolver-copy fused)
+            pre = plan_consts(KKP, BP, True) | dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=64)
+            out.append((f"COPY pre KKP {KKP} BP {BP} W {W}", pre, _shape_consts(KKP, BP)[2]))
     return out
 
 
