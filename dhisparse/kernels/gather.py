@@ -175,10 +175,17 @@ def gather_rows_padded(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_idx: 
     """src_rows [HP, hp, W], dst_rows [P, dp, W] (same dtype, unit last stride), or layered
     [HP, G, hp, W] / [P, G, dp, W] (same G: every layer copies the same rows); src_idx, dst_idx
     [N, C] flat row indices (page * rows_per_page + row); count [N] rows to copy per request."""
+    gather_rows(row_copy(src_rows, dst_rows), src_idx, dst_idx, count, rows_per_prog=rows_per_prog,
+                num_warps=num_warps)
+
+
+def gather_rows(rc: RowCopy, src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor, *,
+                rows_per_prog: int | None = None, num_warps: int = 4) -> None:
+    """`gather_rows_padded` into a prepared row-space pair `rc` (`row_copy`: a caller that copies into
+    the same pair every call prepares it once)."""
     if not (src_idx.is_contiguous() and dst_idx.is_contiguous()):
         raise ValueError("src_idx and dst_idx must be contiguous [N, C] (the kernel steps rows by C)")
     N, C = src_idx.shape
-    rc = row_copy(src_rows, dst_rows)
     if N == 0 or C == 0:
         return
     R = rows_per_prog or max(1, min(16, 1024 // rc.CW))

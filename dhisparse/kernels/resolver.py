@@ -26,14 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kernels.gather import RowCopy, gather_rows_padded, row_copy
+from dhisparse.kernels.gather import RowCopy, gather_rows, gather_rows_padded, row_copy
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
 from dhisparse.kernels.resolver_workspace import PlanWorkspace
 
-__all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "COUNTER_NAMES"]
+__all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "launch_copies_into",
+           "COUNTER_NAMES"]
 
 COUNTER_NAMES = ResolveCounters._fields
 MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts)
@@ -254,6 +255,11 @@ def launch_copies(plan: TritonResolvePlan, host_rows: torch.Tensor, dev_rows: to
     """Copy the plan's host rows into device rows for one layer without synchronising.
     host_rows [HP, ps, W] (pinned CPU on CUDA: read zero-copy), dev_rows [P, ps, W]."""
     gather_rows_padded(host_rows, dev_rows, plan.src_pad, plan.dst_pad, plan.copy_n)
+
+
+def launch_copies_into(plan: TritonResolvePlan, target: RowCopy) -> None:
+    """`launch_copies` into a prepared row-space pair (`gather.row_copy`)."""
+    gather_rows(target, plan.src_pad, plan.dst_pad, plan.copy_n)
 
 
 def run_copies_triton(plan: ResolvePlan, host_rows: torch.Tensor, dev_rows: torch.Tensor) -> int:

@@ -15,8 +15,9 @@ CSA source, its own arena layer, with no followers):
         resolve_group                the resolver call: deferred Triton plan + sync-free staging,
                                      or the reference path (call-level direct exit, host staging)
         DirectPlan                   an all-direct pass (no resolver call, device census or none)
-    producer_rows                  the row spaces a group's producer copies its plan into (the
-                                   plan kernel's own target under fused resolver copies: fused_target)
+    producer_rows                  the row spaces a group's producer copies its plan into, prepared
+                                   once (producer_target): its gather launch's target, or under fused
+                                   resolver copies the plan kernel's
     copy_group                     a layer's host -> device copies of the plan (+ census)
     restage                        re-copy a group's staged rows into the shared staging arena
 """
@@ -40,9 +41,9 @@ RESOLVER_COPIES = ("separate", "fused")  # EngineConfig.resolver_copy: the produ
 
 try:  # Triton is optional: only a deferred (Triton) plan launches its copies here
     from dhisparse.kernels.gather import row_copy
-    from dhisparse.kernels.resolver import launch_copies
+    from dhisparse.kernels.resolver import launch_copies, launch_copies_into
 except ImportError:  # no Triton on this machine: plans are never deferred
-    launch_copies = row_copy = None
+    launch_copies = launch_copies_into = row_copy = None
 
 
 # -- the resolver step of one selection group (shared by HierContext and V4HierPass) ----------------
@@ -139,7 +140,7 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
         if distinct and kv.debug:
             _check_distinct(per_req)
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws,
-                          distinct=distinct, copy=fused_target(kv, g) if kv.fuse_copies else None)
+                          distinct=distinct, copy=producer_target(kv, g) if kv.fuse_copies else None)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)
@@ -202,9 +203,10 @@ def producer_rows(kv, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv.host.rows[:, span], kv.arena.latent[:, span]
 
 
-def fused_target(kv, g: int):
-    """Group g's `producer_rows` prepared once for the plan kernel's fused copy (a `RowCopy`, kept in
-    `kv.copy_targets`: the row spaces never move, so later calls skip the views and the layout probe)."""
+def producer_target(kv, g: int):
+    """Group g's `producer_rows` prepared once (a `RowCopy`, kept in `kv.copy_targets`: the row spaces
+    never move, so later calls skip the views and the layout probe): the producer's gather launch
+    copies into it, or under fused resolver copies the plan kernel does."""
     target = kv.copy_targets.get(g)
     if target is None:
         target = kv.copy_targets[g] = row_copy(*producer_rows(kv, g))
@@ -234,17 +236,19 @@ def copy_group(kv, layer: int, plan, staged, rows: torch.Tensor, producer: bool,
         own = producer and not plan.copied  # the producer's copy, unless the plan kernel made it
         if kv.prefetch is not None and kv.followers[g]:  # layer-wise prefetch (kv/hier/prefetch.py)
             if own:
-                launch_copies(plan, *producer_rows(kv, g))
+                launch_copies_into(plan, producer_target(kv, g))
             if producer:
                 kv.prefetch.issue({f: partial(launch_copies, plan, kv.host.layer_rows(f), kv.arena.latent_rows(f))
                                    for f in kv.followers[g]})
             else:
                 kv.prefetch.wait(layer)
-        elif span is None:
-            if own or not producer:
+        elif span is None:  # each layer copies its own rows
+            if own:
+                launch_copies_into(plan, producer_target(kv, g))
+            elif not producer:
                 launch_copies(plan, kv.host.layer_rows(layer), rows)
         elif own:  # one layered launch copies the rows of every layer of the group
-            launch_copies(plan, *producer_rows(kv, g))
+            launch_copies_into(plan, producer_target(kv, g))
         if staged is not None and kv.staging_mode == "paper":  # chi arenas: every layer's, once
             if producer:
                 launch_copies(staged, kv.host.rows[:, span], kv.stage_arenas[:, : span.stop - span.start])

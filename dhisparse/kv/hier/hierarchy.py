@@ -155,7 +155,7 @@ class HierarchicalKV(KVStore):
         self.now_t = torch.zeros(1, dtype=torch.int64, device=dev)  # `now` on the device (the Triton resolver reads it)
         self.deferred = deferred  # plan(defer=True) never waits for the device
         self.fuse_copies = fuse_copies and deferred
-        self.copy_targets: dict[int, object] = {}  # group -> its producer's prepared copy target (context.fused_target)
+        self.copy_targets: dict[int, object] = {}  # group -> its producer's prepared copy target (context.producer_target)
         # the deferred (Triton) plan's persistent scratch: no allocation or zero-fill launch per call
         self.plan_ws = PlanWorkspace(dev) if deferred else None
         self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
