@@ -426,3 +426,31 @@ def test_a_selection_past_the_packed_counts_is_refused_by_name():
     st = make_state(S=1, B=4, L=40, TT=4)
     with pytest.raises(ValueError, match=r"K\*k must be at most 65535"):
         plan_triton(torch.zeros((1, 33, 2000), dtype=torch.int64), torch.zeros(1, dtype=torch.int64), st, 0)
+
+
+def test_kept_state_follows_a_grown_host_table_and_a_new_map():
+    """A store keeps one ResolverState a group and swaps in a reallocated host table
+    (`HierarchicalKV.resolver_state`); the plan's cached state arguments (`resolver._state_args`:
+    row strides, the positions' bound) must follow the new tensors, not the ones first seen."""
+    st = make_state(S=2, B=8, L=32, TT=4, seed=5)
+    p = Pair(st)
+    p.step(sel_of([1, 2, 3], [4, 5, -1]), [0], now=1)
+    for s in (p.ref, p.dev):  # the history outgrew the table: a wider one, same object state
+        wide = torch.cat([s.host_table, 100 + torch.arange(2 * 8, dtype=s.host_table.dtype,
+                                                           device=s.host_table.device).view(2, 8)], 1)
+        s.host_table = wide
+        s.tail_start = torch.full_like(s.tail_start, 60)
+    want, _ = p.step(sel_of([40, 41, 55], [58, 2, -1]), [1], now=2)  # positions past the old table's reach
+    assert want.counters.host == 5
+    for s in (p.ref, p.dev):  # an optional map appears on the same state (adaptive sets direct_loc a call)
+        s.direct_loc = torch.full((2, 64), -1, dtype=torch.int64, device=s.hot_pos.device)
+        s.direct_loc[1, 50:60] = 7000 + torch.arange(10, device=s.hot_pos.device)
+    want, _ = p.step(sel_of([50, 51, 20], [59, 3, -1]), [1], now=3)
+    assert want.counters.direct == 3 and want.counters.host == 2
+
+
+def test_state_rows_must_be_contiguous_in_their_last_dimension():
+    st = clone_state(make_state(S=2, B=8, L=32, TT=4), DEV)
+    st.host_table = st.host_table.t().contiguous().t()  # [S, pages] with a unit row stride
+    with pytest.raises(ValueError, match="host_table"):
+        plan_triton(sel_of([1, 2], [3, 4]).to(DEV), torch.tensor([0], device=DEV), st, 1)

@@ -22,6 +22,7 @@ state untouched.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -85,17 +86,63 @@ class TritonResolvePlan(ResolvePlan):
         return self
 
 
-def _row(t: torch.Tensor, name: str, writable: bool = False) -> tuple[torch.Tensor, int]:
-    """(2-D state tensor with unit last stride, its row stride) (the row stride is passed to the kernel)."""
+_STATE_NAMES = ("hot_pos", "hot_stamp", "hot_loc", "tail_loc", "host_table", "direct_loc")
+
+
+def _row_stride(t: torch.Tensor, name: str) -> int:
+    """The row stride of a 2-D state tensor, which must have a unit last stride (the kernel reads
+    and updates its rows in place)."""
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got {tuple(t.shape)}")
     st = t.stride()
     if st[1] != 1 and t.shape[1] > 1:
-        if writable:
-            raise ValueError(f"{name} must have a contiguous last dimension (it is updated in place)")
-        t = t.contiguous()
-        st = t.stride()
-    return t, st[0]
+        raise ValueError(f"{name} must have a contiguous last dimension (the resolver reads its rows in place)")
+    return st[0]
+
+
+@dataclass(frozen=True)
+class _StateArgs:
+    """What the plan kernel takes from a `ResolverState` besides its tensors: their row strides and
+    the sizes derived from them. `refs`: weak references to the tensors they were read from."""
+
+    refs: tuple
+    strides: tuple  # (s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap)
+    TT: int
+    HPW: int
+    LMAX: int
+    lcap: int
+    words: int
+
+
+_STATE_ARGS: dict[int, _StateArgs] = {}  # id(state) -> its arguments, while its tensors are the same objects
+_STATE_ARGS_MAX = 256
+
+
+def _state_tensors(st: ResolverState) -> tuple:
+    return st.hot_pos, st.hot_stamp, st.hot_loc, st.tail_loc, st.host_table, st.direct_loc
+
+
+def _state_args(st: ResolverState) -> _StateArgs:
+    """The plan kernel's state arguments, derived once per state and reused while every tensor of the
+    state is the same object (a store keeps its states: `HierarchicalKV.resolver_state`); weak
+    references, so a kept entry holds no memory. Row layouts are checked on the first call: a state
+    tensor without a unit last stride is refused (the plan reads and updates rows in place)."""
+    ts = _state_tensors(st)
+    hit = _STATE_ARGS.get(id(st))
+    if hit is not None and all((r() if r is not None else None) is t for r, t in zip(hit.refs, ts)):
+        return hit
+    strides = tuple(0 if t is None else _row_stride(t, name) for t, name in zip(ts, _STATE_NAMES))
+    dmap = st.direct_loc
+    TT, HPW, ps = st.tail_loc.shape[1], st.host_table.shape[1], st.host_page_size
+    LMAX = dmap.shape[1] if dmap is not None else 0
+    # positions are < the host table's reach + the tail (I1), or < the optional map's width
+    lcap = max(HPW * ps, LMAX) + TT
+    words = -(-lcap // 32) if dmap is not None else 1
+    args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, TT, HPW, LMAX, lcap, words)
+    if len(_STATE_ARGS) >= _STATE_ARGS_MAX:
+        _STATE_ARGS.pop(next(iter(_STATE_ARGS)))
+    _STATE_ARGS[id(st)] = args
+    return args
 
 
 def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
@@ -209,18 +256,11 @@ def _copy_args(rc: RowCopy | None, dummy: torch.Tensor, warps: int) -> tuple[tup
 def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None):
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`; with a
     RowCopy `rc`, the plan kernel copies the planned rows into it (P6)."""
-    hot_pos, s_pos = _row(st.hot_pos, "hot_pos", writable=True)
-    hot_stamp, s_stamp = _row(st.hot_stamp, "hot_stamp", writable=True)
-    hot_loc, s_loc = _row(st.hot_loc, "hot_loc")
-    tail_loc, s_tail = _row(st.tail_loc, "tail_loc")
-    table, s_table = _row(st.host_table, "host_table")
-    dmap, s_dmap = (None, 0) if st.direct_loc is None else _row(st.direct_loc, "direct_loc")
-    dev = hot_pos.device
-    TT, HPW, ps = tail_loc.shape[1], table.shape[1], st.host_page_size
-    LMAX = dmap.shape[1] if dmap is not None else 0
-    # positions are < the host table's reach + the tail (I1), or < the optional map's width
-    lcap = max(HPW * ps, LMAX) + TT
-    words = -(-lcap // 32) if dmap is not None else 1
+    a = _state_args(st)
+    s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap = a.strides
+    hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap = _state_tensors(st)
+    dev, ps = hot_pos.device, st.host_page_size
+    TT, HPW, LMAX, lcap, words = a.TT, a.HPW, a.LMAX, a.lcap, a.words
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
     # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
     KKP, BP, warps, (SA, SB, SC, SD) = _shape_consts(KK, B)

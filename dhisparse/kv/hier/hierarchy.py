@@ -156,6 +156,7 @@ class HierarchicalKV(KVStore):
         self.deferred = deferred  # plan(defer=True) never waits for the device
         self.fuse_copies = fuse_copies and deferred
         self.copy_targets: dict[int, object] = {}  # group -> its producer's prepared copy target (context.producer_target)
+        self._states: dict[int, ResolverState] = {}  # group -> its resolver state (`resolver_state`)
         # the deferred (Triton) plan's persistent scratch: no allocation or zero-fill launch per call
         self.plan_ws = PlanWorkspace(dev) if deferred else None
         self.prefetch = make_prefetch(self.device, prefetch)  # None: the producer copies for the whole group
@@ -674,7 +675,15 @@ class HierarchicalKV(KVStore):
 
     def resolver_state(self, group: int) -> ResolverState:
         """Group `group`'s resolver state: its B_g hot entries (strided views of the [S, G, B_max]
-        tables), the tails and the host table."""
-        b = self.B_of[group]
-        return ResolverState(self.hot_pos[:, group, :b], self.hot_stamp[:, group, :b], self.hot_loc[:, :b],
-                             self.tail_start, self.tail_loc, self.host_table, self.host.page_size)
+        tables), the tails and the host table. Built once a group and kept (`_states`): its views
+        never move, and the host table is re-read every call (it is reallocated when a history
+        outgrows it, `sync_host_table`), so a call costs no tensor ops (host time per resolver call)."""
+        table = self.host_table
+        st = self._states.get(group)
+        if st is None:
+            b = self.B_of[group]
+            st = self._states[group] = ResolverState(self.hot_pos[:, group, :b], self.hot_stamp[:, group, :b],
+                                                     self.hot_loc[:, :b], self.tail_start, self.tail_loc, table,
+                                                     self.host.page_size)
+        st.host_table = table
+        return st
