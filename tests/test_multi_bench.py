@@ -19,12 +19,15 @@ from pathlib import Path
 import pytest
 
 from dhisparse.bench import multi as M
+from dhisparse.bench import multi_sizing as MS
 from dhisparse.core.logits import TokenLogprob
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("multi_gpu", ROOT / "bench" / "multi_gpu.py")
 mg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mg)
+from bench import multi_serving as ms  # noqa: E402  (bench/multi_gpu.py's `serving`)
+
 GIB = float(1 << 30)
 
 
@@ -226,11 +229,11 @@ def test_scale32_runs_one_gpu_and_ep_on_every_gpu_and_fits(tmp_path, gpus):
         layouts[layout.name] = c["gpus"]
         assert (ns.model, ns.kv_cache_dtype, ns.input_len, ns.device) == ("glm5-faithful", "fp8_e4m3", 102400, "cuda")
         assert len(c["gpus"].split(",")) == layout.gpus or (not c["gpus"] and layout.gpus == gpus)
-        sz = mg.rank_sizing(ns, mg.model_config(ns.model))
+        sz = MS.rank_sizing(ns, MS.model_config(ns.model))
         assert sz["max_running_requests"] >= ns.per_gpu and ns.host_pool_gib
-        (mem,) = mg.memory_rows(ns, sz)
+        (mem,) = MS.memory_rows(ns, sz)
         assert mem["device_gib_per_gpu_before_activations"] < 125, mem  # ~139 GiB usable, activations beside
-        assert mg.estimate_s(ns, layout, ns.preset_list[0]) < ns.world_timeout < c["timeout"]
+        assert MS.estimate_s(ns, layout, ns.preset_list[0]) < ns.world_timeout < c["timeout"]
     want = {"1", f"dpep{gpus}"} | ({"dpep2"} if gpus >= 4 else set()) | ({"dpep4"} if gpus >= 8 else set())
     assert set(layouts) == want
     side = [set(layouts[n].split(",")) for n in layouts if n != f"dpep{gpus}"]
@@ -246,15 +249,15 @@ def test_disagg32_runs_the_papers_layout_beside_colocated_and_fits(tmp_path, gpu
     names = [l.name for l in ns.layout_list]
     assert names == (["pd1+1", "dp2"] if gpus == 2 else [f"pd{h}+{h}ep{h}", f"dpep{gpus}"])
     assert ns.concurrency == 16 * h and ns.input_len == 32768 and ns.model == "glm5-faithful"
-    sz = mg.rank_sizing(ns, mg.model_config(ns.model))
-    for row, layout in zip(mg.memory_rows(ns, sz), ns.layout_list):
+    sz = MS.rank_sizing(ns, MS.model_config(ns.model))
+    for row, layout in zip(MS.memory_rows(ns, sz), ns.layout_list):
         assert row["device_gib_per_gpu_before_activations"] < 125
         assert row["host_pool_gib_world"] < 0.6 * MACHINE_RAM_GIB[gpus], row
         if layout.kind == "pd":  # prefill ranks pin only what their in-flight prompts need
             assert row["host_pool_gib_per_prefill_rank"] < row["host_pool_gib_per_rank"] / 4, row
-            assert mg.engine_kwargs(ns, sz, "adaptive", layout)["disaggregation_prefill_host_pool_bytes"] < \
-                mg.engine_kwargs(ns, sz, "adaptive", layout)["host_pool_bytes"]
-    assert sum(mg.estimate_s(ns, l, ns.preset_list[0]) for l in ns.layout_list) < c["timeout"] < 600
+            assert ms.engine_kwargs(ns, sz, "adaptive", layout)["disaggregation_prefill_host_pool_bytes"] < \
+                ms.engine_kwargs(ns, sz, "adaptive", layout)["host_pool_bytes"]
+    assert sum(MS.estimate_s(ns, l, ns.preset_list[0]) for l in ns.layout_list) < c["timeout"] < 600
     assert 2 * ns.world_timeout <= c["timeout"]
 
 
