@@ -18,7 +18,6 @@ E dividing P and D; engine/disagg_launch.py); TP inside a role is refused (confi
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 from dhisparse.core.params import SamplingParams
@@ -27,8 +26,8 @@ from dhisparse.engine.disagg_layout import DisaggLayout
 from dhisparse.engine.disagg_ranks import PrefillRank
 from dhisparse.engine.disagg_round import DControl, DReply, serve_round
 from dhisparse.engine.disagg_wire import Header, Wire
-from dhisparse.engine.distributed import Load, RoundFront, merge_stats
-from dhisparse.engine.request import RequestOutput, next_request_id
+from dhisparse.engine.distributed import Load, merge_stats
+from dhisparse.engine.front import RoundFront
 from dhisparse.engine.stats import EngineStats
 
 
@@ -43,110 +42,35 @@ def least_loaded(loads: dict[int, Load], placed: dict[int, int], cap: int | None
 
 
 class DisaggCoordinator(RoundFront):
-    """Rank 0's front of a prefill/decode world (module docstring). `close()` ends the world."""
+    """Rank 0's front of a prefill/decode world (module docstring; what it shares with the
+    data-parallel front: engine/front.py). `close()` ends the world."""
 
     CONTROL = DControl
     WORLD = "prefill/decode world"
+    BEAT = "dhisparse-pd-beat"
     LOST_WAIT_S = 1.0  # a failed world's survivors cannot hear a shutdown
 
     def __init__(self, side: PrefillRank, channel: ControlChannel, wire: Wire, layout: DisaggLayout, procs: list,
                  beat_s: float = 1.0) -> None:
-        self.side, self.engine, self.channel, self.wire = side, side.engine, channel, wire
-        self.layout, self.procs, self.world = layout, procs, layout.world_size
-        self.loads = {r: Load(0, 0, 0) for r in range(self.world)}
-        self.placed = {r: 0 for r in range(self.world)}
-        self.owner: dict[str, int] = {}  # unfinished request id -> the rank holding it now
+        self.side, self.wire, self.layout = side, wire, layout
+        self.loads = {r: Load(0, 0, 0) for r in range(layout.world_size)}
+        self.placed = {r: 0 for r in range(layout.world_size)}
         self.ready: dict[str, tuple[int, Header]] = {}  # handed over on a prefill rank, no decode rank yet
-        self._prefix_left: dict[str, set[int]] = {}
-        self._pending, self._held = DControl(), []
-        self._stats: list[EngineStats | None] = [None] * self.world
-        self._lock, self._error, self._closed = threading.RLock(), None, False
-        self._last, self.beat_s = time.monotonic(), beat_s
-        threading.Thread(target=self._beat_loop, name="dhisparse-pd-beat", daemon=True).start()
-
-    # -- the Engine surface ----------------------------------------------------------------------
-    config = property(lambda self: self.engine.config)
-    model_config = property(lambda self: self.engine.model_config)
-    tokenizer = property(lambda self: self.engine.tokenizer)
-    max_model_len = property(lambda self: self.engine.max_model_len)
-    grammars = property(lambda self: self.engine.grammars)
-    spec = property(lambda self: self.engine.spec)
-    requests = property(lambda self: self.owner.keys())
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.engine.encode_prompt(prompt)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_ids, params)
-
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    *, export_prefix: bool = False) -> str:
-        """Validate on rank 0, place on a prefill rank (a prefix export on every one), queue for the
-        next round; returns the id."""
-        self._check()
-        params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        self.validate(ids, params)
-        if params.grammar is not None:
-            self.grammars.validate(params.grammar)
-        rid = request_id or next_request_id()
-        with self._lock:
-            if rid in self.owner:
-                raise ValueError(f"request_id {rid!r} is already in use")
-            prefill = {r: self.loads[r] for r in self.layout.prefill_ranks}
-            ranks = list(prefill) if export_prefix else [least_loaded(prefill, self.placed)]
-            if export_prefix:
-                self._prefix_left[rid] = set(ranks)
-            self.owner[rid] = ranks[0]
-            for r in ranks:
-                self.placed[r] += 1
-                self._pending.adds.append((r, rid, ids, params, export_prefix, time.time()))
-        return rid
+        super().__init__(side.engine, channel, procs, layout.world_size, beat_s)
 
     def abort(self, request_id: str) -> bool:
         """Abort wherever the request is: not sent yet, prefilling, held, moving (aborted on its decode
         rank right after the transfer, in the same round) or decoding. Its pages are freed there."""
         with self._lock:
-            rank = self.owner.pop(request_id, None)
-            if rank is None:
+            ranks = self._forget(request_id)
+            if ranks is None:
                 return False
-            ranks = self._prefix_left.pop(request_id, None) or {rank}
             self.ready.pop(request_id, None)
             adds = self._pending.adds
             self._pending.adds = [a for a in adds if a[1] != request_id]
             if len(self._pending.adds) == len(adds):
                 self._pending.aborts += [(r, request_id) for r in ranks]
             return True
-
-    def has_unfinished(self) -> bool:
-        self._check()
-        return bool(self.owner or self._held)
-
-    def step(self) -> list[RequestOutput]:
-        """One round: transfers, every rank's share and step; the clients' outputs of every rank."""
-        with self._lock:
-            self._check()
-            ctl, self._pending = self._pending, DControl()
-            replies = self._round(ctl)
-            outs, self._held = self._held, []
-            for rank, rep in enumerate(replies):
-                outs += self._take(rank, rep)
-            self.placed = {r: 0 for r in range(self.world)}
-            self._send_ready()
-            return outs
-
-    def prepare_prefix(self, prompt: str | list[int]) -> int:
-        """Prefill `prompt` on every prefill rank (each keeps its own copy for the requests it
-        prefills); other requests' outputs of those rounds wait for the next `step`."""
-        ids = self.encode_prompt(prompt)
-        if self.engine.prefixes.get(ids) is not None:
-            return len(ids)
-        rid = self.add_request(ids, SamplingParams(max_tokens=1), export_prefix=True)
-        held = []
-        while rid in self.owner:
-            held += [o for o in self.step() if o.request_id != rid]
-        self._held += held
-        return len(ids)
 
     def stats(self) -> EngineStats:
         """Every rank's stats merged (engine/distributed.py `merge_stats`), with the hand-over means."""
@@ -157,44 +81,40 @@ class DisaggCoordinator(RoundFront):
             c[f"disagg_{k}_mean_s"] = c.get(f"disagg_{k}_s", 0.0) / n if n else 0.0
         return dataclasses.replace(st, counters=c)
 
-    def rank_stats(self) -> list[EngineStats | None]:
-        """Each rank's stats as of the last round (rank 0's live)."""
-        with self._lock:
-            return [self.side.stats(), *self._stats[1:]]
+    def _ranks(self, export_prefix: bool) -> list[int]:
+        """The least loaded prefill rank (a prefix export: every prefill rank)."""
+        prefill = {r: self.loads[r] for r in self.layout.prefill_ranks}
+        return list(prefill) if export_prefix else [least_loaded(prefill, self.placed)]
 
-    def _round(self, ctl: DControl) -> list[DReply]:
+    def _queue(self, rank: int, rid: str, ids: list[int], params: SamplingParams, export_prefix: bool) -> None:
+        self.placed[rank] += 1
+        self._pending.adds.append((rank, rid, ids, params, export_prefix, time.time()))
+
+    def _own_stats(self) -> EngineStats:
+        return self.side.stats()
+
+    def _serve(self, ctl: DControl) -> DReply:
         try:
-            self.channel.broadcast(ctl)
-            replies = self.channel.gather(serve_round(self.side, self.wire, ctl))
-        except RankLost as e:
-            self._fail(e)
+            return serve_round(self.side, self.wire, ctl)
+        except RankLost:
+            raise
         except Exception as e:  # rank 0's own share failed: its peers wait in the gather, the world is over
             self._error = RankLost(0, "its round", e)
             raise
-        self._last = time.monotonic()
-        return replies
 
-    def _take(self, rank: int, rep: DReply) -> list[RequestOutput]:
-        """A rank's reply: its error is the world's, its loads and stats kept, ready prompts queued
-        for a decode rank, outputs of live requests returned (finished ones leave `owner`)."""
-        if rep.error is not None:
-            self._fail(RankLost(rank, "apply", RuntimeError(rep.error)))
+    def _note(self, rank: int, rep: DReply) -> None:
+        """A rank's load kept, its ready prompts queued for a decode rank."""
         self.loads[rank] = rep.load
-        self._stats[rank] = rep.stats if rep.stats is not None else self._stats[rank]
         for h in rep.ready:
             if h.request_id in self.owner:
                 self.ready[h.request_id] = (rank, h)
             else:  # aborted while its first token was computed: drop what the prefill rank holds
                 self._pending.aborts.append((rank, h.request_id))
-        for rid in rep.exported:
-            self._exported(rank, rid)
-        outs = []
-        for o in rep.outputs:
-            if o.request_id in self.owner:
-                outs.append(o)
-                if o.finished:
-                    del self.owner[o.request_id]
-        return outs
+
+    def _settle(self, replies: list[DReply]) -> None:
+        """Transfers for the next round (`_send_ready`), placements since the last loads forgotten."""
+        self.placed = {r: 0 for r in range(self.world)}
+        self._send_ready()
 
     def _send_ready(self) -> None:
         """Ready prompts, oldest first, to the least loaded decode rank with room: a decode rank holds

@@ -18,24 +18,24 @@ A beat round (no step) runs when rank 0 has been idle for `beat_s`, so idle foll
 the deadline and a dead rank is noticed with no traffic. Any failed or timed-out round raises
 `RankLost` from the Coordinator's next call (the server answers 503).
 
-The Coordinator has the Engine surface the server, the warm-up, `generate` and `LLM` use. Tokenizing,
-validation and grammar checks run on rank 0: every rank's store has the same geometry, so
-`never_fits` answers the same everywhere.
+The Coordinator has the Engine surface the server, the warm-up, `generate` and `LLM` use (what it
+shares with the prefill/decode front: engine/front.py `RoundFront`). Tokenizing, validation and
+grammar checks run on rank 0: every rank's store has the same geometry, so `never_fits` answers
+the same everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dhisparse.core.params import SamplingParams
-from dhisparse.core.parallel import ControlChannel, RankLost, leave
+from dhisparse.core.parallel import ControlChannel
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.request import RequestOutput, next_request_id
+from dhisparse.engine.front import RoundFront
+from dhisparse.engine.request import RequestOutput
 from dhisparse.engine.stats import EngineStats
 
 
@@ -169,154 +169,36 @@ def merge_stats(per_rank: list[EngineStats]) -> EngineStats:
     return EngineStats(steps=first.steps, kv_page_bytes=first.kv_page_bytes, counters=counters, **total)
 
 
-class RoundFront:
-    """What every rank-0 front of lock-step rounds shares (`Coordinator`, the prefill/decode
-    `DisaggCoordinator`): the lost-rank latch (`_fail` / `_check`), the heartbeat round while idle,
-    the shutdown, and prefix exports done on every rank. A subclass sets CONTROL (its round message
-    type), WORLD (its name in errors), LOST_WAIT_S (how long `close` waits for a survivor of a lost
-    world before killing it) and `_round(ctl)`; it holds channel, procs, _lock, _error, _closed,
-    _last, beat_s, owner, _prefix_left and _pending (its next round message)."""
-
-    CONTROL: type = Control
-    WORLD = "parallel world"
-    LOST_WAIT_S = 10.0
-
-    def close(self) -> None:
-        """Tell every follower to stop, reap them, leave the world."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._error is None:
-                try:
-                    self.channel.broadcast(self.CONTROL(shutdown=True))
-                except RankLost:
-                    pass
-        wait = 10 if self._error is None else self.LOST_WAIT_S
-        for p in self.procs:
-            p.join(timeout=wait)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        leave()
-
-    def forget_learning(self) -> None:
-        """Every rank's speculation forgets what it learnt (`Engine.forget_learning`): rank 0's
-        now, the others' with the next round's message."""
-        with self._lock:
-            self.engine.forget_learning()
-            self._pending.forget = True
-
-    def _exported(self, rank: int, rid: str) -> None:
-        """A rank finished a prefix export; once every rank has, the request is done."""
-        left = self._prefix_left.get(rid)
-        if left is None:
-            return
-        left.discard(rank)
-        if not left:
-            del self._prefix_left[rid]
-            self.owner.pop(rid, None)
-
-    def _beat_loop(self) -> None:
-        while not self._closed and self._error is None:
-            time.sleep(self.beat_s / 4)
-            if time.monotonic() - self._last < self.beat_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if not self._closed and self._error is None and time.monotonic() - self._last >= self.beat_s:
-                    self._round(self.CONTROL(beat=True))
-            except RankLost:
-                pass  # kept in self._error: the next call raises it
-            finally:
-                self._lock.release()
-
-    def _fail(self, e: RankLost):
-        self._error = e
-        raise e
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise RuntimeError(f"the {self.WORLD} is closed")
-
-
 class Coordinator(RoundFront):
     """Rank 0's front of a parallel world (module docstring). replicate: tensor parallelism (every
     request on every rank, rank 0's outputs). `close()` ends the world."""
 
+    CONTROL = Control
+    WORLD = "parallel world"
+    BEAT = "dhisparse-dp-beat"
+
     def __init__(self, engine: Engine, channel: ControlChannel, procs: list, beat_s: float = 1.0,
                  replicate: bool = False) -> None:
-        self.engine, self.channel, self.procs = engine, channel, procs
-        self.world, self.replicate = channel.world, replicate
-        self.router = Router(self.world)
-        self.owner: dict[str, int] = {}  # unfinished request id -> its rank
-        self._prefix_left: dict[str, set[int]] = {}  # prefix-export request -> ranks still preparing
+        self.replicate = replicate
+        self.router = Router(channel.world)
         self._exports: set[str] = set()  # rank 0's own prefix exports in flight
-        self._pending = Control()
-        self._held: list[RequestOutput] = []  # outputs of rounds run inside prepare_prefix
-        self._stats: list[EngineStats | None] = [None] * self.world
-        self._lock = threading.RLock()
-        self._error: RankLost | None = None
-        self._closed = False
-        self._last = time.monotonic()
-        self.beat_s = beat_s
-        self._beat = threading.Thread(target=self._beat_loop, name="dhisparse-dp-beat", daemon=True)
-        self._beat.start()
-
-    # -- the Engine surface ----------------------------------------------------------------------
-    config = property(lambda self: self.engine.config)
-    model_config = property(lambda self: self.engine.model_config)
-    tokenizer = property(lambda self: self.engine.tokenizer)
-    max_model_len = property(lambda self: self.engine.max_model_len)
-    grammars = property(lambda self: self.engine.grammars)
-    spec = property(lambda self: self.engine.spec)
-
-    @property
-    def requests(self):
-        """Ids of the requests not finished yet, on any rank (supports `in` and len)."""
-        return self.owner.keys()
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.engine.encode_prompt(prompt)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_ids, params)
+        super().__init__(engine, channel, procs, channel.world, beat_s)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     *, export_prefix: bool = False) -> str:
         """Validate on rank 0, place (a prefix export, or any request under `replicate`, goes to
         every rank), queue; returns the id."""
-        self._check()
         params = params or SamplingParams()
         if self.replicate and params.seed is None:  # every rank's sampler draws the same numbers
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        ids = self.encode_prompt(prompt)
-        self.validate(ids, params)
-        if params.grammar is not None:
-            self.grammars.validate(params.grammar)
-        rid = request_id or next_request_id()
-        with self._lock:
-            if rid in self.owner:
-                raise ValueError(f"request_id {rid!r} is already in use")
-            ranks = list(range(self.world)) if export_prefix or self.replicate else [self.router.pick()]
-            if export_prefix:
-                self._prefix_left[rid] = set(ranks)
-            self.owner[rid] = ranks[0]
-            for r in ranks:
-                if r == 0:
-                    self.engine.add_request(ids, params, request_id=rid, export_prefix=export_prefix)
-                    if export_prefix:
-                        self._exports.add(rid)
-                else:
-                    self._pending.adds.append((r, rid, ids, params, export_prefix))
-        return rid
+        return super().add_request(prompt, params, request_id, export_prefix=export_prefix)
 
     def abort(self, request_id: str) -> bool:
+        """Abort the request on its rank (every rank under `replicate` or for a prefix export);
+        whether rank 0 knew it (and, where rank 0 holds it, whether its engine did)."""
         with self._lock:
-            rank = self.owner.pop(request_id, None)
-            ranks = self._prefix_left.pop(request_id, None) or ({rank} if rank is not None else set())
-            if rank is None:
+            ranks = self._forget(request_id)
+            if ranks is None:
                 return False
             ranks = set(range(self.world)) if self.replicate else ranks
             done = True
@@ -329,71 +211,30 @@ class Coordinator(RoundFront):
             return done
 
     def has_unfinished(self) -> bool:
-        self._check()
-        return bool(self.owner or self._held) or self.engine.has_unfinished()
-
-    def step(self) -> list[RequestOutput]:
-        """One round: every rank applies its messages and steps; every rank's outputs."""
-        with self._lock:
-            self._check()
-            ctl, self._pending = self._pending, Control()
-            replies = self._round(ctl)
-            outs, self._held = self._held, []
-            for rank, rep in enumerate(replies):
-                if rep.error is not None:
-                    self._fail(RankLost(rank, "apply", RuntimeError(rep.error)))
-                self._stats[rank] = rep.stats
-                outs += [o for o in rep.outputs if self._keep(o)]
-                for rid in rep.exported:
-                    self._exported(rank, rid)
-            self.router.update([rep.load for rep in replies])
-            return outs
-
-    def prepare_prefix(self, prompt: str | list[int]) -> int:
-        """Prefill `prompt` on every rank (each keeps its own copy for the requests it serves),
-        through rounds like any request (ranks step together); other requests' outputs of those
-        rounds wait for the next `step`. A prefix rank 0 holds already is kept (every rank has it)."""
-        ids = self.encode_prompt(prompt)
-        if self.engine.prefixes.get(ids) is not None:
-            return len(ids)
-        rid = self.add_request(ids, SamplingParams(max_tokens=1), export_prefix=True)
-        held = []
-        while rid in self.owner:
-            held += [o for o in self.step() if o.request_id != rid]
-        self._held += held
-        return len(ids)
+        """Whether any request is unfinished on any rank (rank 0's engine included)."""
+        return super().has_unfinished() or self.engine.has_unfinished()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            mine = self.engine.stats()
+        """Every rank's stats merged (`merge_stats`); under `replicate` rank 0's (`replica_stats`)."""
         if self.replicate:
-            return replica_stats(mine, self.world)
-        others = [s for s in self._stats[1:] if s is not None]
-        return merge_stats([mine, *others])
+            with self._lock:
+                return replica_stats(self.engine.stats(), self.world)
+        return merge_stats([s for s in self.rank_stats() if s is not None])
 
-    def rank_stats(self) -> list[EngineStats | None]:
-        """Each rank's stats as of the last round (rank 0's live)."""
-        with self._lock:
-            return [self.engine.stats(), *self._stats[1:]]
+    def _ranks(self, export_prefix: bool) -> list[int]:
+        return list(range(self.world)) if export_prefix or self.replicate else [self.router.pick()]
 
-    # -- rounds ----------------------------------------------------------------------------------
-    def _round(self, ctl: Control) -> list[Reply]:
-        """Broadcast `ctl`, serve rank 0's share (its adds and aborts were applied at the call), gather."""
-        try:
-            self.channel.broadcast(ctl)
-            mine = serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[]), self._exports)
-            replies = self.channel.gather(mine)
-        except RankLost as e:
-            self._fail(e)
-        self._last = time.monotonic()
-        return replies
+    def _queue(self, rank: int, rid: str, ids: list[int], params: SamplingParams, export_prefix: bool) -> None:
+        if rank != 0:
+            self._pending.adds.append((rank, rid, ids, params, export_prefix))
+            return
+        self.engine.add_request(ids, params, request_id=rid, export_prefix=export_prefix)
+        if export_prefix:
+            self._exports.add(rid)
 
-    def _keep(self, out: RequestOutput) -> bool:
-        """Whether an output goes to the caller (not for an aborted request); finished ones leave
-        the owner map."""
-        rid = out.request_id
-        if rid not in self.owner:
-            return False
-        if out.finished:
-            del self.owner[rid]
-        return True
+    def _serve(self, ctl: Control) -> Reply:
+        """Rank 0's share: its adds and aborts were applied at the call, so only its step."""
+        return serve_round(self.engine, 0, dataclasses.replace(ctl, adds=[], aborts=[]), self._exports)
+
+    def _settle(self, replies: list[Reply]) -> None:
+        self.router.update([rep.load for rep in replies])
