@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import sys
 
 import torch
 import torch.distributed as dist
 
-from dhisparse.core.parallel import ControlChannel, any_rank, init_rank, join_ep_groups, leave
+from dhisparse.core.parallel import ControlChannel, any_rank, init_rank, join_ep_groups
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_layout import DisaggLayout
@@ -37,7 +36,8 @@ from dhisparse.engine.disagg_ranks import DecodeRank, PrefillRank
 from dhisparse.engine.disagg_round import follow
 from dhisparse.engine.disagg_wire import Wire
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.rank_spawn import bind_device, free_addr, hook_reference, run_hook, shard_engine, spawn_ranks
+from dhisparse.engine.rank_spawn import (bind_device, free_addr, hook_reference, rank_life, run_hook, shard_engine,
+                                         spawn_ranks, wait_ranks)
 from dhisparse.models.shard_load import ShardSpec
 
 
@@ -100,15 +100,10 @@ def side_of(layout: DisaggLayout, rank: int, engine: Engine, wire: Wire) -> Pref
 def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None) -> None:
     """A spawned rank: build, join, follow; exits 1 when rank 0 is lost (or its engine fails)."""
     layout = config.disagg_layout()
-    try:
+    with rank_life(f"rank {rank} ({layout.role_of(rank)})"):
         engine = rank_engine(config, layout, rank, on_engine)
         wire = join(layout, rank, addr, engine)
         follow(side_of(layout, rank, engine, wire), ControlChannel(rank, layout.world_size), wire)
-    except Exception as e:  # noqa: BLE001 - a rank reports and exits; rank 0 sees RankLost
-        print(f"dhisparse rank {rank} ({layout.role_of(rank)}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        leave()
-        sys.exit(1)
-    leave()
 
 
 def _spawn(config: EngineConfig, layout: DisaggLayout, addr: str, on_engine: str | None) -> list:
@@ -140,7 +135,4 @@ def build_disagg(config: EngineConfig, on_engine: str | None = None) -> DisaggCo
 def run_disagg_node(config: EngineConfig, on_engine: str | None = None) -> int:
     """A node other than 0: run its ranks until rank 0 shuts the world down; the worst exit code."""
     layout = config.disagg_layout()
-    procs = _spawn(config, layout, layout.dist_init_addr, on_engine)
-    for p in procs:
-        p.join()
-    return max((p.exitcode or 0 for p in procs), default=0)
+    return wait_ranks(_spawn(config, layout, layout.dist_init_addr, on_engine))

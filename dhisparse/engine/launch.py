@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
 
 import torch
 
@@ -35,7 +34,8 @@ from dhisparse.engine.disagg import DisaggCoordinator
 from dhisparse.engine.disagg_launch import build_disagg, run_disagg_node
 from dhisparse.engine.distributed import Coordinator, follow
 from dhisparse.engine.engine import Engine
-from dhisparse.engine.rank_spawn import bind_device, free_addr, hook_reference, run_hook, shard_engine, spawn_ranks
+from dhisparse.engine.rank_spawn import (bind_device, free_addr, hook_reference, rank_life, run_hook, shard_engine,
+                                         spawn_ranks, wait_ranks)
 from dhisparse.models.shard_load import ShardSpec
 
 BATCH_CHECK = "the tensor-parallel batch check (every rank must run the same requests and rows)"
@@ -120,17 +120,12 @@ def check_pools(engine: Engine) -> None:
 def _rank_main(config: EngineConfig, rank: int, addr: str, on_engine: str | None) -> None:
     """A follower process: build, join, follow; exits 1 when rank 0 is lost."""
     pc = config.parallel_config()
-    try:
+    with rank_life(f"rank {rank}"):
         engine = rank_engine(config, pc, rank, on_engine)
         init_rank(pc, rank, addr, str(engine.device))
         if pc.tensor_parallel:
             check_pools(engine)
         follow(engine, ControlChannel(rank, pc.world_size), outputs=not pc.tensor_parallel)
-    except Exception as e:  # noqa: BLE001 - a follower reports and exits; rank 0 sees RankLost
-        print(f"dhisparse rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        leave()
-        sys.exit(1)
-    leave()
 
 
 def spawn_followers(config: EngineConfig, pc: ParallelConfig, addr: str, on_engine: str | None) -> list:
@@ -176,7 +171,4 @@ def run_node(config: EngineConfig, on_engine: str | None = None) -> int:
     if config.disaggregated:
         return run_disagg_node(config, on_engine)
     pc = config.parallel_config()
-    procs = spawn_followers(config, pc, pc.dist_init_addr, on_engine)
-    for p in procs:
-        p.join()
-    return max((p.exitcode or 0 for p in procs), default=0)
+    return wait_ranks(spawn_followers(config, pc, pc.dist_init_addr, on_engine))

@@ -4,6 +4,8 @@ shard, and the test / debug hook every rank's engine is handed to.
 
     free_addr()                           127.0.0.1:<a free port>
     spawn_ranks(target, config, ranks, …)  one "spawn" process a rank but 0: target(config, rank, addr, hook)
+    rank_life(label)                      a spawned rank's body: leave the world after; a failure is one line, exit 1
+    wait_ranks(procs)                     a node other than 0: wait for its ranks, the worst exit code
     bind_device(device)                   make the rank's CUDA device current before its engine is built
     shard_engine(cfg, shard, ep_size)      the rank's Engine over its ShardSpec (checkpoint read shard-wise)
     run_hook(on_engine, engine, rank)     "module:function" called as function(engine, rank)
@@ -15,10 +17,13 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import socket
-from typing import Callable, Iterable
+import sys
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dhisparse.core.parallel import leave
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.memory import resolve_device
@@ -47,6 +52,28 @@ def spawn_ranks(target: Callable, config: EngineConfig, ranks: Iterable[int], ad
         p.start()
         procs.append(p)
     return procs
+
+
+@contextmanager
+def rank_life(label: str) -> Iterator[None]:
+    """A spawned rank's life (build, join, follow) runs inside; then the rank leaves the world. A
+    failure is one line on stderr ("dhisparse <label>: <error>"), and the process leaves the world
+    and exits 1 (rank 0 sees RankLost)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - a rank reports and exits; rank 0 sees RankLost
+        print(f"dhisparse {label}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        leave()
+        sys.exit(1)
+    leave()
+
+
+def wait_ranks(procs: list) -> int:
+    """Wait until every spawned rank of this node has ended (rank 0 shut the world down); the
+    worst exit code (0 with none)."""
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0 for p in procs), default=0)
 
 
 def bind_device(device: str) -> None:
