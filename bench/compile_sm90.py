@@ -80,7 +80,7 @@ def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50, distinct: bool = F
     """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
     return dict(KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD,
-                CHC=min(KKP, 1024), UPTO=upto, DISTINCT=distinct)
+                UPTO=upto, DISTINCT=distinct)
 
 
 def _variants() -> list[tuple[str, dict, int]]:

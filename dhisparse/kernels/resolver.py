@@ -264,30 +264,31 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
     # classes by that keeps a large hot cache from compiling (and shared-memory sizing) a B-wide sort
     KKP, BP, warps, (SA, SB, SC, SD) = _shape_consts(KK, B)
-    if ws is not None:  # persistent: bm and pre zero at entry, and the kernels leave them so
-        scr64, scr32, pv, bm, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
+    if ws is not None:  # persistent: pre and the bitmap half the parity names zero at entry; the kernels keep it so
+        scr64, scr32, pv, bm, half, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
     else:
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
         scr32 = torch.empty((N, 2 * KKP), dtype=torch.int32, device=dev)
         pv = torch.empty((N, lcap), dtype=_claim_dtype(KK), device=dev)  # P1's claims: any contents
-        bm = torch.zeros((N, words), dtype=torch.int32, device=dev) if dmap is not None else scr32
+        half = N * words if dmap is not None else 0  # two halves and the parity word (resolver_workspace.py)
+        bm = torch.zeros(2 * half + 1, dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     warps = num_warps or warps
     cargs, cconsts = _copy_args(rc, hot_pos, warps)
     chp = min(KKP, 1024)
-    chunks = -(-KK // chp) if dmap is not None else 1  # P0's programs per request; the plan's grid width
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
-        _PRE((N, chunks), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX,
-                                  plan.loc, bm, words, pre), {"CH": chp}, 4)
-    _PLAN((N, chunks), (
+        J = -(-KK // chp)
+        _PRE((N, J), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX, plan.loc, bm, words,
+                      half, pre, N * J), {"CH": chp}, 4)
+    _PLAN((N,), (
         sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
-        scr64, scr32, pv, lcap, bm, words, pre if pre is not None else bm, *cargs),
+        scr64, scr32, pv, lcap, bm, half, pre if pre is not None else bm, *cargs),
         {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
-         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "CHC": chp, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
+         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
         warps)
 
 

@@ -30,11 +30,12 @@ resolves through a ready mapping or the tail"): if every valid entry resolved di
 program exits with loc as P1 wrote it: no hot scan, eviction or copy plan (copy_n = 0, hot-cache
 state untouched, as the reference leaves it). With an optional map (adaptive) P0 runs first as
 `direct_pre_kernel`, one program per chunk of CH entries: each directly resolved entry sets its
-position's bit in the request's row of a zeroed bitmap (`bm` [N, WORDS] int32) with an atomic OR,
-an entry whose bit was not yet set counts a new distinct row, and the per-request counts land in
-`pre`; a request whose entries all resolved exits at once, the others run P1-P5. The plan kernel
-clears the bitmap words (one program per chunk of entries, in parallel) and the `pre` row it read
-(a persistent workspace stays valid).
+position's bit in the request's row of a bitmap with an atomic OR, an entry whose bit was not yet
+set counts a new distinct row, and the per-request counts land in `pre`; a request whose entries
+all resolved exits at once, the others run P1-P5. The bitmap has two halves and a parity word
+(resolver_workspace.py): P0 sets bits in the half the parity names and its programs zero the other
+half between them; the plan kernel (grid (N, 1)) flips the parity and resets the `pre` row it read,
+so a persistent workspace stays valid without a pass that re-reads the entries to clear bits.
 
 Cost depends on K*k, B and the misses, never on the history length (pv is touched only at selected
 and hot positions). Hot positions must be unique per slot row, slots unique within a call, host
@@ -114,30 +115,38 @@ def _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, d
 
 @jit_unspecialized
 def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX,
-                      loc_ptr, bm_ptr, WORDS, pre_ptr, CH: tl.constexpr):
+                      loc_ptr, bm_ptr, WORDS, HALF, pre_ptr, NPROG, CH: tl.constexpr):
     """P0 spread over programs: grid (N, cdiv(KK, CH)); program (n, j) runs `_direct_chunk` on
     entries j*CH .. j*CH+CH-1 of request n and adds its (valid, not direct, distinct direct)
     counts to pre [N, 3] int32 (zeros). The plan kernel then reads them instead of walking the
-    request's K*k entries in one program (with an optional map: adaptive)."""
+    request's K*k entries in one program (with an optional map: adaptive). bm [2*HALF + 1]: the
+    bits go to row n of the half that the parity word bm[2*HALF] names (N*WORDS <= HALF words), and
+    the programs (NPROG = N * cdiv(KK, CH) of them) zero the other half between them (the next call's;
+    see resolver_workspace.py)."""
     n = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * CH + tl.arange(0, CH)
+    j = tl.program_id(1)
+    i = j * CH + tl.arange(0, CH)
+    par = tl.load(bm_ptr + 2 * HALF).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     a, b, d = _direct_chunk(sel_ptr, loc_ptr, KK, n, i, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, 1,
-                            bm_ptr, WORDS, CH)
+                            bm_ptr + par * HALF, WORDS, CH)
     tl.atomic_add(pre_ptr + n * 3, a, sem="relaxed")
     tl.atomic_add(pre_ptr + n * 3 + 1, b, sem="relaxed")
     tl.atomic_add(pre_ptr + n * 3 + 2, d, sem="relaxed")
+    _clear_share(bm_ptr + (1 - par) * HALF, HALF, n * tl.cdiv(KK, CH) + j, NPROG, CH)
 
 
 @triton.jit
-def _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC: tl.constexpr):
-    """The bitmap words that entries j*CHC .. j*CHC+CHC-1 of request n set in P0 back to 0 (program
-    (n, j) of the plan kernel: the pre-pass is done, nothing reads the bitmap after it)."""
-    i = j * CHC + tl.arange(0, CHC)
-    p = tl.load(sel_ptr + n * KK + i, mask=i < KK, other=-1).to(tl.int64)
-    word = p >> 5
-    tl.store(bm_ptr + n * WORDS + word, tl.zeros([CHC], tl.int32), mask=(p >= 0) & (word < WORDS))
+def _clear_share(half_ptr, HALF, q, nprog, CH: tl.constexpr):
+    """Program q of nprog zeroes its contiguous share of the HALF words at half_ptr."""
+    per = (HALF + nprog - 1) // nprog
+    w0 = q.to(tl.int64) * per
+    hi = tl.minimum(w0 + per, HALF)
+    while w0 < hi:
+        w = w0 + tl.arange(0, CH)
+        tl.store(half_ptr + w, tl.zeros([CH], tl.int32), mask=w < hi)
+        w0 += CH
 
 
 @triton.jit
@@ -184,22 +193,21 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, WORDS, pre_ptr,
+    scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, HALF, pre_ptr,
     crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
-    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, CHC: tl.constexpr,
+    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
     VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
     COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
     CR: tl.constexpr = 1,
 ):
-    """Grid (N, J). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
+    """Grid (N, 1). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
     scr32 [N, 2*KKP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
-    bm [N, WORDS] int32 and pre [N, 3] int32 (with PRE): P0's, zeros at entry and left so.
-    PRE: P0 already ran in `direct_pre_kernel` (chunks of CHC entries), its counts in pre [N, 3]; the
-    grid is (N, cdiv(KK, CHC)) and program (n, j) clears chunk j's bitmap words, program (n, 0)
-    plans request n. Without PRE the grid is (N, 1).
+    pre [N, 3] int32 (with PRE): P0's counts, zeros at entry and left so; bm [2*HALF + 1] int32: P0's
+    bitmap halves, of which the plan kernel only flips the parity word bm[2*HALF] (program 0).
+    PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3].
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
     COPY (`plan_triton(copy=...)`): P6 copies each request's planned rows (copy-plan rows 0 .. copy_n-1)
@@ -210,15 +218,17 @@ def resolve_plan_kernel(
     compiled out (0: none, 10: P1, 30: P3, 41: P4a-b, 43: P4c, 45: P4), so the outputs are
     incomplete below 50; the default 50 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    if PRE:  # grid (N, cdiv(KK, CHC)): program (n, j) clears chunk j's bitmap words
-        _clear_bitmap(sel_ptr, KK, n, j, bm_ptr, WORDS, CHC)
-    if j == 0:
+    # grid (N, 1); the test on axis 1 is not needed, but ptxas spills less with the plan under a branch
+    # (bench/compile_sm90.py --regs: 32 warps, H 8,192, K 1: 64 / 76 B against 84 / 104 without it)
+    if tl.program_id(1) == 0:
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                       KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY, CPW, CCW, CVEC, CR)
+    if PRE:
+        if n == 0:  # P0 is done with this call's half: the next call sets bits in the half P0 just zeroed
+            tl.store(bm_ptr + 2 * HALF, 1 - tl.load(bm_ptr + 2 * HALF))
 
 
 @triton.jit

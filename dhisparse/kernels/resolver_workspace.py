@@ -5,7 +5,7 @@ Per call `plan_triton` needs, per request n of a batch of N:
   scr64  [N, 2*KKP + BP] int64   out / miss keys / victims          (any contents at entry)
   scr32  [N, 2*KKP] int32        rep, flags                         (any contents at entry)
   pv     [N, LCAP] int16/int32   P1's position-indexed claims       (any contents at entry)
-  bm     [N, WORDS] int32        P0's distinct-row bitmap            (ZERO at entry; optional map only)
+  bm     [2*HALF + 1] int32      P0's distinct-row bitmaps           (see below; optional map only)
   pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry; optional map only)
 
 LCAP is the positions' bound (the host table's reach plus the tail, or the optional map's width):
@@ -13,11 +13,24 @@ pv costs 2 B per position per request (int32 only past K*k = 32,767), as much as
 map row. Without a workspace they are allocated per call (bm and pre filled: a launch each). A
 `PlanWorkspace` holds flat buffers that every call slices, and the kernels keep the invariant
 themselves: pv is never cleared (the kernel accepts only cells written this call), and the plan
-kernel clears the bitmap words its request's entries set and resets its `pre` row once read. Buffers grow geometrically when a call
-needs more; a grown-out buffer is retired, not freed, because a captured CUDA graph may still
-address it (its replays keep its invariant: their kernels clear what they set). Growth never
-happens inside a graph capture (refused: the runners' eager warm-up grows them first). Calls must
-be stream-ordered, as a store's are.
+kernel resets its `pre` row once read.
+
+The bitmap is two halves of HALF words and a parity word:
+
+    bm:  [ half 0: HALF words | half 1: HALF words | parity ]
+    call c (parity p):  P0 sets bits in half p (request n's row at p*HALF + n*WORDS, N*WORDS <= HALF)
+                        and every P0 program zeroes its share of half 1-p (all HALF words, whatever
+                        the last call's layout was); the plan kernel flips the parity
+    invariant between calls: the half named by the parity word is zero
+
+so no pass re-reads a call's entries to clear the bits it set (that took a second grid of the plan
+kernel's programs). Each buffer has its own parity word: a captured graph replaying on a grown-out
+buffer and eager calls on the new one never clear each other's halves.
+
+Buffers grow geometrically when a call needs more; a grown-out buffer is retired, not freed, because
+a captured CUDA graph may still address it (its replays keep its invariant: their kernels clear what
+they set). Growth never happens inside a graph capture (refused: the runners' eager warm-up grows
+them first). Calls must be stream-ordered, as a store's are.
 """
 
 from __future__ import annotations
@@ -56,9 +69,10 @@ class PlanWorkspace:
         return buf[:numel]
 
     def scratch(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
-        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP], pv [N, lcap] of dtype `claim`, bm [N, words]
-        zeros, pre [N, 3] zeros; without `with_pre` (no optional map) bm is scr32 and pre None: P0's
-        pre-pass does not run) as views of the persistent buffers (the same views for the same shape)."""
+        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP], pv [N, lcap] of dtype `claim`, bm [2*HALF + 1] (the
+        two bitmap halves and the parity word, HALF >= N * words), HALF, pre [N, 3] zeros); without
+        `with_pre` (no optional map) bm is scr32, HALF 0 and pre None: P0's pre-pass does not run.
+        Views of the persistent buffers (the same views for the same shape)."""
         key = (N, KKP, BP, lcap, claim, words, with_pre)
         hit = self._views.get(key)
         if hit is None:
@@ -70,17 +84,35 @@ class PlanWorkspace:
         scr32 = self._get("scr32", N * 2 * KKP, torch.int32, None).view(N, 2 * KKP)
         pv = self._get(f"pv_{str(claim)[6:]}", N * lcap, claim, None).view(N, lcap)
         if not with_pre:
-            return scr64, scr32, pv, scr32, None
-        bm = self._get("bm", N * words, torch.int32, 0).view(N, words)
+            return scr64, scr32, pv, scr32, 0, None
+        bm, half = self._bitmap(N * words)
         pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3)
-        return scr64, scr32, pv, bm, pre
+        return scr64, scr32, pv, bm, half, pre
+
+    def _bitmap(self, need: int) -> tuple[torch.Tensor, int]:
+        """(the whole bitmap buffer [2*HALF + 1], HALF) with HALF >= need words: grown (zeroed) when
+        smaller. Its layout is fixed for the buffer's life, so it is never sliced to a call's size."""
+        buf = self._bufs.get("bm")
+        half = 0 if buf is None else (buf.numel() - 1) // 2
+        if half < need:
+            half = max(need, 2 * half)
+            self._get("bm", 2 * half + 1, torch.int32, 0)  # retires the old buffer (graphs may hold it)
+            buf = self._bufs["bm"]
+            half = (buf.numel() - 1) // 2
+        return buf, half
 
     def _named(self, *names: str) -> list[torch.Tensor]:
         return [t for name, t in [*self._bufs.items(), *self._retired] if name in names]
 
     def zeroed(self) -> list[torch.Tensor]:
-        """The buffers that must be zero between calls (bitmap and P0 counts, live and retired)."""
-        return self._named("bm", "pre")
+        """What must be zero between calls: the P0 count rows (live and retired) and, of each bitmap
+        buffer, the half its parity word names (the one the next call sets bits in)."""
+        out = self._named("pre")
+        for bm in self._named("bm"):
+            half = (bm.numel() - 1) // 2
+            p = int(bm[2 * half])
+            out.append(bm[p * half: (p + 1) * half])
+        return out
 
     def claims(self) -> list[torch.Tensor]:
         """The claim tables (any contents between calls; tests fill them with adversarial values)."""
