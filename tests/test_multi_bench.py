@@ -63,13 +63,19 @@ def test_multicast_is_set_off_and_another_value_is_refused(multicast_env, monkey
 
 
 def test_a_file_reference_answers_once_written_and_nothing_before(tmp_path):
+    """The world's reference file is dhisparse.bench.reference's, with the prompts' digests: the
+    ranks' FileReference answers once it is written; another run's file is decoded again."""
+    from dhisparse.bench.reference import FileReference, load_reference, reference_key, save_reference
+
     path = tmp_path / "ref.json"
-    ref = M.FileReference(path)
+    ref = FileReference(path)
     assert ref([1, 2, 3]) == []  # no file yet: no drafts
-    M.write_reference(path, {"k": 1}, [[1, 2, 3], [1, 2, 4]], [[7, 8], [9]])
+    key = reference_key("tiny", "float32", "auto", 3, 2, 2, "abc1234") | {"layout": "dpep2"}
+    save_reference(path, key, {0: [7, 8], 1: [9]}, prompts=[[1, 2, 3], [1, 2, 4]])
     assert ref([1, 2, 3]) == [7, 8] and ref([1, 2, 4]) == [9] and ref([1, 2]) == []
-    assert M.read_reference(path, {"k": 1})["outputs"] == {"0": [7, 8], "1": [9]}
-    assert M.read_reference(path, {"k": 2}) is None  # another run's file is decoded again
+    assert load_reference(path, key) == {0: [7, 8], 1: [9]} and M.holds_reference(path, key)
+    assert not M.holds_reference(path, dict(key, layout="dp2"))  # another run's file is decoded again
+    assert not M.holds_reference(tmp_path / "none.json", key)
 
 
 def test_compare_tokens_gives_the_first_divergence_and_its_margin():

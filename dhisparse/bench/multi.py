@@ -29,21 +29,19 @@ request's `queue` and `ttft`):
                      the KV transfer (kept apart too: prefill_s, handoff_s, transfer_s per request)
 
 The oracle drafter (+spec presets: a MEASUREMENT TOOL) needs each prompt's greedy continuation. A
-world's ranks share no objects with this process, so the reference travels as a file
-(`FileReference`, named by $DHISPARSE_MULTI_REFERENCE, which the ranks inherit): every rank's
-engine is built with it (`oracle_reference`, through `engine.rank_spawn.hook_reference`); a prompt
-it does not know yet gets no drafts. When the file holds nothing for this run, the world decodes the
-distinct prompts greedily first (exact: speculation without drafts is plain decoding) and writes
-it; later requests read it.
+world's ranks share no objects with this process, so the reference travels as a file: the format
+and key of dhisparse.bench.reference (the key with the world's `layout`, the file with the prompts'
+digests), read by `FileReference` and named by $DHISPARSE_MULTI_REFERENCE, which the ranks inherit.
+Every rank's engine is built with it (`oracle_reference`, through `engine.rank_spawn.hook_reference`);
+a prompt it does not know yet gets no drafts. When the file holds nothing for this run (or another
+run's reference), the world decodes the distinct prompts greedily first (exact: speculation without
+drafts is plain decoding) and writes it; later requests read it.
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import os
 import re
@@ -52,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dhisparse.bench.inproc import InProcessLoop
+from dhisparse.bench.reference import FileReference, load_reference, save_reference
 from dhisparse.bench.workload import Phases, Workload, suffix_text
 from dhisparse.core.params import SamplingParams
 
@@ -133,60 +132,9 @@ def parse_layout(text: str) -> Layout:
 
 # -- the oracle's reference, shared through a file -----------------------------------------------
 
-def prompt_digest(ids) -> str:
-    """A prompt's key in a reference file (its ids as int64, hashed)."""
-    return hashlib.blake2b(array.array("q", [int(t) for t in ids]).tobytes(), digest_size=16).hexdigest()
-
-
-def write_reference(path: str | Path, key: dict, prompts: list[list[int]], outputs: list[list[int]]) -> Path:
-    """{"key", "prompts": {digest: i}, "outputs": {i: ids}}, written whole and renamed into place
-    (a rank reading it never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"key": key, "prompts": {prompt_digest(p): i for i, p in enumerate(prompts)},
-            "outputs": {str(i): list(map(int, o)) for i, o in enumerate(outputs)}}
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_reference(path: str | Path, key: dict) -> dict | None:
-    """The file's data when it exists and was made under `key` (else None: decode it again)."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    return data if data.get("key") == key else None
-
-
-class FileReference:
-    """The oracle's reference as a callable (prompt ids -> output ids) over a reference file that
-    may appear or change while the world runs: read again whenever its mtime moves; a prompt it
-    does not hold gets [] (no drafts)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path, self.mtime = Path(path), None
-        self.prompts: dict[str, int] = {}
-        self.outputs: dict[str, list[int]] = {}
-
-    def __call__(self, prompt) -> list[int]:
-        self._reload()
-        i = self.prompts.get(prompt_digest(prompt))
-        return [] if i is None else self.outputs[str(i)]
-
-    def _reload(self) -> None:
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except OSError:
-            return
-        if mtime != self.mtime:
-            data = json.loads(self.path.read_text())
-            self.prompts, self.outputs, self.mtime = data["prompts"], data["outputs"], mtime
-
-
 def oracle_reference(cfg) -> FileReference | None:
-    """`engine.rank_spawn.hook_reference`'s entry: the reference file named by $DHISPARSE_MULTI_REFERENCE."""
+    """`engine.rank_spawn.hook_reference`'s entry: the reference file named by $DHISPARSE_MULTI_REFERENCE
+    (dhisparse.bench.reference's format, with the prompts' digests)."""
     path = os.environ.get(REFERENCE_ENV)
     return FileReference(path) if path else None
 
@@ -259,13 +207,22 @@ class MultiLoop(InProcessLoop):
         return live.queue
 
 
+def holds_reference(path: Path, key: dict) -> bool:
+    """Whether the file holds this run's reference (`load_reference`); one made for another run, or
+    not a whole reference, is decoded again and replaced."""
+    try:
+        return load_reference(path, key) is not None
+    except ValueError:  # ReferenceMismatch among them
+        return False
+
+
 def reference_decoder(path: Path, key: dict, output_len: int):
     """The MultiLoop reference step: decode every distinct prompt greedily through the world (the
-    oracle drafts nothing for a prompt the file lacks) and write the file, unless it already holds
-    this run's reference."""
+    oracle drafts nothing for a prompt the file lacks) and write the file with the prompts' digests
+    (`save_reference`), unless it already holds this run's reference."""
 
     def decode(loop: MultiLoop) -> None:
-        if read_reference(path, key) is not None:
+        if holds_reference(path, key):
             return
         prompts = [loop._prompt(i) for i in range(loop.distinct)]
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -275,7 +232,7 @@ def reference_decoder(path: Path, key: dict, output_len: int):
             for o in loop.engine.step():
                 if o.request_id in rids and o.finished:
                     outs[rids[o.request_id]] = list(o.token_ids)
-        write_reference(path, key, prompts, [outs[i] for i in range(len(prompts))])
+        save_reference(path, key, outs, prompts=prompts)
 
     return decode
 

@@ -11,12 +11,21 @@ format and the code, so a later call at the same commit can read them back inste
 Prompts are not stored (100K ids each): suffix i's prompt is the prepared prefix followed by
 `suffix_text(i)`, rebuilt by the caller. A file whose key differs from the run's is refused with
 the fields that differ: a reference from other code or another row format would make the oracle
-propose tokens the target does not produce (its `oracle_off_reference_share` would show it).
+propose tokens the target does not produce (its `oracle_off_reference_share` would show it). A key
+may carry fields beyond these (a parallel world's `layout`); they must match too.
+
+The ranks of a parallel world (dhisparse/bench/multi.py) cannot rebuild the prompts, so its file
+also maps each prompt's digest to its suffix, `"prompts": {prompt_digest(ids): i}` (`save_reference`
+with `prompts`), and each rank reads it through `FileReference` (prompt ids -> output ids) while the
+world runs. Files are written whole and renamed into place: a reader never sees half a file.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
+import os
 from pathlib import Path
 
 KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "input_len", "output_len", "distinct_suffixes", "commit")
@@ -32,11 +41,23 @@ def reference_key(model: str, dtype: str, kv_cache_dtype: str, input_len: int, o
     return dict(zip(KEY_FIELDS, (model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, commit)))
 
 
-def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]]) -> Path:
-    """Write outputs (suffix index -> greedy output ids) under key; returns the path."""
+def prompt_digest(ids) -> str:
+    """A prompt's key in a reference file's `prompts` (its ids as int64, hashed)."""
+    return hashlib.blake2b(array.array("q", [int(t) for t in ids]).tobytes(), digest_size=16).hexdigest()
+
+
+def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]], prompts: list | None = None) -> Path:
+    """Write outputs (suffix index -> greedy output ids) under key, and with `prompts` (suffix i's
+    prompt ids at i) their digests; written whole and renamed into place. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "outputs": {str(i): list(v) for i, v in sorted(outputs.items())}}) + "\n")
+    data: dict = {"key": key}
+    if prompts is not None:
+        data["prompts"] = {prompt_digest(p): i for i, p in enumerate(prompts)}
+    data["outputs"] = {str(i): list(map(int, v)) for i, v in sorted(outputs.items())}
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
     return path
 
 
@@ -54,7 +75,8 @@ def load_reference(path: str | Path, key: dict) -> dict[int, list[int]] | None:
     if key.get("commit") is None:
         raise ReferenceMismatch(f"{path}: the run's commit is unknown (set DHISPARSE_COMMIT), so a stored reference "
                                 "cannot be matched to its code")
-    diff = {k: (data["key"].get(k), key[k]) for k in KEY_FIELDS if data["key"].get(k) != key[k]}
+    fields = [*KEY_FIELDS, *(k for k in key if k not in KEY_FIELDS)]
+    diff = {k: (data["key"].get(k), key[k]) for k in fields if data["key"].get(k) != key[k]}
     if diff:
         said = ", ".join(f"{k}: file {a!r}, run {b!r}" for k, (a, b) in diff.items())
         raise ReferenceMismatch(f"{path}: made for another run ({said}); delete it or point --reference-file elsewhere")
@@ -63,3 +85,28 @@ def load_reference(path: str | Path, key: dict) -> dict[int, list[int]] | None:
     if missing:
         raise ValueError(f"{path}: no output for suffixes {missing[:8]}")
     return outputs
+
+
+class FileReference:
+    """The oracle's reference as a callable (prompt ids -> output ids) over a reference file with
+    `prompts` that may appear or change while a world runs: read again whenever its mtime moves; a
+    prompt it does not hold gets [] (no drafts)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path, self.mtime = Path(path), None
+        self.prompts: dict[str, int] = {}
+        self.outputs: dict[str, list[int]] = {}
+
+    def __call__(self, prompt) -> list[int]:
+        self._reload()
+        i = self.prompts.get(prompt_digest(prompt))
+        return [] if i is None else self.outputs[str(i)]
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime != self.mtime:
+            data = json.loads(self.path.read_text())
+            self.prompts, self.outputs, self.mtime = data["prompts"], data["outputs"], mtime
