@@ -193,20 +193,29 @@ def precompile_worker(spec: str) -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plan_bench_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the plan benchmarks (this file, resolver_probe.py): --out, --quick, --iters, and
+    the hidden --precompile SPEC of their compile workers (one plan-kernel specialization each)."""
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes for the CPU interpreter")
-    ap.add_argument("--phases", action="store_true", help="also time the plan stopped after each phase (H 4,096, 656 B)")
     ap.add_argument("--iters", type=int, default=0, help="timed calls per measurement (default 20; quick 2)")
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
+
+
+def plan_bench_start(args) -> tuple[float, dict, int]:
+    """A plan benchmark's start time, shapes and timed calls per measurement (`plan_bench_args`)."""
+    return time.time(), shapes(args.quick), args.iters or (2 if args.quick else 20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    plan_bench_args(ap)
+    ap.add_argument("--phases", action="store_true", help="also time the plan stopped after each phase (H 4,096, 656 B)")
+    ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     if args.precompile:
         return precompile_worker(args.precompile)
-    t0 = time.time()
-    sh = shapes(args.quick)
-    iters = args.iters or (2 if args.quick else 20)
+    t0, sh, iters = plan_bench_start(args)
     workers = precompile(args, sh)
     rig = Rig(quick=args.quick)
     flush = Flush(rig.dev, args.quick)

@@ -30,7 +30,7 @@ import triton.language as tl  # noqa: E402
 import dhisparse.kernels.resolver as kr  # noqa: E402
 from bench.resolver_cases import Rig  # noqa: E402
 from bench.resolver_cases import Case  # noqa: E402
-from bench.resolver_peer import MISS, Flush, build, shapes  # noqa: E402
+from bench.resolver_peer import MISS, Flush, build, plan_bench_args, plan_bench_start, shapes  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 
 STOPS = (0, 10, 30, 41, 43, 45, 50)
@@ -115,16 +115,11 @@ def precompile_worker(spec: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=0)
-    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
+    plan_bench_args(ap)
     args = ap.parse_args()
     if args.precompile:
         return precompile_worker(args.precompile)
-    t0 = time.time()
-    sh = shapes(args.quick)
-    iters = args.iters or (2 if args.quick else 20)
+    t0, sh, iters = plan_bench_start(args)
     if torch.cuda.is_available() and not args.quick:
         specs = ([f"{H}:1:{v['warps']}:{v['UPTO']}:{v['D']}" for H in sh["Hs"] for v in variants(H, False)]
                  + [f"4096:8:{v['warps']}:50:0" for v in variants(4096, False, 8)])
