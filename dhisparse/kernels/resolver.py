@@ -270,8 +270,8 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
         scr32 = torch.empty((N, 2 * KKP), dtype=torch.int32, device=dev)
         pv = torch.empty((N, lcap), dtype=_claim_dtype(KK), device=dev)  # P1's claims: any contents
-        half = N * words if dmap is not None else 0  # two halves and the parity word (resolver_workspace.py)
-        bm = torch.zeros(2 * half + 1, dtype=torch.int32, device=dev) if dmap is not None else scr32
+        half = N * words if dmap is not None else 0  # two halves, parity, arrivals (resolver_workspace.py)
+        bm = torch.zeros(2 * half + 2, dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     warps = num_warps or warps
@@ -286,7 +286,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
-        scr64, scr32, pv, lcap, bm, half, pre if pre is not None else bm, *cargs),
+        scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs),
         {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
          "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
         warps)

@@ -34,8 +34,9 @@ position's bit in the request's row of a bitmap with an atomic OR, an entry whos
 set counts a new distinct row, and the per-request counts land in `pre`; a request whose entries
 all resolved exits at once, the others run P1-P5. The bitmap has two halves and a parity word
 (resolver_workspace.py): P0 sets bits in the half the parity names and its programs zero the other
-half between them; the plan kernel (grid (N, 1)) flips the parity and resets the `pre` row it read,
-so a persistent workspace stays valid without a pass that re-reads the entries to clear bits.
+half between them, and the last of them to finish flips the parity; the plan kernel (grid (N, 1))
+resets the `pre` row it read. A persistent workspace stays valid without a pass that re-reads the
+entries to clear bits.
 
 Cost depends on K*k, B and the misses, never on the history length (pv is touched only at selected
 and hot positions). Hot positions must be unique per slot row, slots unique within a call, host
@@ -119,10 +120,11 @@ def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_ta
     """P0 spread over programs: grid (N, cdiv(KK, CH)); program (n, j) runs `_direct_chunk` on
     entries j*CH .. j*CH+CH-1 of request n and adds its (valid, not direct, distinct direct)
     counts to pre [N, 3] int32 (zeros). The plan kernel then reads them instead of walking the
-    request's K*k entries in one program (with an optional map: adaptive). bm [2*HALF + 1]: the
-    bits go to row n of the half that the parity word bm[2*HALF] names (N*WORDS <= HALF words), and
-    the programs (NPROG = N * cdiv(KK, CH) of them) zero the other half between them (the next call's;
-    see resolver_workspace.py)."""
+    request's K*k entries in one program (with an optional map: adaptive). bm [2*HALF + 2]: the
+    bits go to row n of the half that the parity word bm[2*HALF] names (N*WORDS <= HALF words), the
+    programs (NPROG = N * cdiv(KK, CH) of them) zero the other half between them (the next call's),
+    and the last of them to arrive (the count at bm[2*HALF + 1]) flips the parity: every program has
+    read it by then (see resolver_workspace.py)."""
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     i = j * CH + tl.arange(0, CH)
@@ -135,6 +137,10 @@ def direct_pre_kernel(sel_ptr, slots_ptr, KK, tail_start_ptr, tail_loc_ptr, s_ta
     tl.atomic_add(pre_ptr + n * 3 + 1, b, sem="relaxed")
     tl.atomic_add(pre_ptr + n * 3 + 2, d, sem="relaxed")
     _clear_share(bm_ptr + (1 - par) * HALF, HALF, n * tl.cdiv(KK, CH) + j, NPROG, CH)
+    # acq_rel: this program's parity read and bitmap traffic come before its arrival
+    if tl.atomic_add(bm_ptr + 2 * HALF + 1, 1, sem="acq_rel") == NPROG - 1:
+        tl.store(bm_ptr + 2 * HALF + 1, 0)
+        tl.store(bm_ptr + 2 * HALF, (1 - par).to(tl.int32))
 
 
 @triton.jit
@@ -193,7 +199,7 @@ def resolve_plan_kernel(
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
-    scr64_ptr, scr32_ptr, pv_ptr, LCAP, bm_ptr, HALF, pre_ptr,
+    scr64_ptr, scr32_ptr, pv_ptr, LCAP, pre_ptr,
     crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
     KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
     SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
@@ -205,8 +211,7 @@ def resolve_plan_kernel(
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
     scr32 [N, 2*KKP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
-    pre [N, 3] int32 (with PRE): P0's counts, zeros at entry and left so; bm [2*HALF + 1] int32: P0's
-    bitmap halves, of which the plan kernel only flips the parity word bm[2*HALF] (program 0).
+    pre [N, 3] int32 (with PRE): P0's counts, zeros at entry and left so.
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3].
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
@@ -219,16 +224,14 @@ def resolve_plan_kernel(
     incomplete below 50; the default 50 runs every phase."""
     n = tl.program_id(0).to(tl.int64)
     # grid (N, 1); the test on axis 1 is not needed, but ptxas spills less with the plan under a branch
-    # (bench/compile_sm90.py --regs: 32 warps, H 8,192, K 1: 64 / 76 B against 84 / 104 without it)
-    if tl.program_id(1) == 0:
+    # (bench/compile_sm90.py --regs: 32 warps, H 8,192, K 1: 64 / 76 B against 84 / 104 B without it)
+    j = tl.program_id(1)
+    if j == 0:
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                       KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY, CPW, CCW, CVEC, CR)
-    if PRE:
-        if n == 0:  # P0 is done with this call's half: the next call sets bits in the half P0 just zeroed
-            tl.store(bm_ptr + 2 * HALF, 1 - tl.load(bm_ptr + 2 * HALF))
 
 
 @triton.jit

@@ -5,7 +5,7 @@ Per call `plan_triton` needs, per request n of a batch of N:
   scr64  [N, 2*KKP + BP] int64   out / miss keys / victims          (any contents at entry)
   scr32  [N, 2*KKP] int32        rep, flags                         (any contents at entry)
   pv     [N, LCAP] int16/int32   P1's position-indexed claims       (any contents at entry)
-  bm     [2*HALF + 1] int32      P0's distinct-row bitmaps           (see below; optional map only)
+  bm     [2*HALF + 2] int32      P0's distinct-row bitmaps           (see below; optional map only)
   pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry; optional map only)
 
 LCAP is the positions' bound (the host table's reach plus the tail, or the optional map's width):
@@ -15,13 +15,14 @@ map row. Without a workspace they are allocated per call (bm and pre filled: a l
 themselves: pv is never cleared (the kernel accepts only cells written this call), and the plan
 kernel resets its `pre` row once read.
 
-The bitmap is two halves of HALF words and a parity word:
+The bitmap is two halves of HALF words, a parity word and an arrival count:
 
-    bm:  [ half 0: HALF words | half 1: HALF words | parity ]
+    bm:  [ half 0: HALF words | half 1: HALF words | parity | arrivals ]
     call c (parity p):  P0 sets bits in half p (request n's row at p*HALF + n*WORDS, N*WORDS <= HALF)
                         and every P0 program zeroes its share of half 1-p (all HALF words, whatever
-                        the last call's layout was); the plan kernel flips the parity
-    invariant between calls: the half named by the parity word is zero
+                        the last call's layout was); the last P0 program to arrive flips the parity
+                        and resets the count
+    invariant between calls: the half named by the parity word is zero, the count is zero
 
 so no pass re-reads a call's entries to clear the bits it set (that took a second grid of the plan
 kernel's programs). Each buffer has its own parity word: a captured graph replaying on a grown-out
@@ -69,8 +70,8 @@ class PlanWorkspace:
         return buf[:numel]
 
     def scratch(self, N: int, KKP: int, BP: int, lcap: int, claim: torch.dtype, words: int, with_pre: bool):
-        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP], pv [N, lcap] of dtype `claim`, bm [2*HALF + 1] (the
-        two bitmap halves and the parity word, HALF >= N * words), HALF, pre [N, 3] zeros); without
+        """(scr64 [N, 2*KKP + BP], scr32 [N, 2*KKP], pv [N, lcap] of dtype `claim`, bm [2*HALF + 2] (the
+        two bitmap halves, parity and arrivals, HALF >= N * words), HALF, pre [N, 3] zeros); without
         `with_pre` (no optional map) bm is scr32, HALF 0 and pre None: P0's pre-pass does not run.
         Views of the persistent buffers (the same views for the same shape)."""
         key = (N, KKP, BP, lcap, claim, words, with_pre)
@@ -90,15 +91,15 @@ class PlanWorkspace:
         return scr64, scr32, pv, bm, half, pre
 
     def _bitmap(self, need: int) -> tuple[torch.Tensor, int]:
-        """(the whole bitmap buffer [2*HALF + 1], HALF) with HALF >= need words: grown (zeroed) when
+        """(the whole bitmap buffer [2*HALF + 2], HALF) with HALF >= need words: grown (zeroed) when
         smaller. Its layout is fixed for the buffer's life, so it is never sliced to a call's size."""
         buf = self._bufs.get("bm")
-        half = 0 if buf is None else (buf.numel() - 1) // 2
+        half = 0 if buf is None else (buf.numel() - 2) // 2
         if half < need:
             half = max(need, 2 * half)
-            self._get("bm", 2 * half + 1, torch.int32, 0)  # retires the old buffer (graphs may hold it)
+            self._get("bm", 2 * half + 2, torch.int32, 0)  # retires the old buffer (graphs may hold it)
             buf = self._bufs["bm"]
-            half = (buf.numel() - 1) // 2
+            half = (buf.numel() - 2) // 2
         return buf, half
 
     def _named(self, *names: str) -> list[torch.Tensor]:
@@ -106,12 +107,13 @@ class PlanWorkspace:
 
     def zeroed(self) -> list[torch.Tensor]:
         """What must be zero between calls: the P0 count rows (live and retired) and, of each bitmap
-        buffer, the half its parity word names (the one the next call sets bits in)."""
+        buffer, the half its parity word names (the one the next call sets bits in) and its arrival
+        count."""
         out = self._named("pre")
         for bm in self._named("bm"):
-            half = (bm.numel() - 1) // 2
+            half = (bm.numel() - 2) // 2
             p = int(bm[2 * half])
-            out.append(bm[p * half: (p + 1) * half])
+            out += [bm[p * half: (p + 1) * half], bm[2 * half + 1:2 * half + 2]]
         return out
 
     def claims(self) -> list[torch.Tensor]:
