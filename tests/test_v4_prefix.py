@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from disagg_hooks import host_copies_equal_shadow
 
 from dhisparse import SamplingParams
 from dhisparse.core.kvformat import RowFormat
@@ -97,15 +98,7 @@ def host_copies(ck: SourceCheck):
         kv, sources = eng.store.kv, eng.model_config.csa_sources
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # backups are asynchronous copies into pinned memory
-        for req, st in kv.reqs.items():
-            for w in range(st.tail_start if st.decoding else 0):
-                place = kv.row_place(req, w)
-                assert place.host >= 0 or place.tier == "optional", f"I1: row {w} of {req} ({place})"
-                if place.host >= 0:
-                    h, ps = place.host, kv.host.page_size
-                    for g, layer in enumerate(sources):
-                        got = kv.host.layer_rows(g)[h // ps, h % ps]
-                        torch.testing.assert_close(got, ck.rows[(req, layer, w)].to(got.device), rtol=0, atol=0)
+        host_copies_equal_shadow(kv, sources, ck.rows)
 
     return check
 
