@@ -5,6 +5,12 @@ speculative runtime are merged into `as_dict()` when those parts exist."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dhisparse.models.graphs import graph_counters
+
+if TYPE_CHECKING:
+    from dhisparse.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,20 @@ class EngineStats:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "counters"}
         d.update(kv_pool_bytes=self.kv_pool_bytes, kv_peak_bytes=self.kv_peak_bytes, **self.counters)
         return d
+
+
+def engine_stats(eng: Engine) -> EngineStats:
+    """`Engine.stats`: the engine's requests, its pool net of the pages it holds for good
+    (`Engine._fixed_pages`), its totals, and the counters of its store, speculation, pool and graphs."""
+    u, fixed = eng.store.usage(), eng._fixed_pages
+    return EngineStats(len(eng.scheduler.running), len(eng.scheduler.waiting), u.total - fixed, u.used - fixed,
+                       eng._peak, eng.page_bytes, eng._steps, eng._generated, eng._prefilled,
+                       eng._decoding, eng._admitted, eng._alloc_wait,
+                       store_counters(eng.store, eng.spec.stats() if eng.spec else {})
+                       | (eng.spec_memory.counters() if eng.spec_memory is not None else {})
+                       | pool_counters(eng.store, len(eng.scheduler.running), eng.config.max_running_requests)
+                       | graph_counters(eng.model.graphs)
+                       | (eng.step_graphs.counters() if eng.step_graphs is not None else {}))
 
 
 def store_counters(store, spec_counters: dict) -> dict:

@@ -32,6 +32,13 @@ class Detokenizer(Protocol):
     def add(self, token_id: int) -> str: ...
 
 
+class FeedDetokenizer:
+    """Adapts the tokenizer's incremental detokenizer (its `feed`) to the `Detokenizer` protocol."""
+
+    def __init__(self, inner) -> None:
+        self.add = inner.feed
+
+
 class StopUpdate(NamedTuple):
     """Result of feeding one token.
 
