@@ -120,12 +120,12 @@ def test_completed_decode_pages_stay_resident_and_resolve_without_any_resolver_w
     """While pages are spare, completed tail pages stay on the device as published optional history
     (backed up to host as well), so after many decoded pages every request is still fully covered:
     the pass takes the host-known all-direct path (no resolver call, no direct check, no copy)."""
-    from dhisparse.kv.hier import context as hier_context
+    from dhisparse.kv.hier import resolver_step
 
     llm = LLM("tiny", preset="adaptive", hot_cache_rows=16, page_size=4, debug_checks=True)
     store = llm.engine.store
     store.plan_fn = lambda *a, **k: pytest.fail("resolver called although every page is published")
-    monkeypatch.setattr(hier_context, "direct_plan", lambda *a: pytest.fail("direct check although the host knew"))
+    monkeypatch.setattr(resolver_step, "direct_plan", lambda *a: pytest.fail("direct check although the host knew"))
     prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(30 + 7 * i)] for i in range(3)]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)  # 6 decoded pages of 4 rows each
     ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]
@@ -231,16 +231,16 @@ def test_batched_copies_merge_adjacent_pages_and_stay_exact(resident, monkeypatc
     (`AdaptiveKV.copy_pages`); under the delayed, out-of-order fake stream the tokens stay equal
     to resident serving, and runs longer than one page do occur (so the merged path is tested)."""
     counts = []
-    from dhisparse.kv.hier import hierarchy as hierarchy_mod  # AdaptiveKV.copy_pages -> HierarchicalKV._copy_runs
+    from dhisparse.kv.hier import tail as tail_mod  # AdaptiveKV.copy_pages -> HierarchicalKV._copy_runs -> tail.copy_runs
 
-    real = hierarchy_mod.page_runs
+    real = tail_mod.page_runs
 
     def recording(pairs):
         runs = real(pairs)
         counts.extend(r.count for r in runs)
         return runs
 
-    monkeypatch.setattr(hierarchy_mod, "page_runs", recording)
+    monkeypatch.setattr(tail_mod, "page_runs", recording)
     test_adaptive_exact_under_random_load(resident, 0, "delayed", monkeypatch)
     assert counts and max(counts) > 1
 

@@ -81,11 +81,11 @@ def test_registers_path_and_chunked_path_agree_on_one_state():
 
 
 def test_the_engine_checks_the_distinct_contract_in_debug_mode():
-    """kv/hier/context.py passes distinct=True for one query a request; with debug checks a repeated
+    """kv/hier/resolver_step.py passes distinct=True for one query a request; with debug checks a repeated
     position is refused by name instead of planned wrong."""
     import pytest
 
-    from dhisparse.kv.hier.context import _check_distinct
+    from dhisparse.kv.hier.resolver_step import _check_distinct
 
     _check_distinct(torch.tensor([[[3, -1, 5, -1, 0]], [[-1, -1, -1, -1, -1]]]))
     with pytest.raises(AssertionError, match=r"repeats a position \(requests \[1\]\)"):

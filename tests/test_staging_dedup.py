@@ -17,11 +17,11 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.llm import LLM
 from dhisparse.core.rows import SPACE
-from dhisparse.kv.hier import context as context_mod
+from dhisparse.kv.hier import resolver_step as step_mod
 
 
 def _record(monkeypatch, seen: list) -> None:
-    ref, dev = context_mod.stage_overflow, context_mod.stage_overflow_deferred
+    ref, dev = step_mod.stage_overflow, step_mod.stage_overflow_deferred
 
     def stage(plan, sel, slots, kv):
         out = ref(plan, sel, slots, kv)
@@ -34,8 +34,8 @@ def _record(monkeypatch, seen: list) -> None:
         seen.append((sel.clone(), plan.loc.clone(), sp.dst_pad.clone(), sp.copy_n.clone()))
         return sp
 
-    monkeypatch.setattr(context_mod, "stage_overflow", stage)
-    monkeypatch.setattr(context_mod, "stage_overflow_deferred", stage_dev)
+    monkeypatch.setattr(step_mod, "stage_overflow", stage)
+    monkeypatch.setattr(step_mod, "stage_overflow_deferred", stage_dev)
 
 
 @pytest.mark.parametrize("resolver", ["torch", "triton"])

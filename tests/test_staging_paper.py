@@ -22,7 +22,7 @@ from dhisparse.core.rows import SPACE
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.llm import LLM
-from dhisparse.kv.hier import context as context_mod
+from dhisparse.kv.hier import resolver_step as step_mod
 from dhisparse.kv.hier import promotion
 from dhisparse.kv.hier.context import HierContext
 from dhisparse.kv.hier.hierarchy import HierarchicalKV
@@ -181,7 +181,7 @@ def _early(self, but):
 def test_paper_staging_breakages_fail(reference, monkeypatch, breakage):
     if breakage == "skip copy-back":
         monkeypatch.setattr(promotion, "copy_layered_torch", _no_copyback)
-        monkeypatch.setattr(context_mod, "copy_layered_torch", _no_copyback)
+        monkeypatch.setattr(step_mod, "copy_layered_torch", _no_copyback)
     elif breakage == "flush early":
         monkeypatch.setattr(HierContext, "_flush_orig", HierContext._flush, raising=False)
         monkeypatch.setattr(HierContext, "_flush", _early)

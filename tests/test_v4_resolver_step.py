@@ -1,5 +1,5 @@
 """DeepSeek-V4's row hierarchy runs the GLM path's resolver step (issue 23 item 4):
-`V4HierPass.locate` calls `locate_group` / `copy_group` (kv/hier/context.py), so with the Triton
+`V4HierPass.locate` calls `locate_group` / `copy_group` (kv/hier/resolver_step.py), so with the Triton
 resolver (interpreted on CPU) V4 gets the deferred, sync-free plan, its device-side staging and
 vectorised per-request gathers; tokens equal `resident` (I7) and every located row is checked
 against a shadow copy (I2, `SourceCheck`). V4's stores take the GLM stores' stream settings
@@ -17,7 +17,7 @@ import torch
 
 from dhisparse import SamplingParams
 from dhisparse.kernels.resolver_ref import ResolvePlan
-from dhisparse.kv.hier import adaptive as adaptive_mod, context as hier_context, hierarchy as hierarchy_mod
+from dhisparse.kv.hier import adaptive as adaptive_mod, hierarchy as hierarchy_mod, resolver_step
 from dhisparse.kv.memory.arena import KVArena
 from dhisparse.kv.memory.copies import StreamCopyEngine, SyncCopyEngine
 from dhisparse.kv.memory.host import HostStore
@@ -91,7 +91,7 @@ class PlanLog:
 def _no_host_sync(mp) -> None:
     """The deferred path never reads a plan on the host: no materialize, no call-level direct check."""
     mp.setattr(TritonResolvePlan, "materialize", lambda self: pytest.fail("a deferred plan was materialized"))
-    mp.setattr(hier_context, "direct_plan", lambda *a: pytest.fail("host-side direct check on the deferred path"))
+    mp.setattr(resolver_step, "direct_plan", lambda *a: pytest.fail("host-side direct check on the deferred path"))
 
 
 @needs_triton

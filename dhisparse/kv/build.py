@@ -57,7 +57,7 @@ class StoreSettings:
     load_stream   admission copies (prefix import, hand-off backup): compute | side
     prefetch_stream  follower layers' copies of a shared selection: compute | side (kv/hier/prefetch.py)
     resolver_copy  a deferred plan's producer copies: separate (plan, then a gather launch) | fused (the
-                  plan kernel copies: kv/hier/context.py's `producer_rows`)
+                  plan kernel copies: kv/hier/resolver_step.py's `producer_rows`)
     admission_placement  a prefix-matched admission: auto | import | host (HierarchicalKV._placement)
     staging_mode  verification staging: auto | paper | single (kv/hier/promotion.py)
     reserve_pages, reclaim_order, repopulate_pages, backup_ahead_pages: adaptive residency

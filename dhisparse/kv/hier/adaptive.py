@@ -20,8 +20,9 @@ import logging
 import torch
 
 from dhisparse.kv.memory.copies import CopyItem, copy_engine_for
-from dhisparse.kv.hier.hierarchy import HierarchicalKV, ReqKV
+from dhisparse.kv.hier.hierarchy import HierarchicalKV
 from dhisparse.kv.hier.residency import ResidencyManager, opt_owner
+from dhisparse.kv.hier.tables import ReqKV
 from dhisparse.kernels.resolver_ref import ResolverState
 
 log = logging.getLogger("dhisparse.kv")

@@ -1,7 +1,7 @@
 """A whole prompt's KV computed elsewhere, admitted into the hierarchy (prefill/decode
 disaggregation: the decode side, engine/disagg.py; the item is a `StoredPrefix` with
 `whole_prompt`). The request decodes from position n at once, in the state a local prefill leaves
-at its hand-off (`HierarchicalKV._handoff`), placed where its admission put it
+at its hand-off (kv/hier/handoff.py), placed where its admission put it
 (`--admission-placement`, `HierarchicalKV._placement`: `auto` = resident-first while the prompt's
 pages fit in spare pages, else host-first):
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from dhisparse.core.rows import cdiv
+from dhisparse.kv.hier import tables
+from dhisparse.kv.hier.tail import host_pages
 from dhisparse.kv.memory.copies import page_runs
 from dhisparse.kv.memory.prefix_store import PagedPrefix
 from dhisparse.kv.resident.store import copy_index_pages
@@ -36,7 +38,7 @@ def import_prompt(kv, req: object, item, n: int) -> None:
     res.ensure_index(req, n)
     copy_index_pages(arena, paged, res.index_tables[req][: cdiv(n, arena.index_page_size)])
     st.tail_start, st.decoding = full * ps, True
-    kv._set_tail(st)
+    tables.set_tail(kv, st)
     if n > full * ps:
         arena.latent[st.tail_pages[0]].copy_(paged.latent[full], non_blocking=True)
     if req in kv._host_first:
@@ -54,9 +56,9 @@ def import_prompt(kv, req: object, item, n: int) -> None:
 
 def _to_host(kv, req: object, paged: PagedPrefix, full: int) -> None:
     """req's own host pages for positions 0 .. full*ps <- the item's first `full` pages [full, L, ps, d]
-    (host to host; the resolver's device table is synced by `_host_pages`)."""
+    (host to host; the resolver's device table is synced by `host_pages`)."""
     if not full:
         return
-    pages = kv._host_pages(req, 0, full)
+    pages = host_pages(kv, req, 0, full)
     idx = torch.tensor(pages, dtype=torch.int64, device=kv.host.rows.device)
     kv.host.rows.index_copy_(0, idx, paged.latent[:full].to(kv.host.rows.device))

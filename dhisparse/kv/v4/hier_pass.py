@@ -11,7 +11,7 @@ tiered source s (a "full" CSA layer, arena layer g):
                prefilling requests read the workspace; decoding requests' K queries resolve
                as one union (direct / hot / host, staging for overflow), copies for s's bytes;
                the GLM path's resolver step (`locate_group` / `copy_group` in
-               kv/hier/context.py): with the Triton resolver deferred (no host sync), staging
+               kv/hier/resolver_step.py): with the Triton resolver deferred (no host sync), staging
                by device ops; under `adaptive`, an all-direct pass makes no resolver call
     reuse      reuse(s)                                  -> the latest LocatedRows of s:
                no resolver call, same locations; if another source's call refilled the shared
@@ -30,7 +30,7 @@ import torch
 
 from dhisparse.core.rows import scatter_rows
 from dhisparse.core.batch import ForwardBatch
-from dhisparse.kv.hier.context import DecodeTokens, copy_group, decode_tokens, locate_group, restage
+from dhisparse.kv.hier.resolver_step import DecodeTokens, copy_group, decode_tokens, locate_group, restage
 from dhisparse.kv.hier.staging import StagePlan
 from dhisparse.kernels.resolver_ref import ResolvePlan
 from dhisparse.kv.v4.passes import LocatedRows, V4Pass
