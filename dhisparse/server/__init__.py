@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server: `create_app(engine)` (`app.py`: routes, request bodies in
-`protocol.py`, responses and SSE in `responses.py` / `streaming.py`, `/metrics` in `metrics.py`)
+`protocol/`, responses and SSE in `responses.py` / `streaming.py`, `/metrics` in `metrics.py`)
 over the one engine thread (`worker.py`), `serve(...)` and `ServerThread` for tests (`runner.py`);
 request checks - Host, API key, body size - in `guard.py`, header and stall timeouts per connection
 in `connection.py`.

@@ -8,7 +8,7 @@ POST /v1/dhisparse/prefix (prefill a prompt once; later prompts starting with it
 Every request passes `RequestGuard` (guard.py: Host, API key, body size) first; CORS is added only
 with `allowed_origins`. JSON routes demand `Content-Type: application/json` (415 otherwise, so a
 cross-origin `text/plain` form post never runs), parse their body with the strict models of
-protocol.py (declared in /openapi.json), and tokenize, apply the chat template and validate on a
+protocol/ (declared in /openapi.json), and tokenize, apply the chat template and validate on a
 worker thread - never on the event loop nor the engine thread - before the worker gets token ids.
 Every error, FastAPI's own 404 / 405 / 422 included, is an OpenAI-shaped JSON object.
 """
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dhisparse.engine.grammar import GrammarError
 from dhisparse.engine.progress import ServingLog
 from dhisparse.server import protocol as P
 from dhisparse.server.chat import chat_setup
@@ -218,7 +219,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [dict(e, loc=tuple(e["loc"])[1:] if e["loc"] and e["loc"][0] == "body" else tuple(e["loc"]))
                   for e in exc.errors()]
-        return await _api_error(request, P._described(errors) if errors else P.ApiError("invalid request"))
+        return await _api_error(request, P.described(errors) if errors else P.ApiError("invalid request"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # logged by uvicorn
@@ -306,7 +307,7 @@ def _prepare(engine, prompt: str | list[int], params, given: bool, default: int 
 def _check_grammar(engine, grammar: str) -> None:
     try:
         engine.grammars.validate(grammar)
-    except P.GrammarError as e:
+    except GrammarError as e:
         raise P.ApiError(str(e), param="response_format") from None
 
 
@@ -325,7 +326,7 @@ def _tool_params(engine, setup, params):
         if setup.choice.constrained:
             engine.grammars.validate(params.grammar)
         return params
-    except P.GrammarError as e:
+    except GrammarError as e:
         raise P.ApiError(f"tools: {e}", param="tools") from None
 
 
@@ -445,7 +446,7 @@ class _Connected:
         return False
 
 
-async def _generate(request: Request, state: ServerState, subs: list[Sub], fmt: Formatter, body: P._Common,
+async def _generate(request: Request, state: ServerState, subs: list[Sub], fmt: Formatter, body: P.CommonRequest,
                     param: str, n: int = 1):
     """Submit the engine requests; a rejection is a 400 (the others are aborted); then stream or
     collect their outputs (best_of > n: the n with the highest cumulative logprob per prompt)."""

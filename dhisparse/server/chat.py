@@ -19,7 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from dhisparse.core.params import SamplingParams
-from dhisparse.server.protocol import ApiError, ChatRequest, chat_messages
+from dhisparse.server.protocol.chat import ChatRequest, chat_messages
+from dhisparse.server.protocol.errors import ApiError
 from dhisparse.server.tools import (Tool, ToolCallParser, ToolChoice, ToolFormat, call_arguments, parse_tool_choice,
                                     parse_tools, tool_grammar)
 

@@ -24,7 +24,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Iterable
 
-from dhisparse.server.protocol import ApiError
+from dhisparse.server.protocol.errors import ApiError
 
 if TYPE_CHECKING:
     from dhisparse.server.app import ServerState

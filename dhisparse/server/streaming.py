@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 
 from dhisparse.engine.request import RequestOutput
 from dhisparse.server.connection import STALLED_KEY
-from dhisparse.server.protocol import ApiError
+from dhisparse.server.protocol.errors import ApiError
 from dhisparse.server.responses import SSE_DONE, Formatter, Sub, sse
 from dhisparse.server.worker import Event
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dhisparse.server.protocol import ApiError, quote
+from dhisparse.server.protocol.errors import ApiError, quote
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, up to 64
 
