@@ -12,7 +12,7 @@ In order:
      `request_too_large`) the moment it passes the limit, so no unbounded body is ever buffered.
 It also counts requests in flight (what shutdown drains) and, once the server is shutting down,
 ends a request that uvicorn cancels quietly instead of letting the CancelledError reach its log.
-The JSON content-type check (415) is done by the JSON routes themselves (app.py `read_json`).
+The JSON content-type check (415) is done by the JSON routes themselves (routes/prepare.py `read_json`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterable
 from dhisparse.server.protocol.errors import ApiError
 
 if TYPE_CHECKING:
-    from dhisparse.server.app import ServerState
+    from dhisparse.server.state import ServerState
 
 log = logging.getLogger("dhisparse.server")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

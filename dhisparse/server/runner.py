@@ -22,7 +22,8 @@ import time
 
 import uvicorn
 
-from dhisparse.server.app import ServerConfig, create_app
+from dhisparse.server.app import create_app
+from dhisparse.server.config import ServerConfig
 from dhisparse.server.connection import guarded_protocol
 
 log = logging.getLogger("dhisparse.server")

@@ -25,7 +25,7 @@ from dhisparse.server.responses import SSE_DONE, Formatter, Sub, sse
 from dhisparse.server.worker import Event
 
 if TYPE_CHECKING:
-    from dhisparse.server.app import ServerState
+    from dhisparse.server.state import ServerState
 
 log = logging.getLogger("dhisparse.server")
 POLL_S = 0.5  # how often a non-streamed request checks whether its client is still there
