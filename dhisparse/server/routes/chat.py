@@ -12,12 +12,11 @@ from fastapi import FastAPI, Request
 from dhisparse.engine.grammar import GrammarError
 from dhisparse.server.chat import chat_setup
 from dhisparse.server.protocol.chat import ChatRequest
-from dhisparse.server.protocol.common import check_model
 from dhisparse.server.protocol.errors import ApiError
 from dhisparse.server.protocol.sampling import sampling_params
 from dhisparse.server.responses import Formatter
 from dhisparse.server.routes.generate import generate, make_subs
-from dhisparse.server.routes.prepare import body_schema, prepare, read_json
+from dhisparse.server.routes.prepare import body_schema, prepare, read_body
 from dhisparse.server.state import ServerState
 
 
@@ -42,13 +41,11 @@ def _tool_params(engine, setup, params):
 
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
     """POST /v1/chat/completions."""
-    engine = state.engine
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request):
-        state.check_ready()
-        body = await read_json(request, ChatRequest)
-        check_model(body.model, state.model_name)
+        engine = state.engine
+        body = await read_body(request, state, ChatRequest)
         given = body.max_completion_tokens is not None
         cap = body.max_completion_tokens if given else body.max_tokens
         params = sampling_params(body, cap, state.config.default_max_tokens,

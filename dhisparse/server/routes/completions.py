@@ -8,12 +8,11 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from dhisparse.server.protocol.common import check_model
 from dhisparse.server.protocol.completions import CompletionRequest, completion_prompts
 from dhisparse.server.protocol.sampling import sampling_params
 from dhisparse.server.responses import Formatter
 from dhisparse.server.routes.generate import generate, make_subs
-from dhisparse.server.routes.prepare import body_schema, prepare, read_json
+from dhisparse.server.routes.prepare import body_schema, prepare, read_body
 from dhisparse.server.state import ServerState
 
 
@@ -23,9 +22,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
-        state.check_ready()
-        body = await read_json(request, CompletionRequest)
-        check_model(body.model, state.model_name)
+        body = await read_body(request, state, CompletionRequest)
         params = sampling_params(body, body.max_tokens, state.config.default_max_tokens)
         prompts = completion_prompts(body)
         given = body.max_tokens is not None

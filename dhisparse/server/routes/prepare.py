@@ -1,5 +1,6 @@
-"""A route's input: its JSON body (`read_json`, 415 unless sent as application/json, and its
-/openapi.json reference `body_schema`), and the prompt tokenized, fitted to the context and
+"""A route's input: its JSON body (`read_body` / `read_json`: 503 while not taking work, 415 unless
+sent as application/json, 400 for anything malformed or another model; its /openapi.json
+reference `body_schema`), and the prompt tokenized, fitted to the context and
 validated on a worker thread - never on the event loop nor the engine thread - so the worker
 gets token ids. A ValueError of the engine's checks becomes a 400 naming the request's field."""
 
@@ -11,8 +12,10 @@ from fastapi import Request
 
 from dhisparse.engine.grammar import GrammarError
 from dhisparse.server.protocol.body import M, parse_body
+from dhisparse.server.protocol.common import check_model
 from dhisparse.server.protocol.errors import ApiError
 from dhisparse.server.protocol.sampling import fit_max_tokens
+from dhisparse.server.state import ServerState
 
 PARSE_INLINE_BYTES = 64 << 10  # smaller bodies are parsed on the event loop (well under a millisecond)
 PREFIX_CHARS_PER_TOKEN = 8  # too_long: prefix characters read per token of the limit
@@ -34,6 +37,16 @@ async def read_json(request: Request, model: type[M]) -> M:
     if len(raw) <= PARSE_INLINE_BYTES:
         return parse_body(raw, model)
     return await asyncio.to_thread(parse_body, raw, model)
+
+
+async def read_body(request: Request, state: ServerState, model: type[M], ready: bool = True) -> M:
+    """A route's body: 503 unless the server takes work (when `ready`: routes that use the engine),
+    then `read_json`, then a 400 unless it names the served model (or none)."""
+    if ready:
+        state.check_ready()
+    body = await read_json(request, model)
+    check_model(body.model, state.model_name)
+    return body
 
 
 def too_long(engine, text: str, max_tokens: int) -> str | None:

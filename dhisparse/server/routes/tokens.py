@@ -9,10 +9,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from dhisparse.server.protocol.common import check_model
 from dhisparse.server.protocol.errors import ApiError
 from dhisparse.server.protocol.tokens import PrefixRequest, TokenizeRequest
-from dhisparse.server.routes.prepare import body_schema, prompt_ids, read_json
+from dhisparse.server.routes.prepare import body_schema, prompt_ids, read_body
 from dhisparse.server.state import ServerState
 from dhisparse.server.streaming import next_event
 
@@ -23,16 +22,13 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
-        body = await read_json(request, TokenizeRequest)
-        check_model(body.model, state.model_name)
+        body = await read_body(request, state, TokenizeRequest, ready=False)
         ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/v1/dhisparse/prefix", openapi_extra=body_schema(PrefixRequest))
     async def prefix(request: Request) -> dict:
-        state.check_ready()
-        body = await read_json(request, PrefixRequest)
-        check_model(body.model, state.model_name)
+        body = await read_body(request, state, PrefixRequest)
         ids = await asyncio.to_thread(prompt_ids, engine, body.prompt, None, "prompt")
         rid = f"prefix-{uuid.uuid4().hex}"
         q = state.worker.prepare_prefix(rid, ids)
