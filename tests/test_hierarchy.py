@@ -160,3 +160,23 @@ def test_staging_rows_are_a_view_of_their_pool_pages():
     assert torch.equal(arena.storage[pages[0]].view(-1)[5 * arena.row_width : 6 * arena.row_width],
                        torch.full((arena.row_width,), 7.0))
     kv.check_integrity()
+
+
+def test_kept_resolver_state_follows_a_grown_host_table():
+    """A store keeps one ResolverState a group (`kv/hier/tables.resolver_state`); the host table it
+    names is reallocated when a history outgrows it (`SlotTable.sync`), so every call must hand the
+    resolver the current one, never the table the state was first built with. (Breakage tried: the
+    per-call refresh dropped: fails here; engine runs size the table from max_len and never grow it.)"""
+    from dhisparse.kv.memory.arena import KVArena
+    from dhisparse.kv.memory.host import HostStore
+    from dhisparse.models.tiny import tiny_config
+
+    cfg = tiny_config()
+    arena = KVArena(cfg, 64, 4, "cpu", torch.float32)
+    kv = HierarchicalKV(arena, HostStore(16, cfg.num_layers, 4, arena.row_width, arena.dtype, pin=False), 16, 3)
+    first = kv.resolver_state(0)
+    assert first.host_table is kv.host_table and kv.resolver_state(0) is first  # built once, kept
+    kv.host_pages.sync([(1, list(range(9)))])  # wider than the table: reallocated
+    st = kv.resolver_state(0)
+    assert st is first and st.host_table is kv.host_table and st.host_table.shape[1] >= 9
+    assert st.host_table[1, :9].tolist() == list(range(9))
