@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
-from test_resolver_reference import make_state  # noqa: E402
+from test_resolver_reference import clone_state, make_state  # noqa: E402
 
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
 from dhisparse.kernels.resolver_ref import plan_reference, run_copies  # noqa: E402
@@ -107,9 +107,11 @@ def test_all_direct_and_empty_calls_copy_nothing():
 def test_a_fused_plan_says_it_copied():
     st = make_state(S=1, B=4)
     host, dev = _rows(st, 1, 2, 0)
+    src = host.pin_memory() if DEV == "cuda" else host  # host rows are read zero-copy on CUDA
     sel = torch.tensor([[[1, 2]]], device=DEV)
-    assert plan_triton(sel, torch.tensor([0], device=DEV), make_state(S=1, B=4), 1, copy=(host, dev.to(DEV))).copied
-    assert not plan_triton(sel, torch.tensor([0], device=DEV), make_state(S=1, B=4), 1).copied
+    slots = torch.tensor([0], device=DEV)
+    assert plan_triton(sel, slots, clone_state(st, DEV), 1, copy=(src, dev.to(DEV))).copied
+    assert not plan_triton(sel, slots, clone_state(st, DEV), 1).copied
 
 
 def test_mismatched_copy_targets_are_refused():
