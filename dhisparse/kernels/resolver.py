@@ -107,6 +107,7 @@ class _StateArgs:
 
     refs: tuple
     strides: tuple  # (s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap)
+    ps: int  # the host page size lcap was derived with
     TT: int
     HPW: int
     LMAX: int
@@ -129,7 +130,8 @@ def _state_args(st: ResolverState) -> _StateArgs:
     tensor without a unit last stride is refused (the plan reads and updates rows in place)."""
     ts = _state_tensors(st)
     hit = _STATE_ARGS.get(id(st))
-    if hit is not None and all((r() if r is not None else None) is t for r, t in zip(hit.refs, ts)):
+    if (hit is not None and hit.ps == st.host_page_size
+            and all((r() if r is not None else None) is t for r, t in zip(hit.refs, ts))):
         return hit
     strides = tuple(0 if t is None else _row_stride(t, name) for t, name in zip(ts, _STATE_NAMES))
     dmap = st.direct_loc
@@ -138,7 +140,7 @@ def _state_args(st: ResolverState) -> _StateArgs:
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
     lcap = max(HPW * ps, LMAX) + TT
     words = -(-lcap // 32) if dmap is not None else 1
-    args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, TT, HPW, LMAX, lcap, words)
+    args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, ps, TT, HPW, LMAX, lcap, words)
     if len(_STATE_ARGS) >= _STATE_ARGS_MAX:
         _STATE_ARGS.pop(next(iter(_STATE_ARGS)))
     _STATE_ARGS[id(st)] = args
