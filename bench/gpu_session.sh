@@ -378,11 +378,13 @@ case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's c
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
   run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
       --out "$OUT/resolver_bench_h200.json" ;; esac
-case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step, fp8profile100k's C47, with the
+case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step (hisparse) and verification round
+  # (adaptive+spec, width 4, a placeholder oracle: every round verifies the full width), fp8profile100k's C47, with the
   # producer's copies in their own gather launch and fused into the plan kernel (--resolver-copy; ~2.5 min each)
   for RC in ${STEP33_COPIES:-separate fused}; do
   run "decode-step profile, 100K k 2048, C47, fp8, resolver copy $RC" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py \
-      --model glm52-scaled --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets hisparse --kv-cache-dtype fp8_e4m3 \
+      --model glm52-scaled --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets ${STEP33_PRESETS:-hisparse,adaptive+spec} \
+      --drafter oracle --kv-cache-dtype fp8_e4m3 \
       --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --resolver-copy $RC \
       --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_copy_${RC}_h200.json"
   done ;; esac
