@@ -366,7 +366,7 @@ case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, 
 case ",$STEPS," in *,prims33,*)  # issue 33: one program's Triton primitives (scan, reduce, gathers, sort, atomics) (~1 min)
   run "Triton primitives" timeout ${PRIMS33_TIMEOUT:-200} python3 bench/triton_prims.py --out "$OUT/triton_prims_h200.json" ;; esac
 case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's counters and source-level stall samples on one plan call, batch 8, H 4,096, 0.1% and 20% misses (~3 min; ncu reads counters on the Firecracker runtime only: KINDS.md)
-  for lvl in 0.1 20; do
+  for lvl in ${NCU33_LEVELS:-0.1 20}; do
     rep="$OUT/plan_ncu_miss${lvl}"
     # launch-skip: check_case's plan and the 5 warm-up calls (one plan launch each)
     run "ncu: plan kernel, ${lvl}% misses" timeout ${NCU33_TIMEOUT:-150} ncu --clock-control none \
