@@ -319,10 +319,10 @@ case ",$STEPS," in *,fp8w31,*)  # issue 31 item 1: CUDA exactness of the FP8 wei
   run "exactness on CUDA, FP8 weights" timeout ${FP8W_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
       tests/test_fp8_gemm.py tests/test_fp8_modules.py tests/test_faithful_model.py tests/test_moe.py tests/test_sparse_mla_kernel.py --junitxml="$OUT/fp8w31_cuda.xml"
   run "FP8 weight GEMMs vs bf16 matmul" timeout ${FP8B_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --out "$OUT/fp8_gemm_bench_h200.json" ;; esac
-case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100K decode step goes (the expert GEMMs' share), hisparse C${FAITHFUL_C:-47}, FP8 rows (~5 min)
+case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100K decode step goes (the expert GEMMs' share), hisparse C${FAITHFUL_C:-47}, FP8 rows (~5 min); FAITHFUL_PRESETS=hisparse,adaptive+spec adds a full-width verification round (placeholder oracle)
   run "decode-step profile, glm5-faithful, 100K k 2048, C${FAITHFUL_C:-47}, fp8" timeout ${FAITHFUL_TIMEOUT:-420} python3 bench/step_profile.py \
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
-      --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step \
+      --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
   run "decode-step profile, v41-faithful, ${FAITHFUL41_LEN:-131072}, C${FAITHFUL41_C:-16}, fp8" timeout ${FAITHFUL41_TIMEOUT:-420} python3 bench/step_profile.py \
