@@ -163,8 +163,11 @@ def _sort_keys(scr, cnt, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, S
 
 @triton.jit
 def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos,
-            s_stamp, s_loc, src_ptr, dst_ptr, now, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr):
-    """P4d. Miss r < nhost (host order) takes victim r (slot order): copy plan row r, state update."""
+            s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr,
+            DISTINCT: tl.constexpr):
+    """P4d. Miss r < nhost (host order) takes victim r (slot order): copy plan row r, state update.
+    Its location goes to out[u] and its flag is set (P5 reads both), or with DISTINCT (uid u is the
+    entry; no P5) straight to loc_row[u]."""
     for r0 in range(0, BP, CHB):
         if r0 < nhost:
             r = r0 + tl.arange(0, CHB)
@@ -174,8 +177,11 @@ def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_st
             v = tl.load(vk + r, mask=take, other=0)
             lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
             pu = tl.load(sel_ptr + n * KK + u, mask=take, other=0)
-            tl.store(out + u, lv, mask=take)
-            tl.store(hflag + u, tl.full([CHB], 1, tl.int32), mask=take)
+            if DISTINCT:
+                tl.store(loc_row + u, lv.to(loc_row.dtype.element_ty), mask=take)
+            else:
+                tl.store(out + u, lv, mask=take)
+                tl.store(hflag + u, tl.full([CHB], 1, tl.int32), mask=take)
             tl.store(hot_pos_ptr + s * s_pos + v, pu.to(hot_pos_ptr.dtype.element_ty), mask=take)
             tl.store(hot_stamp_ptr + s * s_stamp + v, tl.zeros([CHB], tl.int64) + now, mask=take)
             tl.store(src_ptr + n * C + r, key // KKP, mask=take)
@@ -184,9 +190,10 @@ def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_st
 
 @triton.jit
 def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr, hot_stamp_ptr,
-                 hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, KKP: tl.constexpr,
+                 hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row, KKP: tl.constexpr,
                  BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
-                 SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+                 SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
+                 DISTINCT: tl.constexpr):
     """P4b-d, after the nmiss miss keys are compacted into mk: victims (the oldest nhost of the slots
     in range bm not hit, by their stamps hs as read before P3), the nhost smallest keys sorted, and
     miss r paired with victim r. UPTO 41 / 43 (profiling): stop after P4b / P4c."""
@@ -200,5 +207,5 @@ def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, h
         _sort_keys(mk, nsort, SA, SB, SC, SD)
         if UPTO >= 45:
             _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, KKP, BP, CHB)
+                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, KKP, BP, CHB, DISTINCT)
             tl.debug_barrier()

@@ -215,6 +215,7 @@ def resolve_plan_kernel(
     PRE: P0 already ran in `direct_pre_kernel`, its counts in pre [N, 3].
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
+    It also writes loc where each entry resolves (P1, P3, P4d), so P5 does not run.
     COPY (`plan_triton(copy=...)`): P6 copies each request's planned rows (copy-plan rows 0 .. copy_n-1)
     from the host rows crs to the device rows crd (layered [pages, CG, rows_per_page, CPW units], the
     strides (chp, chs0, chsl, chs1) and (cdp, cds0, cdsl, cds1) as `gather_rows_kernel` takes them) in
@@ -311,7 +312,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
                          hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now,
-                         KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+                         loc_ptr + n * KK, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0)
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost * 0
         if UPTO >= 50:

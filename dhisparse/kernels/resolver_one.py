@@ -3,17 +3,19 @@ step's one query of top-k 2,048, or a narrow verification round) keeps them in r
 
 Same phases and results as the chunked path in resolver_kernel.py, with fewer dependent memory rounds:
 
-  P1  sel loaded once; the claims written; each entry's direct location and, for the not-direct ones,
-      its host page (the copy plan's source, needed only if it misses) loaded in the same round;
+  P1  sel loaded once; the claims written; each entry's direct location and its host page (the copy
+      plan's source, needed only if it misses) loaded in the same round, neither waiting for the other;
       DISTINCT (one top-k query a request: no position twice) skips the claims' read-back and every
       entry is its own representative
   P3  the hot slots' lookups read sel and the direct locations through `tl.gather` from P1's registers
       (shared memory) instead of from global memory
   P4  the misses come from the entries' registers and one coalesced read of out (P3's hits)
   P5  loc from the representatives held in registers
+DISTINCT writes loc where each entry is resolved (P1 direct and -1, P3 hits, P4d misses) and P4a reads
+the misses from loc: `out` is not used and P5's dependent read of it is gone.
 
 Entry i of request n: p [KKP] positions, u [KKP] representatives (uids), o [KKP] direct locations
-(-1: not direct), hpg [KKP] host pages (-1 where direct or unmapped).
+(-1: not direct), hpg [KKP] host pages (-1 where unmapped; read for direct entries too, unused there).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     o = _direct_loc(p, valid, s, ts, tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map)
     page = p // ps
-    hpg = tl.load(table_ptr + s * s_table + page, mask=valid & (o < 0) & (page < HPW), other=-1).to(tl.int64)
+    # not masked by o: the host page's load then waits only for p and s, not for the direct locations
+    # (a direct entry's page is read and never used: only misses, never direct, key by it)
+    hpg = tl.load(table_ptr + s * s_table + page, mask=valid & (page < HPW), other=-1).to(tl.int64)
     if DISTINCT:
         u = i
     else:
@@ -49,8 +53,8 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
     # the four counts in one reduction: 16 bits each (K*k < 2^16)
     acc = tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
                  + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
-    tl.store(out + i, o, mask=is_rep)
-    if not DISTINCT:  # P5 counts host-selected entries through the flags (DISTINCT: one entry a row)
+    if not DISTINCT:  # P5 reads out and counts host-selected entries through the flags (DISTINCT: loc)
+        tl.store(out + i, o, mask=is_rep)
         tl.store(hflag + i, tl.zeros([KKP], tl.int32), mask=is_rep)
     tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
     return ((acc & 0xFFFF).to(tl.int32), ((acc >> 16) & 0xFFFF).to(tl.int32), ((acc >> 32) & 0xFFFF).to(tl.int32),
@@ -58,9 +62,11 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
 
 
 @triton.jit
-def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, BP: tl.constexpr):
+def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, loc_row,
+                  BP: tl.constexpr, DISTINCT: tl.constexpr):
     """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o,
-    packed as (p << 1) | direct so one gather through shared memory brings both. Returns (hits, hit
+    packed as (p << 1) | direct so one gather through shared memory brings both. A hit's location
+    goes to out[u], or with DISTINCT straight to loc_row[u] (u is the entry). Returns (hits, hit
     mask [BP])."""
     sl = tl.arange(0, BP)
     ok = bm & (hp >= 0) & (hp < LCAP)
@@ -69,35 +75,35 @@ def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now,
     uc = tl.where(found, u, 0)
     q = tl.gather((p << 1) | (o >= 0).to(tl.int64), uc, 0)  # padding (p -1) unpacks to -1: never a hot position
     hit = found & ((q >> 1) == hp) & ((q & 1) == 0)
-    tl.store(out + u, hl, mask=hit)
+    if DISTINCT:
+        tl.store(loc_row + u, hl.to(loc_row.dtype.element_ty), mask=hit)
+    else:
+        tl.store(out + u, hl, mask=hit)
     tl.store(hot_stamp_ptr + s * s_stamp + sl, tl.zeros([BP], tl.int64) + now, mask=hit)
     return tl.sum(hit.to(tl.int32), axis=0), hit
 
 
 @triton.jit
-def _compact_one(out, mk, p, u, hpg, ps, KKP: tl.constexpr):
-    """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order."""
+def _compact_one(out, mk, p, u, hpg, ps, res, KKP: tl.constexpr):
+    """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order. res: where
+    P1 / P3 left each entry's location (out, or the loc row with DISTINCT; < 0: not resolved)."""
     i = tl.arange(0, KKP)
     rep = (p >= 0) & (u == i)
-    miss = rep & (tl.load(out + i, mask=rep, other=0) < 0)
+    miss = rep & (tl.load(res + i, mask=rep, other=0) < 0)
     r = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     tl.store(mk + r, (hpg * ps + p % ps) * KKP + i, mask=miss)
 
 
 @triton.jit
-def _emit_one(loc_ptr, KK, n, out, hflag, p, u, nhost, KKP: tl.constexpr, DISTINCT: tl.constexpr):
-    """P5. loc row [KK] in selection order from the representatives u. Returns the host-selected
-    entries: with DISTINCT each row has one entry, so they are the nhost copied rows (no flags read)."""
+def _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP: tl.constexpr):
+    """P5 (not DISTINCT: DISTINCT wrote loc where each entry was resolved). loc row [KK] in selection
+    order from the representatives u. Returns the host-selected entries (the flags of their rows)."""
     i = tl.arange(0, KKP)
     im = i < KK
     valid = im & (p >= 0)
     o = tl.load(out + u, mask=valid, other=-1)
     tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
-    if DISTINCT:
-        hsel = nhost
-    else:
-        hsel = tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
-    return hsel
+    return tl.sum(tl.load(hflag + u, mask=valid, other=0), axis=0)
 
 
 @triton.jit
@@ -119,20 +125,25 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
         _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
     else:
         tl.debug_barrier()
-        nhot, hit = _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, BP)
+        loc_row = loc_ptr + n * KK
+        nhot, hit = _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, loc_row, BP,
+                                  DISTINCT)
         tl.debug_barrier()
         nmiss = nrest - nhot
         nhost = nmiss * 0
         if (nmiss > 0) & (UPTO >= 41):
             nhost = tl.minimum(nmiss, (B - nhot).to(tl.int32)).to(tl.int32)
-            _compact_one(out, mk, p, u, hpg, ps, KKP)
+            if DISTINCT:
+                _compact_one(out, mk, p, u, hpg, ps, loc_row, KKP)
+            else:
+                _compact_one(out, mk, p, u, hpg, ps, out, KKP)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
-                         hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, KKP, BP,
-                         KKP, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+                         hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row, KKP, BP,
+                         KKP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
         tl.store(copy_n_ptr + n, nhost)
-        hsel = nhost * 0
-        if UPTO >= 50:
-            hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, nhost, KKP, DISTINCT)
+        hsel = nhost
+        if (UPTO >= 50) & (not DISTINCT):  # DISTINCT: loc is final and every copied row one entry
+            hsel = _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP)
         _store_counts(c, nsel, ndir, nhot, nhost, hsel, nmiss - nhost)
         planned = nhost
     return planned
