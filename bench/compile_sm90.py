@@ -77,9 +77,10 @@ def regs(k) -> str:
 
 
 def plan_consts(KKP: int, BP: int, pre: bool, upto: int = 50, distinct: bool = False) -> dict:
-    """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP."""
+    """The constexprs `resolver._launch` passes for K*k padded to KKP and B padded to BP (host pages of
+    64 rows, the engine's default)."""
     SA, SB, SC, SD = _sort_classes(min(KKP, BP))
-    return dict(KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD,
+    return dict(PS=64, KKP=KKP, PRE=pre, BP=BP, CH=min(KKP, 2048), CHB=min(BP, 2048), SA=SA, SB=SB, SC=SC, SD=SD,
                 UPTO=upto, DISTINCT=distinct)
 
 

@@ -285,11 +285,11 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
                       half, pre, N * J), {"CH": chp}, 4)
     _PLAN((N,), (
         sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
-        st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW, ps,
+        st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
         scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs),
-        {"KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
+        {"PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
          "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
         warps)
 

@@ -26,7 +26,7 @@ def _rep_chunk(sel_ptr, rep, n, KK, c0, CH: tl.constexpr):
 
 
 @triton.jit
-def _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps,
+def _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps: tl.constexpr,
                     KKP: tl.constexpr, CH: tl.constexpr):
     """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order. Returns M."""
     m = tl.sum(tl.zeros([CH], tl.int32), axis=0)

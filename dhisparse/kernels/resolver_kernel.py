@@ -195,14 +195,14 @@ def resolve_plan_kernel(
     sel_ptr, slots_ptr, KK,
     hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
     tail_start_ptr, tail_loc_ptr, s_tail, TT,
-    table_ptr, s_table, HPW, ps,
+    table_ptr, s_table, HPW,
     dmap_ptr, s_dmap, LMAX, has_map,
     now_ptr,
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, pre_ptr,
     crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
-    KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
-    SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
+    PS: tl.constexpr, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr,
+    CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
     VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
     COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
     CR: tl.constexpr = 1,
@@ -229,7 +229,7 @@ def resolve_plan_kernel(
     j = tl.program_id(1)
     if j == 0:
         _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
-                      tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                      tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, PS, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                       KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY, CPW, CCW, CVEC, CR)
@@ -237,7 +237,7 @@ def resolve_plan_kernel(
 
 @triton.jit
 def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
-                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
                   has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                   pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                   KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
@@ -287,7 +287,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
 
 @triton.jit
 def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
-                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+                  tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
                   KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
                   SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):

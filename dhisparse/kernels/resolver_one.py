@@ -29,7 +29,7 @@ from dhisparse.kernels.resolver_evict import _pair_misses
 
 @triton.jit
 def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-                 dmap_ptr, s_dmap, LMAX, has_map, table_ptr, s_table, HPW, ps, KKP: tl.constexpr,
+                 dmap_ptr, s_dmap, LMAX, has_map, table_ptr, s_table, HPW, ps: tl.constexpr, KKP: tl.constexpr,
                  DISTINCT: tl.constexpr):
     """P1. Returns (valid entries, valid not direct, direct rows, not-direct rows, p, u, o, hpg)."""
     i = tl.arange(0, KKP)
@@ -84,7 +84,7 @@ def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now,
 
 
 @triton.jit
-def _compact_one(out, mk, p, u, hpg, ps, res, KKP: tl.constexpr):
+def _compact_one(out, mk, p, u, hpg, ps: tl.constexpr, res, KKP: tl.constexpr):
     """P4a. mk[r] = host_location * KKP + uid for every missing distinct row, in uid order. res: where
     P1 / P3 left each entry's location (out, or the loc row with DISTINCT; < 0: not resolved)."""
     i = tl.arange(0, KKP)
@@ -108,7 +108,7 @@ def _emit_one(loc_ptr, KK, n, out, hflag, p, u, KKP: tl.constexpr):
 
 @triton.jit
 def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
-              tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
+              tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
               has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
               KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
               SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
