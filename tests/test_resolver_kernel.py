@@ -456,3 +456,13 @@ def test_state_rows_must_be_contiguous_in_their_last_dimension():
     st.host_table = st.host_table.t().contiguous().t()  # [S, pages] with a unit row stride
     with pytest.raises(ValueError, match="host_table"):
         plan_triton(sel_of([1, 2], [3, 4]).to(DEV), torch.tensor([0], device=DEV), st, 1)
+
+
+def test_positions_past_the_packed_claim_bound_are_refused():
+    """The plan packs a claimed position and a direct flag into an int32 ((p << 1) | flag in P3's
+    gather), so a state whose positions reach past 2^30 (host table width x page size + tail) is a
+    ValueError naming host_table, not a silent alias."""
+    st = clone_state(make_state(S=2, B=8, L=32, TT=4), DEV)
+    st.host_page_size = 1 << 28  # 8 pages a row: 2^31 positions
+    with pytest.raises(ValueError, match="host_table / direct_loc: positions up to"):
+        plan_triton(sel_of([1, 2], [3, 4]).to(DEV), torch.tensor([0], device=DEV), st, 1)

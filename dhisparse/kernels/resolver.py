@@ -123,6 +123,9 @@ def _state_tensors(st: ResolverState) -> tuple:
     return st.hot_pos, st.hot_stamp, st.hot_loc, st.tail_loc, st.host_table, st.direct_loc
 
 
+_LCAP_MAX = 1 << 30  # positions a plan can claim (resolver_one._hot_scan_one packs (p << 1) | flag in int32)
+
+
 def _state_args(st: ResolverState) -> _StateArgs:
     """The plan kernel's state arguments, derived once per state and reused while every tensor of the
     state is the same object (a store keeps its states: `HierarchicalKV.resolver_state`); weak
@@ -139,6 +142,8 @@ def _state_args(st: ResolverState) -> _StateArgs:
     LMAX = dmap.shape[1] if dmap is not None else 0
     # positions are < the host table's reach + the tail (I1), or < the optional map's width
     lcap = max(HPW * ps, LMAX) + TT
+    if lcap > _LCAP_MAX:  # the plan packs a claimed position and a flag into 31 bits
+        raise ValueError(f"host_table / direct_loc: positions up to {lcap} exceed the plan kernel's 2^30")
     words = -(-lcap // 32) if dmap is not None else 1
     args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, ps, TT, HPW, LMAX, lcap, words)
     if len(_STATE_ARGS) >= _STATE_ARGS_MAX:

@@ -65,7 +65,8 @@ def _entries_one(sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_pt
 def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, p, o, loc_row,
                   BP: tl.constexpr, DISTINCT: tl.constexpr):
     """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o,
-    packed as (p << 1) | direct so one gather through shared memory brings both. A hit's location
+    packed as (p << 1) | direct in int32 so one gather through shared memory brings both (a found
+    entry was claimed, so its p < LCAP <= 2^30: `resolver._state_args` refuses more). A hit's location
     goes to out[u], or with DISTINCT straight to loc_row[u] (u is the entry). Returns (hits, hit
     mask [BP])."""
     sl = tl.arange(0, BP)
@@ -73,7 +74,7 @@ def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now,
     u = tl.load(pv + hp, mask=ok, other=-1).to(tl.int32)
     found = ok & (u >= 0) & (u < KK)
     uc = tl.where(found, u, 0)
-    q = tl.gather((p << 1) | (o >= 0).to(tl.int64), uc, 0)  # padding (p -1) unpacks to -1: never a hot position
+    q = tl.gather((p.to(tl.int32) << 1) | (o >= 0).to(tl.int32), uc, 0)  # padding (p -1) unpacks to -1: never hot
     hit = found & ((q >> 1) == hp) & ((q & 1) == 0)
     if DISTINCT:
         tl.store(loc_row + u, hl.to(loc_row.dtype.element_ty), mask=hit)
