@@ -466,3 +466,12 @@ def test_positions_past_the_packed_claim_bound_are_refused():
     st.host_page_size = 1 << 28  # 8 pages a row: 2^31 positions
     with pytest.raises(ValueError, match="host_table / direct_loc: positions up to"):
         plan_triton(sel_of([1, 2], [3, 4]).to(DEV), torch.tensor([0], device=DEV), st, 1)
+
+
+def test_a_hot_cache_past_the_packed_victim_ranks_is_refused_by_name():
+    """The victims' running counts are packed 16 bits each (`resolver_evict._victims`): more than
+    32,768 hot rows a slot is a ValueError naming hot_pos, before anything is launched."""
+    st = make_state(S=1, B=4, L=40, TT=4)
+    st.hot_pos = torch.full((1, 32769), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="hot_pos: at most 32768 hot rows"):
+        plan_triton(torch.zeros((1, 1, 4), dtype=torch.int64), torch.zeros(1, dtype=torch.int64), st, 0)

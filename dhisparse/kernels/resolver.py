@@ -39,6 +39,7 @@ __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_trit
 
 COUNTER_NAMES = ResolveCounters._fields
 MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts)
+MAX_B = 32768  # hot rows a slot (resolver_evict._victims' packed running counts)
 PHASE_STOPS = {0: "P0 prologue", 10: "P1 entries", 30: "P3 hot scan", 41: "P4a-b misses, victims", 43: "P4c sorted",
                45: "P4 misses"}  # upto_phase values below the full plan (50)
 _PRE = CompiledLaunch(direct_pre_kernel)
@@ -197,6 +198,8 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     if KK > MAX_KK:
         raise ValueError(f"K*k must be at most {MAX_KK} (the plan kernel counts rows in 16 bits), got {KK}")
     B = st.hot_pos.shape[1]
+    if B > MAX_B:
+        raise ValueError(f"hot_pos: at most {MAX_B} hot rows a slot (the plan kernel ranks victims in 16 bits), got {B}")
     C = max(1, min(KK, B))
     if not (N and KK):
         loc = torch.full(sel.shape, -1, dtype=sel.dtype, device=dev)

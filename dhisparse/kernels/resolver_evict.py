@@ -111,13 +111,14 @@ def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
         nbelow = tl.sum((cand & (st < lo)).to(tl.int32), axis=0)
     below = cand & (st < lo)
     eq = cand & (st == lo)
-    # one scan for both running counts: below in the low 32 bits, equal stamps in the high ones; the
-    # equal-stamp slots taken are the first (nhost - nbelow) in slot order, so a taken slot's rank is
-    # (belows before it) + min(equals before it, nhost - nbelow)
-    cs = tl.cumsum(below.to(tl.int64) + (eq.to(tl.int64) << 32), axis=0)
-    ce = (cs >> 32).to(tl.int32)
+    # one int32 scan for both running counts: below in the low 16 bits, equal stamps in the high ones
+    # (each < 2^15: BP <= 32,768); the equal-stamp slots taken are the first (nhost - nbelow) in slot
+    # order, so a taken slot's rank is (belows before it) + min(equals before it, nhost - nbelow)
+    tl.static_assert(BP <= 32768)
+    cs = tl.cumsum(below.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    ce = cs >> 16
     take = below | (eq & (ce <= nhost - nbelow))
-    r = (cs & 0xFFFFFFFF).to(tl.int32) + tl.minimum(ce, nhost - nbelow) - 1
+    r = (cs & 0xFFFF) + tl.minimum(ce, nhost - nbelow) - 1
     tl.store(vk + r, sl.to(tl.int64), mask=take)
 
 
