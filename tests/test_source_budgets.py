@@ -78,6 +78,12 @@ def test_bad_budgets_name_the_flag():
         LLM("tiny", preset="hisparse", source_hot_cache_rows=(16, 8, 16))
     with pytest.raises(ConfigValueError, match="source_hot_cache_rows"):
         EngineConfig(source_hot_cache_rows=(16, 0))
+    # past what the plan kernel ranks (16-bit victim counts): refused at configuration, not at a step
+    with pytest.raises(ConfigValueError, match="source_hot_cache_rows must be at most 32768"):
+        EngineConfig(source_hot_cache_rows=(16, 32769))
+    with pytest.raises(ConfigValueError, match="hot_cache_rows must be at most 32768"):
+        EngineConfig(hot_cache_rows=32769)
+    assert EngineConfig(hot_cache_rows=32768).hot_cache_rows == 32768
 
 
 def test_a_resolver_that_ignores_the_budget_is_caught(monkeypatch):

@@ -8,6 +8,7 @@ from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
+from dhisparse.kernels.resolver import MAX_B  # hot rows a slot the plan kernel ranks
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.context import RESOLVER_COPIES  # separate, fused
 from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
@@ -44,7 +45,7 @@ class EngineConfig:
     max_num_batched_tokens [--max-num-batched-tokens]: token budget of one step (chunked prefill).
     max_model_len [--max-model-len]: prompt + output limit; None = model's max positions.
     hot_cache_rows [--hot-cache-rows]: hot-cache rows B per request and source (hierarchical
-        presets); None = 2 x the model's index_topk. Must be >= index_topk.
+        presets); None = 2 x the model's index_topk. Must be >= index_topk and <= 32,768.
     source_hot_cache_rows [--source-hot-cache-rows]: one budget per KV source / selection group
         instead (comma list in source order; the paper's V4.1 setting: 8192 for the shared source,
         4096 for the others); each >= index_topk. A request's hot-cache pages hold the largest.
@@ -293,6 +294,9 @@ class EngineConfig:
                                                                               or b < 1 for b in per)):
             raise ConfigValueError(f"source_hot_cache_rows (--source-hot-cache-rows) must be a tuple of positive ints, "
                                    f"one per KV source; got {per!r}")
+        for name, rows in (("hot_cache_rows", (self.hot_cache_rows,)), ("source_hot_cache_rows", per or ())):
+            if any(b is not None and b > MAX_B for b in rows):  # the plan kernel's packed victim ranks
+                raise ConfigValueError(f"{name} must be at most {MAX_B} rows a request and source; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         self._check_new_fields()
