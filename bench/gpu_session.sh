@@ -374,6 +374,7 @@ case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's c
         python3 bench/resolver_one_call.py --level "${lvl}%" --batch 8
     ncu --import "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1 || true
     ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "${rep}_source.csv" 2>&1 || true
+    python3 bench/ncu_top.py "${rep}_source.csv" --top 60 --json "${rep}_top.json" > "${rep}_top.txt" 2>&1 || true
   done ;; esac
 case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct cases, same script as s16b's result (~4 min)
   run "resolver bench (K 8 unions, direct)" timeout ${MULTI33_TIMEOUT:-300} python3 bench/resolver_bench.py ${MULTI33_ARGS:-} \
