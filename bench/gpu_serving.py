@@ -307,8 +307,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     written there."""
     from dhisparse.bench.reference import load_reference, reference_key, save_reference
 
-    key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes,
-                        R.source_commit())
+    key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     tok = loaded.tokenizer
     prefix = prefix_ids(tok, ns.input_len, loaded.config.vocab_size)
     prompts = [tuple(prefix + tok.encode(suffix_text(i))) for i in range(ns.distinct_suffixes)]
@@ -319,7 +318,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     else:
         outputs = decode_reference(ns, sz, loaded, prefixes, prefix, prompts)
         if ns.reference_file:
-            save_reference(ns.reference_file, key, outputs)
+            save_reference(ns.reference_file, key, outputs, commit=R.source_commit())
         print(f"[reference] {len(outputs)} outputs decoded in {time.perf_counter() - t:.0f} s"
               + (f", written to {ns.reference_file}" if ns.reference_file else ""), flush=True)
     return {prompts[i]: outputs[i] for i in range(ns.distinct_suffixes)}

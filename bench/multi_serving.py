@@ -89,12 +89,11 @@ def reference_for(ns, layout: M.Layout, preset: str, tmp: Path) -> dict | None:
     """(path, key) of a +spec world's oracle reference (dhisparse.bench.reference's key and the
     world's layout); None for other presets."""
     from dhisparse.bench.reference import reference_key
-    from dhisparse.bench.results import source_commit
 
     if not preset.endswith("+spec"):
         return None
-    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes,
-                        source_commit()) | {"layout": layout.name}
+    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len,
+                        ns.distinct_suffixes) | {"layout": layout.name}
     folder = Path(ns.reference_dir) if ns.reference_dir else tmp
     name = f"oracle_ref_{ns.model}_{layout.name.replace('+', 'p')}_{ns.input_len}_{ns.output_len}.json"
     return {"path": str(folder / name), "key": key}

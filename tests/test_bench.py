@@ -609,9 +609,11 @@ def test_drafter_checkpoint_takes_the_papers_ring_row(tmp_path, capsys):
 
 
 def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run(tmp_path, monkeypatch):
-    """gpu_serving --reference-file: the first call decodes and writes the outputs, a second at the
-    same commit reads them (no decode) and gives the same prompt -> output map; a file made for
-    another output length or commit is refused naming the field."""
+    """gpu_serving --reference-file: the first call decodes and writes the outputs, a second on the
+    same code reads them (no decode) and gives the same prompt -> output map, also at another commit
+    (a docs-only commit keeps the package's files); a file made for another output length or by
+    other package files (`code_digest`) is refused naming the field."""
+    import dhisparse.bench.reference as ref_mod
     from dhisparse.bench.reference import ReferenceMismatch, load_reference, reference_key
     from dhisparse.bench.sweep import load_shared_model
     from dhisparse.engine.config import EngineConfig
@@ -631,11 +633,14 @@ def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run
 
     monkeypatch.setattr(gs, "decode_reference", no_decode)
     assert gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False)) == first
-    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes, "abc1234")
+    assert json.loads(path.read_text())["commit"] == "abc1234"  # recorded, not matched:
+    monkeypatch.setenv("DHISPARSE_COMMIT", "def5678")
+    assert gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False)) == first
+    key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     with pytest.raises(ReferenceMismatch, match="output_len: file 12, run 13"):
         load_reference(path, dict(key, output_len=13))
-    monkeypatch.setenv("DHISPARSE_COMMIT", "def5678")
-    with pytest.raises(ReferenceMismatch, match="commit"):
+    monkeypatch.setattr(ref_mod, "code_digest", lambda root=None: "other package files")
+    with pytest.raises(ReferenceMismatch, match="code: file '[0-9a-f]{32}', run 'other package files'"):
         gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
     assert load_reference(tmp_path / "none.json", key) is None
 
@@ -771,3 +776,27 @@ def test_the_context_sweep_finds_where_the_hierarchy_overtakes_resident(tmp_path
         paths[-1].write_text(json.dumps(r))
     assert main(["plot", *map(str, paths), "--out", str(tmp_path / "fig")]) == 0
     assert_png(tmp_path / "fig" / "context.png")
+
+
+def test_code_digest_follows_every_file_and_skips_caches(tmp_path):
+    """The oracle reference's `code` key: any file's bytes or name under the root change it; a
+    __pycache__ entry does not."""
+    from dhisparse.bench.reference import code_digest
+
+    def digest(tag):
+        d = tmp_path / tag
+        for name, text in files.items():
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            (d / name).write_text(text)
+        return code_digest(d)
+
+    files = {"a.py": "x = 1\n", "m/b.json": "{}"}
+    base = digest("base")
+    files["__pycache__/a.cpython-311.pyc"] = "cache"
+    assert digest("cached") == base
+    del files["__pycache__/a.cpython-311.pyc"]
+    files["a.py"] = "x = 2\n"
+    assert digest("edited") != base
+    files["a.py"], files["m/c.json"] = "x = 1\n", files.pop("m/b.json")
+    assert digest("renamed") != base
+    assert len(code_digest()) == 32 and code_digest() == code_digest()

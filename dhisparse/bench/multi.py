@@ -51,6 +51,7 @@ from pathlib import Path
 
 from dhisparse.bench.inproc import InProcessLoop
 from dhisparse.bench.reference import FileReference, load_reference, save_reference
+from dhisparse.bench.results import source_commit
 from dhisparse.bench.workload import Phases, Workload, suffix_text
 from dhisparse.core.params import SamplingParams
 
@@ -232,7 +233,7 @@ def reference_decoder(path: Path, key: dict, output_len: int):
             for o in loop.engine.step():
                 if o.request_id in rids and o.finished:
                     outs[rids[o.request_id]] = list(o.token_ids)
-        save_reference(path, key, outs, prompts=prompts)
+        save_reference(path, key, outs, prompts=prompts, commit=source_commit())
 
     return decode
 

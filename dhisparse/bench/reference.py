@@ -3,10 +3,16 @@
 A serving run with the oracle drafter first decodes every distinct prompt greedily without
 speculation (`gpu_serving.oracle_reference`): at glm5-faithful's 100K, C20 and 1,024-token outputs
 that is ~100 s of a 600-s device call. The outputs depend only on the model, the prompts, the row
-format and the code, so a later call at the same commit can read them back instead:
+format and the code, so a later call on the same code can read them back instead:
 
-    {"key": {model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, commit},
+    {"key": {model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, code},
+     "commit": the commit it was made at (information only),
      "outputs": {"0": [token ids of suffix 0's greedy output], ...}}
+
+`code` is `code_digest()`: a hash of every file of the dhisparse package (the models, their seeded
+weights, kernels, tokenizer and the prompt builders all live there). A commit that changes only
+docs, tests or bench/ scripts keeps it, so a carried reference stays valid across such commits; any
+change to the package's files refuses it.
 
 Prompts are not stored (100K ids each): suffix i's prompt is the prepared prefix followed by
 `suffix_text(i)`, rebuilt by the caller. A file whose key differs from the run's is refused with
@@ -28,17 +34,37 @@ import json
 import os
 from pathlib import Path
 
-KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "input_len", "output_len", "distinct_suffixes", "commit")
+KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "input_len", "output_len", "distinct_suffixes", "code")
+_PACKAGE = Path(__file__).resolve().parent.parent  # dhisparse/
+_DIGESTS: dict[Path, str] = {}
 
 
 class ReferenceMismatch(ValueError):
     """A reference file made for another run; the message names the fields that differ."""
 
 
+def code_digest(root: Path | None = None) -> str:
+    """blake2b (16 bytes, hex) of every file under root (default: the dhisparse package), each as its
+    relative path and bytes in sorted order; __pycache__ and .pyc files are skipped. Computed once a
+    process per root (~0.1 s for the package)."""
+    root = Path(root) if root is not None else _PACKAGE
+    if root not in _DIGESTS:
+        h = hashlib.blake2b(digest_size=16)
+        for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                        and p.suffix != ".pyc"):
+            rel = f.relative_to(root).as_posix().encode()
+            h.update(len(rel).to_bytes(4, "little") + rel)
+            data = f.read_bytes()
+            h.update(len(data).to_bytes(8, "little") + data)
+        _DIGESTS[root] = h.hexdigest()
+    return _DIGESTS[root]
+
+
 def reference_key(model: str, dtype: str, kv_cache_dtype: str, input_len: int, output_len: int,
-                  distinct_suffixes: int, commit: str | None) -> dict:
-    """What a reference's tokens depend on (commit None: unknown, and then never matches a file)."""
-    return dict(zip(KEY_FIELDS, (model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, commit)))
+                  distinct_suffixes: int, code: str | None = None) -> dict:
+    """What a reference's tokens depend on; code defaults to this process's `code_digest()`."""
+    code = code_digest() if code is None else code
+    return dict(zip(KEY_FIELDS, (model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, code)))
 
 
 def prompt_digest(ids) -> str:
@@ -46,12 +72,14 @@ def prompt_digest(ids) -> str:
     return hashlib.blake2b(array.array("q", [int(t) for t in ids]).tobytes(), digest_size=16).hexdigest()
 
 
-def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]], prompts: list | None = None) -> Path:
+def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]], prompts: list | None = None,
+                   commit: str | None = None) -> Path:
     """Write outputs (suffix index -> greedy output ids) under key, and with `prompts` (suffix i's
-    prompt ids at i) their digests; written whole and renamed into place. Returns the path."""
+    prompt ids at i) their digests; `commit` is recorded for the reader, not matched. Written whole
+    and renamed into place. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data: dict = {"key": key}
+    data: dict = {"key": key, "commit": commit}
     if prompts is not None:
         data["prompts"] = {prompt_digest(p): i for i, p in enumerate(prompts)}
     data["outputs"] = {str(i): list(map(int, v)) for i, v in sorted(outputs.items())}
@@ -64,17 +92,14 @@ def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]], p
 def load_reference(path: str | Path, key: dict) -> dict[int, list[int]] | None:
     """The outputs in path if it exists and was made under key; None if there is no file.
 
-    Raises ReferenceMismatch naming the differing fields (or an unknown commit), and ValueError
-    for a file that is not a reference or lacks a suffix."""
+    Raises ReferenceMismatch naming the differing fields (`code`: made by other package files), and
+    ValueError for a file that is not a reference or lacks a suffix."""
     path = Path(path)
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or "key" not in data or "outputs" not in data:
         raise ValueError(f"{path}: not an oracle reference file (needs 'key' and 'outputs')")
-    if key.get("commit") is None:
-        raise ReferenceMismatch(f"{path}: the run's commit is unknown (set DHISPARSE_COMMIT), so a stored reference "
-                                "cannot be matched to its code")
     fields = [*KEY_FIELDS, *(k for k in key if k not in KEY_FIELDS)]
     diff = {k: (data["key"].get(k), key[k]) for k in fields if data["key"].get(k) != key[k]}
     if diff:
