@@ -105,6 +105,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--arms", default="", metavar="A;B;...",
       help="engine settings compared in one process, e.g. 'staging_mode=paper;staging_mode=single' (each arm a "
            "comma-separated NAME=VALUE list on top of --engine-arg); every preset runs once per arm, labelled preset@arm")
+    a("--arm-presets", default="", metavar="P,Q",
+      help="with --arms: only these presets run once per arm; the others run once a repeat with no arm (a shared "
+           "baseline: e.g. hisparse once beside adaptive+spec at three oracle rates), and each arm's ratio is taken "
+           "against that baseline")
     a("--repeats", type=int, default=1, help="windows per (preset, arm, load); repeat r rotates the arm order by r")
     a("--graph-max-bs-per-load", action="store_true",
       help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
@@ -135,6 +139,9 @@ def parse(argv=None) -> argparse.Namespace:
     ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
     ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
     ns.arm_list = [a.strip() for a in ns.arms.split(";") if a.strip()] or [""]
+    ns.armed = [x.strip() for x in ns.arm_presets.split(",") if x.strip()]
+    if ns.armed and (not ns.arms or set(ns.armed) - set(ns.preset_list)):
+        p.error(f"--arm-presets {ns.arm_presets!r} needs --arms and names only presets of --presets ({ns.presets})")
     if ns.repeats < 1:
         p.error(f"--repeats must be >= 1, got {ns.repeats}")
     for arm in ns.arm_list:
@@ -150,8 +157,15 @@ def arm_pairs(arm: str) -> list[str]:
 def schedule(ns) -> list[tuple[int, str, str]]:
     """(C, preset, arm) in run order: per load, `--repeats` rounds of every arm x preset; round r
     starts at arm r mod len(arms) and, within each arm, at preset r mod len(presets), so no arm and
-    no preset always runs first on a warm machine (issue 31 item 4: preset order rotated)."""
+    no preset always runs first on a warm machine (issue 31 item 4: preset order rotated).
+    With --arm-presets a round is the presets not armed (arm "") and every armed (preset, arm), that
+    list rotated by r."""
     n, m = len(ns.arm_list), len(ns.preset_list)
+    if getattr(ns, "armed", None):
+        items = [(p, "") for p in ns.preset_list if p not in ns.armed]
+        items += [(p, a) for a in ns.arm_list for p in ns.preset_list if p in ns.armed]
+        k = len(items)
+        return [(c, *items[(r + i) % k]) for c in ns.concurrencies for r in range(ns.repeats) for i in range(k)]
     return [(c, ns.preset_list[(r + j) % m], ns.arm_list[(r + i) % n]) for c in ns.concurrencies
             for r in range(ns.repeats) for i in range(n) for j in range(m)]
 
@@ -380,13 +394,12 @@ def device_memory(loaded, counters: dict) -> dict:
 def prewarm(ns, sz, loaded, prefixes, reference) -> None:
     """One engine per (preset, arm), whole-step graphs warmed for one request, built and dropped
     unmeasured: what a process compiles the first time it runs a verification width is paid here."""
-    for preset in ns.preset_list:
-        for arm in ns.arm_list:
-            t = time.perf_counter()
-            engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference, cuda_graph_max_bs=1, step_graph_warmup=True)
-            del engine
-            release_memory()
-            print(f"[prewarm] {label(preset, arm)} in {time.perf_counter() - t:.0f} s", flush=True)
+    for preset, arm in dict.fromkeys((p, a) for _, p, a in schedule(ns)):  # each (preset, arm) the windows run
+        t = time.perf_counter()
+        engine = arm_engine(ns, sz, loaded, prefixes, preset, arm, reference, cuda_graph_max_bs=1, step_graph_warmup=True)
+        del engine
+        release_memory()
+        print(f"[prewarm] {label(preset, arm)} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
 def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[dict]]:
@@ -413,9 +426,10 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
     for c in concurrencies:
         for arm in arms:
             for p, base in [(p, "hisparse") for p in ("adaptive", "adaptive+spec", "resident")] + [("adaptive", "resident")]:
-                num, den = by.get((label(p, arm), c)), by.get((label(base, arm), c))
+                b = label(base, arm) if (label(base, arm), c) in by else base  # --arm-presets: a shared baseline
+                num, den = by.get((label(p, arm), c)), by.get((b, c))
                 if num is not None and den:
-                    ratios[f"{label(p, arm)}/{label(base, arm)}@C{c}"] = num / den
+                    ratios[f"{label(p, arm)}/{b}@C{c}"] = num / den
         for (name, cc), v in by.items():  # arm k against arm 0, same preset and load
             preset, _, arm = name.partition("@")
             first = label(preset, arms[0])
@@ -461,8 +475,9 @@ def main(argv=None) -> int:
     if sz["max_running_requests"] < sz["slot_target"]:
         print(f"[sizing] WARNING: the hierarchy admits only {sz['max_running_requests']} < {sz['slot_target']} requests "
               "(device or host memory); more host memory or a shorter --input-len raises it", flush=True)
-    print(f"[budget] estimated wall time {est:.0f} s ({len(ns.preset_list)} presets x {len(ns.arm_list)} arms x "
-          f"{ns.repeats} repeats x {len(ns.concurrencies)} concurrencies x {ns.duration:.0f} s + overheads)", flush=True)
+    print(f"[budget] estimated wall time {est:.0f} s ({len(schedule(ns))} windows of {ns.duration:.0f} s: "
+          f"{len(ns.preset_list)} presets, {len(ns.arm_list)} arms{' for ' + ','.join(ns.armed) if ns.armed else ''}, "
+          f"{ns.repeats} repeats, {len(ns.concurrencies)} concurrencies; + overheads)", flush=True)
     if est > BUDGET_S and not ns.force:
         print(f"[budget] REFUSING: {est:.0f} s > {BUDGET_S} s; lower --duration / --concurrency / --presets or pass --force")
         return 2

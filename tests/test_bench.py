@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import matplotlib.image as mpimg
 import pytest
@@ -295,6 +296,20 @@ def test_gpu_serving_arms_rotate_and_apply_their_settings():
     assert gs.label("adaptive", "staging_mode=single") == "adaptive@staging_mode=single" and gs.label("adaptive", "") == "adaptive"
     with pytest.raises(SystemExit, match="staging_mod"):
         gs.parse(["--quick", "--arms", "staging_mod=paper"])
+    # --arm-presets: the armed preset once per arm, the others once a round as a shared baseline; rotated
+    ns = gs.parse(["--quick", "--presets", "hisparse,adaptive+spec", "--arms", "seed=1;seed=2", "--arm-presets", "adaptive+spec",
+                   "--repeats", "2"])
+    assert [(p, a) for _, p, a in gs.schedule(ns)] == [
+        ("hisparse", ""), ("adaptive+spec", "seed=1"), ("adaptive+spec", "seed=2"),
+        ("adaptive+spec", "seed=1"), ("adaptive+spec", "seed=2"), ("hisparse", "")]
+    for bad in (["--arm-presets", "adaptive+spec"], ["--arms", "seed=1", "--arm-presets", "resident"]):
+        with pytest.raises(SystemExit):
+            gs.parse(["--quick", "--presets", "hisparse,adaptive+spec", *bad])
+    runs = [types.SimpleNamespace(preset=lab, concurrency=4, metrics=types.SimpleNamespace(
+        output_tok_s=v, **{k: None for k in gs.METRICS if k != "output_tok_s"}, counters={}), engine={})
+        for lab, v in (("hisparse", 10.0), ("adaptive+spec@seed=1", 15.0), ("adaptive+spec@seed=2", 12.0))]
+    _, ratios, _ = gs.summarize(runs, [4], ns.arm_list)
+    assert ratios["adaptive+spec@seed=1/hisparse@C4"] == 1.5 and ratios["adaptive+spec@seed=2/hisparse@C4"] == 1.2
 
 
 def test_gpu_serving_charges_speculation_for_its_memory():
