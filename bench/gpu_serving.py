@@ -161,7 +161,7 @@ def schedule(ns) -> list[tuple[int, str, str]]:
     With --arm-presets a round is the presets not armed (arm "") and every armed (preset, arm), that
     list rotated by r."""
     n, m = len(ns.arm_list), len(ns.preset_list)
-    if getattr(ns, "armed", None):
+    if ns.armed:
         items = [(p, "") for p in ns.preset_list if p not in ns.armed]
         items += [(p, a) for a in ns.arm_list for p in ns.preset_list if p in ns.armed]
         k = len(items)
