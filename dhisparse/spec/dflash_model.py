@@ -86,16 +86,57 @@ class DraftAttention(nn.Module):
         flat = x.reshape(n * b, -1)
         q = rope_half_split(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), cos, sin)
         k_blk, v_blk = self.kv(flat, cos, sin)
-        k = torch.cat([ctx_k, k_blk.view(n, b, self.kv_heads, self.head_dim)], dim=1)  # [N, L+B, kvh, d]
-        v = torch.cat([ctx_v, v_blk.view(n, b, self.kv_heads, self.head_dim)], dim=1)
-        rep = self.heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [N, heads, L+B, d]
-        v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-        q = q.view(n, b, self.heads, self.head_dim).transpose(1, 2)  # [N, heads, B, d]
-        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v.float()  # a query that sees nothing: 0
-        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(n, b, -1))
+        shape = (n, b, self.kv_heads, self.head_dim)
+        out = grouped_attention(q.view(n, b, self.heads, self.head_dim), ctx_k, ctx_v, k_blk.view(shape),
+                                v_blk.view(shape), visible)
+        return self.o_proj(out.to(x.dtype).reshape(n, b, -1))
+
+
+def _keys32(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+    """[ctx ; blk] along positions, per K/V head, in fp32: ctx [N, L, kvh, d], blk [N, B, kvh, d]
+    -> [N, kvh, L+B, d] contiguous (the transpose and the upcast are one copy)."""
+    return torch.cat([ctx, blk], dim=1).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
+                      v_blk: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """GQA over [context ; block] in fp32, each K/V head read once for its group of query heads.
+
+    q [N, B, Hq, d]; ctx_k / ctx_v [N, L, kvh, d]; k_blk / v_blk [N, B, kvh, d]; visible [N, B, L+B]
+    -> [N, B, Hq, d] fp32. Query head h uses K/V head h // (Hq / kvh), as repeat_interleave would
+    pair them; a query that sees no key gets 0.
+
+        scores [N, kvh, B*rep, L+B]   rows (block query i, head r of the group), i-major
+               = q_g @ k^T / sqrt(d), -inf where not visible, softmax over keys
+
+    The per-head form (K/V repeated to every query head, then upcast) moved Hq/kvh times the K/V
+    bytes: with the paper's GLM-5 drafter shape (48 query heads over 4 K/V heads of 128, a 2,048-row
+    window) ~2 GB of transient fp32 K/V a layer at C20. Here K/V are upcast once per K/V head
+    (`per_head_attention` is the reference; tests/test_dflash_attention.py checks the two agree and
+    that a wrong pairing fails).
+    """
+    n, b, hq, d = q.shape
+    kvh = ctx_k.shape[2]
+    rep = hq // kvh
+    k, v = _keys32(ctx_k, k_blk), _keys32(ctx_v, v_blk)
+    qg = q.view(n, b, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * rep, d).float()
+    scores = (qg @ k.transpose(-1, -2)).div_(math.sqrt(d))  # [N, kvh, B*rep, L+B]
+    scores.view(n, kvh, b, rep, -1).masked_fill_(~visible[:, None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: training differentiates softmax
+    return (probs @ v).view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
+
+
+def per_head_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
+                       v_blk: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention`'s plain reference, same signature and result: K/V repeated to every
+    query head (repeat_interleave), upcast, masked softmax. Tests and bench/drafter_round.py only:
+    it moves Hq / kvh times the K/V bytes."""
+    rep = q.shape[2] // ctx_k.shape[2]
+    k = torch.cat([ctx_k, k_blk], 1).repeat_interleave(rep, dim=2).transpose(1, 2).float()
+    v = torch.cat([ctx_v, v_blk], 1).repeat_interleave(rep, dim=2).transpose(1, 2).float()
+    scores = (q.transpose(1, 2).float() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return (torch.softmax(scores, -1).nan_to_num(0.0) @ v).transpose(1, 2)
 
 
 class DraftLayer(nn.Module):
@@ -149,7 +190,9 @@ class DFlashModel(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [numel, head_dim/2] (half-split rotation, default RoPE)."""
         pos = positions.reshape(-1).to(torch.float64)
-        freqs = pos[:, None] * self._inv_freq.to(positions.device)[None, :]
+        if self._inv_freq.device != positions.device:  # moved once: no host copy inside a graph capture
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = pos[:, None] * self._inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     @torch.inference_mode()
