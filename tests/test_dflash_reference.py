@@ -143,7 +143,7 @@ def run_ours(drafter: DFlashDrafter, case, feats, anchors):
         drafter.observe(rid, split, 0)
         req = DraftRequest(rid, list(range(n)), int(anchors[r]), case["block"])
         reqs.append(req), states.append(drafter._prepare(req))
-    hidden, logits = drafter._draft_logits(reqs, states)
+    hidden, logits, _ = drafter._draft_logits(reqs, states)
     tokens = torch.tensor([p.tokens for p in drafter.propose(reqs)])
     for req in reqs:
         drafter.release(req.request_id)

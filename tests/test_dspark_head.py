@@ -48,7 +48,7 @@ def prepared(drafter, n: int, rows: int, seed: int = 0):
 def expected_greedy(drafter, reqs):
     """The head's formula written out: e = W1[prev], g = sigmoid(G h), x = argmax(U + (e*g) W2^T)."""
     states = [drafter._prepare(r) for r in reqs]
-    hidden, logits = drafter._draft_logits(reqs, states)
+    hidden, logits, _ = drafter._draft_logits(reqs, states)
     mh = drafter.model.sequential_head.markov_head
     out, confs = [], []
     for r, req in enumerate(reqs):

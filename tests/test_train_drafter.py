@@ -124,7 +124,7 @@ def test_training_forward_equals_the_inference_drafter(setup, window):
         rid = f"r{i}"
         d.observe(rid, _features(cfg, feats[s, :n]), 0)
         reqs.append(DraftRequest(rid, seqs[s, :n].tolist(), int(seqs[s, n]), BLOCK))
-    ref_hidden, ref_logits = d._draft_logits(reqs, [d._states[r.request_id] for r in reqs])
+    ref_hidden, ref_logits, _ = d._draft_logits(reqs, [d._states[r.request_id] for r in reqs])
     assert torch.allclose(hidden, ref_hidden, atol=1e-5) and torch.allclose(logits, ref_logits, atol=1e-4)
     assert [p.tokens for p in d.propose(reqs)] == tokens.tolist()
     assert (slipped - ref_logits).abs().max() > 1e-2  # one position off (context through the anchor) is caught

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.models.graphs import auto_graph_mode, graphs_for
+from dhisparse.models.graphs import CudaGraphRunner, auto_graph_mode, graphs_for
 
 if TYPE_CHECKING:
     from dhisparse.engine.engine import Engine
@@ -30,6 +30,18 @@ def set_graphs(eng: Engine, mode: str) -> None:
             raise ValueError(f"cuda_graphs {mode!r} is available for DSA models (GLM-5.x, DeepSeek-V3.2) only")
         return
     eng.model.graphs = graphs_for(eng.device, mode, experts, eng.model.graphs)
+
+
+def drafter_graphs(eng: Engine, mode: str) -> bool:
+    """The drafter's network replays from its own CUDA graphs (spec/dflash_graphs.py for the DFlash
+    family) on CUDA unless `--cuda-graphs none`; independent of the target's graph mode (a
+    DeepSeek-V4 target has none, its DFlash / DSpark drafter does)."""
+    if eng.spec is None or eng.device.type != "cuda" or mode == "none":
+        return False
+    on = eng.spec.drafter.use_graphs(CudaGraphRunner())
+    if on:
+        log.info("drafter: block pass from CUDA graphs per request bucket (captured on first use)")
+    return on
 
 
 def capture_graphs(eng: Engine, config: EngineConfig) -> None:

@@ -32,7 +32,8 @@ from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.drafter import Commit, DrafterBytes, DraftProposal, DraftRequest, Features
-from dhisparse.spec.ring import DenseDraftKV, DraftKVRing, ring_rows
+from dhisparse.spec.dflash_graphs import BlockGraphs
+from dhisparse.spec.ring import STALE, DenseDraftKV, DraftKVRing, ring_rows
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class DFlashDrafter:
         log.info("draft KV ring: W %d, %d rows x %d slots, %s per request", self.window, self.ring_rows, max_requests,
                  f"{self._bytes / 2**20:.1f} MiB")
         self._states: dict[str, _State] = {}
+        self.graphs: BlockGraphs | None = None  # `use_graphs`
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -127,7 +129,7 @@ class DFlashDrafter:
         return DrafterBytes(weights, self.kv.device_bytes())
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return {} if self.graphs is None else self.graphs.counters()
 
     def admit(self, request_id: str) -> None:
         if request_id not in self._states:
@@ -203,13 +205,14 @@ class DFlashDrafter:
                 live.append((i, req, state))
         if live:
             reqs, states = [r for _, r, _ in live], [s for _, _, s in live]
-            hidden, logits = self._draft_logits(reqs, states)
+            hidden, logits, stale = self._draft_logits(reqs, states)
             if self.cfg.is_dflash2:
                 picked = self._select(reqs, states, hidden, logits)
             elif self.cfg.is_dspark:
                 picked = self._head(reqs, states, hidden, logits)
             else:
                 picked = [self._pick(r, s, row) for r, s, row in zip(reqs, states, logits)]
+            self._check_live(stale)
             for (i, _, _), prop in zip(live, picked):
                 out[i] = prop
         return out  # type: ignore[return-value]
@@ -286,22 +289,39 @@ class DFlashDrafter:
                 f"{req.num_committed - 1} in DraftRequest.new_features, observe() or commit()"
             )
 
-    def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden [N, B-1, H], fp32 logits [N, B-1, V]) of block rows 1..B-1."""
-        b, device = self.cfg.block_size, self.model.fc.weight.device
-        ids = torch.full((len(reqs), b), self.cfg.mask_token_id, dtype=torch.int64, device=device)
-        ids[:, 0] = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=device)
-        n = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64, device=device)
-        positions = n[:, None] + torch.arange(b, device=device)[None, :]
-        ctx, valid, ctx_pos = self._gather_context(reqs, states, device)
+    def _draft_logits(self, reqs: list[DraftRequest], states: list[_State]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (hidden [N, B-1, H], fp32 logits [N, B-1, V] of block rows 1..B-1, stale: a bool scalar
+        to check once the round's drafts are read, see `_check_live`). The block pass replays from
+        `graphs` where it can (spec/dflash_graphs.py), else runs eagerly over the same inputs."""
+        anchors, committed = [r.anchor for r in reqs], [r.num_committed for r in reqs]
+        out = self.graphs.run(anchors, committed, [s.slot for s in states]) if self.graphs is not None else None
+        if out is None:
+            device = self.model.fc.weight.device
+            ctx, valid, ctx_pos, stale = self._gather_context(reqs, states, device)
+            as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+            hidden = self._block(as_t(anchors), as_t(committed), ctx, valid, ctx_pos)
+        else:
+            hidden, stale = out
+        hidden = hidden[:, 1:]
+        with torch.inference_mode():
+            return hidden, self.model.logits(hidden, self.lm_head), stale
+
+    def _block(self, anchors: torch.Tensor, committed: torch.Tensor, ctx: list, valid: torch.Tensor,
+               ctx_pos: torch.Tensor) -> torch.Tensor:
+        """The block pass: anchors / committed [N] int64 on the device, ctx per layer (k, v) [N, L,
+        kvh, d], valid / ctx_pos [N, L] -> final-normed hidden [N, B, H] of the block
+        [anchor, mask * (B-1)] at positions n..n+B-1 (eager, or captured by `BlockGraphs`)."""
+        b = self.cfg.block_size
+        ids = torch.full((anchors.shape[0], b), self.cfg.mask_token_id, dtype=torch.int64, device=anchors.device)
+        ids[:, 0] = anchors
+        positions = committed[:, None] + torch.arange(b, device=anchors.device)[None, :]
         with torch.inference_mode():
             x = self.embed(ids).to(self.model.fc.weight.dtype) * self.cfg.input_embedding_scale
-            hidden = self.model.block_hidden(x, positions, ctx, valid, ctx_pos)[:, 1:]
-            return hidden, self.model.logits(hidden, self.lm_head)
+            return self.model.block_hidden(x, positions, ctx, valid, ctx_pos)
 
     def _gather_context(self, reqs: list[DraftRequest], states: list[_State], device):
         """Window K/V per layer, left-aligned and padded: ([(k, v) [N, L, kvh, d]], valid [N, L],
-        positions [N, L])."""
+        positions [N, L], stale: one liveness flag for every layer, not yet read)."""
         starts = torch.tensor([max(0, r.num_committed - self.window) for r in reqs], dtype=torch.int64)
         ends = torch.tensor([r.num_committed for r in reqs], dtype=torch.int64)
         width = max(int((ends - starts).max()), 1)
@@ -312,9 +332,26 @@ class DFlashDrafter:
         if not bool(valid.any()):
             shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
             zeros = torch.zeros(shape, dtype=self.model.fc.weight.dtype, device=device)
-            return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device), positions.to(device)
-        out = [self.kv.read_batch(slots, layer, positions, valid) for layer in range(self.cfg.num_layers)]
-        return out, valid.to(device), positions.to(device)
+            return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device), positions.to(device), torch.tensor(False)
+        stale = self.kv.stale_batch(slots, positions, valid)
+        out = [self.kv.read_batch(slots, layer, positions, valid, check=False) for layer in range(self.cfg.num_layers)]
+        return out, valid.to(device), positions.to(device), stale
+
+    @staticmethod
+    def _check_live(stale: torch.Tensor) -> None:
+        """Raise if the round read a ring row that no longer holds its position (I6). Read after
+        the drafts, so the check adds no host sync of its own."""
+        if bool(stale):
+            raise RuntimeError(STALE)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def use_graphs(self, runner) -> bool:
+        """Replay the block pass from per-bucket graphs through `runner` (`CudaGraphRunner`; tests:
+        `EagerRunner`) in rounds whose windows are full; the dense reference store has none."""
+        if not isinstance(self.kv, DraftKVRing):
+            return False
+        self.graphs = BlockGraphs(self._block, self.kv, self.window, runner)
+        return True
 
     def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:
         """logits [B-1, V] -> the first min(max_width, B) - 1 drafts."""

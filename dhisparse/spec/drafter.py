@@ -221,6 +221,11 @@ class Drafter(Protocol):
         """The drafter's own counters, merged into the engine's stats ({} when it keeps none)."""
         ...
 
+    def use_graphs(self, runner) -> bool:
+        """Replay the drafter's network from CUDA graphs captured through `runner`
+        (`models.graphs.Runner`) where its shapes allow; False: it has nothing to replay."""
+        ...
+
 
 class Commit(NamedTuple):
     """One request's verification outcome for its drafter: `accepted` drafts, and new_features
@@ -255,7 +260,7 @@ class DrafterBytes:
 
 
 class StatelessDrafter:
-    """Defaults for drafters without per-request device state or feature needs."""
+    """Defaults for drafters without per-request device state, feature needs or a network."""
 
     capture_layers: tuple[int, ...] = ()
     feature_window: int = 0
@@ -284,3 +289,6 @@ class StatelessDrafter:
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    def use_graphs(self, runner) -> bool:
+        return False

@@ -162,6 +162,9 @@ class DSparkDrafter:
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
 
+    def use_graphs(self, runner) -> bool:
+        return self.inner.use_graphs(runner)
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 

@@ -123,6 +123,10 @@ class MtpDrafter:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def use_graphs(self, runner) -> bool:
+        """The MTP block runs eagerly (one layer a round, its shapes vary with the round's rows)."""
+        return False
+
     def state_bytes_per_request(self) -> int:
         """The ring slot plus, until the first round, up to W prompt features awaiting their rows."""
         return self.ring.bytes_per_slot() + self._feat_bytes

@@ -183,6 +183,9 @@ class CostedOracle:
     def stats(self) -> dict[str, float]:
         return self.inner.stats() | self.oracle.stats()
 
+    def use_graphs(self, runner) -> bool:
+        return self.inner.use_graphs(runner)
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
         self.oracle.release(request_id)

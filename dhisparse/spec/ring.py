@@ -104,7 +104,8 @@ class ContextKV(Protocol):
                     v: torch.Tensor) -> None: ...
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor: ...
 
 
 class DraftKVRing:
@@ -157,20 +158,39 @@ class DraftKVRing:
         """positions [n] -> (k, v) [n, kv_heads, head_dim]; raises if a row was overwritten (I6)."""
         rows = self.alloc.rows(slot, positions.to(self.tags.device))
         if not torch.equal(self.tags[layer][rows], positions.to(self.tags.device)):
-            raise RuntimeError("draft ring: a read position is no longer live (window larger than R_d?)")
+            raise RuntimeError(STALE)
         return self.k[layer][rows], self.v[layer][rows]
 
-    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, L] int64 (padding anywhere valid is False) -> (k, v) [N, L, kv_heads, d];
-        padded entries hold arbitrary rows. One gather per tensor for the whole batch."""
+    def rows_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """slots [N] int64, positions [N, L] int64 (device tensors) -> physical rows [N, L] (eq. 10)."""
+        return slots[:, None] * self.alloc.rows_per_slot + torch.remainder(positions, self.alloc.rows_per_slot)
+
+    def stale(self, rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """A device bool scalar, no host sync: does any valid entry's row hold another position in
+        some layer (I6 broken: a window larger than R_d)? rows / positions / valid [N, L]. One check
+        for every layer (layers are written together), read once a round by the drafter."""
+        return ((self.tags[:, rows] != positions[None]) & valid[None]).any()
+
+    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`stale` of the rows of positions [N, L] in slots [N] (a device bool scalar)."""
         dev = self.tags.device
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)[:, None]
+        pos = positions.to(dev)
+        return self.stale(self.rows_of(torch.tensor(slots, dtype=torch.int64, device=dev), pos), pos, valid.to(dev))
+
+    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
+                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, L] int64 (padding anywhere valid is False) -> (k, v) [N, L, kv_heads, d];
+        padded entries hold arbitrary rows. One gather per tensor for the whole batch. check=False
+        skips the liveness check (and its host sync): the caller checks `stale` once instead."""
+        dev = self.tags.device
         pos, ok = positions.to(dev), valid.to(dev)
-        rows = slot_t * self.alloc.rows_per_slot + torch.remainder(pos, self.alloc.rows_per_slot)
-        if not bool(((self.tags[layer][rows] == pos) | ~ok).all()):
-            raise RuntimeError("draft ring: a read position is no longer live (window larger than R_d?)")
+        rows = self.rows_of(torch.tensor(slots, dtype=torch.int64, device=dev), pos)
+        if check and bool(self.stale(rows, pos, ok)):
+            raise RuntimeError(STALE)
         return self.k[layer][rows], self.v[layer][rows]
+
+
+STALE = "draft ring: a read position is no longer live (window larger than R_d?)"
 
 
 class DenseDraftKV:
@@ -214,9 +234,19 @@ class DenseDraftKV:
         pairs = [store[t] for t in positions.tolist()]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
+    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Whether a valid position was never written (or its request released): a CPU bool scalar."""
+        for i, slot in enumerate(slots):
+            layers = self._data.get(slot)
+            want = positions[i][valid[i]].tolist()
+            if layers is None or any(t not in layers[0] for t in want):
+                return torch.tensor(True)
+        return torch.tensor(False)
+
     def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as DraftKVRing.read_batch (padded entries are zeros here)."""
+                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as DraftKVRing.read_batch (padded entries are zeros here; a missing
+        position raises KeyError whatever `check`)."""
         k0, _ = next(row for s in slots for row in self._data[s][layer].values())
         k = torch.zeros(positions.shape + k0.shape, dtype=k0.dtype, device=k0.device)
         v = torch.zeros_like(k)

@@ -1,0 +1,98 @@
+"""CUDA graphs of the DFlash drafter's block pass, one per request bucket.
+
+Eagerly, a DFlash2 round of six layers dispatches ~1,000 PyTorch ops whatever the batch (CPU count,
+bench/drafter_round.py): ~10 ms of host time a round on the H200's host at ~10 us an op, which the
+GPU waits through. A round whose every request has a full window (W committed positions) has
+fixed shapes for a given request count, so the part from the ring's window to the block's hidden
+states replays from a graph; the LM head, the candidate selector (or DSpark's head) and sampling
+stay eager (a few dozen ops; sampling draws from per-request generators).
+
+    requests N -> bucket Nb = smallest bucket >= N (the buckets of models/graphs.py below the ring's
+                  slot count, then the slot count itself: every round has a bucket)
+    static in  [4, Nb] int64: anchor, committed count n, ring slot, real (1) / padding (0)
+    graph      positions p = n - W .. n - 1 [Nb, W]; rows = slot * R_d + p mod R_d (eq. 10)
+               per draft layer (k, v) = ring[rows]; stale = any real row's tag != p (I6, no sync)
+               x = embed([anchor, mask, ...]) * scale; hidden = block_hidden(x, n .. n+B-1, ctx)
+    static out hidden [Nb, B, H], stale []: read as hidden[:N] before the next replay
+
+Padding rows (N..Nb-1) take slot 0, n = W and the mask token: their reads are finite ring rows,
+their outputs are never read, and `stale` ignores them. The pass is the eager one
+(`DFlashDrafter._block`) over the same inputs, so tests replay it with `EagerRunner` on CPU and
+compare the drafts with the eager path's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from dhisparse.models.graphs import DEFAULT_BUCKETS, Runner
+from dhisparse.spec.ring import DraftKVRing
+
+Block = Callable[[torch.Tensor, torch.Tensor, list, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class BlockGraphs:
+    """Per-bucket replays of `block(anchors [N], n [N], ctx, valid [N, W], ctx_pos [N, W])` -> hidden
+    [N, B, H] over a ring window of `window` positions (module docstring)."""
+
+    def __init__(self, block: Block, ring: DraftKVRing, window: int, runner: Runner,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        self.block, self.ring, self.window, self.runner = block, ring, window, runner
+        slots = ring.alloc.num_slots  # no round has more requests than ring slots
+        self.buckets = tuple(b for b in buckets if b < slots) + (slots,)
+        self.device = ring.tags.device
+        self._inputs: dict[int, torch.Tensor] = {}  # Nb -> [4, Nb] int64 on the device
+        self._replays: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.replayed = self.eager = 0
+        self.capture_s = 0.0
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None) if n > 0 else None
+
+    def run(self, anchors: list[int], committed: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden [N, B, H], stale []) from the bucket's graph, or None (eager: a window not yet
+        full). The hidden rows are the graph's static output: read them before the
+        next call."""
+        n = len(anchors)
+        nb = self.bucket(n)
+        if nb is None or min(committed) < self.window:
+            self.eager += 1
+            return None
+        host = self._host(anchors, committed, slots, nb)
+        static = self._inputs.get(nb)
+        if static is None:
+            static = self._inputs[nb] = torch.zeros(4, nb, dtype=torch.int64, device=self.device)
+        static.copy_(host)
+        replay = self._replays.get(nb)
+        if replay is None:
+            t = time.perf_counter()
+            replay = self._replays[nb] = self.runner.capture(lambda: self._pass(static))
+            self.capture_s += time.perf_counter() - t
+        hidden, stale = replay()
+        self.replayed += 1
+        return hidden[:n], stale
+
+    def _host(self, anchors: list[int], committed: list[int], slots: list[int], nb: int) -> torch.Tensor:
+        """The static inputs [4, Nb] on the host: N real rows, then padding (anchor 0, n = W, slot 0,
+        real 0)."""
+        pad = nb - len(anchors)
+        return torch.tensor([anchors + [0] * pad, committed + [self.window] * pad, slots + [0] * pad,
+                             [1] * len(anchors) + [0] * pad], dtype=torch.int64)
+
+    def _pass(self, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured work over the static inputs (module docstring)."""
+        anchors, committed, slots, real = static[0], static[1], static[2], static[3].bool()
+        pos = committed[:, None] - self.window + torch.arange(self.window, device=self.device)[None, :]
+        rows = self.ring.rows_of(slots, pos)
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        stale = self.ring.stale(rows, pos, real[:, None].expand_as(pos))
+        ctx = [(k[rows], v[rows]) for k, v in zip(self.ring.k, self.ring.v)]
+        with torch.inference_mode():
+            return self.block(anchors, committed, ctx, valid, pos), stale
+
+    def counters(self) -> dict[str, float]:
+        return {"drafter_graph_replays": self.replayed, "drafter_graph_eager": self.eager,
+                "drafter_graph_capture_s": self.capture_s, "drafter_graph_buckets": len(self._replays)}
