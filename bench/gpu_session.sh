@@ -9,7 +9,7 @@
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
 #        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
-#        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g
+#        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
 # profile ~2 min, resolver ~1.5 min, serving ~6 min (its own estimate is printed first), loadstep ~5 min.
@@ -360,6 +360,15 @@ case ",$STEPS," in *,costedsweep31,*)  # issue 31: costedfaithful31's run with h
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
       --out "$OUT/costed_sweep_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_h200.json" ;; esac
+case ",$STEPS," in *,drafter34,*)  # issue 31: the DFlash drafter's grouped attention and block-pass CUDA graphs (session 34): CUDA exactness of the drafter files, then a round of the paper's DFlash2 shape on glm5-faithful's hidden / vocabulary at C20 and C47, per_head (the named baseline) / grouped / graph (~5 min cold)
+  run "exactness on CUDA, drafter files" timeout ${EXACT34_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+      tests/test_dflash_graphs.py tests/test_dflash_attention.py tests/test_dflash_reference.py tests/test_spec_dflash.py tests/test_drafters_models.py \
+      tests/test_spec_engine.py tests/test_dspark_head.py tests/test_costed_oracle.py tests/test_spec_ring.py tests/test_train_drafter.py \
+      tests/test_drafter_cost.py tests/test_spec_commit_many.py --junitxml="$OUT/exact34_cuda.xml"
+  for C in ${DRAFTER34_C:-20 47}; do
+    run "drafter round, paper-glm5 DFlash2, C$C" timeout ${DRAFTER34_TIMEOUT:-150} python3 bench/drafter_round.py --model glm5-faithful \
+        --shape paper-glm5 --requests $C --out "$OUT/drafter_round_paperglm5_c${C}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
   run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \

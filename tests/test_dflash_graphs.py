@@ -26,12 +26,13 @@ def target():
     return build_tiny(seed=0)
 
 
-def pair(target, kind: str = "dflash2", slots: int = 6):
-    """(eager drafter, graphed drafter) with the same seeded weights."""
+def pair(target, kind: str = "dflash2", slots: int = 6, runner=None):
+    """(eager drafter, graphed drafter) with the same seeded weights (graphs replayed by `runner`,
+    default `EagerRunner`)."""
     cfg = random_dflash_config(target, block_size=5, num_layers=2, kind=kind)
     make = lambda: DFlashDrafter.random(cfg, target, seed=3, window=W, page=4, k_max=4, max_requests=slots)  # noqa: E731
     eager, graphed = make(), make()
-    assert graphed.use_graphs(EagerRunner())
+    assert graphed.use_graphs(runner or EagerRunner())
     return eager, graphed
 
 
@@ -76,6 +77,28 @@ def same(a, b) -> bool:
         torch.allclose(a[2], b[2], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_cuda_graph_replays_equal_eager_rounds(kind):
+    """The same rounds with real CUDA graphs (`CudaGraphRunner`, captured on first use of a bucket)
+    on the GPU: fp32 weights give the eager drafts; bf16 weights logits within bf16 rounding (the
+    padded bucket may pick other GEMM kernels, so near-tied drafts may differ there)."""
+    from dhisparse.models.graphs import CudaGraphRunner
+
+    for dtype in (torch.float32, torch.bfloat16):
+        target = build_tiny(seed=0, dtype=dtype, device="cuda")
+        eager, graphed = pair(target, kind, runner=CudaGraphRunner())
+        if dtype == torch.bfloat16:  # every bucket captured up front, over padding only
+            assert graphed.use_graphs(CudaGraphRunner(), warm=True) and graphed.stats()["drafter_graph_buckets"] == 4
+        rounds = Rounds([eager, graphed], [20, 31, 15])
+        for k in range(6):
+            a, b = rounds.step(k)
+            err = float((a[2] - b[2]).abs().max() / a[2].abs().max())
+            assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (dtype, k, err)
+            assert dtype == torch.bfloat16 or a[0] == b[0], k
+        assert graphed.stats()["drafter_graph_replays"] == 12
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 @pytest.mark.parametrize("lens", [[20], [20, 31, 15], [40, 13, 25, 17, 19]], ids=["one", "three", "five"])
 def test_graphed_rounds_equal_eager_rounds(target, kind, lens):
@@ -98,6 +121,16 @@ def test_a_window_not_yet_full_runs_eagerly(target):
         assert same(a, b)
     c = graphed.stats()
     assert c["drafter_graph_eager"] >= 2 and c["drafter_graph_replays"] >= 1  # full once the short one grows
+
+
+def test_warm_captures_every_bucket_up_front(target):
+    eager, graphed = pair(target)
+    assert graphed.use_graphs(EagerRunner(), warm=True) and graphed.stats()["drafter_graph_buckets"] == 4  # 1, 2, 4, 6
+    rounds = Rounds([eager, graphed], [20, 31, 15])
+    for k in range(3):
+        a, b = rounds.step(k)
+        assert same(a, b)
+    assert graphed.stats()["drafter_graph_buckets"] == 4 and graphed.stats()["drafter_graph_replays"] == 6
 
 
 def test_the_largest_bucket_is_the_ring_slot_count(target):

@@ -68,6 +68,10 @@ def test_write_batch_is_write_per_slot():
         a.write(s, 1, p, k[start : start + len(p)], v[start : start + len(p)])
         start += len(p)
     assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v)) and torch.equal(a.tags, b.tags)
+    c = DraftKVRing(2, 3, 8, 1, 4)  # every layer at once: layer 0 gets its own values, layer 1 b's
+    c.write_layers(slots, pos, [(v, k), (k, v)])
+    b.write_batch(slots, 0, pos, v, k)
+    assert all(torch.equal(x, y) for x, y in zip(b.k + b.v, c.k + c.v)) and torch.equal(b.tags, c.tags)
     with pytest.raises(ValueError, match="exceed R_d"):
         b.write_batch([0], 0, [torch.arange(9)], torch.zeros(9, 1, 4), torch.zeros(9, 1, 4))
 
@@ -109,14 +113,14 @@ def test_a_failing_batched_pass_falls_back_per_item(target, monkeypatch):
     d, ref = _drafter(target), _drafter(target)
     ids = _admitted(d, 4)
     _admitted(ref, 4)
-    real = d.kv.write_batch
+    real = d.kv.write_layers
 
-    def flaky(slots, layer, positions, k, v):
+    def flaky(slots, positions, kv):
         if len(slots) > 1:
             raise RuntimeError("batched write failed")
-        return real(slots, layer, positions, k, v)
+        return real(slots, positions, kv)
 
-    monkeypatch.setattr(d.kv, "write_batch", flaky)
+    monkeypatch.setattr(d.kv, "write_layers", flaky)
     items = _round(d, ids, 11)
     assert d.commit_many(items) == [None] * 4
     assert ref.commit_many(items) == [None] * 4

@@ -82,7 +82,7 @@ class Engine:
             spec_cfg = dataclasses.replace(spec_cfg, max_context=self.max_model_len)
         # the drafter (weights, ring) first: a pool sized from free device memory leaves it out
         self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
-        graph_setup.drafter_graphs(self, config.cuda_graphs)
+        graph_setup.drafter_graphs(self, config)
         self.store, pages = self._build_kv(config)
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")
         self.scheduler = Scheduler(self.store, config.max_running_requests, config.max_num_batched_tokens, partial(on_admit, self),

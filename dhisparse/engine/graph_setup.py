@@ -32,15 +32,18 @@ def set_graphs(eng: Engine, mode: str) -> None:
     eng.model.graphs = graphs_for(eng.device, mode, experts, eng.model.graphs)
 
 
-def drafter_graphs(eng: Engine, mode: str) -> bool:
+def drafter_graphs(eng: Engine, config: EngineConfig) -> bool:
     """The drafter's network replays from its own CUDA graphs (spec/dflash_graphs.py for the DFlash
     family) on CUDA unless `--cuda-graphs none`; independent of the target's graph mode (a
-    DeepSeek-V4 target has none, its DFlash / DSpark drafter does)."""
-    if eng.spec is None or eng.device.type != "cuda" or mode == "none":
+    DeepSeek-V4 target has none, its DFlash / DSpark drafter does). With `--step-graph-warmup`
+    every bucket is captured here, before the KV pool is sized."""
+    if eng.spec is None or eng.device.type != "cuda" or config.cuda_graphs == "none":
         return False
-    on = eng.spec.drafter.use_graphs(CudaGraphRunner())
+    t = time.perf_counter()
+    on = eng.spec.drafter.use_graphs(CudaGraphRunner(), warm=config.step_graph_warmup)
     if on:
-        log.info("drafter: block pass from CUDA graphs per request bucket (captured on first use)")
+        log.info("drafter: block pass from CUDA graphs per request bucket (%s)", f"captured in {time.perf_counter() - t:.1f} s"
+                 if config.step_graph_warmup else "each captured on first use")
     return on
 
 

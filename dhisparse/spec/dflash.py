@@ -234,23 +234,21 @@ class DFlashDrafter:
 
     def _ingest_many(self, states: list[_State], features: list[Features]) -> None:
         """`_ingest` of several requests in one pass: their kept rows concatenated through the
-        context projections, then one ring write a layer. States advance only once every write is done.
+        context projections, then one ring write for every layer. States advance only once every
+        write is done.
 
             request i:  positions num_context_i .. +n_i - 1, of which the last min(n_i, W) are kept
-            rows:       [ kept_0 | kept_1 | ... ]  -> context_kv -> k, v [sum kept, kvh, d] per layer
+            rows:       [ kept_0 | kept_1 | ... ] per target layer, the layers side by side
+                        -> context_kv -> k, v [sum kept, kvh, d] per draft layer
         """
-        parts, positions, counts = [], [], []
-        for state, feats in zip(states, features):
-            n_new = self._rows(feats)
-            keep = min(n_new, self.window)
-            parts.append(torch.cat([feats[l][n_new - keep:] for l in self.cfg.target_layer_ids], dim=-1))
-            start = state.num_context + n_new - keep
-            positions.append(torch.arange(start, start + keep, dtype=torch.int64))
-            counts.append(n_new)
-        slots = [s.slot for s in states]
-        kv = self.model.context_kv(torch.cat(parts), torch.cat(positions))
-        for layer, (k, v) in enumerate(kv):
-            self.kv.write_batch(slots, layer, positions, k, v)
+        counts = [self._rows(feats) for feats in features]
+        keeps = [min(n, self.window) for n in counts]
+        rows = torch.cat([torch.cat([f[l] if keep == n else f[l][n - keep:] for f, n, keep in zip(features, counts, keeps)])
+                          for l in self.cfg.target_layer_ids], dim=-1)  # a cat a layer, not one a request
+        positions = [torch.arange(s.num_context + n - keep, s.num_context + n, dtype=torch.int64)
+                     for s, n, keep in zip(states, counts, keeps)]
+        kv = self.model.context_kv(rows, torch.cat(positions))
+        self.kv.write_layers([s.slot for s in states], positions, kv)
         for state, n_new in zip(states, counts):
             state.num_context += n_new
 
@@ -333,9 +331,9 @@ class DFlashDrafter:
             shape = (len(reqs), width, self.cfg.num_kv_heads, self.cfg.head_dim)
             zeros = torch.zeros(shape, dtype=self.model.fc.weight.dtype, device=device)
             return [(zeros, zeros)] * self.cfg.num_layers, valid.to(device), positions.to(device), torch.tensor(False)
-        stale = self.kv.stale_batch(slots, positions, valid)
-        out = [self.kv.read_batch(slots, layer, positions, valid, check=False) for layer in range(self.cfg.num_layers)]
-        return out, valid.to(device), positions.to(device), stale
+        valid, positions = valid.to(device), positions.to(device)
+        out, stale = self.kv.read_layers(slots, positions, valid)
+        return out, valid, positions, stale
 
     @staticmethod
     def _check_live(stale: torch.Tensor) -> None:
@@ -345,12 +343,15 @@ class DFlashDrafter:
             raise RuntimeError(STALE)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def use_graphs(self, runner) -> bool:
+    def use_graphs(self, runner, warm: bool = False) -> bool:
         """Replay the block pass from per-bucket graphs through `runner` (`CudaGraphRunner`; tests:
-        `EagerRunner`) in rounds whose windows are full; the dense reference store has none."""
+        `EagerRunner`) in rounds whose windows are full, each bucket captured on first use or, with
+        `warm`, all of them now; the dense reference store has none."""
         if not isinstance(self.kv, DraftKVRing):
             return False
         self.graphs = BlockGraphs(self._block, self.kv, self.window, runner)
+        if warm:
+            self.graphs.warm()
         return True
 
     def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:

@@ -61,19 +61,32 @@ class BlockGraphs:
         if nb is None or min(committed) < self.window:
             self.eager += 1
             return None
-        host = self._host(anchors, committed, slots, nb)
-        static = self._inputs.get(nb)
-        if static is None:
-            static = self._inputs[nb] = torch.zeros(4, nb, dtype=torch.int64, device=self.device)
-        static.copy_(host)
-        replay = self._replays.get(nb)
-        if replay is None:
-            t = time.perf_counter()
-            replay = self._replays[nb] = self.runner.capture(lambda: self._pass(static))
-            self.capture_s += time.perf_counter() - t
-        hidden, stale = replay()
+        static = self._static(nb)
+        static.copy_(self._host(anchors, committed, slots, nb))
+        hidden, stale = (self._replays.get(nb) or self._capture(nb, static))()
         self.replayed += 1
         return hidden[:n], stale
+
+    def warm(self) -> int:
+        """Capture every bucket now, over inputs that are all padding (before serving, and before
+        the KV pool is sized from what is free); returns the buckets captured."""
+        for nb in self.buckets:
+            if nb not in self._replays:
+                static = self._static(nb)
+                static.copy_(self._host([], [], [], nb))
+                self._capture(nb, static)
+        return len(self._replays)
+
+    def _static(self, nb: int) -> torch.Tensor:
+        if nb not in self._inputs:
+            self._inputs[nb] = torch.zeros(4, nb, dtype=torch.int64, device=self.device)
+        return self._inputs[nb]
+
+    def _capture(self, nb: int, static: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        t = time.perf_counter()
+        replay = self._replays[nb] = self.runner.capture(lambda: self._pass(static))
+        self.capture_s += time.perf_counter() - t
+        return replay
 
     def _host(self, anchors: list[int], committed: list[int], slots: list[int], nb: int) -> torch.Tensor:
         """The static inputs [4, Nb] on the host: N real rows, then padding (anchor 0, n = W, slot 0,

@@ -221,9 +221,10 @@ class Drafter(Protocol):
         """The drafter's own counters, merged into the engine's stats ({} when it keeps none)."""
         ...
 
-    def use_graphs(self, runner) -> bool:
+    def use_graphs(self, runner, warm: bool = False) -> bool:
         """Replay the drafter's network from CUDA graphs captured through `runner`
-        (`models.graphs.Runner`) where its shapes allow; False: it has nothing to replay."""
+        (`models.graphs.Runner`) where its shapes allow, each captured on first use or, with `warm`,
+        now; False: it has nothing to replay."""
         ...
 
 
@@ -290,5 +291,5 @@ class StatelessDrafter:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def use_graphs(self, runner) -> bool:
+    def use_graphs(self, runner, warm: bool = False) -> bool:
         return False

@@ -24,6 +24,9 @@ from typing import Protocol
 import torch
 
 
+STALE = "draft ring: a read position is no longer live (window larger than R_d?)"
+
+
 class RingFull(RuntimeError):
     """Every ring slot is taken; raise the drafter's max_requests or admit fewer requests."""
 
@@ -102,10 +105,11 @@ class ContextKV(Protocol):
     def write(self, slot: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def write_batch(self, slots: list[int], layer: int, positions: list[torch.Tensor], k: torch.Tensor,
                     v: torch.Tensor) -> None: ...
+    def write_layers(self, slots: list[int], positions: list[torch.Tensor],
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor: ...
+    def read_layers(self, slots: list[int], positions: torch.Tensor,
+                    valid: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]: ...
 
 
 class DraftKVRing:
@@ -145,14 +149,32 @@ class DraftKVRing:
                     v: torch.Tensor) -> None:
         """`write` of several slots at once: positions[i] [n_i] go to slots[i]; k, v [sum n_i, kv_heads,
         head_dim] in that order (one indexed store per tensor). At most R_d positions a slot."""
-        for slot, pos in zip(slots, positions):
-            if pos.numel() > self.alloc.rows_per_slot:
-                raise ValueError(f"draft ring: {pos.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
-        positions = [p.to(self.tags.device) for p in positions]
-        rows = self.alloc.rows_batch(slots, positions)
+        rows, pos = self._rows_for(slots, positions)
         self.k[layer][rows] = k.to(self.k[layer].dtype)
         self.v[layer][rows] = v.to(self.v[layer].dtype)
-        self.tags[layer][rows] = torch.cat(positions)
+        self.tags[layer][rows] = pos
+
+    def write_layers(self, slots: list[int], positions: list[torch.Tensor],
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`write_batch` of every draft layer at once: kv[layer] = (k, v) [sum n_i, kv_heads, head_dim].
+        The rows are computed once on the host and copied over once; one tag store for all layers."""
+        rows, pos = self._rows_for(slots, positions)
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer][rows] = k.to(self.k[layer].dtype)
+            self.v[layer][rows] = v.to(self.v[layer].dtype)
+        self.tags[:len(kv), rows] = pos
+
+    def _rows_for(self, slots: list[int], positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) [sum n_i] on the ring's device for positions[i] of slots[i] (eq. 10),
+        computed where the positions are (the host, from the drafter) and moved in one copy each."""
+        for pos in positions:
+            if pos.numel() > self.alloc.rows_per_slot:
+                raise ValueError(f"draft ring: {pos.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
+        pos = torch.cat(positions) if len(positions) > 1 else positions[0]
+        rows = self.alloc.rows_batch(slots, [p.to(pos.device) for p in positions]) if len(positions) > 1 else \
+            self.alloc.rows(slots[0], pos)
+        dev = self.tags.device
+        return rows.to(dev), pos.to(dev)
 
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> (k, v) [n, kv_heads, head_dim]; raises if a row was overwritten (I6)."""
@@ -162,7 +184,7 @@ class DraftKVRing:
         return self.k[layer][rows], self.v[layer][rows]
 
     def rows_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """slots [N] int64, positions [N, L] int64 (device tensors) -> physical rows [N, L] (eq. 10)."""
+        """slots [N] int64, positions [N, L] int64 (one device) -> physical rows [N, L] (eq. 10)."""
         return slots[:, None] * self.alloc.rows_per_slot + torch.remainder(positions, self.alloc.rows_per_slot)
 
     def stale(self, rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -171,26 +193,16 @@ class DraftKVRing:
         for every layer (layers are written together), read once a round by the drafter."""
         return ((self.tags[:, rows] != positions[None]) & valid[None]).any()
 
-    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """`stale` of the rows of positions [N, L] in slots [N] (a device bool scalar)."""
+    def read_layers(self, slots: list[int], positions: torch.Tensor,
+                    valid: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Every draft layer's K/V at positions [N, L] int64 of slots [N] (padding anywhere valid
+        [N, L] is False; host or device tensors) -> ([(k, v) [N, L, kv_heads, d] per layer], stale:
+        a device bool scalar not yet read, see `stale`). Padded entries hold arbitrary rows. The
+        rows are computed where the positions are and moved once; one gather a tensor; no host sync."""
+        rows = self.rows_of(torch.tensor(slots, dtype=torch.int64, device=positions.device), positions)
         dev = self.tags.device
-        pos = positions.to(dev)
-        return self.stale(self.rows_of(torch.tensor(slots, dtype=torch.int64, device=dev), pos), pos, valid.to(dev))
-
-    def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, L] int64 (padding anywhere valid is False) -> (k, v) [N, L, kv_heads, d];
-        padded entries hold arbitrary rows. One gather per tensor for the whole batch. check=False
-        skips the liveness check (and its host sync): the caller checks `stale` once instead."""
-        dev = self.tags.device
-        pos, ok = positions.to(dev), valid.to(dev)
-        rows = self.rows_of(torch.tensor(slots, dtype=torch.int64, device=dev), pos)
-        if check and bool(self.stale(rows, pos, ok)):
-            raise RuntimeError(STALE)
-        return self.k[layer][rows], self.v[layer][rows]
-
-
-STALE = "draft ring: a read position is no longer live (window larger than R_d?)"
+        rows, pos, ok = rows.to(dev), positions.to(dev), valid.to(dev)
+        return [(k[rows], v[rows]) for k, v in zip(self.k, self.v)], self.stale(rows, pos, ok)
 
 
 class DenseDraftKV:
@@ -229,24 +241,25 @@ class DenseDraftKV:
             self.write(slot, layer, pos, k[a : a + pos.numel()], v[a : a + pos.numel()])
             a += pos.numel()
 
+    def write_layers(self, slots: list[int], positions: list[torch.Tensor],
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in enumerate(kv):
+            self.write_batch(slots, layer, positions, k, v)
+
     def read(self, slot: int, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         store = self._data[slot][layer]
         pairs = [store[t] for t in positions.tolist()]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
-    def stale_batch(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Whether a valid position was never written (or its request released): a CPU bool scalar."""
-        for i, slot in enumerate(slots):
-            layers = self._data.get(slot)
-            want = positions[i][valid[i]].tolist()
-            if layers is None or any(t not in layers[0] for t in want):
-                return torch.tensor(True)
-        return torch.tensor(False)
+    def read_layers(self, slots: list[int], positions: torch.Tensor,
+                    valid: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Same contract as DraftKVRing.read_layers; a position never written raises KeyError here."""
+        return [self.read_batch(slots, l, positions, valid) for l in range(self.num_layers)], torch.tensor(False)
 
     def read_batch(self, slots: list[int], layer: int, positions: torch.Tensor,
-                   valid: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as DraftKVRing.read_batch (padded entries are zeros here; a missing
-        position raises KeyError whatever `check`)."""
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of `read_layers` (padded entries are zeros here; a missing position raises
+        KeyError)."""
         k0, _ = next(row for s in slots for row in self._data[s][layer].values())
         k = torch.zeros(positions.shape + k0.shape, dtype=k0.dtype, device=k0.device)
         v = torch.zeros_like(k)
