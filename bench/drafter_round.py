@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.drafter_checkpoint import SHAPES, shaped  # noqa: E402
-from bench.op_count import OpCounter  # noqa: E402
+from bench.op_count import OneOpRunner, OpCounter  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
-from dhisparse.models.graphs import CudaGraphRunner, EagerRunner  # noqa: E402
+from dhisparse.models.graphs import CudaGraphRunner  # noqa: E402
 from dhisparse.models.registry import builtin_config  # noqa: E402
 from dhisparse.spec import dflash_model  # noqa: E402
 from dhisparse.spec.dflash import DFlashDrafter  # noqa: E402
@@ -47,26 +47,6 @@ from dhisparse.spec.factory import random_dflash_config  # noqa: E402
 
 FORMS = {"grouped": dflash_model.grouped_attention, "per_head": dflash_model.per_head_attention}
 MODES = ("per_head", "grouped", "graph")
-
-
-class OneOpRunner(EagerRunner):
-    """CPU stand-in for a graph replay: runs the pass eagerly, counted by an active `AllocCounter`
-    as one op (`graph.replay`), as a CUDA replay would be."""
-
-    counter: "AllocCounter | None" = None
-
-    def capture(self, thunk):
-        def replay():
-            c = OneOpRunner.counter
-            if c is None:
-                return thunk()
-            c.ops["graph.replay"] += 1
-            c.inside += 1
-            try:
-                return thunk()
-            finally:
-                c.inside -= 1
-        return replay
 
 
 def set_mode(drafter: DFlashDrafter, mode: str, graphs) -> None:
@@ -167,12 +147,9 @@ def census(rounds: Rounds, ns) -> dict:
         sync(ns)
         held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    counter = OneOpRunner.counter = AllocCounter()
-    try:
-        with counter:
-            rounds.round()
-    finally:
-        OneOpRunner.counter = None
+    counter = AllocCounter()
+    with counter:
+        rounds.round()
     out = {"ops": sum(counter.ops.values()), "allocated_bytes": counter.bytes}
     if cuda:
         sync(ns)

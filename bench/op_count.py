@@ -7,6 +7,14 @@ busy, so ops per decode step is a device-free proxy for the host-side time of a 
 takes the GPU code path on CPU: Triton kernels (interpreted, DHISPARSE_TRITON_KERNELS=1) and the
 Triton resolver; ops dispatched inside a Triton launch (the interpreter's own tensor traffic) are
 not counted, a launch counts as one op. Tiny model, C requests decoding, after warm-up steps.
+
+    python3 bench/op_count.py --graphs step --drafter dflash2 --presets hisparse,adaptive+spec \
+        --out bench/results/op_count_graphs_cpu.json
+
+`--graphs step` replays the engine's whole-step graphs and the drafter's block graphs through
+`OneOpRunner` (each replay one op), so the count is what the host dispatches around the graphs on
+the GPU; a +spec step is then a verification round, with `--drafter dflash2` a random DFlash2 of
+the paper's six layers (its commits and selection are outside its graph).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DHISPARSE_TRITON_KERNELS", "1")
@@ -25,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import bench.step_profile as sp  # noqa: E402
+from dhisparse.models.graphs import EagerRunner  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 
 
@@ -36,8 +46,11 @@ HOST_DATA_OPS = {"aten.lift_fresh"}
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch.
-    Syncing ops and host-data tensors are also counted by their dhisparse call site."""
+    """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch,
+    and so do a graph's ops replayed through `OneOpRunner`. Syncing ops and host-data tensors are
+    also counted by their dhisparse call site."""
+
+    active: "OpCounter | None" = None  # the counter inside its `with` block (OneOpRunner reads it)
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,19 +88,49 @@ class OpCounter(TorchDispatchMode):
 
         self._restore = (InterpretedFunction, run)
         InterpretedFunction.run = counted
+        OpCounter.active = self
         return super().__enter__()
 
     def __exit__(self, *exc):
         cls, run = self._restore
         cls.run = run
+        OpCounter.active = None
         return super().__exit__(*exc)
 
 
-def count(preset: str, ns, loaded) -> dict:
+class OneOpRunner(EagerRunner):
+    """CPU stand-in for a CUDA graph replay: the captured work runs eagerly and the active
+    `OpCounter` counts it as one op (`graph.replay`), which is what the host dispatches on the GPU."""
+
+    def capture(self, thunk):
+        def replay():
+            c = OpCounter.active
+            if c is None or c.inside:
+                return thunk()
+            c.ops["graph.replay"] += 1
+            c.sites[sp.dhisparse_site()] += 1
+            c.inside += 1
+            try:
+                return thunk()
+            finally:
+                c.inside -= 1
+        return replay
+
+
+def count(preset: str, ns, loaded, graphs: str = "none", draft_path: str | None = None, draft_window: int | None = None) -> dict:
+    """Ops a step of `preset` dispatches (a verification round for +spec presets); graphs "step":
+    the engine's whole-step graphs and the drafter's block graphs replayed by `OneOpRunner`, so
+    what is counted is what the host dispatches on the GPU path around the graphs."""
     from dhisparse.engine.engine import Engine
 
     cfg = dataclasses.replace(sp.engine_config(ns, preset), resolver="triton")
+    if draft_path and preset.endswith("+spec"):
+        cfg = dataclasses.replace(cfg, speculative_draft_model_path=draft_path, speculative_draft_window_size=draft_window)
     engine = Engine(cfg, loaded=loaded)
+    if graphs == "step":
+        engine.step_graphs = engine.make_step_graphs(OneOpRunner())
+        if engine.spec is not None:
+            engine.spec.drafter.use_graphs(OneOpRunner())
     sp.drive_to_decode(engine, ns)
     for _ in range(ns.warmup):
         engine.step()
@@ -96,7 +139,8 @@ def count(preset: str, ns, loaded) -> dict:
             engine.step()
     layers = engine.model_config.num_layers
     per_step = sum(c.ops.values()) / ns.steps
-    return {"preset": preset, "C": ns.concurrency, "layers": layers, "ops_per_step": per_step,
+    return {"preset": preset, "C": ns.concurrency, "layers": layers, "graphs": graphs,
+            "drafter": (ns.drafter if preset.endswith("+spec") else None), "ops_per_step": per_step,
             "ops_per_layer": per_step / layers, "top": {k: v / ns.steps for k, v in c.ops.most_common(20)},
             "top_sites": {k: v / ns.steps for k, v in c.sites.most_common(40)},
             "syncs_per_step": sum(c.syncs.values()) / ns.steps,
@@ -110,17 +154,31 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="resident,hisparse,adaptive,adaptive+spec")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--graphs", default="none", choices=("none", "step"),
+                   help="step: whole-step and drafter graphs, each replay counted as one op (what the host dispatches on the GPU)")
+    p.add_argument("--drafter", default="ngram", choices=("ngram", "dflash2"),
+                   help="+spec presets: dflash2 = a random DFlash2 of the paper's six layers over the tiny target")
+    p.add_argument("--spec-width", type=int, default=4)
+    p.add_argument("--draft-window", type=int, default=64,
+                   help="dflash2's window W (below the prompt, so every window is full, as at the paper's contexts)")
     p.add_argument("--out", default="bench/results/op_count_cpu.json")
     a = p.parse_args(argv)
     ns = sp.parse(["--quick"])
-    ns.concurrency, ns.steps, ns.warmup = a.concurrency, a.steps, 3
+    ns.concurrency, ns.steps, ns.warmup, ns.drafter, ns.spec_width = a.concurrency, a.steps, 3, a.drafter, a.spec_width
+    draft_path = None
+    if a.drafter == "dflash2":
+        from bench import drafter_checkpoint
+
+        draft_path = os.path.join(tempfile.mkdtemp(), "dflash2")
+        drafter_checkpoint.main(["--model", ns.model, "--kind", "dflash2", "--layers", "6", "--out", draft_path])
     from dhisparse.bench.sweep import load_shared_model
     from dhisparse.engine.config import EngineConfig
 
     loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
-    runs = [count(s.strip(), ns, loaded) for s in a.presets.split(",") if s.strip()]
+    runs = [count(s.strip(), ns, loaded, a.graphs, draft_path, a.draft_window if draft_path else None)
+            for s in a.presets.split(",") if s.strip()]
     for r in runs:
-        print(f"{r['preset']:14} C{r['C']}: {r['ops_per_step']:7.0f} ops per decode step, {r['ops_per_layer']:5.0f} per layer, "
+        print(f"{r['preset']:14} C{r['C']} graphs {r['graphs']}: {r['ops_per_step']:7.0f} ops per step, {r['ops_per_layer']:5.0f} per layer, "
               f"{r['syncs_per_step']:.0f} syncing ops, {r['host_data_tensors_per_step']:.0f} tensors from host data")
         for k, v in list(r["sync_sites"].items())[:12]:
             print(f"    sync {v:6.1f}  {k}")
