@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ns = parse(argv)
     drafter, shape = build(ns)
     rounds = Rounds(drafter, ns)
-    drafter.use_graphs(CudaGraphRunner() if ns.device.startswith("cuda") else OneOpRunner())
+    drafter.use_graphs(CudaGraphRunner() if ns.device.startswith("cuda") else OneOpRunner(), ns.requests)
     graphs, modes = drafter.graphs, [m for m in MODES if m in ns.modes.split(",")]
     per: dict[str, list[dict]] = {m: [] for m in modes}
     try:

@@ -130,7 +130,7 @@ def count(preset: str, ns, loaded, graphs: str = "none", draft_path: str | None 
     if graphs == "step":
         engine.step_graphs = engine.make_step_graphs(OneOpRunner())
         if engine.spec is not None:
-            engine.spec.drafter.use_graphs(OneOpRunner())
+            engine.spec.drafter.use_graphs(OneOpRunner(), cfg.graph_max_reqs)
     sp.drive_to_decode(engine, ns)
     for _ in range(ns.warmup):
         engine.step()

@@ -32,7 +32,7 @@ def pair(target, kind: str = "dflash2", slots: int = 6, runner=None):
     cfg = random_dflash_config(target, block_size=5, num_layers=2, kind=kind)
     make = lambda: DFlashDrafter.random(cfg, target, seed=3, window=W, page=4, k_max=4, max_requests=slots)  # noqa: E731
     eager, graphed = make(), make()
-    assert graphed.use_graphs(runner or EagerRunner())
+    assert graphed.use_graphs(runner or EagerRunner(), slots)
     return eager, graphed
 
 
@@ -87,9 +87,8 @@ def test_cuda_graph_replays_equal_eager_rounds(kind):
 
     for dtype in (torch.float32, torch.bfloat16):
         target = build_tiny(seed=0, dtype=dtype, device="cuda")
-        eager, graphed = pair(target, kind, runner=CudaGraphRunner())
-        if dtype == torch.bfloat16:  # every bucket captured up front, over padding only
-            assert graphed.use_graphs(CudaGraphRunner(), warm=True) and graphed.stats()["drafter_graph_buckets"] == 4
+        eager, graphed = pair(target, kind, runner=CudaGraphRunner())  # every bucket captured, over padding only
+        assert graphed.stats()["drafter_graph_buckets"] == 4
         rounds = Rounds([eager, graphed], [20, 31, 15])
         for k in range(6):
             a, b = rounds.step(k)
@@ -110,7 +109,7 @@ def test_graphed_rounds_equal_eager_rounds(target, kind, lens):
         a, b = rounds.step(k)
         assert same(a, b), (k, a[0], b[0])
     c = graphed.stats()
-    assert c["drafter_graph_replays"] == 12 and c["drafter_graph_eager"] == 0 and c["drafter_graph_buckets"] == 1
+    assert c["drafter_graph_replays"] == 12 and c["drafter_graph_eager"] == 0 and c["drafter_graph_buckets"] == 4
 
 
 def test_a_window_not_yet_full_runs_eagerly(target):
@@ -123,21 +122,26 @@ def test_a_window_not_yet_full_runs_eagerly(target):
     assert c["drafter_graph_eager"] >= 2 and c["drafter_graph_replays"] >= 1  # full once the short one grows
 
 
-def test_warm_captures_every_bucket_up_front(target):
+def test_every_bucket_is_captured_up_front_and_larger_rounds_run_eagerly(target):
     eager, graphed = pair(target)
-    assert graphed.use_graphs(EagerRunner(), warm=True) and graphed.stats()["drafter_graph_buckets"] == 4  # 1, 2, 4, 6
+    assert graphed.stats()["drafter_graph_buckets"] == 4  # 1, 2, 4, 6: before any round
+    assert graphed.use_graphs(EagerRunner(), 2) and graphed.graphs.buckets == (1, 2)  # rounds of up to 2 requests
     rounds = Rounds([eager, graphed], [20, 31, 15])
-    for k in range(3):
-        a, b = rounds.step(k)
-        assert same(a, b)
-    assert graphed.stats()["drafter_graph_buckets"] == 4 and graphed.stats()["drafter_graph_replays"] == 6
+    a, b = rounds.step(0)
+    assert same(a, b) and graphed.stats()["drafter_graph_replays"] == 0 and graphed.stats()["drafter_graph_eager"] == 2
+    eager, graphed = pair(target)
+    assert graphed.use_graphs(EagerRunner(), 2)
+    rounds = Rounds([eager, graphed], [22, 30])
+    a, b = rounds.step(1)
+    assert same(a, b) and graphed.stats()["drafter_graph_replays"] == 2
 
 
-def test_the_largest_bucket_is_the_ring_slot_count(target):
+def test_the_largest_bucket_is_the_limit(target):
     _, graphed = pair(target, slots=3)
     assert graphed.graphs.buckets == (1, 2, 3) and graphed.graphs.bucket(3) == 3 and graphed.graphs.bucket(0) is None
     _, graphed = pair(target, slots=64)
     assert graphed.graphs.buckets[-3:] == (32, 48, 64)
+    assert graphed.use_graphs(EagerRunner(), 100) and graphed.graphs.buckets[-1] == 64  # never above the ring's slots
 
 
 @pytest.mark.parametrize("path", ["graphed", "eager"])

@@ -35,15 +35,16 @@ def set_graphs(eng: Engine, mode: str) -> None:
 def drafter_graphs(eng: Engine, config: EngineConfig) -> bool:
     """The drafter's network replays from its own CUDA graphs (spec/dflash_graphs.py for the DFlash
     family) on CUDA unless `--cuda-graphs none`; independent of the target's graph mode (a
-    DeepSeek-V4 target has none, its DFlash / DSpark drafter does). With `--step-graph-warmup`
-    every bucket is captured here, before the KV pool is sized."""
+    DeepSeek-V4 target has none, its DFlash / DSpark drafter does). Every bucket up to
+    `--cuda-graph-max-bs` (default: the request slots) is captured here, before the KV pool is
+    sized from what is free."""
     if eng.spec is None or eng.device.type != "cuda" or config.cuda_graphs == "none":
         return False
     t = time.perf_counter()
-    on = eng.spec.drafter.use_graphs(CudaGraphRunner(), warm=config.step_graph_warmup)
+    on = eng.spec.drafter.use_graphs(CudaGraphRunner(), config.graph_max_reqs)
     if on:
-        log.info("drafter: block pass from CUDA graphs per request bucket (%s)", f"captured in {time.perf_counter() - t:.1f} s"
-                 if config.step_graph_warmup else "each captured on first use")
+        log.info("drafter: block pass from CUDA graphs, rounds of up to %d requests (captured in %.1f s)",
+                 config.graph_max_reqs, time.perf_counter() - t)
     return on
 
 

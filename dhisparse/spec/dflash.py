@@ -343,15 +343,13 @@ class DFlashDrafter:
             raise RuntimeError(STALE)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def use_graphs(self, runner, warm: bool = False) -> bool:
+    def use_graphs(self, runner, max_requests: int) -> bool:
         """Replay the block pass from per-bucket graphs through `runner` (`CudaGraphRunner`; tests:
-        `EagerRunner`) in rounds whose windows are full, each bucket captured on first use or, with
-        `warm`, all of them now; the dense reference store has none."""
+        `EagerRunner`), every bucket up to `max_requests` captured now, in rounds whose windows are
+        full; the dense reference store has none."""
         if not isinstance(self.kv, DraftKVRing):
             return False
-        self.graphs = BlockGraphs(self._block, self.kv, self.window, runner)
-        if warm:
-            self.graphs.warm()
+        self.graphs = BlockGraphs(self._block, self.kv, self.window, runner, max_requests)
         return True
 
     def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:

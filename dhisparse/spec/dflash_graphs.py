@@ -7,8 +7,11 @@ fixed shapes for a given request count, so the part from the ring's window to th
 states replays from a graph; the LM head, the candidate selector (or DSpark's head) and sampling
 stay eager (a few dozen ops; sampling draws from per-request generators).
 
-    requests N -> bucket Nb = smallest bucket >= N (the buckets of models/graphs.py below the ring's
-                  slot count, then the slot count itself: every round has a bucket)
+    requests N -> bucket Nb = smallest bucket >= N (the buckets of models/graphs.py below the limit,
+                  then the limit itself: min(max_requests, ring slots)); N above it: eager.
+                  Every bucket is captured when the graphs are made, as SGLang captures its
+                  batch sizes at start: no round pays a capture, and the graphs' memory is
+                  taken before the engine sizes its KV pool from what is free.
     static in  [4, Nb] int64: anchor, committed count n, ring slot, real (1) / padding (0)
     graph      positions p = n - W .. n - 1 [Nb, W]; rows = slot * R_d + p mod R_d (eq. 10)
                per draft layer (k, v) = ring[rows]; stale = any real row's tag != p (I6, no sync)
@@ -38,55 +41,45 @@ class BlockGraphs:
     """Per-bucket replays of `block(anchors [N], n [N], ctx, valid [N, W], ctx_pos [N, W])` -> hidden
     [N, B, H] over a ring window of `window` positions (module docstring)."""
 
-    def __init__(self, block: Block, ring: DraftKVRing, window: int, runner: Runner,
+    def __init__(self, block: Block, ring: DraftKVRing, window: int, runner: Runner, max_requests: int,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         self.block, self.ring, self.window, self.runner = block, ring, window, runner
-        slots = ring.alloc.num_slots  # no round has more requests than ring slots
-        self.buckets = tuple(b for b in buckets if b < slots) + (slots,)
+        top = max(1, min(max_requests, ring.alloc.num_slots))  # no round has more requests than ring slots
+        self.buckets = tuple(b for b in buckets if b < top) + (top,)
         self.device = ring.tags.device
         self._inputs: dict[int, torch.Tensor] = {}  # Nb -> [4, Nb] int64 on the device
         self._replays: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}
         self.replayed = self.eager = 0
         self.capture_s = 0.0
+        self._warm()
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None) if n > 0 else None
 
     def run(self, anchors: list[int], committed: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden [N, B, H], stale []) from the bucket's graph, or None (eager: a window not yet
-        full). The hidden rows are the graph's static output: read them before the
-        next call."""
+        """(hidden [N, B, H], stale []) from the bucket's graph, or None (eager: more requests than
+        the largest bucket, or a window not yet full). The hidden rows are the graph's static
+        output: read them before the next call."""
         n = len(anchors)
         nb = self.bucket(n)
         if nb is None or min(committed) < self.window:
             self.eager += 1
             return None
-        static = self._static(nb)
+        static = self._inputs[nb]
         static.copy_(self._host(anchors, committed, slots, nb))
-        hidden, stale = (self._replays.get(nb) or self._capture(nb, static))()
+        hidden, stale = self._replays[nb]()
         self.replayed += 1
         return hidden[:n], stale
 
-    def warm(self) -> int:
-        """Capture every bucket now, over inputs that are all padding (before serving, and before
-        the KV pool is sized from what is free); returns the buckets captured."""
-        for nb in self.buckets:
-            if nb not in self._replays:
-                static = self._static(nb)
-                static.copy_(self._host([], [], [], nb))
-                self._capture(nb, static)
-        return len(self._replays)
-
-    def _static(self, nb: int) -> torch.Tensor:
-        if nb not in self._inputs:
-            self._inputs[nb] = torch.zeros(4, nb, dtype=torch.int64, device=self.device)
-        return self._inputs[nb]
-
-    def _capture(self, nb: int, static: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def _warm(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its pool memory), over inputs
+        that are all padding (no ring row is read as live)."""
         t = time.perf_counter()
-        replay = self._replays[nb] = self.runner.capture(lambda: self._pass(static))
-        self.capture_s += time.perf_counter() - t
-        return replay
+        for nb in reversed(self.buckets):
+            static = self._inputs[nb] = torch.zeros(4, nb, dtype=torch.int64, device=self.device)
+            static.copy_(self._host([], [], [], nb))
+            self._replays[nb] = self.runner.capture(lambda s=static: self._pass(s))
+        self.capture_s = time.perf_counter() - t
 
     def _host(self, anchors: list[int], committed: list[int], slots: list[int], nb: int) -> torch.Tensor:
         """The static inputs [4, Nb] on the host: N real rows, then padding (anchor 0, n = W, slot 0,

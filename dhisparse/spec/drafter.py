@@ -221,10 +221,10 @@ class Drafter(Protocol):
         """The drafter's own counters, merged into the engine's stats ({} when it keeps none)."""
         ...
 
-    def use_graphs(self, runner, warm: bool = False) -> bool:
-        """Replay the drafter's network from CUDA graphs captured through `runner`
-        (`models.graphs.Runner`) where its shapes allow, each captured on first use or, with `warm`,
-        now; False: it has nothing to replay."""
+    def use_graphs(self, runner, max_requests: int) -> bool:
+        """Capture the drafter's network now as CUDA graphs through `runner` (`models.graphs.Runner`)
+        for rounds of up to `max_requests` requests, replayed where a round's shapes allow (larger
+        rounds run eagerly); False: it has nothing to replay."""
         ...
 
 
@@ -291,5 +291,5 @@ class StatelessDrafter:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def use_graphs(self, runner, warm: bool = False) -> bool:
+    def use_graphs(self, runner, max_requests: int) -> bool:
         return False

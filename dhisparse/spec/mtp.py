@@ -123,7 +123,7 @@ class MtpDrafter:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def use_graphs(self, runner, warm: bool = False) -> bool:
+    def use_graphs(self, runner, max_requests: int) -> bool:
         """The MTP block runs eagerly (one layer a round, its shapes vary with the round's rows)."""
         return False
 

@@ -183,8 +183,8 @@ class CostedOracle:
     def stats(self) -> dict[str, float]:
         return self.inner.stats() | self.oracle.stats()
 
-    def use_graphs(self, runner, warm: bool = False) -> bool:
-        return self.inner.use_graphs(runner, warm)
+    def use_graphs(self, runner, max_requests: int) -> bool:
+        return self.inner.use_graphs(runner, max_requests)
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
