@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.drafter_checkpoint import SHAPES, shaped  # noqa: E402
-from bench.op_count import OneOpRunner, OpCounter  # noqa: E402
+from bench.op_counter import OneOpRunner, OpCounter  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.models.graphs import CudaGraphRunner  # noqa: E402
 from dhisparse.models.registry import builtin_config  # noqa: E402

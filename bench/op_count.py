@@ -20,7 +20,6 @@ the paper's six layers (its commits and selection are outside its graph).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import os
@@ -31,90 +30,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DHISPARSE_TRITON_KERNELS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 import bench.step_profile as sp  # noqa: E402
-from dhisparse.models.graphs import EagerRunner  # noqa: E402
+from bench.op_counter import OneOpRunner, OpCounter  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
-
-
-# ops that make the host wait for the device on CUDA (a value or a size read back), and tensors
-# built from host data (torch.tensor(list, device=cuda) copies from pageable memory and syncs)
-SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten._unique2", "aten.unique_dim", "aten.masked_select",
-            "aten.unique_consecutive", "aten.item"}
-HOST_DATA_OPS = {"aten.lift_fresh"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name; ops inside an interpreted Triton launch count once, as the launch,
-    and so do a graph's ops replayed through `OneOpRunner`. Syncing ops and host-data tensors are
-    also counted by their dhisparse call site."""
-
-    active: "OpCounter | None" = None  # the counter inside its `with` block (OneOpRunner reads it)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.syncs: collections.Counter = collections.Counter()
-        self.host_data: collections.Counter = collections.Counter()
-        self.sites: collections.Counter = collections.Counter()  # every op by its innermost dhisparse call site
-        self.inside = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside:
-            name = str(func.overloadpacket)
-            self.ops[name] += 1
-            self.sites[sp.dhisparse_site()] += 1
-            if name in SYNC_OPS:
-                self.syncs[f"{name} @ {sp.dhisparse_site()}"] += 1
-            elif name in HOST_DATA_OPS:
-                self.host_data[sp.dhisparse_site()] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        counter, run = self, InterpretedFunction.run
-
-        def counted(fn_self, *a, **kw):
-            if not counter.inside:
-                counter.ops["triton_launch"] += 1
-                counter.sites[sp.dhisparse_site()] += 1
-            counter.inside += 1
-            try:
-                return run(fn_self, *a, **kw)
-            finally:
-                counter.inside -= 1
-
-        self._restore = (InterpretedFunction, run)
-        InterpretedFunction.run = counted
-        OpCounter.active = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        cls, run = self._restore
-        cls.run = run
-        OpCounter.active = None
-        return super().__exit__(*exc)
-
-
-class OneOpRunner(EagerRunner):
-    """CPU stand-in for a CUDA graph replay: the captured work runs eagerly and the active
-    `OpCounter` counts it as one op (`graph.replay`), which is what the host dispatches on the GPU."""
-
-    def capture(self, thunk):
-        def replay():
-            c = OpCounter.active
-            if c is None or c.inside:
-                return thunk()
-            c.ops["graph.replay"] += 1
-            c.sites[sp.dhisparse_site()] += 1
-            c.inside += 1
-            try:
-                return thunk()
-            finally:
-                c.inside -= 1
-        return replay
 
 
 def count(preset: str, ns, loaded, graphs: str = "none", draft_path: str | None = None, draft_window: int | None = None) -> dict:
