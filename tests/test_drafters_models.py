@@ -74,6 +74,7 @@ def test_dflash_sampled_drafts_follow_q():
     returns is that distribution."""
     from dhisparse.core.sampling import processed_probs
     from dhisparse.spec.dflash import _State
+    from dhisparse.spec.dflash_pick import pick_each
     from dhisparse.spec.drafter import DraftRequest
 
     target = build_tiny(0)
@@ -85,7 +86,8 @@ def test_dflash_sampled_drafts_follow_q():
     counts = torch.zeros(vocab, dtype=torch.float64)
     rows = 3000
     for r in range(rows):
-        prop = drafter._pick(DraftRequest(f"s{r}", [1, 2], 5, 4, params=params), _State(0), logits)
+        req = DraftRequest(f"s{r}", [1, 2], 5, 4, params=params)
+        prop = pick_each([req], [drafter._generator(req, _State(0), logits.device)], logits[None])[0]
         counts[prop.tokens[0]] += 1
         if r == 0:
             assert torch.allclose(prop.probs, want)

@@ -26,13 +26,14 @@ from typing import Sequence
 
 import torch
 
-from dhisparse.core.sampling import make_generator, processed_probs
+from dhisparse.core.sampling import make_generator
 from dhisparse.spec.config import DEFAULT_WINDOW
 from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.drafter import Commit, DrafterBytes, DraftProposal, DraftRequest, Features
 from dhisparse.spec.dflash_graphs import BlockGraphs
+from dhisparse.spec.dflash_pick import head_path, pick_each, select_path
 from dhisparse.spec.ring import STALE, DenseDraftKV, DraftKVRing, ring_rows
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,13 @@ class DFlashDrafter:
         if live:
             reqs, states = [r for _, r, _ in live], [s for _, _, s in live]
             hidden, logits, stale = self._draft_logits(reqs, states)
+            gens = [None if r.params.greedy else self._generator(r, s, logits.device) for r, s in zip(reqs, states)]
             if self.cfg.is_dflash2:
-                picked = self._select(reqs, states, hidden, logits)
+                picked = select_path(self.model.candidate_selector, reqs, gens, hidden, logits)
             elif self.cfg.is_dspark:
-                picked = self._head(reqs, states, hidden, logits)
+                picked = head_path(self.model.sequential_head, reqs, gens, hidden, logits)
             else:
-                picked = [self._pick(r, s, row) for r, s, row in zip(reqs, states, logits)]
+                picked = pick_each(reqs, gens, logits)
             self._check_live(stale)
             for (i, _, _), prop in zip(live, picked):
                 out[i] = prop
@@ -352,56 +354,9 @@ class DFlashDrafter:
         self.graphs = BlockGraphs(self._block, self.kv, self.window, runner, max_requests)
         return True
 
-    def _pick(self, req: DraftRequest, state: _State, logits: torch.Tensor) -> DraftProposal:
-        """logits [B-1, V] -> the first min(max_width, B) - 1 drafts."""
-        k = min(req.max_drafts, logits.shape[0])
-        rows = logits[:k]
-        if req.params.greedy:
-            tokens = rows.argmax(dim=-1)
-            conf = torch.softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
-            return DraftProposal(tokens.tolist(), None, conf.tolist())
-        self._generator(req, state, rows.device)
-        q = processed_probs(rows, [req.params] * k)
-        tokens = torch.stack([torch.multinomial(q[i], 1, generator=state.generator)[0] for i in range(k)])
-        conf = q.gather(1, tokens[:, None])[:, 0]
-        return DraftProposal(tokens.tolist(), q, conf.tolist())
-
     def _generator(self, req: DraftRequest, state: _State, device) -> torch.Generator:
         if state.generator is None:
             # a seeded request drafts reproducibly whatever its id; unseeded ones get a per-id stream
             salt = req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
             state.generator = make_generator((self.seed * 1_000_003) ^ salt, device)
         return state.generator
-
-    def _select(self, reqs: list[DraftRequest], states: list[_State], hidden: torch.Tensor,
-                logits: torch.Tensor) -> list[DraftProposal]:
-        """DFlash2: the candidate selector's path over rows 1..K-1 (greedy rows argmax, sampled rows
-        drawn at the request's temperature; q = the selector's distribution over its candidates)."""
-        k_all = min(max(r.max_drafts for r in reqs), logits.shape[1])
-        temps = [0.0 if r.params.greedy else float(r.params.temperature) for r in reqs]
-        gens = [None if t == 0 else self._generator(r, s, logits.device) for r, s, t in zip(reqs, states, temps)]
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=logits.device)
-        sel = self.model.candidate_selector.select(hidden[:, :k_all], logits[:, :k_all], anchors, temps, gens)
-        tokens, confidence = sel.tokens.tolist(), sel.confidence.tolist()  # two device reads a round, not two a request
-        out = []
-        for row, (req, t) in enumerate(zip(reqs, temps)):
-            k = min(req.max_drafts, k_all)
-            probs = None if t == 0 else sel.dense_q(row, k, logits.shape[-1])
-            out.append(DraftProposal(tokens[row][:k], probs, confidence[row][:k]))
-        return out
-
-    def _head(self, reqs: list[DraftRequest], states: list[_State], hidden: torch.Tensor,
-              logits: torch.Tensor) -> list[DraftProposal]:
-        """DSpark: the sequential head over rows 1..K-1; confidences from its confidence head."""
-        k_all = min(max(r.max_drafts for r in reqs), logits.shape[1])
-        gens = [None if r.params.greedy else self._generator(r, s, logits.device) for r, s in zip(reqs, states)]
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=logits.device)
-        out = self.model.sequential_head.draft(hidden[:, :k_all], logits[:, :k_all], anchors,
-                                               [r.params for r in reqs], gens)
-        props = []
-        for row, req in enumerate(reqs):
-            k = min(req.max_drafts, k_all)
-            q = out.q[row]
-            props.append(DraftProposal(out.tokens[row, :k].tolist(), None if q is None else q[:k],
-                                       out.confidence[row, :k].tolist()))
-        return props
