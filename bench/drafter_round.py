@@ -178,41 +178,59 @@ class AllocCounter(OpCounter):
         return out
 
 
-def main(argv=None) -> int:
-    ns = parse(argv)
-    drafter, shape = build(ns)
-    rounds = Rounds(drafter, ns)
-    drafter.use_graphs(CudaGraphRunner() if ns.device.startswith("cuda") else OneOpRunner(), ns.requests)
-    graphs, modes = drafter.graphs, [m for m in MODES if m in ns.modes.split(",")]
+def run_modes(drafter: DFlashDrafter, rounds: Rounds, ns, modes: list[str]) -> tuple[dict, dict]:
+    """Each mode measured --repeats times, order rotated by the repeat -> ({mode: [measure | census]},
+    {mode: the drafts of one round proposed from the same state})."""
+    graphs = drafter.graphs
     per: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for rep in range(ns.repeats):
             for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                 set_mode(drafter, mode, graphs)
-                per[mode].append(measure(rounds, ns) | census(rounds, ns))
-                print(f"repeat {rep} {mode:9s} {per[mode][-1]['ms']:9.2f} ms a round  {per[mode][-1]['ops']:5d} ops  "
-                      f"{per[mode][-1]['allocated_bytes'] / 2**30:7.2f} GiB allocated", flush=True)
+                m = per[mode]
+                m.append(measure(rounds, ns) | census(rounds, ns))
+                print(f"repeat {rep} {mode:9s} {m[-1]['ms']:9.2f} ms a round  {m[-1]['ops']:5d} ops  "
+                      f"{m[-1]['allocated_bytes'] / 2**30:7.2f} GiB allocated", flush=True)
         drafts = {}
-        for mode in modes:  # the same state under each mode
+        for mode in modes:
             set_mode(drafter, mode, graphs)
             drafts[mode] = rounds.propose()
     finally:
         set_mode(drafter, "grouped", graphs)
+    return per, drafts
+
+
+def summarize(per: dict, drafts: dict, modes: list[str]) -> tuple[list[dict], dict]:
+    """(a row a mode: mean / min / max of its repeats' medians and its last census; ratios per
+    repeat against the first mode, and whether each mode's drafts equal the first's)."""
     runs = []
     for mode in modes:
         ms = [m["ms"] for m in per[mode]]
+        last = per[mode][-1]
         runs.append({"mode": mode, "ms_mean": statistics.mean(ms), "ms_min": min(ms), "ms_max": max(ms), "ms": ms,
-                     **{k: per[mode][-1][k] for k in ("ops", "allocated_bytes", "peak_transient_bytes") if k in per[mode][-1]}})
-    summary = {"drafts_equal_to_per_head": {m: drafts[m] == drafts[modes[0]] for m in modes[1:]}}
+                     **{k: last[k] for k in ("ops", "allocated_bytes", "peak_transient_bytes") if k in last}})
+    base = modes[0]
+    summary: dict = {f"drafts_equal_to_{base}": {m: drafts[m] == drafts[base] for m in modes[1:]}}
     for mode in modes[1:]:
-        ratios = [a["ms"] / b["ms"] for a, b in zip(per[mode], per[modes[0]])]
-        summary[f"{mode}_over_{modes[0]}"] = {"mean": statistics.mean(ratios), "min": min(ratios), "max": max(ratios)}
+        ratios = [a["ms"] / b["ms"] for a, b in zip(per[mode], per[base])]
+        summary[f"{mode}_over_{base}"] = {"mean": statistics.mean(ratios), "min": min(ratios), "max": max(ratios)}
+    return runs, summary
+
+
+NOTES = ["a round = propose for every request (full window) + commit_many of one token each; random weights",
+         "ratios per repeat against the first mode named (the baseline), measured back to back; order rotated",
+         "CPU: 'graph' replays eagerly (its time is the eager one); its ops are what a round dispatches outside the graph"]
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
+    drafter, shape = build(ns)
+    rounds = Rounds(drafter, ns)
+    drafter.use_graphs(CudaGraphRunner() if ns.device.startswith("cuda") else OneOpRunner(), ns.requests)
+    modes = [m for m in MODES if m in ns.modes.split(",")]
+    runs, summary = summarize(*run_modes(drafter, rounds, ns, modes), modes)
     config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"drafter": shape, "summary": summary}
-    notes = ["a round = propose for every request (full window) + commit_many of one token each; random weights",
-             f"ratios per repeat against {modes[0]} (the first mode named), measured back to back; order rotated",
-             "CPU: 'graph' replays eagerly (its time is the eager one); its ops are what a round dispatches outside the graph"]
-    path = R.write_json(R.new_result("drafter_round", ns.argv, config, runs, notes), ns.out)
-    print(f"{summary}\n[done] {path}")
+    print(f"{summary}\n[done] {R.write_json(R.new_result('drafter_round', ns.argv, config, runs, NOTES), ns.out)}")
     return 0
 
 
