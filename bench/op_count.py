@@ -14,7 +14,9 @@ not counted, a launch counts as one op. Tiny model, C requests decoding, after w
 `--graphs step` replays the engine's whole-step graphs and the drafter's block graphs through
 `OneOpRunner` (each replay one op), so the count is what the host dispatches around the graphs on
 the GPU; a +spec step is then a verification round, with `--drafter dflash2` a random DFlash2 of
-the paper's six layers (its commits and selection are outside its graph).
+the paper's six layers (its commits and selection are outside its graph). It also times
+`--steps` more steps less the time inside the replays (`host_ms_around_graphs`): the host's
+Python and eager ops around the graphs on this CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DHISPARSE_TRITON_KERNELS", "1")
@@ -57,7 +60,8 @@ def count(preset: str, ns, loaded, graphs: str = "none", draft_path: str | None 
             engine.step()
     layers = engine.model_config.num_layers
     per_step = sum(c.ops.values()) / ns.steps
-    return {"preset": preset, "C": ns.concurrency, "layers": layers, "graphs": graphs,
+    host = host_ms_around_graphs(engine, ns.steps) if graphs == "step" else None
+    return {"preset": preset, "C": ns.concurrency, "layers": layers, "graphs": graphs, "host_ms_around_graphs": host,
             "drafter": (ns.drafter if preset.endswith("+spec") else None), "ops_per_step": per_step,
             "ops_per_layer": per_step / layers, "top": {k: v / ns.steps for k, v in c.ops.most_common(20)},
             "top_sites": {k: v / ns.steps for k, v in c.sites.most_common(40)},
@@ -65,6 +69,19 @@ def count(preset: str, ns, loaded, graphs: str = "none", draft_path: str | None 
             "sync_sites": {k: v / ns.steps for k, v in c.syncs.most_common()},
             "host_data_tensors_per_step": sum(c.host_data.values()) / ns.steps,
             "host_data_sites": {k: v / ns.steps for k, v in c.host_data.most_common()}}
+
+
+def host_ms_around_graphs(engine, steps: int) -> list[float]:
+    """Wall ms of each of `steps` steps (no counter) less the time inside graph replays: the host's
+    Python and the eager ops around the graphs, on this CPU (a proxy: the GPU's host also pays a
+    launch a kernel, and this CPU is not the GPU machine's)."""
+    out = []
+    for _ in range(steps):
+        OneOpRunner.inside_s = 0.0
+        t = time.perf_counter()
+        engine.step()
+        out.append(1e3 * (time.perf_counter() - t - OneOpRunner.inside_s))
+    return out
 
 
 def main(argv=None) -> int:
@@ -96,7 +113,8 @@ def main(argv=None) -> int:
     runs = [count(s.strip(), ns, loaded, a.graphs, draft_path, a.draft_window if draft_path else None)
             for s in a.presets.split(",") if s.strip()]
     for r in runs:
-        print(f"{r['preset']:14} C{r['C']} graphs {r['graphs']}: {r['ops_per_step']:7.0f} ops per step, {r['ops_per_layer']:5.0f} per layer, "
+        host = "" if r["host_ms_around_graphs"] is None else f"host {min(r['host_ms_around_graphs']):.2f}-{max(r['host_ms_around_graphs']):.2f} ms around the graphs, "
+        print(f"{r['preset']:14} C{r['C']} graphs {r['graphs']}: {r['ops_per_step']:7.0f} ops per step, {host}{r['ops_per_layer']:5.0f} per layer, "
               f"{r['syncs_per_step']:.0f} syncing ops, {r['host_data_tensors_per_step']:.0f} tensors from host data")
         for k, v in list(r["sync_sites"].items())[:12]:
             print(f"    sync {v:6.1f}  {k}")

@@ -6,6 +6,7 @@ process on their own kernel settings."""
 from __future__ import annotations
 
 import collections
+import time
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -75,18 +76,30 @@ class OpCounter(TorchDispatchMode):
 
 class OneOpRunner(EagerRunner):
     """CPU stand-in for a CUDA graph replay: the captured work runs eagerly and the active
-    `OpCounter` counts it as one op (`graph.replay`), which is what the host dispatches on the GPU."""
+    `OpCounter` counts it as one op (`graph.replay`), which is what the host dispatches on the GPU.
+    `inside_s` (shared by every instance) sums the wall time spent inside replays, so a step's
+    time less it is the host's work around the graphs."""
+
+    inside_s = 0.0
 
     def capture(self, thunk):
         def replay():
-            c = OpCounter.active
-            if c is None or c.inside:
-                return thunk()
-            c.ops["graph.replay"] += 1
-            c.sites[dhisparse_site()] += 1
-            c.inside += 1
+            t = time.perf_counter()
             try:
-                return thunk()
+                return self._counted(thunk)
             finally:
-                c.inside -= 1
+                OneOpRunner.inside_s += time.perf_counter() - t
         return replay
+
+    @staticmethod
+    def _counted(thunk):
+        c = OpCounter.active
+        if c is None or c.inside:
+            return thunk()
+        c.ops["graph.replay"] += 1
+        c.sites[dhisparse_site()] += 1
+        c.inside += 1
+        try:
+            return thunk()
+        finally:
+            c.inside -= 1
