@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         for k, v in list(r["host_data_sites"].items())[:8]:
             print(f"    data {v:6.1f}  {k}")
     doc = {"kind": "op_count", "date": R.now_iso(), "command": R.command_line(["bench/op_count.py"] + (argv or sys.argv[1:])),
-           "machine": R.machine_info(), "model": ns.model, "runs": runs}
+           "machine": R.machine_info(), "commit": R.source_commit(), "model": ns.model, "runs": runs}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"[done] {a.out}")
