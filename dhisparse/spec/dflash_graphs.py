@@ -1,8 +1,7 @@
 """CUDA graphs of the DFlash drafter's block pass, one per request bucket.
 
 Eagerly, a DFlash2 round of six layers dispatches ~1,000 PyTorch ops whatever the batch (CPU count,
-bench/drafter_round.py): ~10 ms of host time a round on the H200's host at ~10 us an op, which the
-GPU waits through. A round whose every request has a full window (W committed positions) has
+bench/drafter_round.py): ~10 ms of host time a round at ~10 us an op, which the GPU waits through. A round whose every request has a full window (W committed positions) has
 fixed shapes for a given request count, so the part from the ring's window to the block's hidden
 states replays from a graph; the LM head, the candidate selector (or DSpark's head) and sampling
 stay eager (a few dozen ops; sampling draws from per-request generators).
@@ -18,7 +17,7 @@ stay eager (a few dozen ops; sampling draws from per-request generators).
                x = embed([anchor, mask, ...]) * scale; hidden = block_hidden(x, n .. n+B-1, ctx)
     static out hidden [Nb, B, H], stale []: read as hidden[:N] before the next replay
 
-Padding rows (N..Nb-1) take slot 0, n = W and the mask token: their reads are finite ring rows,
+Padding rows (N..Nb-1) take slot 0, n = W and token 0 as anchor: their reads are finite ring rows,
 their outputs are never read, and `stale` ignores them. The pass is the eager one
 (`DFlashDrafter._block`) over the same inputs, so tests replay it with `EagerRunner` on CPU and
 compare the drafts with the eager path's.

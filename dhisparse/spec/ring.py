@@ -170,9 +170,10 @@ class DraftKVRing:
         for pos in positions:
             if pos.numel() > self.alloc.rows_per_slot:
                 raise ValueError(f"draft ring: {pos.numel()} positions in one write exceed R_d={self.alloc.rows_per_slot}")
-        pos = torch.cat(positions) if len(positions) > 1 else positions[0]
-        rows = self.alloc.rows_batch(slots, [p.to(pos.device) for p in positions]) if len(positions) > 1 else \
-            self.alloc.rows(slots[0], pos)
+        if len(positions) == 1:
+            pos, rows = positions[0], self.alloc.rows(slots[0], positions[0])
+        else:
+            pos, rows = torch.cat(positions), self.alloc.rows_batch(slots, positions)
         dev = self.tags.device
         return rows.to(dev), pos.to(dev)
 
