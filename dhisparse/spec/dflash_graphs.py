@@ -91,12 +91,9 @@ class BlockGraphs:
         """The captured work over the static inputs (module docstring)."""
         anchors, committed, slots, real = static[0], static[1], static[2], static[3].bool()
         pos = committed[:, None] - self.window + torch.arange(self.window, device=self.device)[None, :]
-        rows = self.ring.rows_of(slots, pos)
-        valid = torch.ones_like(pos, dtype=torch.bool)
-        stale = self.ring.stale(rows, pos, real[:, None].expand_as(pos))
-        ctx = [(k[rows], v[rows]) for k, v in zip(self.ring.k, self.ring.v)]
+        ctx, stale = self.ring.window(slots, pos, real[:, None].expand_as(pos))  # padding rows never stale
         with torch.inference_mode():
-            return self.block(anchors, committed, ctx, valid, pos), stale
+            return self.block(anchors, committed, ctx, torch.ones_like(pos, dtype=torch.bool), pos), stale
 
     def counters(self) -> dict[str, float]:
         return {"drafter_graph_replays": self.replayed, "drafter_graph_eager": self.eager,

@@ -197,13 +197,18 @@ class DraftKVRing:
     def read_layers(self, slots: list[int], positions: torch.Tensor,
                     valid: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Every draft layer's K/V at positions [N, L] int64 of slots [N] (padding anywhere valid
-        [N, L] is False; host or device tensors) -> ([(k, v) [N, L, kv_heads, d] per layer], stale:
-        a device bool scalar not yet read, see `stale`). Padded entries hold arbitrary rows. The
-        rows are computed where the positions are and moved once; one gather a tensor; no host sync."""
-        rows = self.rows_of(torch.tensor(slots, dtype=torch.int64, device=positions.device), positions)
+        [N, L] is False; host or device tensors) -> `window` of them on the ring's device."""
         dev = self.tags.device
-        rows, pos, ok = rows.to(dev), positions.to(dev), valid.to(dev)
-        return [(k[rows], v[rows]) for k, v in zip(self.k, self.v)], self.stale(rows, pos, ok)
+        return self.window(torch.tensor(slots, dtype=torch.int64, device=dev), positions.to(dev), valid.to(dev))
+
+    def window(self, slots: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """slots [N], positions / valid [N, L] on the ring's device -> ([(k, v) [N, L, kv_heads, d]
+        per layer], stale: a device bool scalar not yet read, see `stale`). Padded entries hold
+        arbitrary rows. One gather a tensor, no host sync: a CUDA graph can capture it
+        (spec/dflash_graphs.py)."""
+        rows = self.rows_of(slots, positions)
+        return [(k[rows], v[rows]) for k, v in zip(self.k, self.v)], self.stale(rows, positions, valid)
 
 
 class DenseDraftKV:
