@@ -391,9 +391,11 @@ case ",$STEPS," in *,prims33,*)  # issue 33: one program's Triton primitives (sc
 case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's counters and source-level stall samples on one plan call, batch 8, H 4,096, 0.1% and 20% misses (~3 min; ncu reads counters on the Firecracker runtime only: KINDS.md)
   for lvl in ${NCU33_LEVELS:-0.1 20}; do
     rep="$OUT/plan_ncu_miss${lvl}"
-    # launch-skip: check_case's plan and the 5 warm-up calls (one plan launch each)
+    # launch-skip: check_case's plan and the 5 warm-up calls (one plan launch each); sampling interval 0 = every
+    # 32 cycles (s34's default interval gave 128 samples for a ~20-us kernel: too few to rank lines)
     run "ncu: plan kernel, ${lvl}% misses" timeout ${NCU33_TIMEOUT:-150} ncu --clock-control none \
-        --kernel-name regex:resolve_plan_kernel --launch-skip 6 --launch-count 1 --set full --import-source yes -f -o "$rep" \
+        --kernel-name regex:resolve_plan_kernel --launch-skip 6 --launch-count 1 --set full --import-source yes \
+        --warp-sampling-interval ${NCU33_SAMPLING:-0} -f -o "$rep" \
         python3 bench/resolver_one_call.py --level "${lvl}%" --batch 8
     ncu --import "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1 || true
     ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "${rep}_source.csv" 2>&1 || true
