@@ -96,24 +96,29 @@ def test_deferred_triton_resolver_matches_reference_resolver(preset, hot, spec):
     """The Triton resolver runs sync-free (defer=True, counters folded on read): same tokens as
     resident and the same census as the reference resolver, with hot-cache misses and direct calls;
     with its copies fused into the plan kernel (resolver_copy="fused": one launch plans and copies
-    the producer's rows) every located row is also checked against a dense mirror (I2)."""
+    the producer's rows) every located row is also checked against a dense mirror (I2). With the
+    hot_entry index (resolver_lookup="index") the debug checks also hold it to hot_pos's inverse."""
     ps, short = prompts(3), SamplingParams(max_tokens=10, ignore_eos=True)
     ref = [o.token_ids for o in LLM("tiny", page_size=4).generate(ps, short)]
     census = {}
-    for resolver, copy in (("torch", "separate"), ("triton", "separate"), ("triton", "fused")):
+    runs = (("torch", "separate", "scan"), ("triton", "separate", "scan"), ("triton", "fused", "scan"),
+            ("triton", "separate", "index"), ("torch", "separate", "index"))
+    for resolver, copy, lookup in runs:
         llm = LLM("tiny", preset=preset, resolver=resolver, resolver_copy=copy, hot_cache_rows=hot, page_size=4,
-                  kv_pool_bytes=1 << 20, max_running_requests=8, debug_checks=copy == "fused", **spec)
+                  kv_pool_bytes=1 << 20, max_running_requests=8, resolver_lookup=lookup,
+                  debug_checks=copy == "fused" or lookup == "index", **spec)
         assert llm.engine.store.deferred == (resolver == "triton")
         assert llm.engine.store.fuse_copies == (copy == "fused")
+        assert (llm.engine.store.hot_entry is not None) == (lookup == "index")
         if copy == "fused":
             llm = checked(llm)
         assert [o.token_ids for o in llm.generate(ps, short)] == ref
         targets, groups = len(llm.engine.store.copy_targets), len(llm.engine.store.groups)
         assert targets == 0 if resolver == "torch" else (targets == groups or preset == "adaptive")  # one a group
         c = llm.engine.store.census
-        census[resolver, copy] = {k: getattr(c, k) for k in c.FIELDS} | {"calls": c.calls}
-    assert census["triton", "separate"] == census["torch", "separate"] == census["triton", "fused"]
-    assert census["torch", "separate"]["host"] > 0 or preset == "adaptive"
+        census[resolver, copy, lookup] = {k: getattr(c, k) for k in c.FIELDS} | {"calls": c.calls}
+    assert all(census[r] == census["torch", "separate", "scan"] for r in runs)
+    assert census["torch", "separate", "scan"]["host"] > 0 or preset == "adaptive"
 
 
 @pytest.mark.parametrize("preset", ["hisparse", "adaptive"])
@@ -128,17 +133,18 @@ def test_deferred_staging_matches_reference_staging(preset):
     ps = [[3 + (7 * i + 5 * j) % 120 for j in range(20 + 23 * i)] for i in range(3)]
     ref = {tuple(p): o.token_ids for p, o in zip(ps, LLM("tiny").generate(ps, sp))}
     census = {}
-    for resolver in ("torch", "triton"):
+    for resolver, lookup in (("torch", "scan"), ("triton", "scan"), ("triton", "index")):
         llm = LLM.__new__(LLM)
         llm.engine = Engine(EngineConfig(preset=preset, resolver=resolver, hot_cache_rows=16, page_size=4,
                                          kv_pool_bytes=1 << 20, max_running_requests=8, speculative_algorithm="oracle",
-                                         speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0),
+                                         speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0,
+                                         resolver_lookup=lookup, debug_checks=lookup == "index"),
                             oracle_reference=ref)
         assert [o.token_ids for o in llm.generate(ps, sp)] == [ref[tuple(p)] for p in ps]
         assert llm.engine.store.deferred == (resolver == "triton")
-        census[resolver] = llm.engine.store.census
+        census[resolver, lookup] = llm.engine.store.census
     if preset == "hisparse":  # adaptive keeps these short histories resident: every row is direct
-        assert census["torch"].overflow > 0 and census["triton"].overflow > 0
+        assert all(c.overflow > 0 for c in census.values())
 
 
 def test_staging_rows_are_a_view_of_their_pool_pages():

@@ -5,6 +5,7 @@ Outputs (locations, copy plan, counters) and state mutations (hot_pos, hot_stamp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -21,7 +22,7 @@ from test_resolver_reference import (  # noqa: E402
     W, assert_rows_right, clone_state, dev_rows_for, host_rows_for, make_state, sel_of)
 
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton, run_copies_triton  # noqa: E402
-from dhisparse.kernels.resolver_ref import plan_reference, run_copies  # noqa: E402
+from dhisparse.kernels.resolver_ref import hot_entry_of, plan_reference, run_copies  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,10 +33,20 @@ def _boom(*args):
     tl.static_assert(False, "full resolver path taken")
 
 
-class Pair:
-    """A reference state (CPU) and a kernel state (DEV) stepped together and compared exactly."""
+def with_hot_entry(st):
+    """st with its `hot_entry` index built from hot_pos, as wide as the plan's position bound."""
+    width = max(st.host_table.shape[1] * st.host_page_size,
+                st.direct_loc.shape[1] if st.direct_loc is not None else 0) + st.tail_loc.shape[1]
+    return dataclasses.replace(st, hot_entry=hot_entry_of(st.hot_pos, width))
 
-    def __init__(self, st):
+
+class Pair:
+    """A reference state (CPU) and a kernel state (DEV) stepped together and compared exactly.
+    hot_map: both keep the `hot_entry` index (the kernel then looks hits up instead of scanning)."""
+
+    def __init__(self, st, hot_map=False):
+        if hot_map:
+            st = with_hot_entry(st)
         self.ref, self.dev = clone_state(st), clone_state(st, DEV)
 
     def step(self, sel, slots, now, defer=False, ws=None, distinct=False):
@@ -51,6 +62,9 @@ class Pair:
         assert got.counters == want.counters
         assert torch.equal(self.dev.hot_pos.cpu(), self.ref.hot_pos)
         assert torch.equal(self.dev.hot_stamp.cpu(), self.ref.hot_stamp)
+        if self.ref.hot_entry is not None:  # both kept it in step with hot_pos
+            assert torch.equal(self.ref.hot_entry, hot_entry_of(self.ref.hot_pos, self.ref.hot_entry.shape[1]))
+            assert torch.equal(self.dev.hot_entry.cpu(), self.ref.hot_entry)
         return want, got
 
 

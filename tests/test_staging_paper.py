@@ -97,12 +97,12 @@ def test_promotion_needs_a_strictly_higher_rank():
 
 
 def _engine(reference, model="tiny", resolver="torch", mode="paper", preset="hisparse", hot=16,
-            drafter="oracle") -> LLM:
+            drafter="oracle", lookup="scan") -> LLM:
     llm = LLM.__new__(LLM)
     oracle = {"speculative_oracle_tokens_per_round": 3.0} if drafter == "oracle" else {}
     pool = {"kv_pool_bytes": 1 << 19} if preset == "adaptive" else {}  # little optional history: overflow
     llm.engine = Engine(EngineConfig(model=model, preset=preset, resolver=resolver, hot_cache_rows=hot, page_size=4,
-                                     max_running_requests=8, debug_checks=True, staging_mode=mode,
+                                     max_running_requests=8, debug_checks=True, staging_mode=mode, resolver_lookup=lookup,
                                      speculative_algorithm=drafter, speculative_num_draft_tokens=4, **oracle, **pool),
                         oracle_reference=reference)
     return checked(llm)
@@ -130,6 +130,8 @@ def test_paper_staging_is_exact_and_promotes(reference, preset):
 
 
 def test_paper_staging_same_counters_on_both_resolvers():
+    """The reference and Triton resolvers, and the Triton one with the hot_entry index (promotions
+    rewrite hot entries outside the resolver: the index follows, `promotion._reindex`)."""
     pytest.importorskip("triton")
     # ngram drafts are a function of the tokens alone: both runs take the same rounds (repetitive
     # prompts: its drafts fill the width, so unions overflow)
@@ -137,9 +139,10 @@ def test_paper_staging_same_counters_on_both_resolvers():
     ref = {tuple(p): o.token_ids for p, o in zip(ps, LLM("tiny").generate(ps, GREEDY))}
     a = _run(ref, ps, resolver="torch", drafter="ngram")
     b = _run(ref, ps, resolver="triton", drafter="ngram")
+    c = _run(ref, ps, resolver="triton", drafter="ngram", lookup="index")  # promotions keep the index (debug checks)
     assert a["staging_promoted_rows"] > 0
     keys = ("selected_rows", "host_selected_rows", "resolver_overflow", "staging_promoted_rows", "resolver_bytes_moved")
-    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys} == {k: c[k] for k in keys}
 
 
 def test_paper_staging_is_exact_on_a_v32_checkpoint(hf_checkpoints):

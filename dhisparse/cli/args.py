@@ -19,8 +19,8 @@ import dataclasses
 import logging
 
 from dhisparse import __version__
-from dhisparse.engine.config import (KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, RESOLVER_COPIES, STAGING_MODES,
-                                     EngineConfig)
+from dhisparse.engine.config import (KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, RESOLVER_COPIES,
+                                     RESOLVER_LOOKUPS, STAGING_MODES, EngineConfig)
 from dhisparse.spec.config import COSTED
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -228,6 +228,9 @@ FLAGS: list[Flag] = [
     Flag("--resolver-copy", "resolver_copy", help_="hierarchical presets, Triton resolver: the producer layer's "
          "host -> device copies in a gather launch of their own (separate) or made by the plan kernel itself "
          "(fused: one launch plans and copies)", choices=RESOLVER_COPIES),
+    Flag("--resolver-lookup", "resolver_lookup", help_="hierarchical presets: find hot-cache hits by scanning the "
+         "hot cache (scan) or through a position -> hot entry index kept per request slot and group (index: 2 B a "
+         "position of the longest request per group and slot)", choices=RESOLVER_LOOKUPS),
     Flag("--load-stream", "load_stream", help_="CUDA: where admission copies (prefix import, hisparse hand-off) run",
          choices=("compute", "side")),
     Flag("--speculative-algorithm", "speculative_algorithm",

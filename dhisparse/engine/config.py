@@ -10,7 +10,7 @@ from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
 from dhisparse.kernels.resolver import MAX_B  # hot rows a slot the plan kernel ranks
 from dhisparse.kv.build import StoreSettings
-from dhisparse.kv.hier.context import RESOLVER_COPIES  # separate, fused
+from dhisparse.kv.hier.context import RESOLVER_COPIES, RESOLVER_LOOKUPS  # separate, fused; scan, index
 from dhisparse.kv.hier.hierarchy import PLACEMENTS, STAGING_MODES  # import, host, auto; auto, paper, single
 from dhisparse.models.registry import builtin_drafter
 from dhisparse.spec.config import SpecConfig
@@ -106,6 +106,10 @@ class EngineConfig:
         "fused" (the plan kernel copies each request's planned rows itself: one launch, issue 33;
         `kernels/resolver.py`'s `plan_triton(copy=...)`). Follower layers' copies under
         prefetch_stream "side" and staged rows keep their own launches either way.
+    resolver_lookup [--resolver-lookup]: how the resolver finds hot-cache hits: "scan" (default: the
+        hot cache is scanned against each call's selection) or "index" (the store keeps a position ->
+        hot entry table per request slot and selection group, int16, 2 B a position of max_model_len
+        per group and slot, and the Triton plan looks each selected row up: issue 33). Same plans.
     load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
         host -> device; hisparse's hand-off backup device -> host): "compute" (default: in stream
         order on the compute stream; the batch waits, the request does not) or "side" (side
@@ -196,6 +200,7 @@ class EngineConfig:
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
     resolver_copy: str = "separate"
+    resolver_lookup: str = "scan"
     admission_placement: str = "auto"
     staging_mode: str = "auto"
     cuda_graphs: str = "auto"
@@ -265,6 +270,8 @@ class EngineConfig:
             raise ConfigValueError(f"staging_mode must be one of {STAGING_MODES}; got {self.staging_mode!r}")
         if self.resolver_copy not in RESOLVER_COPIES:
             raise ConfigValueError(f"resolver_copy must be one of {RESOLVER_COPIES}, got {self.resolver_copy!r}")
+        if self.resolver_lookup not in RESOLVER_LOOKUPS:
+            raise ConfigValueError(f"resolver_lookup must be one of {RESOLVER_LOOKUPS}, got {self.resolver_lookup!r}")
         for name in ("copy_stream", "load_stream", "prefetch_stream"):
             if getattr(self, name) not in ("side", "compute"):
                 raise ConfigValueError(f"{name} must be 'side' or 'compute', got {getattr(self, name)!r}")
@@ -376,6 +383,7 @@ class EngineConfig:
             source_hot_cache_rows=self.source_hot_cache_rows,
             host_pool_bytes=self.host_pool_bytes, resolver=self.resolver, copy_stream=self.copy_stream,
             load_stream=self.load_stream, prefetch_stream=self.prefetch_stream, resolver_copy=self.resolver_copy,
+            resolver_lookup=self.resolver_lookup,
             admission_placement=self.admission_placement, staging_mode=self.staging_mode, reserve_pages=self.admission_reserve_pages, reclaim_order=self.reclaim_order,
             repopulate_pages=self.repopulate_pages, backup_ahead_pages=self.backup_ahead_pages,
             decode_pages=self.decode_pages,

@@ -87,7 +87,7 @@ class TritonResolvePlan(ResolvePlan):
         return self
 
 
-_STATE_NAMES = ("hot_pos", "hot_stamp", "hot_loc", "tail_loc", "host_table", "direct_loc")
+_STATE_NAMES = ("hot_pos", "hot_stamp", "hot_loc", "tail_loc", "host_table", "direct_loc", "hot_entry")
 
 
 def _row_stride(t: torch.Tensor, name: str) -> int:
@@ -107,7 +107,7 @@ class _StateArgs:
     the sizes derived from them. `refs`: weak references to the tensors they were read from."""
 
     refs: tuple
-    strides: tuple  # (s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap)
+    strides: tuple  # (s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap)
     ps: int  # the host page size lcap was derived with
     TT: int
     HPW: int
@@ -121,7 +121,7 @@ _STATE_ARGS_MAX = 256
 
 
 def _state_tensors(st: ResolverState) -> tuple:
-    return st.hot_pos, st.hot_stamp, st.hot_loc, st.tail_loc, st.host_table, st.direct_loc
+    return st.hot_pos, st.hot_stamp, st.hot_loc, st.tail_loc, st.host_table, st.direct_loc, st.hot_entry
 
 
 _LCAP_MAX = 1 << 30  # positions a plan can claim (resolver_one._hot_scan_one packs (p << 1) | flag in int32)
@@ -145,6 +145,10 @@ def _state_args(st: ResolverState) -> _StateArgs:
     lcap = max(HPW * ps, LMAX) + TT
     if lcap > _LCAP_MAX:  # the plan packs a claimed position and a flag into 31 bits
         raise ValueError(f"host_table / direct_loc: positions up to {lcap} exceed the plan kernel's 2^30")
+    hmap = st.hot_entry
+    if hmap is not None and (hmap.dtype != torch.int16 or hmap.shape[1] < lcap or hmap.shape[0] != st.hot_pos.shape[0]):
+        raise ValueError(f"hot_entry must be int16 [S, >= {lcap}] (every position the plan can see: the host table's "
+                         f"reach plus the tail, or the optional map's width), got {hmap.dtype} {tuple(hmap.shape)}")
     words = -(-lcap // 32) if dmap is not None else 1
     args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, ps, TT, HPW, LMAX, lcap, words)
     if len(_STATE_ARGS) >= _STATE_ARGS_MAX:
@@ -173,7 +177,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
-    not the host). Mutates st.hot_pos / st.hot_stamp [S, B] exactly like `plan_reference`. Returns
+    not the host). Mutates st.hot_pos / st.hot_stamp [S, B] (and st.hot_entry) exactly like `plan_reference`. Returns
     loc [N, K, k] (dtype of sel) and the copy plan; see `TritonResolvePlan`. defer=True: no host sync.
     upto_phase < 50 (one of PHASE_STOPS) is for phase profiling only (bench/resolver_peer.py): the kernel
     stops after that phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
@@ -267,8 +271,8 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`; with a
     RowCopy `rc`, the plan kernel copies the planned rows into it (P6)."""
     a = _state_args(st)
-    s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap = a.strides
-    hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap = _state_tensors(st)
+    s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap = a.strides
+    hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap, hmap = _state_tensors(st)
     dev, ps = hot_pos.device, st.host_page_size
     TT, HPW, LMAX, lcap, words = a.TT, a.HPW, a.LMAX, a.lcap, a.words
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort
@@ -276,6 +280,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     KKP, BP, warps, (SA, SB, SC, SD) = _shape_consts(KK, B)
     if ws is not None:  # persistent: pre and the bitmap half the parity names zero at entry; the kernels keep it so
         scr64, scr32, pv, bm, half, pre = ws.scratch(N, KKP, BP, lcap, _claim_dtype(KK), words, dmap is not None)
+        hitf = ws.hit_flags(N, BP) if hmap is not None else scr32
     else:
         scr64 = torch.empty((N, 2 * KKP + BP), dtype=torch.int64, device=dev)
         scr32 = torch.empty((N, 2 * KKP), dtype=torch.int32, device=dev)
@@ -283,6 +288,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         half = N * words if dmap is not None else 0  # two halves, parity, arrivals (resolver_workspace.py)
         bm = torch.zeros(2 * half + 2, dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
+        hitf = torch.empty((N, BP), dtype=torch.int8, device=dev) if hmap is not None else scr32  # any contents
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     warps = num_warps or warps
     cargs, cconsts = _copy_args(rc, hot_pos, warps)
@@ -296,8 +302,9 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
-        scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs),
-        {"PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
+        scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs,
+        hmap if hmap is not None else hot_pos, s_hmap, hitf),
+        {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
          "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
         warps)
 

@@ -164,11 +164,13 @@ def _sort_keys(scr, cnt, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, S
 
 @triton.jit
 def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos,
-            s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr,
-            DISTINCT: tl.constexpr):
+            s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, hmap_ptr, s_hmap, KKP: tl.constexpr, BP: tl.constexpr,
+            CHB: tl.constexpr, DISTINCT: tl.constexpr, MAP: tl.constexpr):
     """P4d. Miss r < nhost (host order) takes victim r (slot order): copy plan row r, state update.
     Its location goes to out[u] and its flag is set (P5 reads both), or with DISTINCT (uid u is the
-    entry; no P5) straight to loc_row[u]."""
+    entry; no P5) straight to loc_row[u]. MAP: the hot_entry index follows (the victim's old
+    position unmapped, the miss's position mapped to it; the two sets are disjoint, since a miss's
+    position is in no hot entry, so no two threads write one cell)."""
     for r0 in range(0, BP, CHB):
         if r0 < nhost:
             r = r0 + tl.arange(0, CHB)
@@ -178,6 +180,10 @@ def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_st
             v = tl.load(vk + r, mask=take, other=0)
             lv = tl.load(hot_loc_ptr + s * s_loc + v, mask=take, other=0).to(tl.int64)
             pu = tl.load(sel_ptr + n * KK + u, mask=take, other=0)
+            if MAP:  # the old position is read before this thread overwrites it below
+                old = tl.load(hot_pos_ptr + s * s_pos + v, mask=take, other=-1)
+                tl.store(hmap_ptr + s * s_hmap + old, tl.full([CHB], -1, tl.int16), mask=take & (old >= 0))
+                tl.store(hmap_ptr + s * s_hmap + pu, v.to(tl.int16), mask=take)
             if DISTINCT:
                 tl.store(loc_row + u, lv.to(loc_row.dtype.element_ty), mask=take)
             else:
@@ -191,10 +197,10 @@ def _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_st
 
 @triton.jit
 def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr, hot_stamp_ptr,
-                 hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row, KKP: tl.constexpr,
-                 BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
-                 SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
-                 DISTINCT: tl.constexpr):
+                 hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row, hmap_ptr, s_hmap,
+                 KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
+                 SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
+                 DISTINCT: tl.constexpr, MAP: tl.constexpr):
     """P4b-d, after the nmiss miss keys are compacted into mk: victims (the oldest nhost of the slots
     in range bm not hit, by their stamps hs as read before P3), the nhost smallest keys sorted, and
     miss r paired with victim r. UPTO 41 / 43 (profiling): stop after P4b / P4c."""
@@ -208,5 +214,6 @@ def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, h
         _sort_keys(mk, nsort, SA, SB, SC, SD)
         if UPTO >= 45:
             _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
-                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, KKP, BP, CHB, DISTINCT)
+                    s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, hmap_ptr, s_hmap, KKP, BP, CHB,
+                    DISTINCT, MAP)
             tl.debug_barrier()

@@ -201,11 +201,12 @@ def resolve_plan_kernel(
     loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C,
     scr64_ptr, scr32_ptr, pv_ptr, LCAP, pre_ptr,
     crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1,
+    hmap_ptr, s_hmap, hitf_ptr,
     PS: tl.constexpr, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr,
     CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
     VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
     COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
-    CR: tl.constexpr = 1,
+    CR: tl.constexpr = 1, MAP: tl.constexpr = 0,
 ):
     """Grid (N, 1). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
     rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
@@ -216,6 +217,10 @@ def resolve_plan_kernel(
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
     It also writes loc where each entry resolves (P1, P3, P4d), so P5 does not run.
+    MAP (the state keeps `hot_entry` [S, HMW] int16, the inverse of hot_pos, row stride s_hmap): the
+    registers-only path finds hits by looking each entry's position up in it (resolver_one.py) instead
+    of scanning the hot rows; both paths keep it in step with hot_pos (P4d). hitf [N, BP] int8: the
+    lookup's hit flags (any contents at entry).
     COPY (`plan_triton(copy=...)`): P6 copies each request's planned rows (copy-plan rows 0 .. copy_n-1)
     from the host rows crs to the device rows crd (layered [pages, CG, rows_per_page, CPW units], the
     strides (chp, chs0, chsl, chs1) and (cdp, cds0, cdsl, cds1) as `gather_rows_kernel` takes them) in
@@ -232,7 +237,8 @@ def resolve_plan_kernel(
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, PS, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
-                      KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY, CPW, CCW, CVEC, CR)
+                      hmap_ptr, s_hmap, hitf_ptr, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, COPY,
+                      CPW, CCW, CVEC, CR, MAP)
 
 
 @triton.jit
@@ -240,10 +246,11 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
                   has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                   pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
-                  KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
+                  hmap_ptr, s_hmap, hitf_ptr, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
                   SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr,
-                  COPY: tl.constexpr, CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr):
+                  COPY: tl.constexpr, CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr,
+                  MAP: tl.constexpr):
     """Request n's plan (program (n, 0)): P0's exit or P1-P5, then (COPY) P6's copy of its planned rows."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -273,12 +280,12 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             nhost = _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
-                      KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT)
+                      hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, MAP)
         else:
             nhost = _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                           tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
                           LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
-                          LCAP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO)
+                          LCAP, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, MAP)
     if COPY:
         if UPTO >= 50:
             _copy_planned(src_ptr + n * C, dst_ptr + n * C, nhost, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1,
@@ -289,10 +296,12 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
 def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                   tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
-                  KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
-                  SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr):
+                  hmap_ptr, s_hmap, KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
+                  SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr,
+                  UPTO: tl.constexpr, MAP: tl.constexpr):
     """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH).
-    Returns the rows it planned to copy (copy_n[n])."""
+    Finds hits by the scan even with MAP (then P4d keeps hot_entry in step). Returns the rows it
+    planned to copy (copy_n[n])."""
     # the hot rows depend only on s: their loads overlap P1's
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
     nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
@@ -312,7 +321,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
                          hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now,
-                         loc_ptr + n * KK, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0)
+                         loc_ptr + n * KK, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0, MAP)
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost * 0
         if UPTO >= 50:

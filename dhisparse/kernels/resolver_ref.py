@@ -21,6 +21,11 @@ State (one group g = one selection producer; all layers of a group share the slo
   tail_start [S], tail_loc [S, TT]: position p >= tail_start lives at tail_loc[s, p - tail_start]
   host_table [S, HPmax]: host page of each page-of-positions, host_ps rows per host page
   direct_loc [S, Lmax] or None: ready optional-history location of each position, -1 if none
+  hot_entry [S, Lh] int16 or None: the hot entry holding each position, -1 none     (mutated)
+             the inverse of hot_pos (`hot_entry_of`): hot_pos[s, v] = p >= 0 <=> hot_entry[s, p] = v.
+             An index, not state of its own: the plan's result is the same with or without it; with
+             it the Triton plan looks each selected row up (one load) instead of scanning the hot
+             cache against the selection (issue 33). Lh covers every position (>= the plan's bound).
 """
 
 from __future__ import annotations
@@ -67,6 +72,28 @@ class ResolverState:
     host_table: torch.Tensor
     host_page_size: int
     direct_loc: torch.Tensor | None = None
+    hot_entry: torch.Tensor | None = None
+
+
+def hot_entry_of(hot_pos: torch.Tensor, width: int) -> torch.Tensor:
+    """[S, width] int16: the inverse of hot_pos [S, B] (entry v at column hot_pos[s, v], -1
+    elsewhere), as `ResolverState.hot_entry` must hold it. Positions must be < width."""
+    S, B = hot_pos.shape
+    if B > 32768:
+        raise ValueError(f"hot_pos: an int16 hot_entry map indexes at most 32,768 entries, got {B}")
+    out = torch.full((S, width), -1, dtype=torch.int16, device=hot_pos.device)
+    s, v = (hot_pos >= 0).nonzero(as_tuple=True)
+    out[s, hot_pos[s, v]] = v.to(torch.int16)
+    return out
+
+
+def _move_entries(st: ResolverState, s: int, v: torch.Tensor, pos: torch.Tensor) -> None:
+    """Hot entries v of slot s now hold positions pos (hot_pos and, if kept, the hot_entry index)."""
+    if st.hot_entry is not None:
+        old = st.hot_pos[s, v]
+        st.hot_entry[s, old[old >= 0]] = -1
+        st.hot_entry[s, pos] = v.to(st.hot_entry.dtype)
+    st.hot_pos[s, v] = pos
 
 
 def _host_loc(st: ResolverState, s: int, pos: torch.Tensor) -> torch.Tensor:
@@ -118,7 +145,8 @@ def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, no
             c[5] += miss.numel() - m
             v = victims[:m].sort().values  # the LRU-oldest m, paired in slot order
             out[miss[:m]] = st.hot_loc[s, v]
-            st.hot_pos[s, v], st.hot_stamp[s, v] = uniq[miss[:m]], now
+            _move_entries(st, s, v, uniq[miss[:m]])
+            st.hot_stamp[s, v] = now
             srcs.append(hloc[:m])
             dsts.append(st.hot_loc[s, v])
             c[3] += m

@@ -7,6 +7,7 @@ Per call `plan_triton` needs, per request n of a batch of N:
   pv     [N, LCAP] int16/int32   P1's position-indexed claims       (any contents at entry)
   bm     [2*HALF + 2] int32      P0's distinct-row bitmaps           (see below; optional map only)
   pre    [N, 3] int32            direct_pre_kernel's counts          (ZERO at entry; optional map only)
+  hitf   [N, BP] int8            the hot lookup's hit flags          (any contents at entry; hot_entry only)
 
 LCAP is the positions' bound (the host table's reach plus the tail, or the optional map's width):
 pv costs 2 B per position per request (int32 only past K*k = 32,767), as much as an int16 optional
@@ -89,6 +90,14 @@ class PlanWorkspace:
         bm, half = self._bitmap(N * words)
         pre = self._get("pre", N * 3, torch.int32, 0).view(N, 3)
         return scr64, scr32, pv, bm, half, pre
+
+    def hit_flags(self, N: int, BP: int) -> torch.Tensor:
+        """hitf [N, BP] int8 (any contents: the plan kernel clears a request's row before using it)."""
+        key = ("hitf", N, BP)
+        hit = self._views.get(key)
+        if hit is None:
+            hit = self._views[key] = self._get("hitf", N * BP, torch.int8, None).view(N, BP)
+        return hit
 
     def _bitmap(self, need: int) -> tuple[torch.Tensor, int]:
         """(the whole bitmap buffer [2*HALF + 2], HALF) with HALF >= need words: grown (zeroed) when

@@ -58,6 +58,8 @@ class StoreSettings:
     prefetch_stream  follower layers' copies of a shared selection: compute | side (kv/hier/prefetch.py)
     resolver_copy  a deferred plan's producer copies: separate (plan, then a gather launch) | fused (the
                   plan kernel copies: kv/hier/resolver_step.py's `producer_rows`)
+    resolver_lookup  how a plan finds hot-cache hits: scan (the hot cache against the selection) | index
+                  (a position -> hot entry table per slot and group, int16: kv/hier/tables.py)
     admission_placement  a prefix-matched admission: auto | import | host (HierarchicalKV._placement)
     staging_mode  verification staging: auto | paper | single (kv/hier/promotion.py)
     reserve_pages, reclaim_order, repopulate_pages, backup_ahead_pages: adaptive residency
@@ -77,6 +79,7 @@ class StoreSettings:
     load_stream: str = "compute"
     prefetch_stream: str = "compute"
     resolver_copy: str = "separate"
+    resolver_lookup: str = "scan"
     admission_placement: str = "auto"
     staging_mode: str = "auto"
     reserve_pages: int | None = None  # None: AdaptiveKV.default_reserve
@@ -193,7 +196,7 @@ def _hierarchy(s: StoreSettings, arena: KVArena, geometry: RowGeometry, pool_byt
     r = resolver_for(s.resolver, arena.device)
     kw = dict(plan_fn=r.plan_fn, copy_fn=r.copy_fn, deferred=r.deferred, debug=s.debug, max_queries=s.max_queries,
               side_loads=s.load_stream == "side", prefetch=s.prefetch_stream, placement=s.admission_placement,
-              fuse_copies=s.resolver_copy == "fused",
+              fuse_copies=s.resolver_copy == "fused", hot_index=s.resolver_lookup == "index",
               staging_mode=s.staging_mode,
               max_len=max_len, source_hot_rows=per, **extra)
     args = (arena, host, hot, s.max_running)

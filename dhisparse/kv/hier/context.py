@@ -25,6 +25,8 @@ from dhisparse.kv.hier.resolver_step import (DecodeTokens, copy_group, decode_lo
 
 RESOLVER_COPIES = ("separate", "fused")  # EngineConfig.resolver_copy: the producer's copies in a launch of their own, or
                                           # by the plan kernel (HierarchicalKV.fuse_copies)
+RESOLVER_LOOKUPS = ("scan", "index")  # EngineConfig.resolver_lookup: hits found by scanning the hot cache, or through
+                                      # a position -> hot entry index (HierarchicalKV.hot_index, tables.py)
 
 
 class HierContext(PagedContext):

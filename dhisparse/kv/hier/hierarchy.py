@@ -69,7 +69,7 @@ class HierarchicalKV(KVStore):
                  debug: bool = False, max_queries: int = 1, copy_fn=run_copies, max_len: int | None = None,
                  side_loads: bool = False, deferred: bool = False, source_hot_rows: tuple[int, ...] | None = None,
                  prefetch: str = "compute", placement: str = "import", staging_mode: str = "auto",
-                 fuse_copies: bool = False) -> None:
+                 fuse_copies: bool = False, hot_index: bool = False) -> None:
         """max_queries: K_max, the most tokens a decoding request runs per pass (speculative
         verification width); sizes the tail (ps - 1 + K_max positions, page-rounded) and, when
         K_max > 1, a staging arena of K_max * index_topk rows per request slot (eq. 11) for
@@ -84,6 +84,8 @@ class HierarchicalKV(KVStore):
         the Triton resolver: kv/build.py's `Resolver`; `plan_ws` is its persistent scratch).
         fuse_copies (deferred only): the plan kernel copies the rows of the group's producer itself
         (`plan(..., copy=...)`, one launch; kv/hier/resolver_step.py's `producer_rows`).
+        hot_index: keep `hot_entry` [S, G, W] int16, each group's position -> hot entry index
+        (tables.py; needs max_len): the resolver finds hits by a lookup instead of a scan.
         source_hot_rows: one hot-cache budget B_g per selection group / KV source (the paper's V4.1 setting: 8,192 rows for the source five layers select
         from, 4,096 for the others), each page-rounded and >= index_topk; None: `hot_rows` for every
         one. A request holds max_g B_g rows of pages (a page holds every source's rows), and group
@@ -98,7 +100,7 @@ class HierarchicalKV(KVStore):
         self.prefix_pages = PrefixPages(host, arena.page_size, arena.index_page_size, arena.index_split)  # shared prefix host pages
         self.prefix_match = None  # set by the engine: req -> (stored prefix or None, rows it imports)
         tables.build_groups(self, hot_rows, source_hot_rows)  # groups, B_of, B, group_of, group_span, followers
-        tables.build_tables(self, max_slots, max_len)  # hot cache, tail, slot tables; every slot free
+        tables.build_tables(self, max_slots, max_len, hot_index)  # hot cache (+ index), tail, slot tables; slots free
         staging_arena.build(self, max_slots, max_queries, staging_mode)  # stage, stage_loc, arena_of, stamp_scale
         self.reqs: dict[object, ReqKV] = {}
         self.plan_fn, self.copy_fn, self.census, self.now = plan_fn, copy_fn, Census(), 0

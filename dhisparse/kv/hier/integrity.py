@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.core.contracts import RowPlace
+from dhisparse.kernels.resolver_ref import hot_entry_of
 from dhisparse.kv.hier import staging_arena
 
 
@@ -51,10 +52,11 @@ def check(kv) -> None:
     """The pools' own checks, staging's pages, each request's pages against the pool, and for a
     decoding request I1 (its host pages reach tail_start and mirror into the host table; sampled
     rows have a host copy or are optional history) and, once no load of it is in flight, I2 at
-    rest (`check_hot_rows`)."""
+    rest (`check_hot_rows`), and the hot_entry index (`check_hot_index`)."""
     kv.pool.check_integrity()
     kv.host.check_integrity()
     staging_arena.check(kv)
+    check_hot_index(kv)
     for req, st in kv.reqs.items():
         held = kv.resident.latent_tables[req] + kv.resident.index_tables[req] + st.hot_pages + st.tail_pages
         assert sorted(kv.pool.owned_by(req)) == sorted(held), f"pages of {req!r} disagree with the pool"
@@ -67,6 +69,16 @@ def check(kv) -> None:
                 assert place.host >= 0 or place.tier == "optional", f"I1: row {p} of {req!r} has no host copy ({place})"
             if not kv.loading(req):
                 check_hot_rows(kv, req, st)
+
+
+def check_hot_index(kv) -> None:
+    """With hot_index: every slot's and group's hot_entry row is the inverse of its hot_pos row."""
+    if kv.hot_entry is None:
+        return
+    S, G, W = kv.hot_entry.shape
+    want = hot_entry_of(kv.hot_pos.reshape(S * G, -1), W).view(S, G, W)
+    bad = (want != kv.hot_entry).any(2).nonzero().tolist()
+    assert not bad, f"hot_entry disagrees with hot_pos at (slot, group) {bad[:4]}"
 
 
 def check_hot_rows(kv, req: object, st) -> None:

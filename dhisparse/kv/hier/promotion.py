@@ -150,10 +150,24 @@ def flush(kv, p: Promotion, copy_layered) -> None:
     span = kv.group_span[p.g]
     nl = span.stop - span.start
     copy_layered(p, kv.stage_arenas[:, :nl], kv.arena.latent[:, span])
+    if kv.hot_entry is not None:
+        _reindex(kv, p)
     kv._hot_pos_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)] = p.pos
     kv._hot_stamp_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)] = p.stamp
     n = p.copy_n.sum().to(torch.int64)
     kv.census.add_promoted(n, n * row_bytes(kv.stage) * nl)
+
+
+def _reindex(kv, p: Promotion) -> None:
+    """The hot_entry index follows a promotion (before hot_pos changes): each kept entry's old
+    position unmapped, its new one mapped to it; masked rows write the trailing trash cell. A promoted
+    row was staged, so it was in no hot entry: the two sets of cells are disjoint."""
+    G, W = kv.hot_entry.shape[1], kv.hot_entry.shape[2]
+    old = kv._hot_pos_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)]
+    row = (p.slots_t[:, None] * G + p.g) * W
+    trash = kv.hot_entry.numel()
+    kv._hot_entry_flat[torch.where(p.keep & (old >= 0), row + old, trash)] = -1
+    kv._hot_entry_flat[torch.where(p.keep, row + p.pos, trash)] = p.entry.to(torch.int16)
 
 
 def copy_layered_torch(p: Promotion, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -8,6 +8,10 @@ step graph bakes their addresses in; only the slot tables may grow, `SlotTable.s
     hot_stamp [S, G, B_max]  entries 0 .. B_g - 1, the rest stay -1 forever; each has one trailing
                              trash entry (`_hot_pos_flat`, promotion.py's masked writes)
     hot_loc   [S, B_max]     device row of each hot entry (the slot's hot pages, shared by groups)
+    hot_entry [S, G, W] int16  (hot_index only) the hot entry of group g holding each position, -1
+                             none: the inverse of hot_pos, kept so by every writer of hot_pos (the
+                             resolver, `close_slot`, promotion.py's flush); W covers every position
+                             the resolver sees; one trailing trash cell (`_hot_entry_flat`)
     tail_start [S]           first tail position; tail_loc [S, tail_pages * ps] its device rows
     host_pages, index_pages  `SlotTable`s: the resolver's host table, the index page table
 
@@ -63,9 +67,17 @@ def build_groups(kv, hot_rows: int, source_hot_rows: tuple[int, ...] | None) -> 
     kv.followers = [[l for l in m if l != p] for m, p in zip(members, kv.groups)]
 
 
-def build_tables(kv, slots: int, max_len: int | None) -> None:
+def index_width(kv, max_len: int) -> int:
+    """Positions a hot_entry row covers: the resolver's position bound for requests of max_len (the
+    host table's reach or the optional map's width, whole pages, plus the tail's rows)."""
+    ps, hps = kv.page_size, kv.host.page_size
+    return max(cdiv(max_len, hps) * hps, cdiv(max_len, ps) * ps) + kv.tail_pages * ps
+
+
+def build_tables(kv, slots: int, max_len: int | None, hot_index: bool = False) -> None:
     """The tables of the module docstring for `slots` request slots (after `build_groups`), all
-    slots free. max_len sizes the slot tables up front, so they never move while serving."""
+    slots free. max_len sizes the slot tables up front, so they never move while serving; hot_index
+    (which needs it) adds `hot_entry`."""
     G, S, dev = len(kv.groups), slots, kv.device
     # one trailing trash entry each: a graph-safe masked update writes there (kv/hier/promotion.py)
     kv._hot_pos_flat = torch.full((S * G * kv.B + 1,), -1, dtype=torch.int64, device=dev)
@@ -73,6 +85,15 @@ def build_tables(kv, slots: int, max_len: int | None) -> None:
     kv.hot_pos = kv._hot_pos_flat[:-1].view(S, G, kv.B)
     kv.hot_stamp = kv._hot_stamp_flat[:-1].view(S, G, kv.B)
     kv.hot_loc = torch.zeros(S, kv.B, dtype=torch.int64, device=dev)
+    kv.hot_entry = kv._hot_entry_flat = None
+    if hot_index:
+        if not max_len:
+            raise ValueError("hot_index needs max_len (the hot_entry index covers every position up front)")
+        if kv.B > 32768:
+            raise ValueError(f"hot_index: an int16 hot_entry indexes at most 32,768 hot entries, got {kv.B}")
+        W = index_width(kv, max_len)
+        kv._hot_entry_flat = torch.full((S * G * W + 1,), -1, dtype=torch.int16, device=dev)
+        kv.hot_entry = kv._hot_entry_flat[:-1].view(S, G, W)
     kv.tail_start = torch.zeros(S, dtype=torch.int64, device=dev)
     kv.tail_loc = torch.zeros(S, kv.tail_pages * kv.page_size, dtype=torch.int64, device=dev)
     kv.free_slots = list(range(S))
@@ -94,9 +115,11 @@ def open_slot(kv, req: object) -> ReqKV:
 
 
 def close_slot(kv, st: ReqKV) -> None:
-    """A freed request's slot: hot entries emptied, slot tables reset (its next owner never reads
-    the previous owner's pages), and the slot free again."""
+    """A freed request's slot: hot entries emptied (and their index), slot tables reset (its next
+    owner never reads the previous owner's pages), and the slot free again."""
     kv.hot_pos[st.slot], kv.hot_stamp[st.slot] = -1, -1
+    if kv.hot_entry is not None:
+        kv.hot_entry[st.slot] = -1
     kv.host_pages.reset(st.slot)
     kv.index_pages.reset(st.slot)
     kv.free_slots.append(st.slot)
@@ -124,13 +147,15 @@ def resolver_state(kv, group: int) -> ResolverState:
     """Group `group`'s resolver state (`HierarchicalKV.resolver_state`), built once a group and
     kept in `kv._states`; only its host table is refreshed per call.
 
-        hot_pos[:, group, :B_g]  hot_stamp[:, group, :B_g]  hot_loc[:, :B_g]  (strided views)"""
+        hot_pos[:, group, :B_g]  hot_stamp[:, group, :B_g]  hot_loc[:, :B_g]  hot_entry[:, group]
+        (strided views)"""
     table = kv.host_table
     st = kv._states.get(group)
     if st is None:
         b = kv.B_of[group]
         st = kv._states[group] = ResolverState(kv.hot_pos[:, group, :b], kv.hot_stamp[:, group, :b],
                                                kv.hot_loc[:, :b], kv.tail_start, kv.tail_loc, table,
-                                               kv.host.page_size)
+                                               kv.host.page_size,
+                                               hot_entry=None if kv.hot_entry is None else kv.hot_entry[:, group])
     st.host_table = table
     return st
