@@ -22,12 +22,12 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
-from test_resolver_kernel import DEV, Pair, fill_hot, random_state, with_hot_entry  # noqa: E402
+from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
 from test_resolver_one import _distinct_sel  # noqa: E402
 from test_resolver_reference import clone_state, make_state, sel_of  # noqa: E402
 
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
-from dhisparse.kernels.resolver_ref import hot_entry_of, plan_reference  # noqa: E402
+from dhisparse.kernels.resolver_ref import hot_entry_of, plan_reference, with_hot_entry  # noqa: E402
 
 
 def test_hot_entry_of_inverts_hot_pos():

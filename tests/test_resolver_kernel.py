@@ -5,7 +5,6 @@ Outputs (locations, copy plan, counters) and state mutations (hot_pos, hot_stamp
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -22,7 +21,7 @@ from test_resolver_reference import (  # noqa: E402
     W, assert_rows_right, clone_state, dev_rows_for, host_rows_for, make_state, sel_of)
 
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton, run_copies_triton  # noqa: E402
-from dhisparse.kernels.resolver_ref import hot_entry_of, plan_reference, run_copies  # noqa: E402
+from dhisparse.kernels.resolver_ref import hot_entry_of, plan_reference, run_copies, with_hot_entry  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,13 +30,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _boom(*args):
     """Stands in for a full-path phase in test_all_direct_skips_dedup_and_scan."""
     tl.static_assert(False, "full resolver path taken")
-
-
-def with_hot_entry(st):
-    """st with its `hot_entry` index built from hot_pos, as wide as the plan's position bound."""
-    width = max(st.host_table.shape[1] * st.host_page_size,
-                st.direct_loc.shape[1] if st.direct_loc is not None else 0) + st.tail_loc.shape[1]
-    return dataclasses.replace(st, hot_entry=hot_entry_of(st.hot_pos, width))
 
 
 class Pair:

@@ -31,7 +31,7 @@ from dhisparse.kernels.gather import RowCopy, gather_rows, gather_rows_padded, r
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
-from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState
+from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState, position_bound
 from dhisparse.kernels.resolver_workspace import PlanWorkspace
 
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "launch_copies_into",
@@ -141,8 +141,7 @@ def _state_args(st: ResolverState) -> _StateArgs:
     dmap = st.direct_loc
     TT, HPW, ps = st.tail_loc.shape[1], st.host_table.shape[1], st.host_page_size
     LMAX = dmap.shape[1] if dmap is not None else 0
-    # positions are < the host table's reach + the tail (I1), or < the optional map's width
-    lcap = max(HPW * ps, LMAX) + TT
+    lcap = position_bound(st)  # positions are < the host table's reach + the tail (I1), or < the map's width
     if lcap > _LCAP_MAX:  # the plan packs a claimed position and a flag into 31 bits
         raise ValueError(f"host_table / direct_loc: positions up to {lcap} exceed the plan kernel's 2^30")
     hmap = st.hot_entry

@@ -30,6 +30,7 @@ State (one group g = one selection producer; all layers of a group share the slo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -73,6 +74,18 @@ class ResolverState:
     host_page_size: int
     direct_loc: torch.Tensor | None = None
     hot_entry: torch.Tensor | None = None
+
+
+def position_bound(st: ResolverState) -> int:
+    """Positions a plan on st can see: the host table's reach or the optional map's width, plus the
+    tail (I1). The plan kernel's claim table, and a hot_entry index, cover this many."""
+    lmax = st.direct_loc.shape[1] if st.direct_loc is not None else 0
+    return max(st.host_table.shape[1] * st.host_page_size, lmax) + st.tail_loc.shape[1]
+
+
+def with_hot_entry(st: ResolverState) -> ResolverState:
+    """st with a hot_entry index built from its hot_pos, `position_bound(st)` wide (tests, benches)."""
+    return dataclasses.replace(st, hot_entry=hot_entry_of(st.hot_pos, position_bound(st)))
 
 
 def hot_entry_of(hot_pos: torch.Tensor, width: int) -> torch.Tensor:
