@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.kernels.resolver import launch_copies, plan_triton
-from dhisparse.kernels.resolver_ref import ResolverState, plan_reference
+from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, with_hot_entry
 
 _DTYPE = {656: torch.float16, 1152: torch.bfloat16}
 
@@ -178,6 +178,11 @@ class Rig:
         return out
 
 
+def index_case(case: Case) -> Case:
+    """The same case on a copy of its state with the hot_entry index (the plan looks hits up)."""
+    return dataclasses.replace(case, state=with_hot_entry(copy.deepcopy(case.state)), name=case.name + "_index")
+
+
 def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
     """plan_triton (with `distinct` as the timed calls pass it) vs plan_reference (on CPU copies) bit
     for bit, then every copied row's bytes; `fused`: the plan with its copy fused (`copy=`) gives the
@@ -192,6 +197,8 @@ def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
             "copy_dst": torch.equal(ref.copy_dst, got.copy_dst.cpu()), "counters": ref.counters == got.counters,
             "hot_pos": torch.equal(st_r.hot_pos, st_t.hot_pos.cpu()),
             "hot_stamp": torch.equal(st_r.hot_stamp, st_t.hot_stamp.cpu())}
+    if st_r.hot_entry is not None:  # the lookup path: its index kept the inverse of hot_pos
+        same["hot_entry"] = torch.equal(st_r.hot_entry, st_t.hot_entry.cpu())
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
     dev_f, st_f = dev.clone(), copy.deepcopy(case.state)  # the fused plan + copy (one launch) on the same input
     fused = plan_triton(case.sel, case.slots, st_f, now, distinct=distinct, copy=(host, dev_f))

@@ -15,6 +15,10 @@ call (Python and launches, outside CUDA graphs). The L2 is flushed (a 256-MiB wr
 state restored before every timed call, untimed; 20 timed calls, median; device times with the GPU spinning
 while the CPU enqueues (bench/resolver_timing.py).
 
+Every case also runs on a copy of its state that keeps the hot_entry index (`--resolver-lookup index`:
+the plan looks each selected row's hot entry up instead of scanning the hot cache; `index_case`): its
+plan + copy, fused plan + copy and plan alone are recorded under `index`, checked bit for bit too.
+
 `--phases` adds the plan kernel stopped after each of its phases (P1 entries: claims, representatives
 and direct rows; P3 hot scan; P4 misses, by parts; `plan_triton(upto_phase=...)`, profiling only) at H = 4,096,
 656-B rows, every batch and miss level: the differences are what each phase costs.
@@ -39,7 +43,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
+from bench.resolver_cases import Case, Rig, check_case, index_case  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
@@ -83,13 +87,15 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
               host_n: int = 30) -> dict:
     """plan + copy, plan alone, plan stopped after each phase in `upto`, and the host split."""
     st = case.state
-    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    snap = (st.hot_pos.clone(), st.hot_stamp.clone(), None if st.hot_entry is None else st.hot_entry.clone())
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)  # a device scalar, as
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)               # the engine's now_t
 
     def restore():
         st.hot_pos.copy_(snap[0])
         st.hot_stamp.copy_(snap[1])
+        if snap[2] is not None:
+            st.hot_entry.copy_(snap[2])
         flush()
 
     ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
@@ -153,19 +159,28 @@ def host_split(rig: Rig, plan, restore, n: int = 30) -> dict:
 
 
 def compare(rec: dict) -> dict | None:
-    """Ours / peer for a case in the issue's table (plan + copy) and for plan alone."""
+    """Ours / peer for a case in the issue's table (plan + copy) and for plan alone; with an `index`
+    record (the hot_entry lookup), the same for it."""
     out = {}
     key = (rec["miss_level"], rec["batch"], rec["row_bytes"])
     us = rec["plan_copy"]["time_ms"] * 1e3
     fused = rec["plan_copy_fused"]["time_ms"] * 1e3
+    ix = rec.get("index")
     if rec["H"] == 4096 and key in PEER_US:
         peer, filed = PEER_US[key]
         out |= {"peer_us": peer, "ours_at_filing_us": filed, "ours_us": us, "ours_over_peer": us / peer,
                 "ours_fused_us": fused, "ours_fused_over_peer": fused / peer}
+        if ix:
+            out |= {"ours_index_us": ix["plan_copy"]["time_ms"] * 1e3,
+                    "ours_index_over_peer": ix["plan_copy"]["time_ms"] * 1e3 / peer,
+                    "ours_index_fused_over_peer": ix["plan_copy_fused"]["time_ms"] * 1e3 / peer}
     lo, hi = PEER_PLAN_US.get(rec["H"], (None, None))
     if lo:
         p = rec["plan_only"]["time_ms"] * 1e3
         out |= {"peer_plan_us": [lo, hi], "ours_plan_us": p, "ours_plan_over_peer_high": p / hi}
+        if ix:
+            pi = ix["plan_only"]["time_ms"] * 1e3
+            out |= {"ours_index_plan_us": pi, "ours_index_plan_over_peer_high": pi / hi}
     return out or None
 
 
@@ -173,16 +188,18 @@ def precompile(args, sh: dict) -> list:
     """CUDA: one worker per plan-kernel specialization (H, phase) compiling into Triton's disk cache."""
     if args.quick or not torch.cuda.is_available():
         return []
-    jobs = [(H, 50) for H in sh["Hs"]] + ([(sh["Hs"][0], u) for u in PHASES] if args.phases else [])
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile", f"{H}:{u}"],
+    jobs = [(H, 50, i) for H in sh["Hs"] for i in (0, 1)] + ([(sh["Hs"][0], u, 0) for u in PHASES] if args.phases else [])
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile",
+                              f"{H}:{u}:{i}"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u in jobs]
 
 
 def precompile_worker(spec: str) -> None:
-    H, u = (int(x) for x in spec.split(":"))
+    H, u, index = (int(x) for x in spec.split(":"))
     rig = Rig(quick=False, region=256 << 20)
     sh = shapes(False) | {"L": 2048}
     case = build(rig, sh, H, 2, 656, "20%")
+    case = index_case(case) if index else case
     plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u, distinct=True)
     launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True, distinct=True), rig.host_rows(656),
                   rig.dev_rows(656, case.dev_rows))
@@ -230,10 +247,13 @@ def main() -> None:
             for rb in sh["row_bytes"]:
                 for level in MISS:
                     case = build(rig, sh, H, N, rb, level)
+                    icase = index_case(case)  # the same inputs, hits looked up through hot_entry
                     if N == sh["batches"][0]:
-                        checks.append(check_case(rig, case, distinct=True))
+                        checks += [check_case(rig, case, distinct=True), check_case(rig, icase, distinct=True)]
                     upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
                     rec = time_case(rig, case, flush, iters, args.warmup, upto)
+                    irec = time_case(rig, icase, flush, iters, args.warmup)
+                    rec["index"] = {k: irec[k] for k in ("plan_copy", "plan_copy_fused", "plan_only", "host_split_us")}
                     rec["vs_peer"] = compare(rec)
                     records.append(rec)
                     print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
@@ -241,8 +261,11 @@ def main() -> None:
                           f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
                           f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
                           + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items())
-                          + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items()), flush=True)
-                    del case
+                          + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items())
+                          + f"\n        index: plan+copy {irec['plan_copy']['time_ms'] * 1e3:7.1f} us"
+                          f"  fused {irec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
+                          f"  plan {irec['plan_only']['time_ms'] * 1e3:6.1f} us", flush=True)
+                    del case, icase
                     write(args.out, rig, sh, iters, checks, records, t0)
     ok = write(args.out, rig, sh, iters, checks, records, t0)
     print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")

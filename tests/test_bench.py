@@ -529,7 +529,7 @@ def test_resolver_peer_cases_phases_and_comparison():
     is timed, the host split has its four parts, the case's full plan equals the reference, and a case of the issue's table is compared
     with the peer's figure."""
     from bench import resolver_peer as rp
-    from bench.resolver_cases import Rig, check_case
+    from bench.resolver_cases import Rig, check_case, index_case
 
     rig = Rig(quick=True)
     sh = rp.shapes(True)
@@ -542,6 +542,13 @@ def test_resolver_peer_cases_phases_and_comparison():
     cmp_ = rp.compare({**rec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
     assert cmp_["peer_us"] == 17.7 and cmp_["ours_over_peer"] == pytest.approx(cmp_["ours_us"] / 17.7)
     assert rp.compare({**rec, "H": 32}) is None
+    icase = index_case(case)  # the hot_entry lookup on the same inputs: exact, index kept, compared
+    chk = check_case(rig, icase, distinct=True)
+    assert chk["hot_entry"] and all(v for k, v in chk.items() if k not in ("case", "copies"))
+    irec = rp.time_case(rig, icase, rp.Flush(rig.dev, True), 1, 0, host_n=1)
+    cmp_ = rp.compare({**rec, "index": irec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
+    assert cmp_["ours_index_over_peer"] == pytest.approx(irec["plan_copy"]["time_ms"] * 1e3 / 17.7)
+    assert "ours_index_plan_us" in cmp_
 
 
 def test_resolver_probe_times_every_variant():
