@@ -133,17 +133,20 @@ def test_v4_host_counted_direct_passes_equal_the_device_census(loaded, reference
 @pytest.mark.parametrize("preset", ["hisparse", "adaptive"])
 def test_v4_fused_resolver_copies_are_exact(loaded, reference, preset, monkeypatch):
     """The deferred Triton resolver with its copies fused into the plan kernel (resolver_copy="fused")
-    on V4's compressed sources: resident's tokens, every located row checked against the shadow
-    copy, and the same census as the separate copy launch."""
+    on V4's compressed sources, and with the hot_entry index (resolver_lookup="index", held to
+    hot_pos's inverse by the debug checks): resident's tokens, every located row checked against the
+    shadow copy, and the same census as the separate copy launch."""
     pytest.importorskip("triton")
     stats = {}
-    for copy in ("separate", "fused"):
+    for copy, lookup in (("separate", "scan"), ("fused", "scan"), ("separate", "index")):
         ck = SourceCheck().install(monkeypatch)
-        eng = engine(loaded, preset=preset, hot_cache_rows=4, resolver="triton", resolver_copy=copy)
+        eng = engine(loaded, preset=preset, hot_cache_rows=4, resolver="triton", resolver_copy=copy,
+                     resolver_lookup=lookup, debug_checks=lookup == "index")
         assert eng.store.kv.fuse_copies == (copy == "fused")
+        assert (eng.store.kv.hot_entry is not None) == (lookup == "index")
         assert generate(eng, PROMPTS, GREEDY) == expected(reference)
         assert ck.located > 0
         st = eng.stats().as_dict()
-        stats[copy] = {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))}
-    assert stats["fused"] == stats["separate"]
-    assert preset == "adaptive" or stats["fused"]["host_selected_rows"] > 0
+        stats[copy, lookup] = {k: v for k, v in st.items() if k.startswith(("resolver", "selected", "host_"))}
+    assert stats["fused", "scan"] == stats["separate", "scan"] == stats["separate", "index"]
+    assert preset == "adaptive" or stats["fused", "scan"]["host_selected_rows"] > 0
