@@ -408,13 +408,14 @@ case ",$STEPS," in *,multi33,*)  # issue 33: the multi-query and all-direct case
 case ",$STEPS," in *,step33,*)  # issue 33: the resolver's share of a 100K k 2048 decode step (hisparse) and verification round
   # (adaptive+spec, width 4, a placeholder oracle: every round verifies the full width), fp8profile100k's C47, with the
   # producer's copies in their own gather launch and fused into the plan kernel (--resolver-copy; ~2.5 min each)
-  for RC in ${STEP33_COPIES:-separate fused}; do
-  run "decode-step profile, 100K k 2048, C47, fp8, resolver copy $RC" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py \
+  # STEP33_LOOKUPS: the hot-cache hits scanned for and / or looked up (--resolver-lookup scan index)
+  for RC in ${STEP33_COPIES:-separate fused}; do for LK in ${STEP33_LOOKUPS:-scan}; do
+  run "decode-step profile, 100K k 2048, C47, fp8, resolver copy $RC, lookup $LK" timeout ${STEP33_TIMEOUT:-220} python3 bench/step_profile.py \
       --model glm52-scaled --input-len 102400 --concurrency 47 --steps 5 --warmup 3 --presets ${STEP33_PRESETS:-hisparse,adaptive+spec} \
       --drafter oracle --kv-cache-dtype fp8_e4m3 \
-      --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --resolver-copy $RC \
-      --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_copy_${RC}_h200.json"
-  done ;; esac
+      --kv-pool-gib 27.4166 --host-pool-gib 24 --cuda-graphs step --resolver-copy $RC --resolver-lookup $LK \
+      --out "$OUT/step_profile_100k_k2048_c47_fp8_e4m3_copy_${RC}_${LK}_h200.json"
+  done; done ;; esac
 case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width policy (K_max 8) vs fixed widths 2/4/6/8, 8K, C2 / C6 / C11
   # s19: C18 and C36 both ran 10 active (the device holds 11 sessions at --resident-fit 6): loads within the
   # device's slots, a 32-GiB host pool. Every arm in one process: one oracle acceptance for every width (the

@@ -56,6 +56,8 @@ def parse(argv=None) -> argparse.Namespace:
       help="follower layers' copies: with the producer's (compute) or layer-wise on a side stream (side)")
     a("--resolver-copy", default="separate", choices=("separate", "fused"),
       help="the Triton resolver's producer copies: a gather launch of their own, or made by the plan kernel")
+    a("--resolver-lookup", default="scan", choices=("scan", "index"),
+      help="hot-cache hits: scanned for, or looked up in the store's position -> hot entry index")
     a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="stored row format (auto, bfloat16, fp8_e4m3: 656-B rows)")
     a("--max-batched-tokens", type=int, default=16384)
     a("--top", type=int, default=25, help="host functions (and CUDA kernels) listed per preset")
@@ -92,7 +94,7 @@ def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype, prefetch_stream=ns.prefetch_stream,
-                        resolver_copy=ns.resolver_copy)
+                        resolver_copy=ns.resolver_copy, resolver_lookup=ns.resolver_lookup)
 
 
 def placeholder_reference(prompt: list[int]) -> list[int]:
