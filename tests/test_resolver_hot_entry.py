@@ -1,6 +1,7 @@
 """The `hot_entry` index (position -> hot entry, the inverse of hot_pos): the plan kernel's lookup of
 hits in place of the hot-cache scan (resolver_one.py, MAP), against the PyTorch reference bit for bit
-(TRITON_INTERPRET on CPU), with the index compared after every call.
+(TRITON_INTERPRET on CPU), with the index compared after every call. Unions with duplicates run in
+test_resolver_kernel.py's `test_random_against_reference[index]`.
 
 Breakages tried (each fails a test here): P4d not unmapping the victim's old position; P4d mapping
 the miss to entry 0; the hit flags not cleared before P1 (stale flags protect slots); a direct row
@@ -49,23 +50,6 @@ def test_the_reference_plans_the_same_with_the_index_and_keeps_it():
         assert torch.equal(pa.loc, pb.loc) and torch.equal(pa.copy_src, pb.copy_src) and pa.counters == pb.counters
         assert torch.equal(a.hot_pos, b.hot_pos) and torch.equal(a.hot_stamp, b.hot_stamp)
         assert torch.equal(b.hot_entry, hot_entry_of(b.hot_pos, b.hot_entry.shape[1]))
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(S=hs.integers(1, 5), K=hs.integers(1, 4), k=hs.integers(1, 12), B=hs.integers(1, 24), L=hs.integers(8, 64),
-       TT=hs.integers(1, 8), direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3),
-       seed=hs.integers(0, 2**31 - 1))
-def test_lookup_with_dedup_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
-    """Unions with repeated positions (the claims deduplicate, the index finds the hits)."""
-    g = torch.Generator().manual_seed(seed)
-    st, top = random_state(g, S, B, L, TT, direct, fill, seed)
-    p = Pair(st, hot_map=True)
-    for step in range(steps):
-        N = int(torch.randint(1, S + 1, (1,), generator=g))
-        slots = torch.randperm(S, generator=g)[:N]
-        sel = (torch.rand(N, K, k, generator=g) * top[slots].view(N, 1, 1)).long()
-        sel = torch.where(torch.rand(N, K, k, generator=g) < 0.15, -1, sel)
-        p.step(sel, slots, now=6 + step)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

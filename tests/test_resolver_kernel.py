@@ -229,14 +229,17 @@ def random_state(g, S, B, L, TT, direct, fill, seed):
     return st, top
 
 
+@pytest.mark.parametrize("hot_map", [False, True], ids=["scan", "index"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(S=hs.integers(1, 5), K=hs.integers(1, 4), k=hs.integers(1, 12), B=hs.integers(1, 24), L=hs.integers(8, 64),
        TT=hs.integers(1, 8), direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3),
        seed=hs.integers(0, 2**31 - 1))
-def test_random_against_reference(S, K, k, B, L, TT, direct, fill, steps, seed):
+def test_random_against_reference(hot_map, S, K, k, B, L, TT, direct, fill, steps, seed):
+    """Unions with repeated positions; `index`: the state keeps the hot_entry index (the claims
+    deduplicate, the index finds the hits: tests/test_resolver_hot_entry.py)."""
     g = torch.Generator().manual_seed(seed)
     st, top = random_state(g, S, B, L, TT, direct, fill, seed)
-    p = Pair(st)
+    p = Pair(st, hot_map=hot_map)
     for step in range(steps):
         N = int(torch.randint(1, S + 1, (1,), generator=g))
         slots = torch.randperm(S, generator=g)[:N]
