@@ -81,7 +81,7 @@ def test_direct_rows_with_a_hot_entry_are_direct_and_leave_their_entry_alone():
 
 
 def test_registers_and_chunked_paths_keep_one_index():
-    """K*k 2,048 (the lookup) and 2,049+ (the scan, which still updates the index) alternate."""
+    """K*k 2,048 (registers) and 2,049+ (chunks) alternate, both looking hits up in one index."""
     g = torch.Generator().manual_seed(2)
     st = make_state(S=2, B=64, L=6000, TT=8)
     fill_hot(st, 1, list(range(0, 128, 2))[:64], [int(v) for v in torch.randint(0, 5, (64,), generator=g)])
@@ -89,6 +89,24 @@ def test_registers_and_chunked_paths_keep_one_index():
     for now, (K, k) in enumerate(((1, 2048), (2, 1100), (1, 2000), (3, 700))):
         sel = torch.randint(-1, 6000, (2, K, k), generator=g)
         p.step(sel, [1, 0], now=10 + now)
+
+
+def test_chunked_lookup_with_stale_flags_direct_rows_and_duplicates():
+    """Unions past 2,048 entries (the chunked path) with duplicates, an optional map covering some hot
+    positions, and the workspace's hit flags and claims overwritten with garbage between calls."""
+    g = torch.Generator().manual_seed(5)
+    L = 3000
+    st = make_state(S=2, B=64, L=L, TT=8, direct=True)
+    for s in range(2):
+        fill_hot(st, s, torch.randperm(600, generator=g)[:64].tolist(), torch.randint(0, 4, (64,), generator=g).tolist())
+        st.direct_loc[s] = torch.where(torch.rand(L, generator=g) < 0.2, 5000 + torch.arange(L), -1)
+    p, ws = Pair(st, hot_map=True), PlanWorkspace(DEV)
+    for now in range(3):
+        sel = torch.randint(-1, 700, (2, 2, 1100), generator=g)  # many repeats, many hot positions
+        want, _ = p.step(sel, [0, 1], now=10 + now, ws=ws)
+        assert want.counters.hot > 0 and want.counters.direct > 0 and want.counters.host > 0
+        for t in ws.claims() + [b for name, b in ws._bufs.items() if name == "hitf"]:
+            t.copy_(torch.randint(-3, 9, t.shape, generator=g).to(t))
 
 
 def test_repeated_steps_with_the_same_stamp():

@@ -56,12 +56,15 @@ from dhisparse.kernels.resolver_one import _plan_one
 
 @triton.jit
 def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT,
-             dmap_ptr, s_dmap, LMAX, has_map, KKP: tl.constexpr, CH: tl.constexpr):
+             dmap_ptr, s_dmap, LMAX, has_map, hmap_ptr, s_hmap, hrow, hl, hot_stamp_ptr, s_stamp, now,
+             KKP: tl.constexpr, CH: tl.constexpr, MAP: tl.constexpr):
     """P1 over request n's K*k entries, in chunks of CH. Pass 1 claims pv[p] = i; a barrier; pass 2
     reads each entry's representative u back into rep (-1 for padding), writes out[u] = direct
     location (-1: not direct) and hflag[u] = 0 for representatives, and loc (speculatively: final
-    when every row is direct). Returns (valid entries, valid entries not direct, direct rows,
-    not-direct rows)."""
+    when every row is direct). MAP: pass 2 also looks each representative up in hot_entry; a
+    not-direct one with an entry is a hit (out[u] = its hot location hl[entry], the entry's stamp
+    refreshed, its flag set in hrow), so P3 does not scan. Returns (valid entries, valid entries not
+    direct, direct rows, not-direct rows, hits)."""
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
@@ -70,6 +73,7 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
     tl.debug_barrier()
     ts = tl.load(tail_start_ptr + s).to(tl.int64)
     acc = tl.sum(tl.zeros([CH], tl.int64), axis=0)
+    nhot = tl.sum(tl.zeros([CH], tl.int32), axis=0)
     for c0 in range(0, KKP, CH):
         if c0 < KK:
             i = c0 + tl.arange(0, CH)
@@ -84,14 +88,23 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             acc += tl.sum(valid.to(tl.int64) + ((valid & (o < 0)).to(tl.int64) << 16)
                           + ((is_rep & (o >= 0)).to(tl.int64) << 32) + ((is_rep & (o < 0)).to(tl.int64) << 48), axis=0)
             tl.store(rep + i, tl.where(valid, u, -1), mask=im)
-            tl.store(out + i, o, mask=is_rep)
+            if MAP:
+                h = tl.load(hmap_ptr + s * s_hmap + p, mask=is_rep & (p < LCAP), other=-1).to(tl.int32)
+                he = is_rep & (o < 0) & (h >= 0)
+                hc = tl.where(he, h, 0)
+                tl.store(out + i, tl.where(he, tl.gather(hl, hc, 0).to(tl.int64), o), mask=is_rep)
+                tl.store(hot_stamp_ptr + s * s_stamp + hc, tl.zeros([CH], tl.int64) + now, mask=he)
+                tl.store(hrow + hc, tl.full([CH], 1, tl.int8), mask=he)
+                nhot += tl.sum(he.to(tl.int32), axis=0)
+            else:
+                tl.store(out + i, o, mask=is_rep)
             tl.store(hflag + i, tl.zeros([CH], tl.int32), mask=is_rep)
             tl.store(loc_ptr + n * KK + i, tl.where(valid, o, -1).to(loc_ptr.dtype.element_ty), mask=im)
     nval = (acc & 0xFFFF).to(tl.int32)
     nnd = ((acc >> 16) & 0xFFFF).to(tl.int32)
     ndir = ((acc >> 32) & 0xFFFF).to(tl.int32)
     nrest = ((acc >> 48) & 0xFFFF).to(tl.int32)
-    return nval, nnd, ndir, nrest
+    return nval, nnd, ndir, nrest, nhot
 
 
 @triton.jit
@@ -217,10 +230,10 @@ def resolve_plan_kernel(
     DISTINCT: no request's entries repeat a position (plan_triton(distinct=True)); used by the
     registers-only path only (K*k <= CH), which then skips the claims' read-back.
     It also writes loc where each entry resolves (P1, P3, P4d), so P5 does not run.
-    MAP (the state keeps `hot_entry` [S, HMW] int16, the inverse of hot_pos, row stride s_hmap): the
-    registers-only path finds hits by looking each entry's position up in it (resolver_one.py) instead
-    of scanning the hot rows; both paths keep it in step with hot_pos (P4d). hitf [N, BP] int8: the
-    lookup's hit flags (any contents at entry).
+    MAP (the state keeps `hot_entry` [S, HMW] int16, the inverse of hot_pos, row stride s_hmap): both
+    paths find hits by looking each representative's position up in it (resolver_one.py's
+    `_hot_lookup_one`, the chunked `_entries`) instead of scanning the hot rows, and keep it in step
+    with hot_pos (P4d). hitf [N, BP] int8: the lookup's hit flags (any contents at entry).
     COPY (`plan_triton(copy=...)`): P6 copies each request's planned rows (copy-plan rows 0 .. copy_n-1)
     from the host rows crs to the device rows crd (layered [pages, CG, rows_per_page, CPW units], the
     strides (chp, chs0, chsl, chs1) and (cdp, cds0, cdsl, cds1) as `gather_rows_kernel` takes them) in
@@ -285,7 +298,8 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             nhost = _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                           tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
                           LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
-                          LCAP, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, MAP)
+                          LCAP, hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO,
+                          MAP)
     if COPY:
         if UPTO >= 50:
             _copy_planned(src_ptr + n * C, dst_ptr + n * C, nhost, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1,
@@ -296,23 +310,29 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
 def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                   tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps: tl.constexpr, dmap_ptr, s_dmap, LMAX,
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
-                  hmap_ptr, s_hmap, KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
+                  hmap_ptr, s_hmap, hrow, KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
                   SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr,
                   UPTO: tl.constexpr, MAP: tl.constexpr):
     """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH).
-    Finds hits by the scan even with MAP (then P4d keeps hot_entry in step). Returns the rows it
-    planned to copy (copy_n[n])."""
+    MAP: hits are looked up in P1 (`_entries`) and protected through the hit row hrow [BP] int8 instead of
+    P3's scan. Returns the rows it planned to copy (copy_n[n])."""
     # the hot rows depend only on s: their loads overlap P1's
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
-    nsel, nnd, ndir, nrest = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
-                                      tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, KKP, CH)
+    if MAP:  # any contents at entry: cleared here, ordered before P1's flags by its claims' barrier
+        tl.store(hrow + tl.arange(0, BP), tl.zeros([BP], tl.int8))
+    nsel, nnd, ndir, nrest, nhot = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
+                                            tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, hmap_ptr,
+                                            s_hmap, hrow, hl, hot_stamp_ptr, s_stamp, now, KKP, CH, MAP)
     planned = nnd * 0
     if (nnd == 0) | (UPTO < 30):  # every valid entry resolved directly: loc is final
         tl.store(copy_n_ptr + n, nnd * 0)
         _store_counts(c, nsel, ndir, nnd * 0, nnd * 0, nnd * 0, nnd * 0)
     else:
         tl.debug_barrier()
-        nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
+        if MAP:
+            hit = bm & (tl.load(hrow + tl.arange(0, BP), mask=bm, other=0) != 0)
+        else:
+            nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
         tl.debug_barrier()
         nmiss = nrest - nhot
         nhost = nmiss * 0
