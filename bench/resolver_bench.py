@@ -30,6 +30,7 @@ plan_reference on CPU copies, and every copied row's bytes against the pinned so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,7 +43,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Rig, check_case, fit  # noqa: E402
+from bench.resolver_cases import Rig, check_case, fit, index_case  # noqa: E402
 from bench.resolver_fig8 import await_precompile, plot, precompile, precompile_worker, run_fig8, summarise_fig8  # noqa: E402
 from bench.resolver_timing import run_case, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import gather_rows_padded  # noqa: E402
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--only-fig8bc", action="store_true", help="run only the Fig. 8 (b)/(c) and GLM cases")
     ap.add_argument("--fig8-iters", type=int, default=None, help="timed calls per Fig. 8 measurement (>= 9)")
     ap.add_argument("--fig8-row-bytes", type=int, default=656)
+    ap.add_argument("--lookup", choices=("scan", "index"), default="scan",
+                    help="hot-cache hits scanned for, or looked up in a hot_entry index (--resolver-lookup)")
     ap.add_argument("--precompile-shape", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.precompile_shape:
@@ -144,6 +147,8 @@ def main() -> None:
     for rb in ([] if args.only_fig8bc else args.row_bytes):
         rig.fill(rb)
         cases = rig.cases(rb)
+        if args.lookup == "index":  # the same inputs on states that keep the hot_entry index
+            cases = [dataclasses.replace(index_case(c), name=c.name) for c in cases]
         for case in ([] if args.no_check else [c for c in cases if c.name in CHECKED]):
             t1 = time.time()
             checks.append(check_case(rig, case))
@@ -166,7 +171,7 @@ def main() -> None:
         g = f8["shapes"]["glm"]
         summary[f"direct_vs_scan_B{g['B']}"] = f8["glm"][f"K{g['Ks'][0]}"][f"direct_vs_scan_B{g['B']}"]
         summary[f"direct_vs_scan_B{g['B']}_plan_only"] = f8["glm"][f"K{g['Ks'][0]}"][f"direct_vs_scan_B{g['B']}_plan_only"]
-    doc = {"command": " ".join([sys.executable] + sys.argv), "quick": args.quick,
+    doc = {"command": " ".join([sys.executable] + sys.argv), "quick": args.quick, "lookup": args.lookup,
            "machine": torch.cuda.get_device_name() if rig.cuda else "cpu (TRITON_INTERPRET)",
            "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "shapes": rig.shape_doc(), "checks": checks, "summary": summary, "records": records,

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Rig, check_case  # noqa: E402
+from bench.resolver_cases import Rig, check_case, state_restorer  # noqa: E402
 from bench.resolver_peer import MISS, build, shapes  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
 
@@ -45,12 +45,11 @@ def main(argv=None) -> int:
     case = build(rig, sh, H, N, 656, args.level)
     ok = all(v for k, v in check_case(rig, case, distinct=bool(args.distinct)).items() if k not in ("case", "copies"))
     st = case.state
-    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    restore = state_restorer(st)
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
     ws = PlanWorkspace(rig.dev)
     for _ in range(args.warmup + args.calls):
-        st.hot_pos.copy_(snap[0])
-        st.hot_stamp.copy_(snap[1])
+        restore()
         plan = plan_triton(case.sel, case.slots, st, now, defer=True, workspace=ws, distinct=bool(args.distinct))
     c = plan.materialize().counters
     print(f"{case.name}: checks {'pass' if ok else 'FAIL'}; {args.warmup} warm-up + {args.calls} calls; counters {c}")

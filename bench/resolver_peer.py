@@ -43,7 +43,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Case, Rig, check_case, index_case  # noqa: E402
+from bench.resolver_cases import Case, Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
@@ -87,17 +87,10 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
               host_n: int = 30) -> dict:
     """plan + copy, plan alone, plan stopped after each phase in `upto`, and the host split."""
     st = case.state
-    snap = (st.hot_pos.clone(), st.hot_stamp.clone(), None if st.hot_entry is None else st.hot_entry.clone())
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)  # a device scalar, as
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)               # the engine's now_t
 
-    def restore():
-        st.hot_pos.copy_(snap[0])
-        st.hot_stamp.copy_(snap[1])
-        if snap[2] is not None:
-            st.hot_entry.copy_(snap[2])
-        flush()
-
+    restore = state_restorer(st, flush)
     ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
 
     def plan(u: int = 50, workspace: PlanWorkspace | None = ws):

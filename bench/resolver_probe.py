@@ -28,7 +28,7 @@ import triton  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton.language as tl  # noqa: E402
 
 import dhisparse.kernels.resolver as kr  # noqa: E402
-from bench.resolver_cases import Rig  # noqa: E402
+from bench.resolver_cases import Rig, state_restorer  # noqa: E402
 from bench.resolver_cases import Case  # noqa: E402
 from bench.resolver_peer import MISS, Flush, build, plan_bench_args, plan_bench_start, shapes  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
@@ -79,13 +79,8 @@ def run_cases(rig: Rig, sh: dict, flush: Flush, iters: int, levels: tuple, t0: f
                 continue
             case = build(rig, sh, H, N, 656, level) if K == 1 else build_k(rig, sh, K, kind, H, N, level)
             st = case.state
-            snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+            restore = state_restorer(st, flush)
             now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
-
-            def restore():
-                st.hot_pos.copy_(snap[0])
-                st.hot_stamp.copy_(snap[1])
-                flush()
 
             ws = kr.PlanWorkspace(rig.dev)
             x = torch.zeros(1, dtype=torch.int32, device=rig.dev)

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Case, Rig  # noqa: E402
+from bench.resolver_cases import Case, Rig, state_restorer  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
@@ -68,12 +68,8 @@ def run_case(rig: Rig, case: Case, args, iters: int | None = None, engine_path: 
     engine_path=False)."""
     iters = iters or args.iters
     st, sel, slots = case.state, case.sel, case.slots
-    snap = (st.hot_pos.clone(), st.hot_stamp.clone())
+    restore = state_restorer(st)
     now = int(st.hot_stamp.max()) + 1
-
-    def restore():
-        st.hot_pos.copy_(snap[0])
-        st.hot_stamp.copy_(snap[1])
 
     def plan():
         return plan_triton(sel, slots, st, now, defer=True)
