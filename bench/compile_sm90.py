@@ -41,7 +41,9 @@ def _type(name: str) -> str:
     if name in ("src_ptr", "dst_ptr"):  # gather_rows_kernel's row spaces (8-B copy units)
         return "*i64"
     if name.endswith("_ptr"):
-        return "*i16" if name == "pv_ptr" else ("*i32" if name in INT32_PTRS else "*i64")
+        if name == "hitf_ptr":  # the hot lookup's hit flags
+            return "*i8"
+        return "*i16" if name in ("pv_ptr", "hmap_ptr") else ("*i32" if name in INT32_PTRS else "*i64")
     return "i32"
 
 
@@ -93,6 +95,10 @@ def _variants() -> list[tuple[str, dict, int]]:
         for pre, distinct in ((False, False), (True, False), (False, True)):
             out.append((f"KKP {KKP} BP {BP} pre {pre} distinct {distinct}", plan_consts(KKP, BP, pre, distinct=distinct),
                         warps))
+    for KKP, BP in ((2048, 4096), (2048, 8192), (16384, 4096)):  # --resolver-lookup index (the hot_entry lookup)
+        for distinct in (False, True) if KKP <= 2048 else (False,):
+            out.append((f"MAP KKP {KKP} BP {BP} distinct {distinct}",
+                        plan_consts(KKP, BP, False, distinct=distinct) | {"MAP": 1}, _shape_consts(KKP, BP)[2]))
     for upto in PHASE_STOPS:  # bench/resolver_peer.py --phases
         out.append((f"UPTO {upto}", plan_consts(2048, 4096, False, upto, True), 16))
     for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of 656- / 1,152-B rows
@@ -108,9 +114,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--regs", action="store_true", help="also each plan variant's registers and spills (ptxas -v)")
     ap.add_argument("--out", default=None, help="write the report as JSON (command, commit, date)")
+    ap.add_argument("--match", default="", help="only the plan variants whose label contains this text")
     args = ap.parse_args()
     t0, records = time.time(), []
-    for label, consts, warps in _variants():
+    for label, consts, warps in [v for v in _variants() if args.match in v[0]]:
         k = compile_kernel(resolve_plan_kernel, consts, warps)
         rec = {"kernel": "resolve_plan_kernel", "variant": label, "num_warps": warps, "shared_bytes": k.metadata.shared}
         if args.regs and not label.startswith("UPTO"):
