@@ -184,7 +184,7 @@ def precompile(args, sh: dict) -> list:
     jobs = [(H, 50, i) for H in sh["Hs"] for i in (0, 1)] + ([(sh["Hs"][0], u, 0) for u in PHASES] if args.phases else [])
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile",
                               f"{H}:{u}:{i}"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u in jobs]
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u, i in jobs]
 
 
 def precompile_worker(spec: str) -> None:
