@@ -177,18 +177,30 @@ def compare(rec: dict) -> dict | None:
     return out or None
 
 
+def precompile_specs(sh: dict, phases: bool) -> list[str]:
+    """"H:phase:index" of every plan-kernel specialization the timed cases use (`parse_spec` reads one)."""
+    jobs = [(H, 50, i) for H in sh["Hs"] for i in (0, 1)]
+    jobs += [(sh["Hs"][0], u, i) for u in PHASES for i in (0, 1)] if phases else []
+    return [f"{H}:{u}:{i}" for H, u, i in jobs]
+
+
+def parse_spec(spec: str) -> tuple[int, int, bool]:
+    """(H, phase stop, index) of a `precompile_specs` entry."""
+    H, u, index = (int(x) for x in spec.split(":"))
+    return H, u, bool(index)
+
+
 def precompile(args, sh: dict) -> list:
-    """CUDA: one worker per plan-kernel specialization (H, phase) compiling into Triton's disk cache."""
+    """CUDA: one worker per plan-kernel specialization compiling into Triton's disk cache."""
     if args.quick or not torch.cuda.is_available():
         return []
-    jobs = [(H, 50, i) for H in sh["Hs"] for i in (0, 1)] + ([(sh["Hs"][0], u, 0) for u in PHASES] if args.phases else [])
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile",
-                              f"{H}:{u}:{i}"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for H, u, i in jobs]
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--precompile", spec],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for spec in precompile_specs(sh, args.phases)]
 
 
 def precompile_worker(spec: str) -> None:
-    H, u, index = (int(x) for x in spec.split(":"))
+    H, u, index = parse_spec(spec)
     rig = Rig(quick=False, region=256 << 20)
     sh = shapes(False) | {"L": 2048}
     case = build(rig, sh, H, 2, 656, "20%")
@@ -245,8 +257,9 @@ def main() -> None:
                         checks += [check_case(rig, case, distinct=True), check_case(rig, icase, distinct=True)]
                     upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
                     rec = time_case(rig, case, flush, iters, args.warmup, upto)
-                    irec = time_case(rig, icase, flush, iters, args.warmup)
-                    rec["index"] = {k: irec[k] for k in ("plan_copy", "plan_copy_fused", "plan_only", "host_split_us")}
+                    irec = time_case(rig, icase, flush, iters, args.warmup, upto)
+                    rec["index"] = {k: irec[k] for k in ("plan_copy", "plan_copy_fused", "plan_only", "phases",
+                                                         "host_split_us", "counters")}
                     rec["vs_peer"] = compare(rec)
                     records.append(rec)
                     print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
@@ -257,7 +270,8 @@ def main() -> None:
                           + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items())
                           + f"\n        index: plan+copy {irec['plan_copy']['time_ms'] * 1e3:7.1f} us"
                           f"  fused {irec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
-                          f"  plan {irec['plan_only']['time_ms'] * 1e3:6.1f} us", flush=True)
+                          f"  plan {irec['plan_only']['time_ms'] * 1e3:6.1f} us"
+                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in irec["phases"].items()), flush=True)
                     del case, icase
                     write(args.out, rig, sh, iters, checks, records, t0)
     ok = write(args.out, rig, sh, iters, checks, records, t0)

@@ -549,6 +549,9 @@ def test_resolver_peer_cases_phases_and_comparison():
     cmp_ = rp.compare({**rec, "index": irec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
     assert cmp_["ours_index_over_peer"] == pytest.approx(irec["plan_copy"]["time_ms"] * 1e3 / 17.7)
     assert "ours_index_plan_us" in cmp_
+    specs = rp.precompile_specs(rp.shapes(False), phases=True)  # every worker spec parses (s35: one did not)
+    assert len(specs) == 2 * 2 + 2 * len(rp.PHASES) and all(rp.parse_spec(x)[0] in (4096, 8192) for x in specs)
+    assert {rp.parse_spec(x)[2] for x in specs} == {False, True}
 
 
 def test_resolver_probe_times_every_variant():
