@@ -7,7 +7,10 @@ Breakages tried (each fails a test here): P4d not unmapping the victim's old pos
 the miss to entry 0; the hit flags not cleared before P1 (stale flags protect slots); a direct row
 that also has a hot entry counted as a hit (direct first, as the reference); duplicates each taken as
 a hit (the lookup's representative test dropped); hits' stamps not refreshed; the misses' mask
-without its `h < 0` term.
+without its `h < 0` term; and in the chunked path (`_entries`), a direct row taken as a hit, the hit
+row not cleared, hits' stamps not refreshed. The store's upkeep (promotion not reindexing or not
+unmapping, `close_slot` not clearing) fails the engine runs' debug check (test_staging_paper,
+test_hierarchy).
 """
 
 from __future__ import annotations
