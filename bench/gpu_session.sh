@@ -397,7 +397,7 @@ case ",$STEPS," in *,ncu33,*)  # issue 33: where the plan kernel stalls: ncu's c
     run "ncu: plan kernel, ${lvl}% misses" timeout ${NCU33_TIMEOUT:-150} ncu --clock-control none \
         --kernel-name regex:resolve_plan_kernel --launch-skip 6 --launch-count 1 --set full --import-source yes \
         --warp-sampling-interval ${NCU33_SAMPLING:-0} -f -o "$rep" \
-        python3 bench/resolver_one_call.py --level "${lvl}%" --batch 8
+        python3 bench/resolver_one_call.py --level "${lvl}%" --batch 8 ${NCU33_ARGS:-}
     ncu --import "$rep.ncu-rep" --page details > "${rep}_details.txt" 2>&1 || true
     ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "${rep}_source.csv" 2>&1 || true
     python3 bench/ncu_top.py "${rep}_source.csv" --top 60 --json "${rep}_top.json" > "${rep}_top.txt" 2>&1 || true

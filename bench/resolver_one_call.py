@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Rig, check_case, state_restorer  # noqa: E402
+from bench.resolver_cases import Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_peer import MISS, build, shapes  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
 
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=1, help="plan_triton(distinct=) (the engine's K 1 call)")
+    ap.add_argument("--lookup", choices=("scan", "index"), default="scan",
+                    help="the state keeps a hot_entry index (the plan looks hits up: --resolver-lookup index)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     rig = Rig(quick=args.quick, region=0 if args.quick else 256 << 20)
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
     N = sh["batches"][0] if args.quick else args.batch
     rig.fill(656)
     case = build(rig, sh, H, N, 656, args.level)
+    case = index_case(case) if args.lookup == "index" else case
     ok = all(v for k, v in check_case(rig, case, distinct=bool(args.distinct)).items() if k not in ("case", "copies"))
     st = case.state
     restore = state_restorer(st)

@@ -576,6 +576,7 @@ def test_resolver_one_call_checks_and_plans():
     from bench import resolver_one_call
 
     assert resolver_one_call.main(["--quick", "--warmup", "1", "--calls", "1"]) == 0
+    assert resolver_one_call.main(["--quick", "--warmup", "1", "--calls", "1", "--lookup", "index"]) == 0
 
 
 def test_resolver_run_case_times_the_engine_path_too():
