@@ -109,7 +109,8 @@ class EngineConfig:
     resolver_lookup [--resolver-lookup]: how the resolver finds hot-cache hits: "scan" (default: the
         hot cache is scanned against each call's selection) or "index" (the store keeps a position ->
         hot entry table per request slot and selection group, int16, 2 B a position of max_model_len
-        per group and slot, and the Triton plan looks each selected row up: issue 33). Same plans.
+        per group and slot, and the Triton plan looks each selected row up: issue 33). Same plans;
+        on one H100 (session 35) the lookup planned faster at batch 100 and slower at 8-32.
     load_stream [--load-stream]: where a request's admission copies run on CUDA (prefix import
         host -> device; hisparse's hand-off backup device -> host): "compute" (default: in stream
         order on the compute stream; the batch waits, the request does not) or "side" (side
