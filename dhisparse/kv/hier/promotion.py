@@ -150,20 +150,22 @@ def flush(kv, p: Promotion, copy_layered) -> None:
     span = kv.group_span[p.g]
     nl = span.stop - span.start
     copy_layered(p, kv.stage_arenas[:, :nl], kv.arena.latent[:, span])
+    idx = _flat_index(kv, p.slots_t, p.g, p.entry, p.keep)  # the kept entries' cells (else the trash cell)
     if kv.hot_entry is not None:
-        _reindex(kv, p)
-    kv._hot_pos_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)] = p.pos
-    kv._hot_stamp_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)] = p.stamp
+        _reindex(kv, p, idx)
+    kv._hot_pos_flat[idx] = p.pos
+    kv._hot_stamp_flat[idx] = p.stamp
     n = p.copy_n.sum().to(torch.int64)
     kv.census.add_promoted(n, n * row_bytes(kv.stage) * nl)
 
 
-def _reindex(kv, p: Promotion) -> None:
-    """The hot_entry index follows a promotion (before hot_pos changes): each kept entry's old
-    position unmapped, its new one mapped to it; masked rows write the trailing trash cell. A promoted
-    row was staged, so it was in no hot entry: the two sets of cells are disjoint."""
+def _reindex(kv, p: Promotion, idx: torch.Tensor) -> None:
+    """The hot_entry index follows a promotion (before hot_pos changes; idx: the kept entries' flat
+    cells, `_flat_index`): each kept entry's old position unmapped, its new one mapped to it; masked
+    rows write the trailing trash cell. A promoted row was staged, so it was in no hot entry: the
+    two sets of cells are disjoint."""
     G, W = kv.hot_entry.shape[1], kv.hot_entry.shape[2]
-    old = kv._hot_pos_flat[_flat_index(kv, p.slots_t, p.g, p.entry, p.keep)]
+    old = kv._hot_pos_flat[idx]
     row = (p.slots_t[:, None] * G + p.g) * W
     trash = kv.hot_entry.numel()
     kv._hot_entry_flat[torch.where(p.keep & (old >= 0), row + old, trash)] = -1
