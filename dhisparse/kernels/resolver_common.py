@@ -1,5 +1,6 @@
 """Parts both plan paths share (resolver_kernel.py's chunked one, resolver_one.py's registers-only one):
-a position's direct location, a slot's hot rows as registers, a request's counters, the fused copy."""
+a position's direct location, a slot's hot rows as registers, the hot_entry lookup's hits (MAP), a
+request's counters, the fused copy."""
 
 from __future__ import annotations
 
@@ -32,6 +33,36 @@ def _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc,
     hs = tl.load(hot_stamp_ptr + s * s_stamp + sl, mask=bm, other=0).to(tl.int64)
     hl = tl.load(hot_loc_ptr + s * s_loc + sl, mask=bm, other=0).to(tl.int32)
     return bm, hp, hs, hl
+
+
+@triton.jit
+def _clear_hits(hrow, BP: tl.constexpr):
+    """MAP: the request's hit row hrow [BP] int8 zeroed (any contents at entry). Call before the
+    entries' lookup, with a barrier between (other threads set the flags)."""
+    tl.store(hrow + tl.arange(0, BP), tl.zeros([BP], tl.int8))
+
+
+@triton.jit
+def _hits(h, cand, hl):
+    """MAP: entries cand (not-direct representatives) whose position has a hot entry h >= 0 are hits.
+    Returns (hit mask he, their entries hc (0 elsewhere), each hit's hot location hl[h] as int64,
+    gathered from the hot rows' registers hl [BP])."""
+    he = cand & (h >= 0)
+    hc = tl.where(he, h, 0)
+    return he, hc, tl.gather(hl, hc, 0).to(tl.int64)
+
+
+@triton.jit
+def _mark_hits(he, hc, s, hot_stamp_ptr, s_stamp, hrow, now, N: tl.constexpr):
+    """MAP: each hit entry hc [N] (where he) gets its stamp refreshed and its flag set in hrow."""
+    tl.store(hot_stamp_ptr + s * s_stamp + hc, tl.zeros([N], tl.int64) + now, mask=he)
+    tl.store(hrow + hc, tl.full([N], 1, tl.int8), mask=he)
+
+
+@triton.jit
+def _read_hits(hrow, bm, BP: tl.constexpr):
+    """MAP: the protected slots [BP] (after a barrier behind `_mark_hits`)."""
+    return bm & (tl.load(hrow + tl.arange(0, BP), mask=bm, other=0) != 0)
 
 
 @triton.jit

@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from dhisparse.kernels.launch import jit_unspecialized
-from dhisparse.kernels.resolver_common import _copy_planned, _direct_loc, _hot_rows, _store_counts
+from dhisparse.kernels.resolver_common import (_clear_hits, _copy_planned, _direct_loc, _hits, _hot_rows,
+                                               _mark_hits, _read_hits, _store_counts)
 from dhisparse.kernels.resolver_evict import _compact_misses, _pair_misses
 from dhisparse.kernels.resolver_one import _plan_one
 
@@ -90,11 +91,9 @@ def _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_p
             tl.store(rep + i, tl.where(valid, u, -1), mask=im)
             if MAP:
                 h = tl.load(hmap_ptr + s * s_hmap + p, mask=is_rep & (p < LCAP), other=-1).to(tl.int32)
-                he = is_rep & (o < 0) & (h >= 0)
-                hc = tl.where(he, h, 0)
-                tl.store(out + i, tl.where(he, tl.gather(hl, hc, 0).to(tl.int64), o), mask=is_rep)
-                tl.store(hot_stamp_ptr + s * s_stamp + hc, tl.zeros([CH], tl.int64) + now, mask=he)
-                tl.store(hrow + hc, tl.full([CH], 1, tl.int8), mask=he)
+                he, hc, lh = _hits(h, is_rep & (o < 0), hl)
+                tl.store(out + i, tl.where(he, lh, o), mask=is_rep)
+                _mark_hits(he, hc, s, hot_stamp_ptr, s_stamp, hrow, now, CH)
                 nhot += tl.sum(he.to(tl.int32), axis=0)
             else:
                 tl.store(out + i, o, mask=is_rep)
@@ -319,7 +318,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
     # the hot rows depend only on s: their loads overlap P1's
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
     if MAP:  # any contents at entry: cleared here, ordered before P1's flags by its claims' barrier
-        tl.store(hrow + tl.arange(0, BP), tl.zeros([BP], tl.int8))
+        _clear_hits(hrow, BP)
     nsel, nnd, ndir, nrest, nhot = _entries(sel_ptr, loc_ptr, KK, n, pv, LCAP, rep, out, hflag, s, tail_start_ptr,
                                             tail_loc_ptr, s_tail, TT, dmap_ptr, s_dmap, LMAX, has_map, hmap_ptr,
                                             s_hmap, hrow, hl, hot_stamp_ptr, s_stamp, now, KKP, CH, MAP)
@@ -330,7 +329,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
     else:
         tl.debug_barrier()
         if MAP:
-            hit = bm & (tl.load(hrow + tl.arange(0, BP), mask=bm, other=0) != 0)
+            hit = _read_hits(hrow, bm, BP)
         else:
             nhot, hit = _hot_scan(sel_ptr, KK, n, pv, LCAP, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now, BP)
         tl.debug_barrier()

@@ -31,7 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.resolver_common import _direct_loc, _hot_rows, _store_counts
+from dhisparse.kernels.resolver_common import (_clear_hits, _direct_loc, _hits, _hot_rows, _mark_hits,
+                                               _read_hits, _store_counts)
 from dhisparse.kernels.resolver_evict import _pair_misses
 
 
@@ -87,20 +88,15 @@ def _hot_lookup_one(loc_row, KK, out, s, hot_stamp_ptr, s_stamp, hrow, bm, hl, n
     the protected slots, read back from hrow after a barrier)."""
     i = tl.arange(0, KKP)
     valid = p >= 0
-    he = valid & (u == i) & (o < 0) & (h >= 0)
-    hc = tl.where(he, h, 0)
-    lh = tl.gather(hl, hc, 0).to(tl.int64)
+    he, hc, lh = _hits(h, valid & (u == i) & (o < 0), hl)
     res = tl.where(o >= 0, o, tl.where(he, lh, -1))
     if DISTINCT:
         tl.store(loc_row + i, tl.where(valid, res, -1).to(loc_row.dtype.element_ty), mask=i < KK)
     else:
         tl.store(out + i, res, mask=valid & (u == i))
-    tl.store(hot_stamp_ptr + s * s_stamp + hc, tl.zeros([KKP], tl.int64) + now, mask=he)
-    tl.store(hrow + hc, tl.full([KKP], 1, tl.int8), mask=he)
+    _mark_hits(he, hc, s, hot_stamp_ptr, s_stamp, hrow, now, KKP)
     tl.debug_barrier()
-    sl = tl.arange(0, BP)
-    hit = bm & (tl.load(hrow + sl, mask=bm, other=0) != 0)
-    return tl.sum(he.to(tl.int32), axis=0), hit
+    return tl.sum(he.to(tl.int32), axis=0), _read_hits(hrow, bm, BP)
 
 
 @triton.jit
@@ -167,7 +163,7 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
     (copy_n[n])."""
     bm, hp, hs, hl = _hot_rows(hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s, s_pos, s_stamp, s_loc, B, BP)
     if MAP:  # any contents at entry: cleared before P1, and ordered before P3's flags by the barrier
-        tl.store(hrow + tl.arange(0, BP), tl.zeros([BP], tl.int8))
+        _clear_hits(hrow, BP)
         tl.debug_barrier()
     nsel, nnd, ndir, nrest, p, u, o, hpg, h = _entries_one(
         sel_ptr, loc_ptr, KK, n, pv, LCAP, out, hflag, s, tail_start_ptr, tail_loc_ptr, s_tail, TT, dmap_ptr,
