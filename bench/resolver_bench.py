@@ -47,6 +47,7 @@ from bench.resolver_cases import Rig, check_case, fit, index_case  # noqa: E402
 from bench.resolver_fig8 import await_precompile, plot, precompile, precompile_worker, run_fig8, summarise_fig8  # noqa: E402
 from bench.resolver_timing import run_case, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import gather_rows_padded  # noqa: E402
+from dhisparse.kv.hier.context import RESOLVER_LOOKUPS  # noqa: E402
 
 
 CHECKED = ("miss_partial_K8_cold", "miss_disjoint_K8_cold", "miss_partial_K8_warm10", "miss_single_K1_warm50",
@@ -127,7 +128,7 @@ def main() -> None:
     ap.add_argument("--only-fig8bc", action="store_true", help="run only the Fig. 8 (b)/(c) and GLM cases")
     ap.add_argument("--fig8-iters", type=int, default=None, help="timed calls per Fig. 8 measurement (>= 9)")
     ap.add_argument("--fig8-row-bytes", type=int, default=656)
-    ap.add_argument("--lookup", choices=("scan", "index"), default="scan",
+    ap.add_argument("--lookup", choices=RESOLVER_LOOKUPS, default="scan",
                     help="hot-cache hits scanned for, or looked up in a hot_entry index (--resolver-lookup)")
     ap.add_argument("--precompile-shape", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.resolver_cases import Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_peer import MISS, build, shapes  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
+from dhisparse.kv.hier.context import RESOLVER_LOOKUPS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=1, help="plan_triton(distinct=) (the engine's K 1 call)")
-    ap.add_argument("--lookup", choices=("scan", "index"), default="scan",
+    ap.add_argument("--lookup", choices=RESOLVER_LOOKUPS, default="scan",
                     help="the state keeps a hot_entry index (the plan looks hits up: --resolver-lookup index)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)

@@ -35,7 +35,7 @@ from bench.kernel_families import family, family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # noqa: E402
-from dhisparse.engine.config import EngineConfig  # noqa: E402
+from dhisparse.engine.config import RESOLVER_LOOKUPS, EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
 from dhisparse.core.params import SamplingParams  # noqa: E402
 
@@ -56,7 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
       help="follower layers' copies: with the producer's (compute) or layer-wise on a side stream (side)")
     a("--resolver-copy", default="separate", choices=("separate", "fused"),
       help="the Triton resolver's producer copies: a gather launch of their own, or made by the plan kernel")
-    a("--resolver-lookup", default="scan", choices=("scan", "index"),
+    a("--resolver-lookup", default="scan", choices=RESOLVER_LOOKUPS,
       help="hot-cache hits: scanned for, or looked up in the store's position -> hot entry index")
     a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="stored row format (auto, bfloat16, fp8_e4m3: 656-B rows)")
     a("--max-batched-tokens", type=int, default=16384)
