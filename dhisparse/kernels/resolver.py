@@ -303,8 +303,8 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt, C,
         scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs,
         hmap if hmap is not None else hot_pos, s_hmap, hitf),
-        {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048), "CHB": min(BP, 2048),
-         "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
+        {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048),
+         "CHB": min(BP, 2048), "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
         warps)
 
 

@@ -1,10 +1,11 @@
 """CUDA graphs of the DFlash drafter's block pass, one per request bucket.
 
 Eagerly, a DFlash2 round of six layers dispatches ~1,000 PyTorch ops whatever the batch (CPU count,
-bench/drafter_round.py): ~10 ms of host time a round at ~10 us an op, which the GPU waits through. A round whose every request has a full window (W committed positions) has
-fixed shapes for a given request count, so the part from the ring's window to the block's hidden
-states replays from a graph; the LM head, the candidate selector (or DSpark's head) and sampling
-stay eager (a few dozen ops; sampling draws from per-request generators).
+bench/drafter_round.py): ~10 ms of host time a round at ~10 us an op, which the GPU waits through.
+A round whose every request has a full window (W committed positions) has fixed shapes for a given
+request count, so the part from the ring's window to the block's hidden states replays from a
+graph; the LM head, the candidate selector (or DSpark's head) and sampling stay eager (a few dozen
+ops; sampling draws from per-request generators).
 
     requests N -> bucket Nb = smallest bucket >= N (the buckets of models/graphs.py below the limit,
                   then the limit itself: min(max_requests, ring slots)); N above it: eager.
