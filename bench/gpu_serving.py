@@ -49,8 +49,8 @@ from dhisparse.bench.sizing import (GIB, charge, describe, kv_formats, mem_avail
                                     model_dtype, resident_bytes, resident_fit_for, sizing)
 
 BUDGET_S = 9 * 60
-METRICS = ("output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "queue_mean_ms", "tpot_mean_ms", "tpot_p99_ms",
-           "active", "slots", "requests_completed")
+METRICS = ("output_tok_s", "central_output_tok_s", "ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "queue_mean_ms",
+           "tpot_mean_ms", "tpot_p99_ms", "active", "slots", "requests_completed")
 QUICK = dict(model="tiny", device="cpu", dtype="float32", input_len=192, output_len=12, concurrency="2", duration=1.5,
              resident_fit=2, page_size=16, distinct_suffixes=4, max_batched_tokens=512)
 # --quick --model v41-faithful: tests/test_v41_faithful.py's small geometry (8 layers: one CSA source with Full,
@@ -403,13 +403,14 @@ def prewarm(ns, sz, loaded, prefixes, reference) -> None:
 
 
 def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[dict]]:
-    """(one row a run, ratios of mean throughputs, spread: mean / min / max tok/s per (label, C)).
-    Ratios: each preset against hisparse and adaptive against resident at one load, and with
-    several arms each arm's mean against the first arm's (same preset, same load)."""
-    rows, tok = [], {}
+    """(one row a run, ratios of mean throughputs, spread: mean / min / max tok/s per (label, C), and
+    the same of the central-half rate where every run has one). Ratios: each preset against hisparse
+    and adaptive against resident at one load, and with several arms each arm's mean against the
+    first arm's (same preset, same load); the central-half rates' ratios under "central:" keys."""
+    rows, tok, cen = [], {}, {}
     for r in runs:
         m = r.metrics
-        row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k) for k in METRICS}}
+        row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k, None) for k in METRICS}}
         for k in ("host_fetched_share", "coverage"):
             if k in m.counters:
                 row[k] = m.counters[k]
@@ -419,9 +420,22 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
                 row[k] = r.engine[k]
         rows.append(row)
         tok.setdefault((r.preset, r.concurrency), []).append(m.output_tok_s)
-    spread = [{"preset": p, "C": c, "runs": len(v), "mean_tok_s": sum(v) / len(v), "min_tok_s": min(v),
-               "max_tok_s": max(v)} for (p, c), v in tok.items()]
-    by = {(d["preset"], d["C"]): d["mean_tok_s"] for d in spread}
+        cen.setdefault((r.preset, r.concurrency), []).append(getattr(m, "central_output_tok_s", None))
+    spread = []
+    for (p, c), v in tok.items():
+        d = {"preset": p, "C": c, "runs": len(v), "mean_tok_s": sum(v) / len(v), "min_tok_s": min(v), "max_tok_s": max(v)}
+        cv = cen[(p, c)]
+        if all(x is not None for x in cv):
+            d |= {"central_mean_tok_s": sum(cv) / len(cv), "central_min_tok_s": min(cv), "central_max_tok_s": max(cv)}
+        spread.append(d)
+    ratios = _ratios({(d["preset"], d["C"]): d["mean_tok_s"] for d in spread}, concurrencies, arms)
+    central = {(d["preset"], d["C"]): d["central_mean_tok_s"] for d in spread if "central_mean_tok_s" in d}
+    ratios |= {f"central:{k}": v for k, v in _ratios(central, concurrencies, arms).items()}
+    return rows, ratios, spread
+
+
+def _ratios(by: dict, concurrencies, arms) -> dict:
+    """Ratios of the mean rates `by` {(label, C): tok/s} (see `summarize`)."""
     ratios = {}
     for c in concurrencies:
         for arm in arms:
@@ -435,7 +449,7 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
             first = label(preset, arms[0])
             if cc == c and arm and arm != arms[0] and by.get((first, c)):
                 ratios[f"{name}/{first}@C{c}"] = v / by[(first, c)]
-    return rows, ratios, spread
+    return ratios
 
 
 def spec_note(ns) -> str:
@@ -499,7 +513,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference, arm))
         m = runs[-1].metrics
-        print(f"[run] {label(preset, arm):14} C{c:<4} {m.output_tok_s:9.1f} tok/s  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
+        print(f"[run] {label(preset, arm):14} C{c:<4} {m.output_tok_s:9.1f} tok/s (central half {m.central_output_tok_s and round(m.central_output_tok_s, 1)})  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
               f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s)", flush=True)
         path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():

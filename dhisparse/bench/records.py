@@ -2,8 +2,10 @@
 
 Times are seconds from the run's start. `summarize` turns a `RunTrace` into `RunMetrics`:
 output tok/s, TTFT mean / p99, post-wave TTFT (requests after the first C), TPOT mean / p99,
-active (mean requests decoding over the central half of the run), slots (most requests running)
-and the engine counters the build reports (None when absent; tables print "-").
+active (mean requests decoding over the central half of the run), slots (most requests running),
+central output tok/s (tokens returned over that central half: the steady rate, without the
+window's admission ramp and its tail) and the engine counters the build reports (None when absent;
+tables print "-").
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class RunMetrics:
     slots: int
     queue_mean_ms: float | None
     counters: dict
+    central_output_tok_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -109,6 +112,43 @@ def central_active(steps: tuple[StepSample, ...], duration_s: float) -> float | 
     """Mean of per-step decoding counts over the central half [T/4, 3T/4] of the run."""
     mid = [s.decoding for s in steps if duration_s / 4 <= s.t <= 3 * duration_s / 4]
     return mean(mid) if mid else mean([s.decoding for s in steps])
+
+
+def central_tok_s(steps: tuple[StepSample, ...], duration_s: float) -> float | None:
+    """Tokens returned per second over the central half (T/4, 3T/4] of a run of T s (each step's
+    tokens counted at its end time). None when no step carries a token count (HTTP runs)."""
+    if duration_s <= 0 or not any(s.tokens for s in steps):
+        return None
+    lo, hi = duration_s / 4, 3 * duration_s / 4
+    return sum(s.tokens for s in steps if lo < s.t <= hi) / (hi - lo)
+
+
+def series_central_tok_s(series: list[dict], duration_s: float) -> float | None:
+    """`central_tok_s` from a result's interval series (rows {t, generated_tokens}: the engine's
+    cumulative count), for results written before the metric: the count interpolated linearly at
+    T/4 and 3T/4 (clamped to the first and last rows). None without two rows of the counter."""
+    rows = [(r["t"], r["generated_tokens"]) for r in series if isinstance(r.get("generated_tokens"), (int, float))]
+    if duration_s <= 0 or len(rows) < 2:
+        return None
+
+    def at(t: float) -> float:
+        if t <= rows[0][0]:
+            return rows[0][1]
+        for (t0, g0), (t1, g1) in zip(rows, rows[1:]):
+            if t <= t1:
+                return g0 + (g1 - g0) * (t - t0) / (t1 - t0) if t1 > t0 else g1
+        return rows[-1][1]
+
+    lo, hi = duration_s / 4, 3 * duration_s / 4
+    return (at(hi) - at(lo)) / (hi - lo)
+
+
+def central_of(run: dict) -> float | None:
+    """A result run's central output tok/s: its metric, or for results written before it, from its series."""
+    m = run["metrics"]
+    if m.get("central_output_tok_s") is not None:
+        return m["central_output_tok_s"]
+    return series_central_tok_s(run.get("series") or [], m.get("duration_s") or 0.0)
 
 
 def counters_of(stats: dict) -> dict:
@@ -141,4 +181,5 @@ def summarize(trace: RunTrace, concurrency: int) -> RunMetrics:
         slots=slots,
         queue_mean_ms=_ms(mean(queues)),
         counters=counters_of(trace.engine),
+        central_output_tok_s=central_tok_s(trace.steps, trace.duration_s),
     )

@@ -1,8 +1,9 @@
 """The paper's Table 2 and appendix tables from bench results (serving runs with per-request records).
 
 * `table2_rows` — Table 2: at every (C, preset) the output (mean and min-max over repeats), its
-  ratio to the baseline preset's mean output at the same C (hisparse: "against HiSparse"), TTFT mean,
-  post-wave mean and post-wave p99, mean TPOT, and active / slots.
+  ratio to the baseline preset's mean output at the same C (hisparse: "against HiSparse"), the same
+  two for the central half of each window (`records.central_of`: the steady rate, without the
+  admission ramp), TTFT mean, post-wave mean and post-wave p99, mean TPOT, and active / slots.
 * `ttft_split` — Table A2: mean first-token time split into allocation wait (submit -> a slot:
   the engine's per-request `queue`) and hand-off (the slot -> the first token: prefill or the
   prepared prefix's import, and the KV transport), over all requests and after the first wave
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dhisparse.bench.records import mean
+from dhisparse.bench.records import central_of, mean
 
 LATENCY_KEYS = ("ttft_mean_ms", "ttft_p99_ms", "post_wave_ttft_mean_ms", "post_wave_ttft_p99_ms", "tpot_mean_ms",
                 "tpot_p99_ms", "output_tok_s")
@@ -94,10 +95,23 @@ def table2_rows(results: list[dict], baseline: str = "hisparse") -> list[dict]:
         row = {"source": src, "C": c, "preset": preset, "runs": len(runs), "output_tok_s": mean(out),
                "output_min": min(out), "output_max": max(out),
                "vs_baseline": mean(out) / base_mean if base_mean else None, "baseline": baseline}
+        row |= _central(runs, base)
         for k in TABLE2_KEYS:
             row[k] = mean([r["metrics"].get(k) for r in runs if r["metrics"].get(k) is not None])
         rows.append(row)
     return rows
+
+
+def _central(runs: list[dict], base: list[dict] | None) -> dict:
+    """Table 2's central-half columns of a point: mean, min, max over its runs and the ratio of its
+    mean to the baseline's (None where a run has no central rate)."""
+    cen = [central_of(r) for r in runs]
+    bcen = [central_of(r) for r in base] if base else [None]
+    if any(v is None for v in cen):
+        return {"central_tok_s": None, "central_min": None, "central_max": None, "central_vs_baseline": None}
+    ok = all(v is not None for v in bcen) and mean(bcen)
+    return {"central_tok_s": mean(cen), "central_min": min(cen), "central_max": max(cen),
+            "central_vs_baseline": mean(cen) / mean(bcen) if ok else None}
 
 
 def split_rows(results: list[dict]) -> list[dict]:

@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("table", help="Tables 2, A2, A3 and the capacity under latency bounds, from bench result JSON",
                        formatter_class=HelpFormatter,
                        description="Table 2: output (mean, min-max over repeats) and its ratio to the baseline "
-                                   "preset's at the same load, TTFT mean / post-wave / post-wave p99, TPOT and active / "
+                                   "preset's at the same load, the same over each window's central half (the steady "
+                                   "rate, without the admission ramp), TTFT mean / post-wave / post-wave p99, TPOT and active / "
                                    "slots at every (C, preset); Table A2: mean TTFT split into allocation wait and hand-off (all requests and "
                                    "after the first wave); Table A3: TTFT, post-wave TTFT and TPOT (mean / p99) at every "
                                    "(preset, C), means over repeated runs; capacity: the highest C each preset sustains "
@@ -36,20 +37,28 @@ def _ms(v, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _central(r: dict) -> str:
+    if r["central_tok_s"] is None:
+        return "-"
+    return f"{r['central_tok_s']:.1f} [{r['central_min']:.1f}-{r['central_max']:.1f}]"
+
+
 def _table2(rows: list[dict], baseline: str):
     """Table 2 as printed: output mean [min-max], the ratio to `baseline`, TTFT in s, TPOT in ms."""
     from rich.table import Table
 
     t = Table(title=f"Table 2: output (tok/s: mean, min-max over runs), against {baseline}, latency, active / slots")
-    for c in ("source", "C", "preset", "runs", "output", f"vs {baseline}", "TTFT mean", "post-wave", "post-wave p99",
-              "TPOT ms", "active / slots"):
+    for c in ("source", "C", "preset", "runs", "output", f"vs {baseline}", "central half", "vs", "TTFT mean",
+              "post-wave", "post-wave p99", "TPOT ms", "active / slots"):
         t.add_column(c, justify="left" if c in ("source", "preset") else "right")
     for r in rows:
         sec = [None if r[k] is None else r[k] / 1e3 for k in ("ttft_mean_ms", "post_wave_ttft_mean_ms",
                                                              "post_wave_ttft_p99_ms")]
         t.add_row(r["source"], str(r["C"]), r["preset"], str(r["runs"]),
                   f"{r['output_tok_s']:.1f} [{r['output_min']:.1f}-{r['output_max']:.1f}]",
-                  "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}x", *map(_s, sec), _ms(r["tpot_mean_ms"]),
+                  "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}x", _central(r),
+                  "-" if r["central_vs_baseline"] is None else f"{r['central_vs_baseline']:.3f}x", *map(_s, sec),
+                  _ms(r["tpot_mean_ms"]),
                   f"{_ms(r['active'])} / {'-' if r['slots'] is None else int(r['slots'])}")
     return t
 
