@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -324,6 +324,14 @@ case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
+case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round goes at the costed sweep's point (glm5-faithful, 100K, k 2,048, FP8 rows, C${ROUND31_C:-20}): hisparse's decode step beside adaptive+spec's full-width round (placeholder oracle: every draft rejected) with the paper-shaped DFlash2 network running in it (the costed oracle), kernels and host split per step (~6 min)
+  run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
+      --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
+  run "step profile, glm5-faithful, hisparse step vs costed DFlash2 round, C${ROUND31_C:-20}" timeout ${ROUND31_TIMEOUT:-480} python3 bench/step_profile.py \
+      --model glm5-faithful --input-len 102400 --concurrency ${ROUND31_C:-20} --steps 5 --warmup 3 --presets hisparse,adaptive+spec \
+      --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
+      --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
+      --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
   run "decode-step profile, v41-faithful, ${FAITHFUL41_LEN:-131072}, C${FAITHFUL41_C:-16}, fp8" timeout ${FAITHFUL41_TIMEOUT:-420} python3 bench/step_profile.py \
       --model v41-faithful --input-len ${FAITHFUL41_LEN:-131072} --concurrency ${FAITHFUL41_C:-16} --steps 5 --warmup 3 --presets ${FAITHFUL41_PRESETS:-hisparse} \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
@@ -66,6 +67,10 @@ def parse(argv=None) -> argparse.Namespace:
            "placeholder reference, so every round verifies the full width and rejects its drafts (the cost "
            "of a full-width round; acceptance is not measured)")
     a("--spec-width", type=int, default=4, help="verification width (queries per request and round)")
+    a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+      help="any EngineConfig field (repeatable; typed as bench/gpu_serving.py types them), e.g. "
+           "speculative_oracle_drafter=dflash2 and speculative_draft_model_path=DIR: the costed oracle, whose "
+           "drafter network runs every round, so the profile prices the drafter's kernels with the round's")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs, see dhisparse/models/graphs.py) or step (+ whole-step graphs, dhisparse/engine/step_graphs.py); "
       "a comma list profiles every preset under each mode, side by side")
     a("--out", default="bench/results/step_profile.json")
@@ -87,14 +92,18 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def engine_config(ns, preset: str, graphs: str = "none") -> EngineConfig:
+    """The preset's engine at the profile's shape, with --engine-arg overrides applied last."""
+    from bench.gpu_serving import engine_overrides
+
     spec = preset.endswith("+spec")
-    return EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
+    cfg = EngineConfig(model=ns.model, preset=preset, device=ns.device, dtype=ns.dtype, page_size=ns.page_size,
                         kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.host_pool_gib * 2**30),
                         max_running_requests=ns.concurrency, max_num_batched_tokens=ns.max_batched_tokens,
                         hot_cache_rows=ns.hot_cache_rows, max_model_len=ns.input_len + 4096,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         cuda_graphs=graphs, kv_cache_dtype=ns.kv_cache_dtype, prefetch_stream=ns.prefetch_stream,
                         resolver_copy=ns.resolver_copy, resolver_lookup=ns.resolver_lookup)
+    return dataclasses.replace(cfg, **engine_overrides(ns.engine_arg)) if ns.engine_arg else cfg
 
 
 def placeholder_reference(prompt: list[int]) -> list[int]:

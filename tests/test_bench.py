@@ -461,6 +461,30 @@ def test_step_profile_attention_replay_on_cpu(tmp_path, monkeypatch):
     assert {"engine", "sorted", "one_space", "random"} <= set(rec["ms"]) and all(v > 0 for v in rec["ms"].values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
+def test_step_profile_engine_args_cost_the_drafter(tmp_path, monkeypatch):
+    """--engine-arg reaches the engine: with the costed oracle the round runs (and holds) the drafter
+    network, so the profile prices its kernels; without it no drafter weights are held. A bad name is
+    refused before anything is built."""
+    import json
+
+    from bench import step_profile
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    held = {}
+    for extra in ([], ["--engine-arg", "speculative_oracle_drafter=dflash"]):
+        out = tmp_path / f"sp{len(extra)}.json"
+        assert step_profile.main(["--quick", "--presets", "adaptive+spec", "--drafter", "oracle", "--cuda-graphs", "none",
+                                  "--steps", "2", "--warmup", "1", *extra, "--out", str(out)]) == 0
+        c = json.loads(out.read_text())["runs"][0]["counters"]
+        held[len(extra)] = c.get("drafter_weight_bytes", 0)
+        assert c["spec_draft_calls"] > 0
+    assert held[0] == 0 and held[2] > 0
+    with pytest.raises(SystemExit, match="speculative_oracle_drafterr"):
+        step_profile.engine_config(step_profile.parse(["--quick", "--engine-arg", "speculative_oracle_drafterr=x"]),
+                                   "adaptive+spec")
+
+
 class _WarmEngine:
     """Engine stand-in for the warm-up: finishes each request in one step; its drafter drafts
     only once a request asks for at least `drafts_from` tokens (n-gram lookup needs a repeat)."""

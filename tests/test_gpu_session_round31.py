@@ -1,0 +1,38 @@
+"""bench/gpu_session.sh's `round31` step (issue 31: where a costed verification round goes) parses:
+run with `timeout` and `python3` replaced by functions that record their arguments."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _commands(tmp_path: Path, steps: str) -> list[list[str]]:
+    log = tmp_path / "argv.jsonl"
+    stub = ('timeout() { while [ "${1#-}" != "$1" ]; do shift 2; done; shift; "$@"; }; '
+            f'python3() {{ printf "%s\\0" "$@" >> {shlex.quote(str(log))}; printf "\\n" >> {shlex.quote(str(log))}; }}; '
+            "export -f timeout python3; bash bench/gpu_session.sh " + steps)
+    subprocess.run(["bash", "-c", stub], cwd=ROOT, check=True, capture_output=True, timeout=60,
+                   env={**os.environ, "OUT": str(tmp_path / "out")})
+    return [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
+
+
+def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
+    from bench import step_profile
+
+    cmds = _commands(tmp_path, "round31")
+    ckpt = next(c for c in cmds if c[0] == "bench/drafter_checkpoint.py")
+    prof = next(c for c in cmds if c[0] == "bench/step_profile.py")
+    path = ckpt[ckpt.index("--out") + 1]
+    assert ckpt[ckpt.index("--shape") + 1] == "paper-glm5" and ckpt[ckpt.index("--kind") + 1] == "dflash2"
+    ns = step_profile.parse(prof[1:])
+    assert (ns.model, ns.input_len, ns.concurrency, ns.kv_cache_dtype, ns.drafter) == (
+        "glm5-faithful", 102400, 20, "fp8_e4m3", "oracle")
+    assert ns.presets.split(",") == ["hisparse", "adaptive+spec"] and ns.out.startswith(str(tmp_path / "out"))
+    cfg = step_profile.engine_config(ns, "adaptive+spec", "step")
+    assert (cfg.speculative_oracle_drafter, cfg.speculative_draft_model_path) == ("dflash2", path)
+    assert cfg.speculative_num_draft_tokens == 4 and cfg.cuda_graphs == "step"
