@@ -113,6 +113,29 @@ def test_output_depends_on_attention():
     assert _greedy(scaled, prompt, 8) == before
 
 
+def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
+    """`offset_free_head`: lm_head's rows carry no component along the shared embedding direction,
+    so the common part of every residual stream does not pick the token. Session 36 found the full
+    model's greedy output one repeated token for every prompt; at 24 small layers in bf16 the old
+    build (the head keeping the offset's component) repeats one token from the fourth on, for three
+    prompts alike, and the offset-free head keeps at least six distinct ids in sixteen."""
+    from dhisparse.bench.workload import prefix_ids, suffix_text
+    from dhisparse.models import faithful
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompts = [prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(i)) for i in range(3)]
+    lm = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16)
+    shared = torch.empty(SMALL["hidden_size"]).normal_(generator=torch.Generator().manual_seed(1))
+    head = lm.model.lm_head.weight.detach().float()
+    assert (head @ (shared / shared.norm())).abs().max() < 1e-2 * head.norm(dim=1).max()
+    assert all(len(set(_greedy(lm, p, 16))) >= 6 for p in prompts)
+    monkeypatch.setattr(faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
+    old = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16)
+    outs = [_greedy(old, p, 16) for p in prompts]
+    assert all(len(set(o[3:])) == 1 for o in outs), outs
+
+
 def test_registered_and_refuses_unknown():
     assert "glm5-faithful" in BUILTINS
     with pytest.raises(KeyError, match="unknown faithful model"):

@@ -125,6 +125,31 @@ def test_presets_give_resident_tokens_and_depend_on_attention(monkeypatch):
     assert generate(engine(lm, preset="resident", hot_cache_rows=8), prompts, GREEDY) != want
 
 
+def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
+    """`faithful.offset_free_head` in the V4 build: at V4-Flash's 43 layers (small geometry, bf16) the
+    old build (the head keeping the offset's component) repeats one token from the second on, for
+    two prompts alike; the offset-free head keeps at least eight distinct ids in twelve."""
+    import dataclasses
+
+    from v4_engine_util import engine, generate
+
+    from dhisparse.bench.workload import prefix_ids, suffix_text
+    from dhisparse.models import v4_faithful
+
+    tok = ByteTokenizer()
+    prompts = [prefix_ids(tok, 100, SMALL["vocab_size"]) + tok.encode(suffix_text(i)) for i in range(2)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def outputs():
+        lm = dataclasses.replace(build_v41_faithful(num_layers=43, overrides=SMALL, dtype=torch.bfloat16),
+                                 tokenizer=tok)
+        return generate(engine(lm, preset="resident", hot_cache_rows=8), prompts, params)
+
+    assert all(len(set(o)) >= 8 for o in outputs())
+    monkeypatch.setattr(v4_faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
+    assert all(len(set(o[1:])) == 1 for o in outputs())
+
+
 def test_registered():
     assert "v41-faithful" in builtin_names()
 

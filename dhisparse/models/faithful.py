@@ -19,8 +19,10 @@ model computes what GLM-5 computes per token, except for how many experts there 
 - Seeded random weights (scaled.py's `init_tensor` scales) and the same selection locality
   (EMBED_OFFSET, INDEX_GAIN) as glm52-scaled, routers balanced over every expert
   (`balance_router`), and **no confident head**: lm_head is an ordinary
-  random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero), so the
-  greedy tokens depend on attention and a broken KV path changes them. The price: near-tied logits,
+  random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero) with the
+  locality offset's direction projected out of its rows (`offset_free_head`; before session 36 the
+  offset decided the output: one token repeated for every prompt), so the greedy tokens depend on
+  attention and a broken KV path changes them. The price: near-tied logits,
   so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
 
 Memory (one H200, ~139 GiB usable):
@@ -139,6 +141,28 @@ def _init_module(module: nn.Module, prefix: str, layers: int, dtype: torch.dtype
     init_module(module, prefix, layers, dtype, device, gen)
 
 
+def without_direction(weight: torch.Tensor, direction: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+    """weight [R, D] with each row's component along `direction` [D] removed (in fp32, back in
+    weight's dtype), `rows` rows at a time (the 154,880-row head stays in a few hundred MB of fp32)."""
+    u = direction.float() / direction.float().norm()
+    out = torch.empty_like(weight)
+    for r in range(0, weight.shape[0], rows):
+        w = weight[r:r + rows].float()
+        out[r:r + rows] = (w - (w @ u)[:, None] * u[None, :]).to(weight.dtype)
+    return out
+
+
+def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:
+    """Project the shared embedding direction out of lm_head's rows (zero rows stay zero). Every
+    token's residual stream carries EMBED_OFFSET x `shared` (the locality offset) on top of its own
+    part, and a random head scores that common part alike for every position: at GLM-5's 78 layers
+    the greedy output was then one token repeated, the same for every prompt (session 36: glm5-faithful's
+    100K reference, 20 prompts x 1,024 tokens, 2 distinct ids). Without it the head reads the
+    token- and context-dependent part, so the greedy tokens vary with what attention returns (the
+    router's twin: `balance_router`)."""
+    model.lm_head.weight.data = without_direction(model.lm_head.weight.data, shared)
+
+
 def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     """Project the shared embedding direction out of a MoE layer's router rows (no-op for dense
     layers). The locality offset (EMBED_OFFSET x `shared` in every embedding) is the largest common
@@ -150,9 +174,7 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     gate = getattr(layer.mlp, "gate", None)
     if gate is None:
         return
-    u = shared.float() / shared.float().norm()
-    w = gate.weight.data
-    gate.weight.data = (w.float() - (w.float() @ u)[:, None] * u[None, :]).to(w.dtype)
+    gate.weight.data = without_direction(gate.weight.data, shared)
 
 
 def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
@@ -188,6 +210,7 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
         _init_module(module, prefix, cfg.num_layers, dtype, device, gen)
     if embed_offset:
         m.embed_tokens.weight.data += (embed_offset * shared).to(dtype)
+        offset_free_head(model, shared)
     model.lm_head.weight.data[:SPECIAL_IDS] = 0.0
     with torch.device(device):
         m.rotary_emb = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)  # its inv_freq buffer is computed

@@ -27,7 +27,9 @@ token, except for how many experts there are to choose from:
   embeddings and head stay bf16 / fp32.
 - Seeded random weights by `build_v4_random`'s rules (matrices N(0, 1/fan_in), residual
   projections / sqrt(2L), random sinks, position biases and hyper-connection biases, distinct hash
-  experts per token); lm_head rows past the byte tokenizer's 259 ids are zero. No confident head.
+  experts per token); lm_head rows past the byte tokenizer's 259 ids are zero. No confident head, and
+  the locality offset's direction is projected out of the head's rows (`faithful.offset_free_head`:
+  before session 36 the 43-layer build's greedy output was one token repeated, for every prompt).
 - glm5-faithful's **selection locality**, with its constants (not re-tuned): every embedding row
   carries EMBED_OFFSET x one shared direction and each index query INDEX_GAIN x a fixed part
   along it (`stable_v4_index_query`). On a small geometry on CPU (8 layers, k 64, 4K tokens,
@@ -65,7 +67,7 @@ from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
 from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
-from dhisparse.models.faithful import quantize_module
+from dhisparse.models.faithful import offset_free_head, quantize_module
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, bump_index_query
 from dhisparse.models.v4_loader import _FP32
@@ -181,6 +183,7 @@ def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, devic
     shared = torch.randn(cfg.hidden_size, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
     if embed_offset:
         m.embed_tokens.weight.data += (embed_offset * shared).to(m.embed_tokens.weight.dtype)
+        offset_free_head(model, shared)
     if cfg.vocab_size > BYTE_VOCAB and not cfg.tie_word_embeddings:
         model.lm_head.weight[BYTE_VOCAB:] = 0
     index_gen = torch.Generator(device="cpu").manual_seed(seed + 3)
