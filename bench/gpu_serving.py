@@ -318,8 +318,8 @@ def prefix_store(prefixes, preset: str):
 def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     """Greedy non-speculative outputs of every distinct prompt (prompt ids -> output ids): those of
     `--reference-file` when it holds this run's (dhisparse.bench.reference), else decoded here and
-    written there."""
-    from dhisparse.bench.reference import load_reference, reference_key, save_reference
+    written there. How varied they are (`output_diversity`) is printed and kept in sz (the JSON's sizing)."""
+    from dhisparse.bench.reference import load_reference, output_diversity, reference_key, save_reference
 
     key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     tok = loaded.tokenizer
@@ -335,6 +335,9 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
             save_reference(ns.reference_file, key, outputs, commit=R.source_commit())
         print(f"[reference] {len(outputs)} outputs decoded in {time.perf_counter() - t:.0f} s"
               + (f", written to {ns.reference_file}" if ns.reference_file else ""), flush=True)
+    sz["reference_diversity"] = div = output_diversity(outputs)
+    print(f"[reference] diversity: {div['distinct_ids']:.1f} distinct ids an output, {100 * div['repeat_share']:.1f}% "
+          f"of tokens repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}", flush=True)
     return {prompts[i]: outputs[i] for i in range(ns.distinct_suffixes)}
 
 

@@ -135,3 +135,19 @@ class FileReference:
         if mtime != self.mtime:
             data = json.loads(self.path.read_text())
             self.prompts, self.outputs, self.mtime = data["prompts"], data["outputs"], mtime
+
+
+def output_diversity(outputs: dict[int, list[int]]) -> dict:
+    """How varied a reference's greedy outputs are: `distinct_ids` (mean distinct ids an output),
+    `repeat_share` (share of tokens equal to the one before), `distinct_outputs` (how many of the
+    outputs differ from each other), `n`. A model whose outputs repeat one token for every prompt
+    (glm5-faithful before session 36) makes an oracle's accepted drafts identical tokens: every
+    query of a round then differs only by position, which flatters a round's retrieval union."""
+    outs = [list(o) for o in outputs.values()]
+    if not outs:
+        return {"n": 0, "distinct_ids": 0.0, "repeat_share": 0.0, "distinct_outputs": 0}
+    pairs = sum(max(0, len(o) - 1) for o in outs)
+    repeats = sum(a == b for o in outs for a, b in zip(o, o[1:]))
+    return {"n": len(outs), "distinct_ids": sum(len(set(o)) for o in outs) / len(outs),
+            "repeat_share": repeats / pairs if pairs else 0.0, "distinct_outputs": len({tuple(o) for o in outs})}
+
