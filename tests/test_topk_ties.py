@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import dhisparse.core.topk as topk_mod
 from dhisparse import SamplingParams
-from dhisparse.core.topk import stable_topk
+from dhisparse.core.topk import packed_topk, sortable_bits, stable_topk
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.llm import LLM
@@ -40,6 +40,30 @@ def test_stable_topk_equals_the_sorted_reference(rows, length, data):
     val, idx = stable_topk(scores, k)
     rv, ri = reference(scores, k)
     assert torch.equal(idx, ri) and torch.equal(val, rv)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 40), st.data())
+def test_packed_topk_equals_the_sorted_reference(rows, length, data):
+    """One top-k over packed (score, index) keys: the same picks, order and values as `stable_topk`,
+    with -0.0 scores tying +0.0 ones (a w * relu(.) sum with w < 0 gives -0.0) and -inf last."""
+    k = data.draw(st.integers(0, length))
+    levels = data.draw(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.0, 3.25, -1e-30, float("-inf")]),
+                                min_size=rows * length, max_size=rows * length))
+    scores = torch.tensor(levels, dtype=torch.float32).reshape(rows, length)
+    val, idx = packed_topk(scores, k)
+    rv, ri = reference(scores, k)
+    assert torch.equal(idx, ri) and torch.equal(val, rv)
+    sv, si = stable_topk(scores, k)
+    assert torch.equal(idx, si) and torch.equal(val, sv)
+
+
+def test_sortable_bits_keep_the_float_order():
+    x = torch.tensor([float("-inf"), -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, 7.25])
+    b = sortable_bits(x)
+    assert torch.equal(b.argsort(stable=True), torch.arange(8)) and b[3] == b[4]
+    assert torch.equal(packed_topk(torch.zeros(3, 2, 9), 4)[1], torch.arange(4).expand(3, 2, 4))
+    assert packed_topk(torch.zeros(0, 7), 3)[1].shape == (0, 3) and packed_topk(torch.zeros(2, 5), 0)[1].shape == (2, 0)
 
 
 def test_odd_and_empty_shapes():

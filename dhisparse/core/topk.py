@@ -10,7 +10,10 @@ positions, and orders the k picks by (score descending, position ascending), so 
 function of the request's own scores only.
 
 Cost: two top-k passes over the row (the second finds the lowest tied positions) and two sorts of
-k entries, against one top-k.
+k entries, against one top-k. `packed_topk` gives the same result with one top-k over int64 keys
+(the score's order-preserving bits above, the position's complement below: no two keys tie), so the
+tie rule costs a key pass instead of a second top-k and two sorts; which is faster on a GPU is for
+bench/topk_bench.py to say (the indexer uses `stable_topk` until it has).
 """
 
 from __future__ import annotations
@@ -39,3 +42,25 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     picked, picked_val = picked.gather(-1, by_pos), picked_val.gather(-1, by_pos)
     by_val = picked_val.sort(dim=-1, descending=True, stable=True).indices
     return picked_val.gather(-1, by_val), picked.gather(-1, by_val)
+
+
+def sortable_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 x -> int32 with the same order (signed compare): non-negative floats keep their bits,
+    negative ones flip their magnitude bits. -0.0 is made +0.0 first (they are equal scores, and a
+    sum of w * relu(.) terms with w < 0 gives -0.0); NaN is not expected (indexer scores)."""
+    b = (x.to(torch.float32) + 0.0).view(torch.int32)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+def packed_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stable_topk` through one top-k: key = sortable_bits(score) << 32 | (2^32 - 1 - index), int64
+    [..., L] (L < 2^31), whose descending order is (score descending, index ascending) with no ties;
+    the k largest keys, sorted, are the picks in order. Same (values, indices) as `stable_topk`."""
+    L = scores.shape[-1]
+    if k == 0 or scores.numel() == 0:
+        return stable_topk(scores, k)
+    pos = torch.arange(L, device=scores.device, dtype=torch.int64)
+    key = (sortable_bits(scores).to(torch.int64) << 32) | (0xFFFFFFFF - pos)
+    idx = 0xFFFFFFFF - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
+    return scores.gather(-1, idx), idx
+
