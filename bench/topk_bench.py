@@ -6,12 +6,13 @@ half of the indexer's 19.9 ms a step).
     python3 bench/topk_bench.py --quick --out /tmp/topk_bench.json    # CPU smoke
 
 `stable_topk` (the named baseline, what the indexer runs: two top-k passes and two sorts of k) against
-`packed_topk` (one top-k over int64 (score, index) keys), on [T, L] fp32 score rows shaped like the
+`packed_topk` (one top-k over int64 (score, index) keys) and `lean_topk` (the two top-k passes, the
+first unsorted, and one sort of packed keys), on [T, L] fp32 score rows shaped like the
 lightning indexer's: a sum of ReLUs, so a share of exact zeros (`--zero-share`), the rest positive,
 and each row's tail past its history at -inf (rows of one pass have different lengths). Every case
-checks that both give the same picks and values; times are CUDA-event medians of `--iters` calls
-after a warm-up, the two functions alternating within each repeat and their order rotated between
-repeats; ratios are packed / stable per repeat.
+checks that all give the same picks and values; times are CUDA-event medians of `--iters` calls
+after a warm-up, the functions taking turns within each repeat and their order rotated between
+repeats; ratios are each form / stable per repeat.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.resolver_timing import header  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
-from dhisparse.core.topk import packed_topk, stable_topk  # noqa: E402
+from dhisparse.core.topk import lean_topk, packed_topk, stable_topk  # noqa: E402
 
-FNS = {"stable": stable_topk, "packed": packed_topk}
+FNS = {"stable": stable_topk, "packed": packed_topk, "lean": lean_topk}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -86,19 +87,20 @@ def time_ms(fn, x: torch.Tensor, k: int, iters: int) -> list[float]:
 
 def one_case(T: int, ns, dev: torch.device) -> dict:
     x = scores(T, ns.length, ns.zero_share, dev)
-    want, got = stable_topk(x, ns.topk), packed_topk(x, ns.topk)
-    same = bool(torch.equal(want[1], got[1]) and torch.equal(want[0], got[0]))
+    want = stable_topk(x, ns.topk)
+    same = all(torch.equal(want[1], got[1]) and torch.equal(want[0], got[0])
+               for got in (fn(x, ns.topk) for fn in FNS.values()))
     for fn in FNS.values():  # warm-up: allocator, kernels
         time_ms(fn, x, ns.topk, 3)
     med = {name: [] for name in FNS}
     for rep in range(ns.repeats):
-        order = list(FNS) if rep % 2 == 0 else list(FNS)[::-1]
+        names = list(FNS)
+        order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
             t = sorted(time_ms(FNS[name], x, ns.topk, ns.iters))
             med[name].append(t[len(t) // 2])
-    ratios = [p / s for p, s in zip(med["packed"], med["stable"])]
-    return {"rows": T, "length": ns.length, "topk": ns.topk, "same_picks": same, "median_ms": med,
-            "packed_over_stable": ratios}
+    ratios = {f"{name}_over_stable": [t / b for t, b in zip(med[name], med["stable"])] for name in FNS if name != "stable"}
+    return {"rows": T, "length": ns.length, "topk": ns.topk, "same_picks": bool(same), "median_ms": med, **ratios}
 
 
 def main(argv=None) -> int:
@@ -108,9 +110,9 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     cases = [one_case(T, ns, dev) for T in ns.row_list]
     for c in cases:
-        print(f"[topk] T {c['rows']:4} stable {min(c['median_ms']['stable']):8.3f}-{max(c['median_ms']['stable']):8.3f} ms  "
-              f"packed {min(c['median_ms']['packed']):8.3f}-{max(c['median_ms']['packed']):8.3f} ms  "
-              f"ratio {min(c['packed_over_stable']):.3f}-{max(c['packed_over_stable']):.3f}  same {c['same_picks']}", flush=True)
+        ms = "  ".join(f"{n} {min(v):.3f}-{max(v):.3f} ms" for n, v in c["median_ms"].items())
+        rs = "  ".join(f"{n} {min(c[f'{n}_over_stable']):.3f}-{max(c[f'{n}_over_stable']):.3f}" for n in FNS if n != "stable")
+        print(f"[topk] T {c['rows']:4}  {ms}  ratios {rs}  same {c['same_picks']}", flush=True)
     doc = header("topk_bench", "bench/topk_bench.py", cuda, t0, baseline="stable_topk", cases=cases,
                  zero_share=ns.zero_share, iters=ns.iters, repeats=ns.repeats)
     R.write_json(doc, ns.out)

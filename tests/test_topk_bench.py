@@ -16,7 +16,8 @@ def test_topk_bench_quick(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["baseline"] == "stable_topk" and [c["rows"] for c in doc["cases"]] == [3, 5]
     for c in doc["cases"]:
-        assert c["same_picks"] and len(c["packed_over_stable"]) == 2 and set(c["median_ms"]) == {"stable", "packed"}
+        assert c["same_picks"] and set(c["median_ms"]) == {"stable", "packed", "lean"}
+        assert len(c["packed_over_stable"]) == len(c["lean_over_stable"]) == 2
 
 
 def test_scores_look_like_the_indexers():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import dhisparse.core.topk as topk_mod
 from dhisparse import SamplingParams
-from dhisparse.core.topk import packed_topk, sortable_bits, stable_topk
+from dhisparse.core.topk import lean_topk, packed_topk, sortable_bits, stable_topk
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.llm import LLM
@@ -44,18 +44,43 @@ def test_stable_topk_equals_the_sorted_reference(rows, length, data):
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 40), st.data())
-def test_packed_topk_equals_the_sorted_reference(rows, length, data):
-    """One top-k over packed (score, index) keys: the same picks, order and values as `stable_topk`,
-    with -0.0 scores tying +0.0 ones (a w * relu(.) sum with w < 0 gives -0.0) and -inf last."""
+def test_packed_and_lean_topk_equal_the_sorted_reference(rows, length, data):
+    """One top-k over packed (score, index) keys, and the two-top-k form with two fewer sorts: the same
+    picks, order and values as `stable_topk`, with -0.0 scores tying +0.0 ones (a w * relu(.) sum with
+    w < 0 gives -0.0) and -inf last."""
     k = data.draw(st.integers(0, length))
     levels = data.draw(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.0, 3.25, -1e-30, float("-inf")]),
                                 min_size=rows * length, max_size=rows * length))
     scores = torch.tensor(levels, dtype=torch.float32).reshape(rows, length)
-    val, idx = packed_topk(scores, k)
     rv, ri = reference(scores, k)
-    assert torch.equal(idx, ri) and torch.equal(val, rv)
     sv, si = stable_topk(scores, k)
-    assert torch.equal(idx, si) and torch.equal(val, sv)
+    for fn in (packed_topk, lean_topk):
+        val, idx = fn(scores, k)
+        assert torch.equal(idx, ri) and torch.equal(val, rv), fn.__name__
+        assert torch.equal(idx, si) and torch.equal(val, sv), fn.__name__
+
+
+def test_lean_topk_does_not_lean_on_an_unsorted_top_k_order(monkeypatch):
+    """lean_topk asks for its first top-k unsorted; a GPU returns those k in any order (the CPU happens
+    to sort them), so here the unsorted results come back shuffled and the picks must not change."""
+    real = torch.topk
+    gen = torch.Generator().manual_seed(0)
+
+    def shuffled(x, k, dim=-1, largest=True, sorted=True):
+        v, i = real(x, k, dim=dim, largest=largest, sorted=True)
+        if sorted:
+            return torch.return_types.topk((v, i))
+        perm = torch.randperm(k, generator=gen)
+        return torch.return_types.topk((v[..., perm], i[..., perm]))
+
+    monkeypatch.setattr(torch, "topk", shuffled)
+    g = torch.Generator().manual_seed(1)
+    for L, k in ((40, 12), (300, 64), (9, 9)):
+        x = torch.randint(0, 4, (6, L), generator=g).float()  # heavy ties at every boundary
+        x[0, L // 2:] = float("-inf")
+        rv, ri = reference(x, k)
+        val, idx = lean_topk(x, k)
+        assert torch.equal(idx, ri) and torch.equal(val, rv)
 
 
 def test_sortable_bits_keep_the_float_order():
@@ -63,7 +88,9 @@ def test_sortable_bits_keep_the_float_order():
     b = sortable_bits(x)
     assert torch.equal(b.argsort(stable=True), torch.arange(8)) and b[3] == b[4]
     assert torch.equal(packed_topk(torch.zeros(3, 2, 9), 4)[1], torch.arange(4).expand(3, 2, 4))
-    assert packed_topk(torch.zeros(0, 7), 3)[1].shape == (0, 3) and packed_topk(torch.zeros(2, 5), 0)[1].shape == (2, 0)
+    for fn in (packed_topk, lean_topk):
+        assert fn(torch.zeros(0, 7), 3)[1].shape == (0, 3) and fn(torch.zeros(2, 5), 0)[1].shape == (2, 0)
+        assert torch.equal(fn(torch.zeros(3, 2, 9), 4)[1], torch.arange(4).expand(3, 2, 4))
 
 
 def test_odd_and_empty_shapes():
