@@ -136,6 +136,22 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     assert all(len(set(o[3:])) == 1 for o in outs), outs
 
 
+def test_offset_free_head_leaves_a_tied_head_and_its_embeddings_alone():
+    from types import SimpleNamespace
+
+    from dhisparse.models.faithful import offset_free_head
+
+    emb = torch.nn.Embedding(8, 4)
+    before = emb.weight.detach().clone()
+    tied = SimpleNamespace(model=SimpleNamespace(embed_tokens=emb), lm_head=SimpleNamespace(weight=emb.weight))
+    offset_free_head(tied, torch.ones(4))
+    assert torch.equal(emb.weight.detach(), before)
+    head = torch.nn.Linear(4, 8, bias=False)
+    untied = SimpleNamespace(model=SimpleNamespace(embed_tokens=emb), lm_head=head)
+    offset_free_head(untied, torch.ones(4))
+    assert head.weight.detach().sum(1).abs().max() < 1e-6 and torch.equal(emb.weight.detach(), before)
+
+
 def test_registered_and_refuses_unknown():
     assert "glm5-faithful" in BUILTINS
     with pytest.raises(KeyError, match="unknown faithful model"):

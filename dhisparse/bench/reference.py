@@ -150,4 +150,3 @@ def output_diversity(outputs: dict[int, list[int]]) -> dict:
     repeats = sum(a == b for o in outs for a, b in zip(o, o[1:]))
     return {"n": len(outs), "distinct_ids": sum(len(set(o)) for o in outs) / len(outs),
             "repeat_share": repeats / pairs if pairs else 0.0, "distinct_outputs": len({tuple(o) for o in outs})}
-

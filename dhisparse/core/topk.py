@@ -86,4 +86,3 @@ def lean_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     key = (sortable_bits(picked_val).to(torch.int64) << 32) | (0xFFFFFFFF - picked)
     order = key.argsort(dim=-1, descending=True)
     return picked_val.gather(-1, order), picked.gather(-1, order)
-

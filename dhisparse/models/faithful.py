@@ -159,8 +159,12 @@ def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:
     the greedy output was then one token repeated, the same for every prompt (session 36: glm5-faithful's
     100K reference, 20 prompts x 1,024 tokens, 2 distinct ids). Without it the head reads the
     token- and context-dependent part, so the greedy tokens vary with what attention returns (the
-    router's twin: `balance_router`)."""
-    model.lm_head.weight.data = without_direction(model.lm_head.weight.data, shared)
+    router's twin: `balance_router`). A head tied to the embeddings is left alone: projecting it would
+    take the offset out of the embeddings too."""
+    head = model.lm_head.weight
+    if head is model.model.embed_tokens.weight:
+        return
+    head.data = without_direction(head.data, shared)
 
 
 def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
