@@ -332,8 +332,8 @@ case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round g
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}_fp8_e4m3_h200.json" ;; esac
-case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes, the baseline) vs packed_topk (one over int64 keys), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
-  run "indexer top-k: stable vs packed" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
+case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes and two sorts, the baseline) vs packed_topk (one top-k over int64 keys) and lean_topk (one sort), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
+  run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
   run "decode-step profile, v41-faithful, ${FAITHFUL41_LEN:-131072}, C${FAITHFUL41_C:-16}, fp8" timeout ${FAITHFUL41_TIMEOUT:-420} python3 bench/step_profile.py \
       --model v41-faithful --input-len ${FAITHFUL41_LEN:-131072} --concurrency ${FAITHFUL41_C:-16} --steps 5 --warmup 3 --presets ${FAITHFUL41_PRESETS:-hisparse} \
