@@ -324,14 +324,14 @@ case ",$STEPS," in *,faithful31,*)  # issue 31 item 1: where a glm5-faithful 100
       --model glm5-faithful --input-len 102400 --concurrency ${FAITHFUL_C:-47} --steps 5 --warmup 3 --presets ${FAITHFUL_PRESETS:-hisparse} \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 27.4166 --host-pool-gib 24 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --out "$OUT/step_profile_faithful_100k_k2048_c${FAITHFUL_C:-47}_fp8_e4m3_h200.json" ;; esac
-case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round goes at the costed sweep's point (glm5-faithful, 100K, k 2,048, FP8 rows, C${ROUND31_C:-20}): hisparse's decode step beside adaptive+spec's full-width round (placeholder oracle: every draft rejected) with the paper-shaped DFlash2 network running in it (the costed oracle), kernels and host split per step (~6 min)
+case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round goes at the costed sweep's point (glm5-faithful, 100K, k 2,048, FP8 rows, C${ROUND31_C:-20}): hisparse's decode step beside adaptive+spec's full-width round (placeholder oracle: every draft rejected) with the paper-shaped DFlash2 network running in it (the costed oracle), kernels and host split per step (~6 min); ROUND31_ARGS adds step_profile arguments (e.g. "--engine-arg indexer_topk=lean"), ROUND31_TAG a file-name suffix
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   run "step profile, glm5-faithful, hisparse step vs costed DFlash2 round, C${ROUND31_C:-20}" timeout ${ROUND31_TIMEOUT:-480} python3 bench/step_profile.py \
       --model glm5-faithful --input-len 102400 --concurrency ${ROUND31_C:-20} --steps 5 --warmup 3 --presets hisparse,adaptive+spec \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
-      --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
-      --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}_fp8_e4m3_h200.json" ;; esac
+      --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful ${ROUND31_ARGS:-} \
+      --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}${ROUND31_TAG:-}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes and two sorts, the baseline) vs packed_topk (one top-k over int64 keys) and lean_topk (one sort), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)

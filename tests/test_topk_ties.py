@@ -124,8 +124,47 @@ def test_speculation_on_tied_scores_matches(monkeypatch):
     assert speculative_differs() == 0
     if torch.cuda.is_available():
         assert speculative_differs("cuda") == 0
-    monkeypatch.setattr(topk_mod, "stable_topk", lambda s, k: s.topk(k, dim=-1))  # torch's own tie rule
-    import dhisparse.kernels.indexer_torch as it
-
-    monkeypatch.setattr(it, "stable_topk", lambda s, k: s.topk(k, dim=-1))
+    # torch's own tie rule (the indexers look their form up in core/topk.py when called: `tie_topk`)
+    monkeypatch.setattr(topk_mod, "stable_topk", lambda s, k: s.topk(k, dim=-1))
     assert speculative_differs() > 0
+
+
+@pytest.mark.parametrize("form", ["packed", "lean"])
+def test_topk_forms_serve_the_same_tokens(form):
+    """--indexer-topk packed / lean: the same greedy tokens as stable on the tie-heavy prompts, plain
+    and speculative (a verification round's rows are as wide as its batch's longest history)."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    ps = prompts()
+
+    def run(**kw):
+        llm = LLM.__new__(LLM)
+        llm.engine = Engine(EngineConfig(device="cpu", **kw))
+        return [o.token_ids for o in llm.generate(ps, sp)]
+
+    spec = dict(preset="resident+spec", speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    assert run(indexer_topk=form) == run(indexer_topk="stable")
+    assert run(indexer_topk=form, **spec) == run(indexer_topk="stable", **spec)
+
+
+def test_the_indexer_runs_the_configured_form(monkeypatch):
+    """`tie_topk` looks the form up when called: with indexer_topk "lean" the selection goes through
+    lean_topk; a form outside TOPK_FORMS is refused naming the parameter."""
+    from dhisparse.kernels import backend
+    from dhisparse.kernels.indexer_torch import topk_of_scores
+
+    calls = []
+    real = topk_mod.lean_topk
+    monkeypatch.setattr(topk_mod, "lean_topk", lambda s, k: calls.append(k) or real(s, k))
+    scores = torch.tensor([[0.0, 2.0, 2.0, float("-inf"), 1.0]])
+    try:
+        backend.configure(backend.KernelSettings(indexer_topk="lean"))
+        assert topk_of_scores(scores, 3).tolist() == [[1, 2, 4]] and calls == [3]
+        assert topk_of_scores(scores, 6).tolist() == [[1, 2, 4, 0, -1, -1]] and calls == [3, 5]
+    finally:
+        backend.configure(backend.KernelSettings())
+    assert topk_of_scores(scores, 3).tolist() == [[1, 2, 4]] and calls == [3, 5]
+    with pytest.raises(ValueError, match="indexer_topk"):
+        backend.KernelSettings(indexer_topk="fast")
+    monkeypatch.setenv("DHISPARSE_INDEXER_TOPK", "packed")
+    assert backend.KernelSettings().with_env().indexer_topk == "packed"
+

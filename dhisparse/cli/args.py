@@ -21,6 +21,7 @@ import logging
 from dhisparse import __version__
 from dhisparse.engine.config import (KV_CACHE_DTYPES, PLACEMENTS, PRESETS, QUANTIZATIONS, RESOLVER_COPIES,
                                      RESOLVER_LOOKUPS, STAGING_MODES, EngineConfig)
+from dhisparse.core.topk import TOPK_FORMS
 from dhisparse.spec.config import COSTED
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -254,6 +255,8 @@ FLAGS: list[Flag] = [
     Flag("--kernel-backend", "kernel_backend", help_="attention / indexer kernels (auto: Triton on CUDA)",
          choices=("auto", "torch", "triton")),
     Flag("--mla-split-rows", "mla_split_rows", nonneg_int, "sparse-MLA locations per program (flash-decoding split; 0 = off)"),
+    Flag("--indexer-topk", "indexer_topk", help_="form of the indexers' tie-ruled top-k (same selections, different cost)",
+         choices=TOPK_FORMS),
     Flag("--admission-lookahead", "admission_lookahead", nonneg_int,
          "waiting requests admitted past one that does not fit yet (0 = strict FCFS)"),
     Flag("--admission-age-bound", "admission_age_bound_s", nonneg_float,

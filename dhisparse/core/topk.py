@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+TOPK_FORMS = ("stable", "packed", "lean")  # `{form}_topk` of this module; the indexer's choice: KernelSettings.indexer_topk
+
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [..., L], 0 <= k <= L -> (values, indices) [..., k]: the k largest scores, ties at

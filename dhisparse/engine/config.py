@@ -136,7 +136,10 @@ class EngineConfig:
     kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
         tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).
     mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
-        0 = off). indexer_group [--indexer-group]: grouped indexer scoring of verification rounds.
+        0 = off). indexer_group: grouped indexer scoring of verification rounds.
+    indexer_topk [--indexer-topk]: the form of the indexers' tie-ruled top-k, "stable" (two top-k passes
+        and two sorts), "packed" (one top-k over int64 (score, index) keys) or "lean" (one sort):
+        the same selections, different costs (core/topk.py; bench/topk_bench.py times them).
         The environment overrides of kernels/backend.py apply on top, read when the engine is built.
     admission_lookahead [--admission-lookahead]: waiting requests that may be admitted past one
         that does not fit yet (0: strict first-come-first-served).
@@ -218,6 +221,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
     indexer_group: bool = True
+    indexer_topk: str = "stable"
     admission_lookahead: int = 8
     admission_age_bound_s: float = 10.0
     cpu_threads: int | None = None
@@ -394,7 +398,7 @@ class EngineConfig:
     def kernel_settings(self) -> KernelSettings:
         """The kernel choice of this engine, before the environment overrides (`with_env`)."""
         try:
-            return KernelSettings(self.kernel_backend, self.mla_split_rows, self.indexer_group)
+            return KernelSettings(self.kernel_backend, self.mla_split_rows, self.indexer_group, self.indexer_topk)
         except ValueError as e:
             raise ConfigValueError(str(e)) from None
 

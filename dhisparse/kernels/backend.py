@@ -3,8 +3,9 @@
 `KernelSettings` is the process's kernel choice: `backend` "auto" runs Triton for CUDA tensors and
 the plain-PyTorch references elsewhere, "torch" the references everywhere, "triton" the kernels on
 CPU too (they then need TRITON_INTERPRET=1: tests and op counts of the GPU path run this way).
-`mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off) and `indexer_group`
-turns grouped verification scoring on (`kernels/indexer.py`).
+`mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off), `indexer_group`
+turns grouped verification scoring on (`kernels/indexer.py`) and `indexer_topk` is the form of the
+indexers' tie-ruled top-k (`core/topk.py`: stable, packed or lean; the same selections).
 
 The engine calls `configure(EngineConfig.kernel_settings())` at build. Nothing is read from the
 environment at import; the documented environment overrides are applied by
@@ -14,6 +15,7 @@ environment at import; the documented environment overrides are applied by
   DHISPARSE_TRITON_KERNELS=1   backend "triton"
   DHISPARSE_MLA_SPLIT_ROWS=n   mla_split_rows n
   DHISPARSE_INDEXER_GROUP=0|1  indexer_group
+  DHISPARSE_INDEXER_TOPK=form  indexer_topk
 """
 
 from __future__ import annotations
@@ -23,23 +25,29 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dhisparse.core.topk import TOPK_FORMS
+
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_SPLIT_ROWS = 128
 
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """backend: auto | torch | triton; mla_split_rows >= 0; indexer_group: grouped verification scoring."""
+    """backend: auto | torch | triton; mla_split_rows >= 0; indexer_group: grouped verification scoring;
+    indexer_topk: one of core/topk.py's TOPK_FORMS."""
 
     backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
     indexer_group: bool = True
+    indexer_topk: str = "stable"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.mla_split_rows < 0:
             raise ValueError(f"mla_split_rows must be >= 0 (0: no split), got {self.mla_split_rows}")
+        if self.indexer_topk not in TOPK_FORMS:
+            raise ValueError(f"indexer_topk must be one of {', '.join(TOPK_FORMS)}; got {self.indexer_topk!r}")
 
     def with_env(self) -> "KernelSettings":
         """These settings with the documented environment overrides applied (module docstring)."""
@@ -52,6 +60,8 @@ class KernelSettings:
             s = replace(s, mla_split_rows=int(env["DHISPARSE_MLA_SPLIT_ROWS"]))
         if "DHISPARSE_INDEXER_GROUP" in env:
             s = replace(s, indexer_group=env["DHISPARSE_INDEXER_GROUP"] == "1")
+        if "DHISPARSE_INDEXER_TOPK" in env:
+            s = replace(s, indexer_topk=env["DHISPARSE_INDEXER_TOPK"])
         return s
 
 

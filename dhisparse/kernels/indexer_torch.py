@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+import dhisparse.core.topk as topk_forms
 from dhisparse.core.rows import gather_rows
 from dhisparse.core.batch import IndexTable
-from dhisparse.core.topk import stable_topk
+from dhisparse.kernels.backend import settings
 
 SCORE_ELEMS = 1 << 27  # fp32 scores [chunk, Lmax] materialised per Triton launch (512 MiB)
 GATHER_ELEMS = 1 << 24  # elements of gathered keys / logits per chunk of the torch path
@@ -42,18 +43,24 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, positions: torch.Tens
     return out
 
 
+def tie_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexers' tie-ruled top-k (values, indices) in the form `KernelSettings.indexer_topk` names
+    (`core/topk.py`'s `{form}_topk`, looked up when called; every form selects the same rows)."""
+    return getattr(topk_forms, f"{settings().indexer_topk}_topk")(scores, k)
+
+
 def topk_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [T, L] (-inf = not visible) -> ordered selection [T, topk] int64, -1 padding; ties
     by lowest position (core/topk.py), so a selection never depends on the batch's Lmax."""
     T, L = scores.shape
     kk = min(topk, L)
     if T > 0 and kk == topk:  # the usual long-history case: no padding
-        val, idx = stable_topk(scores, kk)
+        val, idx = tie_topk(scores, kk)
         return idx.masked_fill_(torch.isinf(val), -1)
     out = torch.full((T, topk), -1, dtype=torch.int64, device=scores.device)
     if T == 0 or kk == 0:
         return out
-    val, idx = stable_topk(scores, kk)
+    val, idx = tie_topk(scores, kk)
     out[:, :kk] = idx.masked_fill_(torch.isinf(val), -1)
     return out
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhisparse.core.topk import stable_topk
+from dhisparse.kernels.indexer_torch import tie_topk
 from dhisparse.kv.v4.passes import PendingWindows
 from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing
@@ -98,7 +98,7 @@ def _select(self, x, q_lat, positions, keys, cos, sin, chunk: int = 256) -> torc
         score = (s * w[a:b, :, None]).sum(dim=1)  # [s, N]
         limit = (positions[a:b] + 1) // self.m  # rows w < limit are complete for the token
         score = score.masked_fill(rows[None, :] >= limit[:, None], float("-inf"))
-        idx = stable_topk(score, kk)[1]
+        idx = tie_topk(score, kk)[1]
         out[a:b, :kk] = torch.where(idx >= limit[:, None], torch.full_like(idx, -1), idx)
     return out
 
