@@ -516,7 +516,9 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         runs.append(one_run(ns, sz, loaded, prefixes, preset, c, reference, arm))
         m = runs[-1].metrics
-        print(f"[run] {label(preset, arm):14} C{c:<4} {m.output_tok_s:9.1f} tok/s (central half {m.central_output_tok_s and round(m.central_output_tok_s, 1)})  TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
+        central = None if m.central_output_tok_s is None else round(m.central_output_tok_s, 1)
+        print(f"[run] {label(preset, arm):14} C{c:<4} {m.output_tok_s:9.1f} tok/s (central half {central})  "
+              f"TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
               f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s)", flush=True)
         path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-TOPK_FORMS = ("stable", "packed", "lean")  # `{form}_topk` of this module; the indexer's choice: KernelSettings.indexer_topk
+# the forms `{form}_topk` of this module; the indexers' choice is KernelSettings.indexer_topk
+TOPK_FORMS = ("stable", "packed", "lean")
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
