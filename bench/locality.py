@@ -1,7 +1,7 @@
 """Selection locality of the scaled and faithful models: hisparse's host-fetched share against the
 shared embedding direction (`embed_offset`, dhisparse/models/scaled.py) and the stable index-query
-gain (`index_gain`) that calibrate it (`--model v41-faithful`: models/v4_faithful.py, with
-`--overrides` for a small geometry on CPU).
+gain (`index_gain`) that calibrate it (`--model glm5-faithful` / `v41-faithful`: models/faithful.py,
+models/v4_faithful.py, with `--overrides` for a small geometry on CPU).
 
     python3 bench/locality.py --out bench/results/locality_cpu.json      # CPU, ~ minutes
 
@@ -36,7 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--offsets", default="0,1,2,3,4,6"); a("--gains", default="0", help="index_gain values (models/scaled.py)"); a("--hot", default="1,2", help="hot cache sizes B in units of k")
     a("--prompt-len", type=int, default=4096); a("--steps", type=int, default=40); a("--warm", type=int, default=8)
     a("--device", default="cpu"); a("--dtype", default="float32"); a("--threads", type=int, default=2)
-    a("--overrides", default=None, help="v41-faithful only: config keys as JSON (a small geometry for CPU runs)")
+    a("--overrides", default=None, help="glm5-faithful / v41-faithful only: config keys as JSON (a small geometry for CPU runs)")
     a("--out", default="bench/results/locality_cpu.json")
     ns = p.parse_args(argv)
     ns.argv = ["bench/locality.py"] + list(sys.argv[1:] if argv is None else argv)
@@ -70,6 +70,7 @@ def share(ns, loaded, hot_rows: int) -> dict:
 def main(argv=None) -> int:
     ns = parse(argv)
     from dhisparse.engine.memory import DTYPES
+    from dhisparse.models.faithful import build_faithful
     from dhisparse.models.scaled import build_scaled
     from dhisparse.models.v4_faithful import build_v41_faithful
     from dhisparse.models.tokenizer import ByteTokenizer
@@ -78,7 +79,10 @@ def main(argv=None) -> int:
     rows, t0 = [], time.perf_counter()
     for off in [float(x) for x in ns.offsets.split(",")]:
         for gain in [float(x) for x in ns.gains.split(",")]:
-            if ns.model == "v41-faithful":
+            if ns.model == "glm5-faithful":
+                loaded = build_faithful(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, json.loads(ns.overrides or "{}"),
+                                        embed_offset=off, index_gain=gain)
+            elif ns.model == "v41-faithful":
                 loaded = build_v41_faithful(0, DTYPES[ns.dtype], ns.device, ns.layers, json.loads(ns.overrides or "{}"),
                                             embed_offset=off, index_gain=gain)
             else:
