@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -334,6 +334,9 @@ case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round g
       --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}${ROUND31_TAG:-}_fp8_e4m3_h200.json" ;; esac
 case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes and two sorts, the baseline) vs packed_topk (one top-k over int64 keys) and lean_topk (one sort), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
+case ",$STEPS," in *,locality31,*)  # issue 31: glm5-faithful's selection locality at its full geometry in bf16 after the offset-free head (session 36), hisparse, one request, 8K history, B = k and 2k, index gains ${LOCALITY31_GAINS:-8,16,32} (the paper: 14.2% host-fetched at B = 2k, GLM-5.2 low load) (~5 min)
+  run "selection locality, glm5-faithful, bf16" timeout ${LOCALITY31_TIMEOUT:-420} python3 bench/locality.py --model glm5-faithful --layers 78 --device cuda \
+      --dtype bfloat16 --prompt-len 8192 --offsets 3 --gains ${LOCALITY31_GAINS:-8,16,32} --hot 1,2 --out "$OUT/locality_glm5_faithful_h200.json" ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
   run "decode-step profile, v41-faithful, ${FAITHFUL41_LEN:-131072}, C${FAITHFUL41_C:-16}, fp8" timeout ${FAITHFUL41_TIMEOUT:-420} python3 bench/step_profile.py \
       --model v41-faithful --input-len ${FAITHFUL41_LEN:-131072} --concurrency ${FAITHFUL41_C:-16} --steps 5 --warmup 3 --presets ${FAITHFUL41_PRESETS:-hisparse} \

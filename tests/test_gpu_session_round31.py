@@ -1,5 +1,6 @@
-"""bench/gpu_session.sh's `round31` step (issue 31: where a costed verification round goes) parses:
-run with `timeout` and `python3` replaced by functions that record their arguments."""
+"""bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes) and
+`locality31` (glm5-faithful's locality at full geometry) parse: run with `timeout` and `python3`
+replaced by functions that record their arguments."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
     cfg = step_profile.engine_config(ns, "adaptive+spec", "step")
     assert (cfg.speculative_oracle_drafter, cfg.speculative_draft_model_path) == ("dflash2", path)
     assert cfg.speculative_num_draft_tokens == 4 and cfg.cuda_graphs == "step"
+
+
+def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):
+    from bench import locality
+
+    (cmd,) = [c for c in _commands(tmp_path, "locality31") if c[0] == "bench/locality.py"]
+    ns = locality.parse(cmd[1:])
+    assert (ns.model, ns.layers, ns.device, ns.dtype, ns.overrides) == ("glm5-faithful", 78, "cuda", "bfloat16", None)
+    assert ns.offsets == "3" and ns.gains.split(",")[0] == "8" and ns.out.startswith(str(tmp_path / "out"))
+
