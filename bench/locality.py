@@ -36,6 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--offsets", default="0,1,2,3,4,6"); a("--gains", default="0", help="index_gain values (models/scaled.py)"); a("--hot", default="1,2", help="hot cache sizes B in units of k")
     a("--prompt-len", type=int, default=4096); a("--steps", type=int, default=40); a("--warm", type=int, default=8)
     a("--device", default="cpu"); a("--dtype", default="float32"); a("--threads", type=int, default=2)
+    a("--kv-pool-gib", type=float, default=1.0, help="device KV pool (and host pool) of the one-request engine")
     a("--overrides", default=None, help="glm5-faithful / v41-faithful only: config keys as JSON (a small geometry for CPU runs)")
     a("--out", default="bench/results/locality_cpu.json")
     ns = p.parse_args(argv)
@@ -49,8 +50,9 @@ def share(ns, loaded, hot_rows: int) -> dict:
     from dhisparse.engine.engine import Engine
 
     eng = Engine(EngineConfig(model=ns.model, preset="hisparse", device=ns.device, cpu_threads=ns.threads,
-                              hot_cache_rows=hot_rows, page_size=64, max_running_requests=1, kv_pool_bytes=1 << 30,
-                              host_pool_bytes=1 << 30, max_num_batched_tokens=4096,
+                              hot_cache_rows=hot_rows, page_size=64, max_running_requests=1,
+                              kv_pool_bytes=int(ns.kv_pool_gib * 2**30), host_pool_bytes=int(ns.kv_pool_gib * 2**30),
+                              max_num_batched_tokens=4096,
                               max_model_len=ns.prompt_len + ns.steps + ns.warm + 2), loaded=loaded)
     gen = torch.Generator().manual_seed(0)
     eng.add_request(torch.randint(3, 259, (ns.prompt_len,), generator=gen).tolist(),

@@ -46,4 +46,5 @@ def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):
     ns = locality.parse(cmd[1:])
     assert (ns.model, ns.layers, ns.device, ns.dtype, ns.overrides) == ("glm5-faithful", 78, "cuda", "bfloat16", None)
     assert ns.offsets == "3" and ns.gains.split(",")[0] == "8" and ns.out.startswith(str(tmp_path / "out"))
+    assert ns.kv_pool_gib == 4  # 8K of bf16 rows over 78 layers (~0.8 GB) beside the hot cache
 
