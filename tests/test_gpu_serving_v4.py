@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gpu_session_stub import session_commands
 
 from dhisparse.bench.workload import prefix_ids
 from dhisparse.core.params import SamplingParams
@@ -174,16 +174,8 @@ FIG5_STEPS = "fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g"
 
 
 def fig5_commands(tmp_path: Path, env: dict | None = None) -> list[list[str]]:
-    """The gpu_serving.py argument lists bench/gpu_session.sh's fig5v41* steps run, read by running
-    the script with `timeout` and `python3` replaced by functions that record their arguments."""
-    log = tmp_path / "argv.jsonl"
-    stub = ('timeout() { while [ "${1#-}" != "$1" ]; do shift 2; done; shift; "$@"; }; '
-            f'python3() {{ printf "%s\\0" "$@" >> {shlex.quote(str(log))}; printf "\\n" >> {shlex.quote(str(log))}; }}; '
-            "export -f timeout python3; bash bench/gpu_session.sh " + FIG5_STEPS)
-    subprocess.run(["bash", "-c", stub], cwd=ROOT, check=True, capture_output=True, timeout=60,
-                   env={**os.environ, "OUT": str(tmp_path / "out"), **(env or {})})
-    cmds = [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
-    return [c[1:] for c in cmds if c[0] == "bench/gpu_serving.py"]
+    """The gpu_serving.py argument lists bench/gpu_session.sh's fig5v41* steps run (`session_commands`)."""
+    return [c[1:] for c in session_commands(tmp_path, FIG5_STEPS, env) if c[0] == "bench/gpu_serving.py"]
 
 
 def test_fig5v41_steps_parse_fit_a_call_and_make_a_context_sweep(tmp_path):

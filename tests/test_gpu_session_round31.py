@@ -1,31 +1,15 @@
 """bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes) and
-`locality31` (glm5-faithful's locality at full geometry) parse: run with `timeout` and `python3`
-replaced by functions that record their arguments."""
+`locality31` (glm5-faithful's locality at full geometry) parse (`gpu_session_stub.session_commands`)."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _commands(tmp_path: Path, steps: str) -> list[list[str]]:
-    log = tmp_path / "argv.jsonl"
-    stub = ('timeout() { while [ "${1#-}" != "$1" ]; do shift 2; done; shift; "$@"; }; '
-            f'python3() {{ printf "%s\\0" "$@" >> {shlex.quote(str(log))}; printf "\\n" >> {shlex.quote(str(log))}; }}; '
-            "export -f timeout python3; bash bench/gpu_session.sh " + steps)
-    subprocess.run(["bash", "-c", stub], cwd=ROOT, check=True, capture_output=True, timeout=60,
-                   env={**os.environ, "OUT": str(tmp_path / "out")})
-    return [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
+from gpu_session_stub import session_commands
 
 
 def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
     from bench import step_profile
 
-    cmds = _commands(tmp_path, "round31")
+    cmds = session_commands(tmp_path, "round31")
     ckpt = next(c for c in cmds if c[0] == "bench/drafter_checkpoint.py")
     prof = next(c for c in cmds if c[0] == "bench/step_profile.py")
     path = ckpt[ckpt.index("--out") + 1]
@@ -42,7 +26,7 @@ def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
 def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):
     from bench import locality
 
-    (cmd,) = [c for c in _commands(tmp_path, "locality31") if c[0] == "bench/locality.py"]
+    (cmd,) = [c for c in session_commands(tmp_path, "locality31") if c[0] == "bench/locality.py"]
     ns = locality.parse(cmd[1:])
     assert (ns.model, ns.layers, ns.device, ns.dtype, ns.overrides) == ("glm5-faithful", 78, "cuda", "bfloat16", None)
     assert ns.offsets == "3" and ns.gains.split(",")[0] == "8" and ns.out.startswith(str(tmp_path / "out"))
