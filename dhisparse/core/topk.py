@@ -28,16 +28,13 @@ TOPK_FORMS = ("stable", "packed", "lean")
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [..., L], 0 <= k <= L -> (values, indices) [..., k]: the k largest scores, ties at
     the boundary taken by lowest index, ordered by value descending then index ascending."""
-    L = scores.shape[-1]
     if k == 0 or scores.numel() == 0:
         return scores.new_empty(*scores.shape[:-1], k), torch.empty(*scores.shape[:-1], k, dtype=torch.int64,
                                                                     device=scores.device)
     val, idx = torch.topk(scores, k, dim=-1)  # the function: tests patch the method for their references
     kth = val[..., -1:]
     above = (val > kth).sum(-1, keepdim=True)  # entries strictly above the boundary: all of them are in
-    pos = torch.arange(L, device=scores.device)
-    tied = torch.where(scores == kth, -pos.to(torch.float32), float("-inf"))  # exact for positions < 2^24
-    low = (-torch.topk(tied, k, dim=-1).values).to(torch.int64)  # the k lowest tied positions, ascending
+    low = _lowest_tied(scores, kth, k)
     j = torch.arange(k, device=scores.device)
     from_tie = j >= above
     picked = torch.where(from_tie, low.gather(-1, (j - above).clamp(min=0)), idx)
@@ -46,6 +43,20 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     picked, picked_val = picked.gather(-1, by_pos), picked_val.gather(-1, by_pos)
     by_val = picked_val.sort(dim=-1, descending=True, stable=True).indices
     return picked_val.gather(-1, by_val), picked.gather(-1, by_val)
+
+
+def _lowest_tied(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., k] int64: the k lowest positions whose score equals the row's boundary value kth [..., 1],
+    ascending (past the tied ones: garbage from -inf, never gathered by the callers)."""
+    pos = torch.arange(scores.shape[-1], device=scores.device)
+    tied = torch.where(scores == kth, -pos.to(torch.float32), float("-inf"))  # exact for positions < 2^24
+    return (-torch.topk(tied, k, dim=-1).values).to(torch.int64)
+
+
+def _packed(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 keys sortable_bits(values) << 32 | (2^32 - 1 - index): descending order is (value
+    descending, index ascending), and no two keys of distinct indices tie."""
+    return (sortable_bits(values).to(torch.int64) << 32) | (0xFFFFFFFF - index)
 
 
 def sortable_bits(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +74,7 @@ def packed_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     L = scores.shape[-1]
     if k == 0 or scores.numel() == 0:
         return stable_topk(scores, k)
-    pos = torch.arange(L, device=scores.device, dtype=torch.int64)
-    key = (sortable_bits(scores).to(torch.int64) << 32) | (0xFFFFFFFF - pos)
+    key = _packed(scores, torch.arange(L, device=scores.device, dtype=torch.int64))
     idx = 0xFFFFFFFF - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
     return scores.gather(-1, idx), idx
 
@@ -74,18 +84,14 @@ def lean_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     the k; the picks' order is fixed at the end anyway), the boundary's tied slots refilled from the
     lowest tied positions by their rank among the tied slots, and one sort of packed (score, index)
     keys for the order instead of a sort by index then a stable one by value. Same (values, indices)."""
-    L = scores.shape[-1]
     if k == 0 or scores.numel() == 0:
         return stable_topk(scores, k)
     val, idx = torch.topk(scores, k, dim=-1, sorted=False)
     kth = val.amin(-1, keepdim=True)
-    pos = torch.arange(L, device=scores.device)
-    tied = torch.where(scores == kth, -pos.to(torch.float32), float("-inf"))  # exact for positions < 2^24
-    low = (-torch.topk(tied, k, dim=-1).values).to(torch.int64)  # the lowest tied positions, ascending
+    low = _lowest_tied(scores, kth, k)
     at_kth = val == kth
     rank = (at_kth.cumsum(-1) - 1).clamp(min=0)
     picked = torch.where(at_kth, low.gather(-1, rank), idx)
     picked_val = scores.gather(-1, picked)
-    key = (sortable_bits(picked_val).to(torch.int64) << 32) | (0xFFFFFFFF - picked)
-    order = key.argsort(dim=-1, descending=True)
+    order = _packed(picked_val, picked).argsort(dim=-1, descending=True)
     return picked_val.gather(-1, order), picked.gather(-1, order)
