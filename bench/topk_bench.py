@@ -11,7 +11,7 @@ first unsorted, and one sort of packed keys), on [T, L] fp32 score rows shaped l
 lightning indexer's: a sum of ReLUs, so a share of exact zeros (`--zero-share`), the rest positive,
 and each row's tail past its history at -inf (rows of one pass have different lengths). Every case
 checks that all give the same picks and values; times are CUDA-event medians of `--iters` calls
-after a warm-up, the functions taking turns within each repeat and their order rotated between
+(`resolver_timing.timeit`: the GPU spins while each call is enqueued) after a warm-up, the functions taking turns within each repeat and their order rotated between
 repeats; ratios are each form / stable per repeat.
 """
 
@@ -21,12 +21,13 @@ import argparse
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_timing import header  # noqa: E402
+from bench.resolver_timing import header, timeit  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.core.topk import lean_topk, packed_topk, stable_topk  # noqa: E402
 
@@ -66,23 +67,9 @@ def scores(T: int, L: int, zero_share: float, dev: torch.device, seed: int = 0) 
 
 
 def time_ms(fn, x: torch.Tensor, k: int, iters: int) -> list[float]:
-    """Per-call ms (CUDA events on a GPU, wall time on the CPU)."""
-    out = []
-    for _ in range(iters):
-        if x.is_cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x, k)
-            b.record()
-            out.append((a, b))
-        else:
-            t0 = time.perf_counter()
-            fn(x, k)
-            out.append((time.perf_counter() - t0) * 1e3)
-    if x.is_cuda:
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in out]
-    return out
+    """Per-call ms of fn(x, k): `resolver_timing.timeit`'s device times on a GPU (the GPU spinning while
+    the call is enqueued), wall times on the CPU."""
+    return timeit(SimpleNamespace(cuda=x.is_cuda), lambda: fn(x, k), lambda: None, iters, 0)[0]
 
 
 def one_case(T: int, ns, dev: torch.device) -> dict:
