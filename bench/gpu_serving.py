@@ -413,7 +413,7 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
     rows, tok, cen = [], {}, {}
     for r in runs:
         m = r.metrics
-        row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k, None) for k in METRICS}}
+        row = {"preset": r.preset, "C": r.concurrency, **{k: getattr(m, k) for k in METRICS}}
         for k in ("host_fetched_share", "coverage"):
             if k in m.counters:
                 row[k] = m.counters[k]
@@ -423,7 +423,7 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
                 row[k] = r.engine[k]
         rows.append(row)
         tok.setdefault((r.preset, r.concurrency), []).append(m.output_tok_s)
-        cen.setdefault((r.preset, r.concurrency), []).append(getattr(m, "central_output_tok_s", None))
+        cen.setdefault((r.preset, r.concurrency), []).append(m.central_output_tok_s)
     spread = []
     for (p, c), v in tok.items():
         d = {"preset": p, "C": c, "runs": len(v), "mean_tok_s": sum(v) / len(v), "min_tok_s": min(v), "max_tok_s": max(v)}

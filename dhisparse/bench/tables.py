@@ -106,12 +106,11 @@ def _central(runs: list[dict], base: list[dict] | None) -> dict:
     """Table 2's central-half columns of a point: mean, min, max over its runs and the ratio of its
     mean to the baseline's (None where a run has no central rate)."""
     cen = [central_of(r) for r in runs]
-    bcen = [central_of(r) for r in base] if base else [None]
-    if any(v is None for v in cen):
-        return {"central_tok_s": None, "central_min": None, "central_max": None, "central_vs_baseline": None}
-    ok = all(v is not None for v in bcen) and mean(bcen)
-    return {"central_tok_s": mean(cen), "central_min": min(cen), "central_max": max(cen),
-            "central_vs_baseline": mean(cen) / mean(bcen) if ok else None}
+    if None in cen:
+        return dict.fromkeys(("central_tok_s", "central_min", "central_max", "central_vs_baseline"))
+    bcen = [central_of(r) for r in base or ()]
+    ratio = mean(cen) / mean(bcen) if bcen and None not in bcen and mean(bcen) else None
+    return {"central_tok_s": mean(cen), "central_min": min(cen), "central_max": max(cen), "central_vs_baseline": ratio}
 
 
 def split_rows(results: list[dict]) -> list[dict]:
