@@ -109,21 +109,20 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
     rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(50, None), restore, iters, warmup))
     rec["phases"] = {PHASES[u]: stats(timeit(rig, lambda u=u: plan(u), restore, iters, warmup)) for u in upto}
-    rec["host_split_us"] = host_split(rig, plan, restore, host_n)
+    rec["host_split_us"] = host_split(rig, plan, restore, ws, host_n)
     restore()
     return rec
 
 
-def host_split(rig: Rig, plan, restore, n: int = 30) -> dict:
-    """Median host microseconds of one plan call, split: the whole call; its Python alone (the
-    launches replaced by no-ops); one plan-kernel launch through the held compiled handle
-    (kernels/launch.py) and through the JIT's dispatch, with the same arguments."""
+def host_split(rig: Rig, plan, restore, ws: PlanWorkspace, n: int = 30) -> dict:
+    """Median host microseconds of one plan call, split: the whole call (with the workspace: its bound
+    launches after the first call, as a store's repeat calls); its Python alone (the compiled launcher
+    replaced by a no-op: kernels/launch.py `_run`); one plan-kernel launch through the held compiled
+    handle's launcher (`_run`: the raw launcher on the call's values) and through the JIT's dispatch,
+    with the same arguments; and the whole call without the bound launches (each call marshals every
+    argument through `CompiledLaunch`, as before session 37)."""
+    import dhisparse.kernels.launch as kl
     import dhisparse.kernels.resolver as kr
-
-    got = {}
-
-    def record(grid, args, consts, warps):
-        got["call"] = (grid, args, consts, warps)
 
     def med(fn) -> float:
         ts = []
@@ -136,16 +135,42 @@ def host_split(rig: Rig, plan, restore, n: int = 30) -> dict:
             ts.append((time.perf_counter() - t0) * 1e6)
         return sorted(ts)[n // 2]
 
-    real = (kr._PLAN, kr._PRE)
+    plan()  # binds (the workspace's held launches)
     out = {"call": med(plan)}
-    kr._PLAN, kr._PRE = record, (lambda *a: None)
+    real_run, got = kl._run, {}
+    kl._run = lambda k, grid, stream, vals: got.update(run=(k, grid, stream, list(vals)))
     try:
         out["python"] = med(plan)
     finally:
+        kl._run = real_run
+    if "run" in got:  # (under TRITON_INTERPRET nothing reaches a compiled launcher)
+        k, grid, stream, vals = got["run"]  # the plan kernel's (launched last)
+        out["launch_compiled"] = med(lambda: real_run(k, grid, stream, vals))
+
+    class Record:  # the plan kernel's (grid, args, consts, warps), through the unbound path
+        def __call__(self, *call):
+            got["call"] = call
+
+        def bind(self, *a, **kw):
+            return None
+
+    bound, real = ws.launches, (kr._PLAN, kr._PRE)
+    saved = dict(bound)
+    bound.clear()
+    kr._PLAN, kr._PRE = Record(), (lambda *a: None)
+    try:
+        plan()
+    finally:
         kr._PLAN, kr._PRE = real
     grid, args, consts, warps = got["call"]
-    out["launch_compiled"] = med(lambda: kr._PLAN(grid, args, consts, warps))
     out["launch_jit"] = med(lambda: kr.resolve_plan_kernel[grid](*args, **consts, num_warps=warps))
+    unbound = kr.CompiledLaunch.bind
+    kr.CompiledLaunch.bind = lambda *a, **kw: None
+    try:
+        out["call_unbound"] = med(plan)
+    finally:
+        kr.CompiledLaunch.bind = unbound
+        bound.update(saved)
     if rig.cuda:
         torch.cuda.synchronize()
     return out

@@ -113,3 +113,30 @@ def test_the_held_path_hands_a_wide_int_to_the_jit(monkeypatch):
     launch, x, y, jit = _held_launch(monkeypatch, _Held(fail=OverflowError("signed integer is greater than maximum")))
     launch((3,), (x, y, 2**40, 2), {"BLOCK": 16}, 4)
     assert len(jit) == 1 and jit[0][2] == 2**40
+
+
+def test_a_bound_launch_passes_the_live_tensors_and_keeps_the_rest(monkeypatch):
+    """`bind` holds a compiled call's values: each bound launch replaces only the live positions
+    (by the tensors' addresses) and hands the launcher what the held path would for the same
+    arguments; another dtype at a live position, an int there, or an uncompiled key are refused."""
+    held = _Held()
+    launch, x, y, jit = _held_launch(monkeypatch, held)
+    assert launch.bind((x, y, 5, 2), {"BLOCK": 32}, 4, live=(1,)) is None  # not compiled: no binding
+    bound = launch.bind((x, y, 5, 2), {"BLOCK": 16}, 4, live=(1,))
+    y2 = torch.ones(4, dtype=torch.int64)
+    bound((3,), y2)
+    launch((3,), (x, y2, 5, 2), {"BLOCK": 16}, 4)
+    assert held.calls[0] == held.calls[1] and held.calls[0][10] == y2.data_ptr()
+    assert held.calls[0][9] == x.data_ptr() and held.calls[0][11:] == (5, 2, 16)
+    with pytest.raises(TypeError, match="int64"):
+        bound((3,), torch.ones(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="live"):
+        launch.bind((x, y, 5, 2), {"BLOCK": 16}, 4, live=(2,))
+    assert not jit
+
+
+def test_bind_is_off_under_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU interpreter only")
+    x = torch.zeros(4)
+    assert CompiledLaunch(axpy).bind((x, x, 4, 1), {"BLOCK": 16}, 4, live=(0,)) is None

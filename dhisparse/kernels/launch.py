@@ -26,7 +26,7 @@ import torch
 import triton
 from triton import knobs
 
-__all__ = ["CompiledLaunch", "jit_unspecialized", "loose_params"]
+__all__ = ["BoundLaunch", "CompiledLaunch", "jit_unspecialized", "loose_params"]
 
 
 def jit_unspecialized(fn):
@@ -85,17 +85,11 @@ class CompiledLaunch:
             raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must come after the runtime ones")
         self._defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, consts: dict, num_warps: int) -> None:
-        if self._interp:
-            self.kernel[grid](*args, **consts, num_warps=num_warps)
-            return
-        if len(args) != self._nrt:
-            raise TypeError(f"{self.kernel.fn.__name__} takes {self._nrt} runtime arguments, got {len(args)}")
-        dev = torch.cuda.current_device()
-        # one pass: tensors become their addresses (the launcher takes an int as it is; a tensor costs it
-        # a cuPointerGetAttribute driver call each) and key by dtype and CUDA-ness (a CPU tensor keys
-        # apart: its first call goes through the JIT, which refuses it); ints pass as they are and an
-        # int past the compiled variant's 32 bits is refused by the launcher (OverflowError: the JIT then)
+    def _marshal(self, args: tuple, consts: dict, num_warps: int) -> tuple[list, tuple]:
+        """(the launcher's values, the compiled-variant key) of a call: one pass, tensors become their
+        addresses (the launcher takes an int as it is; a tensor costs it a cuPointerGetAttribute driver
+        call each) and key by dtype and CUDA-ness (a CPU tensor keys apart: its first call goes through
+        the JIT, which refuses it); ints pass as they are."""
         vals, sig = [], []
         for a in args:
             if a.__class__ is not int:  # a tensor (or a subclass)
@@ -103,7 +97,15 @@ class CompiledLaunch:
                 sig.append(a.dtype if a.is_cuda else None)
             else:
                 vals.append(a)
-        key = (dev, num_warps, tuple(consts.values()), tuple(consts), tuple(sig))
+        return vals, (torch.cuda.current_device(), num_warps, tuple(consts.values()), tuple(consts), tuple(sig))
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, consts: dict, num_warps: int) -> None:
+        if self._interp:
+            self.kernel[grid](*args, **consts, num_warps=num_warps)
+            return
+        if len(args) != self._nrt:
+            raise TypeError(f"{self.kernel.fn.__name__} takes {self._nrt} runtime arguments, got {len(args)}")
+        vals, key = self._marshal(args, consts, num_warps)
         hit = self._compiled.get(key)
         if hit is None:  # compile (or find) through the JIT, launching this call
             k = self.kernel[grid](*args, **consts, num_warps=num_warps)
@@ -111,11 +113,53 @@ class CompiledLaunch:
             self._compiled[key] = (k, tuple(full[name] for name in self._order[self._nrt:]))
             return
         k, tail = hit
-        g1, g2 = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
-        stream = _raw_stream(dev)
-        enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
-        meta = k.launch_metadata((grid[0], g1, g2), stream, *vals, *tail) if enter is not None else None
         try:
-            k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, meta, enter, leave, *vals, *tail)
+            _run(k, grid, _raw_stream(key[0]), vals + list(tail))
         except OverflowError:  # an int argument past 32 bits: the JIT compiles (and launches) its i64 variant
             self.kernel[grid](*args, **consts, num_warps=num_warps)
+
+    def bind(self, args: tuple, consts: dict, num_warps: int, live: tuple[int, ...]) -> "BoundLaunch | None":
+        """This call's launch with its arguments held (`BoundLaunch`): the ones at positions `live`
+        (tensors) are given per launch, every other argument stays as it is now -- for a caller that
+        launches one specialization many times with mostly the same tensors (a store's resolver
+        state and workspace). None under TRITON_INTERPRET or before the variant is compiled (call
+        once first). The held tensors must stay alive and in place (no `set_` / `resize_`) for the
+        binding's life: the caller keys it on their identity."""
+        if self._interp or len(args) != self._nrt:
+            return None
+        vals, key = self._marshal(args, consts, num_warps)
+        hit = self._compiled.get(key)
+        if hit is None:
+            return None
+        if any(args[i].__class__ is int for i in live):
+            raise TypeError(f"{self.kernel.fn.__name__}: live arguments must be tensors, got ints at {list(live)}")
+        return BoundLaunch(hit[0], vals + list(hit[1]), live, tuple(args[i].dtype for i in live), key[0])
+
+
+def _run(k, grid: tuple[int, ...], stream: int, vals: list) -> None:
+    """The compiled kernel's launcher on `vals` (runtime values, then the constexprs)."""
+    g1, g2 = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+    enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+    meta = k.launch_metadata((grid[0], g1, g2), stream, *vals) if enter is not None else None
+    k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, meta, enter, leave, *vals)
+
+
+class BoundLaunch:
+    """`CompiledLaunch.bind`'s result: `bound(grid, *tensors)` launches the held compiled variant
+    with the bound arguments, the tensors at the live positions replaced by `tensors` (in order, of
+    the dtypes they were bound with: another dtype is refused, it would need another variant).
+    Its Python is the live tensors' addresses and the launcher call: no per-argument marshalling of
+    the held ones and no key. Not thread-safe (the values list is reused)."""
+
+    __slots__ = ("_k", "_vals", "_live", "_dtypes", "_dev")
+
+    def __init__(self, k, vals: list, live: tuple[int, ...], dtypes: tuple, dev: int):
+        self._k, self._vals, self._live, self._dtypes, self._dev = k, vals, live, dtypes, dev
+
+    def __call__(self, grid: tuple[int, ...], *tensors) -> None:
+        vals = self._vals
+        for i, d, t in zip(self._live, self._dtypes, tensors):
+            if t.dtype is not d:
+                raise TypeError(f"bound launch: argument {i} must be {d}, got {t.dtype}")
+            vals[i] = t.data_ptr()
+        _run(self._k, grid, _raw_stream(self._dev), vals)

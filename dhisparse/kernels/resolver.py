@@ -22,6 +22,7 @@ state untouched.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -191,7 +192,10 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     (P6): one launch plans and copies, as `plan` + `launch_copies` into that pair would, and the plan
     comes back with `copied` set (its copy plan is still there for other layers' row spaces).
     Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
-    launches through their held compiled handles (kernels/launch.py).
+    launches through their held compiled handles (kernels/launch.py); with a workspace, a repeat of
+    an earlier call's state, shape, options and copy target (a `RowCopy`, as a store keeps them)
+    launches through that call's bound launches, passing only sel, slots, the tail starts, now and
+    the outputs (`_launch`).
     """
     if sel.dim() != 3:
         raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
@@ -219,7 +223,9 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     loc, src, dst, cnt, copy_n = _outputs(sel.shape, C, sel.dtype, dev)
     rc = copy if copy is None or isinstance(copy, RowCopy) else row_copy(*copy)
     plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt, copied=rc is not None and upto_phase >= 50)
-    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct, rc)
+    # a (host_rows, dev_rows) pair makes a new RowCopy each call: nothing to hold a launch against
+    _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct, rc,
+            bind=copy is None or copy is rc)
     return plan if defer else plan.materialize()
 
 
@@ -266,10 +272,67 @@ def _copy_args(rc: RowCopy | None, dummy: torch.Tensor, warps: int) -> tuple[tup
             {"COPY": 1, "CPW": rc.W, "CCW": rc.CW, "CVEC": rc.VEC, "CR": cr})
 
 
-def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None):
+# the plan kernel's and P0's per-call tensors (BoundLaunch live positions): sel, slots, tail_start,
+# now, then the outputs loc, src_pad, dst_pad, copy_n, cnt; P0: sel, slots, tail_start, loc
+_PLAN_LIVE = (0, 1, 10, 21, 22, 23, 24, 25, 26)
+_PRE_LIVE = (0, 1, 3, 10)
+
+
+@dataclass(eq=False)
+class _Bound:
+    """A workspace's held launches of one (state, shape, options) call (`_launch`), valid while the
+    state holds the same tensors (and page size), the copy target and the workspace's buffers are
+    the ones they were bound with (identity-checked; held here, so the ids in the key stay unique)."""
+
+    st: ResolverState
+    tensors: tuple  # _state_tensors(st) when bound
+    ps: int
+    rc: object
+    gen: int
+    pre_grid: tuple
+    pre: object  # BoundLaunch or None (no optional map)
+    plan: object
+
+    def valid(self, st: ResolverState, rc, gen: int) -> bool:
+        return (self.st is st and self.rc is rc and self.gen == gen and self.ps == st.host_page_size
+                and all(map(operator.is_, self.tensors, _state_tensors(st))))
+
+
+_BOUND_MAX = 256  # held launches per workspace (a store makes one per group, shape and option set)
+
+
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None, bind=True):
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`; with a
-    RowCopy `rc`, the plan kernel copies the planned rows into it (P6)."""
-    a = _state_args(st)
+    RowCopy `rc`, the plan kernel copies the planned rows into it (P6). With a workspace, a call
+    whose state tensors, workspace buffers, copy target, shape and options were seen before launches
+    through that call's held `BoundLaunch`es (kernels/launch.py): only the per-call tensors (sel,
+    slots, tail_start, now, the plan's outputs) are passed again."""
+    now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=st.hot_pos.device)
+    key = None
+    if ws is not None and bind:
+        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype)
+        b = ws.launches.get(key)
+        if b is not None and b.valid(st, rc, ws.generation):
+            if b.pre is not None:
+                b.pre(b.pre_grid, sel, slots, st.tail_start, plan.loc)
+            b.plan((N,), sel, slots, st.tail_start, now_t, plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt)
+            return
+    pre, main = _calls(sel, slots, st, _state_args(st), now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc)
+    if pre is not None:
+        _PRE(*pre)
+    _PLAN(*main)
+    if key is not None:
+        bp = _PLAN.bind(*main[1:], live=_PLAN_LIVE)
+        bpre = _PRE.bind(*pre[1:], live=_PRE_LIVE) if pre is not None else None
+        if bp is not None and (pre is None or bpre is not None):
+            if len(ws.launches) >= _BOUND_MAX:
+                ws.launches.pop(next(iter(ws.launches)))
+            ws.launches[key] = _Bound(st, _state_tensors(st), st.host_page_size, rc, ws.generation,
+                                      pre[0] if pre is not None else (), bpre, bp)
+
+
+def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc):
+    """(P0's launch or None, the plan kernel's launch), each (grid, args, consts, num_warps)."""
     s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap = a.strides
     hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap, hmap = _state_tensors(st)
     dev, ps = hot_pos.device, st.host_page_size
@@ -288,15 +351,15 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         bm = torch.zeros(2 * half + 2, dtype=torch.int32, device=dev) if dmap is not None else scr32
         pre = torch.zeros((N, 3), dtype=torch.int32, device=dev) if dmap is not None else None
         hitf = torch.empty((N, BP), dtype=torch.int8, device=dev) if hmap is not None else scr32  # any contents
-    now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=dev)
     warps = num_warps or warps
     cargs, cconsts = _copy_args(rc, hot_pos, warps)
     chp = min(KKP, 1024)
+    pre_call = None
     if dmap is not None:  # P0 over (request, chunk) programs: an all-direct call is one short pass
         J = -(-KK // chp)
-        _PRE((N, J), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX, plan.loc, bm, words,
-                      half, pre, N * J), {"CH": chp}, 4)
-    _PLAN((N,), (
+        pre_call = ((N, J), (sel, slots, KK, st.tail_start, tail_loc, s_tail, TT, dmap, s_dmap, LMAX, plan.loc, bm, words,
+                             half, pre, N * J), {"CH": chp}, 4)
+    return pre_call, ((N,), (
         sel, slots, KK, hot_pos, hot_stamp, hot_loc, s_pos, s_stamp, s_loc, B,
         st.tail_start, tail_loc, s_tail, TT, table, s_table, HPW,
         dmap if dmap is not None else hot_pos, s_dmap, LMAX, int(dmap is not None), now_t,

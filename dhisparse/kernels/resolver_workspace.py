@@ -50,6 +50,8 @@ class PlanWorkspace:
         self._bufs: dict[str, torch.Tensor] = {}
         self._retired: list[tuple[str, torch.Tensor]] = []  # (name, buffer): kept alive for captured graphs
         self._views: dict[tuple, tuple] = {}  # scratch() results by shape, dropped when a buffer grows
+        self.generation = 0  # bumped when a buffer grows (the views, and launches bound to them, change)
+        self.launches: dict = {}  # plan_triton's held launches (kernels/resolver.py `_Bound`), by call
 
     def _get(self, name: str, numel: int, dtype: torch.dtype, fill: int | None) -> torch.Tensor:
         buf = self._bufs.get(name)
@@ -63,6 +65,7 @@ class PlanWorkspace:
             if buf is not None:
                 self._retired.append((name, buf))
             self._views.clear()
+            self.generation += 1
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1)
             buf = torch.empty(size, dtype=dtype, device=self.device)
             if fill is not None:
