@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.faithful import ROUTED_EXPERTS, build_faithful, faithful_config, quantize_module, weight_bytes
@@ -134,9 +135,58 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     assert (head @ (shared / shared.norm())).abs().max() < 1e-2 * head.norm(dim=1).max()
     assert sum(len(set(_greedy(lm, p, 16)[3:])) >= 3 for p in prompts) >= 2
     monkeypatch.setattr(faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
+    monkeypatch.setattr(faithful, "offset_blind", lambda layer, shared: None)
     old = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16)
     outs = [_greedy(old, p, 16) for p in prompts]
     assert all(len(set(o[3:])) == 1 for o in outs), outs
+
+
+def _common_share(lm, prompt: list[int]) -> float:
+    """Share of the energy of the final normed hidden states [T, hidden] of `prompt`'s prefill, the
+    locality offset's direction taken out (the head does not read it), that is one vector common to
+    every position: |mean_t h_t|^2 / mean_t |h_t|^2."""
+    got = []
+    hook = lm.model.model.norm.register_forward_hook(lambda m, i, o: got.append(o.detach().float().clone()))
+    try:
+        _greedy(lm, prompt, 1)
+    finally:
+        hook.remove()
+    h = got[0]
+    u = torch.empty(h.shape[1]).normal_(generator=torch.Generator().manual_seed(1))
+    u = u / u.norm()
+    h = h - (h @ u)[:, None] * u[None, :]
+    return float(h.mean(0).norm() ** 2 / (h.norm(dim=1) ** 2).mean())
+
+
+def test_layers_add_no_part_common_to_every_position(monkeypatch):
+    """`offset_blind`: with the offset's direction out of the KV latent's and the FFN's inputs, what
+    the layers add to the residual stream is the context's, not one vector shared by every position
+    (session 37: glm5-faithful's full build on the H200 still answered every prompt with one token
+    after the offset-free head; at 24 small layers in fp32 the common share is 0.39 without it and
+    0.03 with it). The weights it names are orthogonal to the offset; q_a, which carries the index
+    queries' stable part, is not."""
+    from dhisparse.bench.workload import prefix_ids, suffix_text
+    from dhisparse.models import faithful
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompt = prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(0))
+    lm = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.float32)
+    shared = torch.empty(SMALL["hidden_size"]).normal_(generator=torch.Generator().manual_seed(1))
+    u = shared / shared.norm()
+    layer = lm.model.model.layers[3]
+
+    def along_u(name: str) -> float:  # the largest row component along the offset, over the largest row norm
+        mod = layer.get_submodule(name)
+        w = dequantize_block_fp8(mod.weight, mod.weight_scale_inv).float()
+        return float((w @ u).abs().max() / w.norm(dim=1).max())
+
+    for name in ("self_attn.kv_a_proj_with_mqa", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"):
+        assert along_u(name) < 0.02, name
+    assert along_u("self_attn.q_a_proj") > 0.05
+    assert _common_share(lm, prompt) < 0.1
+    monkeypatch.setattr(faithful, "offset_blind", lambda layer, shared: None)
+    assert _common_share(build_faithful(num_layers=24, overrides=SMALL, dtype=torch.float32), prompt) > 0.25
 
 
 def test_offset_free_head_leaves_a_tied_head_and_its_embeddings_alone():

@@ -21,8 +21,12 @@ model computes what GLM-5 computes per token, except for how many experts there 
   (`balance_router`), and **no confident head**: lm_head is an ordinary
   random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero) with the
   locality offset's direction projected out of its rows (`offset_free_head`; before session 36 the
-  offset decided the output: one token repeated for every prompt), so the greedy tokens depend on
-  attention and a broken KV path changes them. The price: near-tied logits,
+  offset decided the output: one token repeated for every prompt) and out of the inputs through
+  which a layer's output depends on the stream (`offset_blind`: the KV latent and the FFN; before
+  session 37 the layers turned the offset into new parts common to every position, and the output
+  was still one token), so the greedy tokens depend on the context and on what attention returns,
+  and a broken KV path changes them (random weights still fall into cycles of a few tokens after
+  a few dozen, as a random next-token map does). The price: near-tied logits,
   so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
 
 Memory (one H200, ~139 GiB usable):
@@ -181,6 +185,30 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     gate.weight.data = without_direction(gate.weight.data, shared)
 
 
+# the weights through which a layer's output depends on its input: the KV latent (keys and values)
+# and the FFN's gate / up sides (dense, shared and routed experts). Not q_a (the index queries' stable
+# part comes through it: `stable_index_query`), not the indexer's keys, not the router (`balance_router`)
+OFFSET_BLIND = ("self_attn.kv_a_proj_with_mqa.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.experts.gate_up_proj")
+
+
+def offset_blind(layer: nn.Module, shared: torch.Tensor, names: tuple[str, ...] = OFFSET_BLIND) -> None:
+    """Project the shared embedding direction out of the input side of `names` (each [..., hidden]),
+    so what the layer adds to the residual stream does not depend on the locality offset. Random
+    weights otherwise turn the offset, common to every token, into new common parts at every
+    layer (an FFN of 3u + e_t has a large mean over t; attention averages the values' common part):
+    at 78 layers 36-39% of the final hidden state's energy (the offset itself aside) was one vector
+    shared by every position, and the offset-free head alone did not help -- glm5-faithful's 100K
+    reference on the H200 was one token repeated for every prompt again (session 37). With the
+    direction out of these inputs that share is ~3% and the head reads what the context makes;
+    the offset still reaches the index queries (q_a) and keys, where the locality needs it."""
+    params = dict(layer.named_parameters())
+    for name in names:
+        p = params.get(name)
+        if p is not None:
+            p.data = without_direction(p.data.reshape(-1, p.shape[-1]), shared).reshape(p.shape)
+
+
 def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
                     fp8_experts: Callable[[nn.Module], nn.Module] = Fp8Experts.from_experts) -> None:
     """Swap the `linears` children and the routed experts (`fp8_experts` of each `experts` child) of
@@ -226,6 +254,7 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
             stable_index_query(layer, shared, index_gain, index_gen)
         if embed_offset:
             balance_router(layer, shared)
+            offset_blind(layer, shared)
         quantize_module(layer)
         if ep is not None and isinstance(layer.mlp, MoE):
             layer.mlp = EPMoE(layer.mlp, *ep)  # the rank's expert block; the full stacks are freed here
