@@ -127,8 +127,10 @@ def test_presets_give_resident_tokens_and_depend_on_attention(monkeypatch):
 
 def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     """`faithful.offset_free_head` in the V4 build: at V4-Flash's 43 layers (small geometry, bf16) the
-    old build (the head keeping the offset's component) repeats one token from the second on, for
-    two prompts alike; the offset-free head keeps at least eight distinct ids in twelve."""
+    old build (the head keeping the offset's component, no `offset_blind`) repeats one token from the
+    second on, for two prompts alike; the offset-free build holds three or more ids from the second
+    on in both (a loose bound: bf16 CPU matmuls differ across platforms, and random weights fall into
+    cycles of a few tokens)."""
     import dataclasses
 
     from v4_engine_util import engine, generate
@@ -145,9 +147,42 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
                                  tokenizer=tok)
         return generate(engine(lm, preset="resident", hot_cache_rows=8), prompts, params)
 
-    assert all(len(set(o)) >= 8 for o in outputs())
+    assert all(len(set(o[1:])) >= 3 for o in outputs())
     monkeypatch.setattr(v4_faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
+    monkeypatch.setattr(v4_faithful, "offset_blind", lambda layer, shared, names: None)
     assert all(len(set(o[1:])) == 1 for o in outputs())
+
+
+def test_layers_add_no_part_common_to_every_position(monkeypatch):
+    """`faithful.offset_blind` with V4's names (`V4_OFFSET_BLIND`): the final normed states of a 300-token
+    prefill, the offset's direction taken out, share little energy in one common vector (16 small
+    layers, fp32: 0.43 without it, 0.13 with it; the rest is attention's averaging over a shared
+    history). glm5-faithful's full build answered every prompt with one token at a share near the
+    former (session 37)."""
+    import dataclasses
+
+    from v4_engine_util import engine, generate
+
+    from dhisparse.bench.workload import prefix_ids, suffix_text
+    from dhisparse.models import v4_faithful
+
+    tok = ByteTokenizer()
+    prompt = prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(0))
+
+    def share() -> float:
+        lm = dataclasses.replace(build_v41_faithful(num_layers=16, overrides=SMALL, dtype=torch.float32), tokenizer=tok)
+        got = []
+        lm.model.model.norm.register_forward_hook(lambda m, i, o: got.append(o.detach().float().clone()))
+        generate(engine(lm, preset="resident", hot_cache_rows=8), [prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        h = torch.cat(got)[:len(prompt)]
+        u = torch.randn(SMALL["hidden_size"], generator=torch.Generator().manual_seed(1))
+        u = u / u.norm()
+        h = h - (h @ u)[:, None] * u[None, :]
+        return float(h.mean(0).norm() ** 2 / (h.norm(dim=1) ** 2).mean())
+
+    assert share() < 0.2
+    monkeypatch.setattr(v4_faithful, "offset_blind", lambda layer, shared, names: None)
+    assert share() > 0.3
 
 
 def test_registered():

@@ -29,7 +29,10 @@ token, except for how many experts there are to choose from:
   projections / sqrt(2L), random sinks, position biases and hyper-connection biases, distinct hash
   experts per token); lm_head rows past the byte tokenizer's 259 ids are zero. No confident head, and
   the locality offset's direction is projected out of the head's rows (`faithful.offset_free_head`:
-  before session 36 the 43-layer build's greedy output was one token repeated, for every prompt).
+  before session 36 the 43-layer build's greedy output was one token repeated, for every prompt),
+  and out of the KV projections' and the experts' inputs (`faithful.offset_blind` with
+  `V4_OFFSET_BLIND`: the layers would turn the offset into parts common to every position, as
+  glm5-faithful's did until session 37).
 - glm5-faithful's **selection locality**, with its constants (not re-tuned): every embedding row
   carries EMBED_OFFSET x one shared direction and each index query INDEX_GAIN x a fixed part
   along it (`stable_v4_index_query`). On a small geometry on CPU (8 layers, k 64, 4K tokens,
@@ -67,7 +70,7 @@ from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
 from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
-from dhisparse.models.faithful import offset_free_head, quantize_module
+from dhisparse.models.faithful import offset_blind, offset_free_head, quantize_module
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, bump_index_query
 from dhisparse.models.v4_loader import _FP32
@@ -160,6 +163,13 @@ def stable_v4_index_query(layer: nn.Module, shared: torch.Tensor, gain: float, g
                      slice(ix.d - a.cfg.rope_head_dim, ix.d), gain, gen)
 
 
+# `faithful.offset_blind`'s weights in V4's names: the sliding-window and compressed KV projections
+# and the experts' gate / up sides (not q_a, the compressors' gates or indexers, nor the mixing of the
+# hyper-connections)
+V4_OFFSET_BLIND = ("self_attn.kv_proj.weight", "self_attn.compressor.kv_proj.weight", "mlp.experts.gate_up_proj",
+                   "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")
+
+
 def quantize_v4_module(module: nn.Module) -> None:
     """`faithful.quantize_module` with V4's projection names and clamped experts (in place)."""
     quantize_module(module, FP8_LINEARS, Fp8V4Experts.from_v4)
@@ -192,6 +202,8 @@ def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, devic
                      torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17 + i))
         if index_gain and embed_offset:
             stable_v4_index_query(layer, shared, index_gain, index_gen)
+        if embed_offset:
+            offset_blind(layer, shared, V4_OFFSET_BLIND)
         quantize_v4_module(layer)
     m.build_ropes(cfg, device)
     return LoadedModel(model.eval(), cfg, {})
