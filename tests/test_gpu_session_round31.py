@@ -1,5 +1,7 @@
-"""bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes) and
-`locality31` (glm5-faithful's locality at full geometry) parse (`gpu_session_stub.session_commands`)."""
+"""bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes),
+`locality31` (glm5-faithful's locality at full geometry) and `diversity31` (whether its greedy output
+depends on the context) parse (`gpu_session_stub.session_commands`); bench/faithful_diversity.py runs
+on a small geometry."""
 
 from __future__ import annotations
 
@@ -32,3 +34,32 @@ def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):
     assert ns.offsets == "3" and ns.gains.split(",")[0] == "8" and ns.out.startswith(str(tmp_path / "out"))
     assert ns.kv_pool_gib == 4  # 8K of bf16 rows over 78 layers (~0.8 GB) beside the hot cache
 
+
+
+def test_diversity31_checks_each_faithful_model_at_full_geometry(tmp_path):
+    from bench import faithful_diversity
+
+    cmds = [c for c in session_commands(tmp_path, "diversity31", {"DIVERSITY31_MODELS": "glm5-faithful v41-faithful"})
+            if c[0] == "bench/faithful_diversity.py"]
+    got = [faithful_diversity.parse(c[1:]) for c in cmds]
+    assert [ns.model for ns in got] == ["glm5-faithful", "v41-faithful"]
+    assert all((ns.device, ns.layers, ns.overrides, ns.prompt_len) == ("cuda", None, None, 4096) for ns in got)
+
+
+def test_faithful_diversity_reports_outputs_and_the_common_share(tmp_path):
+    """A small glm5-faithful: every prompt's tokens recorded, the diversity summary and the common
+    share (offset aside) in [0, 1) -- and near the session-37 build's ~0.03, not the ~0.4 of a build
+    whose layers keep the offset."""
+    import json
+
+    from bench import faithful_diversity
+
+    small = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+                 index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+    out = tmp_path / "d.json"
+    faithful_diversity.main(["--layers", "8", "--dtype", "float32", "--prompt-len", "200", "--prompts", "3",
+                             "--tokens", "6", "--kv-pool-gib", "0.25", "--overrides", json.dumps(small), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert sorted(doc["outputs"]) == ["0", "1", "2"] and all(len(v) == 6 for v in doc["outputs"].values())
+    assert doc["diversity"]["n"] == 3 and 0 <= doc["common_share"] < 0.15

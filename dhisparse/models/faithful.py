@@ -156,6 +156,12 @@ def without_direction(weight: torch.Tensor, direction: torch.Tensor, rows: int =
     return out
 
 
+def offset_direction(hidden: int, seed: int, device: str | torch.device) -> torch.Tensor:
+    """[hidden] fp32: the shared direction of the locality offset of the model built with `seed` on
+    `device` (drawn on that device: a CUDA build's direction is not the CPU build's)."""
+    return torch.empty(hidden, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
+
+
 def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:
     """Project the shared embedding direction out of lm_head's rows (zero rows stay zero). Every
     token's residual stream carries EMBED_OFFSET x `shared` (the locality offset) on top of its own
@@ -237,7 +243,7 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
         model = DsaForCausalLM(cfg)
     m = model.model
     gen = torch.Generator(device=device).manual_seed(seed)
-    shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    shared = offset_direction(cfg.hidden_size, seed, device)
     for prefix, module in (("model.embed_tokens.", m.embed_tokens), ("model.norm.", m.norm), ("lm_head.", model.lm_head)):
         _init_module(module, prefix, cfg.num_layers, dtype, device, gen)
     if embed_offset:

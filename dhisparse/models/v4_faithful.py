@@ -163,6 +163,12 @@ def stable_v4_index_query(layer: nn.Module, shared: torch.Tensor, gain: float, g
                      slice(ix.d - a.cfg.rope_head_dim, ix.d), gain, gen)
 
 
+def v4_offset_direction(hidden: int, seed: int, device: str | torch.device) -> torch.Tensor:
+    """[hidden] fp32: the locality offset's shared direction of the V4 build with `seed` on `device`
+    (`faithful.offset_direction`'s twin, drawn as this builder always has)."""
+    return torch.randn(hidden, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
+
+
 # `faithful.offset_blind`'s weights in V4's names: the sliding-window and compressed KV projections
 # and the experts' gate / up sides (not q_a, the compressors' gates or indexers, nor the mixing of the
 # hyper-connections)
@@ -190,7 +196,7 @@ def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, devic
     for prefix, module in (("model.embed_tokens.", m.embed_tokens), ("model.norm.", m.norm),
                            ("model.hc_head.", m.hc_head), ("lm_head.", model.lm_head)):
         _materialize(module, prefix, cfg, dtype, device, gen)
-    shared = torch.randn(cfg.hidden_size, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
+    shared = v4_offset_direction(cfg.hidden_size, seed, device)
     if embed_offset:
         m.embed_tokens.weight.data += (embed_offset * shared).to(m.embed_tokens.weight.dtype)
         offset_free_head(model, shared)
