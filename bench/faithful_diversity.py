@@ -102,12 +102,8 @@ def main(argv=None) -> int:
     print(f"[diversity] {ns.model}: {div['distinct_ids']:.1f} distinct ids an output of {ns.tokens}, "
           f"{100 * div['repeat_share']:.1f}% repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}; "
           f"common share of the final states (offset aside) {share:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    doc = {"kind": "faithful_diversity", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv),
-           "machine": R.machine_info(), "config": {k: v for k, v in vars(ns).items() if k != "argv"},
-           "diversity": div, "common_share": share, "outputs": {str(k): v for k, v in sorted(outputs.items())}}
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    R.write_doc("faithful_diversity", ns, ns.out, diversity=div, common_share=share,
+                outputs={str(k): v for k, v in sorted(outputs.items())})
     return 0
 
 

@@ -97,12 +97,7 @@ def main(argv=None) -> int:
                 print(f"offset {off:4.1f}  gain {gain:4.1f}  B = {m:g}k: host-fetched share "
                       f"{100 * r['host_fetched_share']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
             del loaded
-    doc = {"kind": "locality", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv),
-           "machine": R.machine_info(),
-           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    R.write_doc("locality", ns, ns.out, rows=rows)
     return 0
 
 

@@ -161,6 +161,17 @@ def write_json(result: ResultFile, path: str | Path) -> Path:
     return path
 
 
+def write_doc(kind: str, ns, path: str | Path, **fields) -> Path:
+    """Write a plain benchmark document: kind, date, commit, the command (ns.argv), machine and config
+    (ns's other attributes), then `fields`; indented JSON. Returns the path."""
+    doc = {"kind": kind, "date": now_iso(), "commit": source_commit(), "command": command_line(ns.argv),
+           "machine": machine_info(), "config": {k: v for k, v in vars(ns).items() if k != "argv"}, **fields}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
 def read_json(path: str | Path) -> dict:
     """Load a result file; raises ValueError naming the file when it is not one of ours."""
     path = Path(path)
