@@ -4,11 +4,20 @@
 # every dependency the image lacks named (s21: huggingface_hub 2.4 / openai 3.57 need httpx2, fastapi
 # 0.165 needs opentelemetry-api; s22: openai needs sniffio; without them the imports failed there).
 #   bash bench/device_wheels.sh      (then carry [".whl"]; bench/gpu_call.sh installs them)
+#   bash bench/device_wheels.sh --bench   (.whlb/: llguidance alone, what `import dhisparse.engine` needs beyond
+#                                          the image; for bench-only calls, carry [".whlb", ".tcache"]: the tree, all
+#                                          of .whl and the Triton cache do not fit the 64-MiB carry together, s37)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .whl
 P=""; for t in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1 manylinux_2_24 manylinux_2_31 manylinux_2_34 manylinux_2_35 manylinux_2_39; do
   P="$P --platform ${t}_x86_64"; done
+if [ "${1:-}" = "--bench" ]; then
+  mkdir -p .whlb
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whlb llguidance==1.9.1
+  du -sh .whlb
+  exit 0
+fi
+mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl \
   transformers==5.24.0 huggingface_hub==2.4.0 dflash==0.1.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2 annotated-doc \

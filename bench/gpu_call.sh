@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-call preamble/epilogue: carried wheels onto PYTHONPATH and a persistent Triton cache.
-#   bash bench/gpu_call.sh CMD...   (carry [".whl", ".tcache"]; the cache comes back as $OUT/tc.txz)
+#   bash bench/gpu_call.sh CMD...   (carry [".whl"] or [".whlb", ".tcache"]; the cache comes back as $OUT/tc.txz)
 # .whl/ comes from bench/device_wheels.sh (every dependency the device image lacks); to run the committed
 # tree while the working tree is being edited, wrap the call with bench/clean_tree.sh's .clean/run.sh.
 # Carry budget (64 MiB in all): the tree is 44 MB with the shipped tiny-code checkpoint, so .whl
@@ -11,8 +11,11 @@
 # tool's 16 MiB file limit (xz keeps the text IRs small); over it, in 15 MB parts.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# .whl/ (tests and the server) or, for bench-only calls, .whlb/ (what importing the engine needs beyond the
+# image: bench/device_wheels.sh --bench), which leaves room in the carry for .tcache
+WD=.whl; ls .whl/*.whl >/dev/null 2>&1 || WD=.whlb
+if ls $WD/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WD/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
