@@ -98,6 +98,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--reference-file", default=None, metavar="PATH",
       help="the oracle's reference outputs: read from PATH when it was made for this model, workload, row format and "
            "commit, else decoded and written there (saves the reference decode in later calls; dhisparse.bench.reference)")
+    a("--max-reference-repeat", type=float, default=0.5, metavar="SHARE",
+      help="refuse an oracle reference in which more than SHARE of the tokens repeat the one before (a degenerate "
+           "model's output, dhisparse.bench.reference.check_diversity); 1.0 accepts any")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
@@ -319,7 +322,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     """Greedy non-speculative outputs of every distinct prompt (prompt ids -> output ids): those of
     `--reference-file` when it holds this run's (dhisparse.bench.reference), else decoded here and
     written there. How varied they are (`output_diversity`) is printed and kept in sz (the JSON's sizing)."""
-    from dhisparse.bench.reference import load_reference, output_diversity, reference_key, save_reference
+    from dhisparse.bench.reference import check_diversity, load_reference, output_diversity, reference_key, save_reference
 
     key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     tok = loaded.tokenizer
@@ -338,6 +341,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     sz["reference_diversity"] = div = output_diversity(outputs)
     print(f"[reference] diversity: {div['distinct_ids']:.1f} distinct ids an output, {100 * div['repeat_share']:.1f}% "
           f"of tokens repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}", flush=True)
+    check_diversity(div, ns.max_reference_repeat)
     return {prompts[i]: outputs[i] for i in range(ns.distinct_suffixes)}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhisparse.bench.reference import output_diversity
+from dhisparse.bench.reference import check_diversity, output_diversity
 
 
 def test_a_repeated_token_for_every_prompt_reads_as_such():
@@ -22,3 +22,37 @@ def test_varied_outputs():
 def test_empty_and_single_token_outputs():
     assert output_diversity({}) == {"n": 0, "distinct_ids": 0.0, "repeat_share": 0.0, "distinct_outputs": 0}
     assert output_diversity({0: [5], 1: [5]})["repeat_share"] == 0.0
+
+
+def test_a_degenerate_reference_is_refused_by_name():
+    """gpu_serving refuses a reference whose tokens mostly repeat (sessions 36-37's glm5-faithful output)
+    before any window runs; a varied one, an empty one and a limit of 1.0 pass."""
+    bad = output_diversity({i: [11] + [34] * 9 for i in range(4)})
+    with pytest.raises(ValueError, match="--max-reference-repeat"):
+        check_diversity(bad, 0.5)
+    check_diversity(bad, 1.0)
+    check_diversity(output_diversity({0: [1, 2, 3, 3], 1: [4, 5, 6, 7]}), 0.5)
+    check_diversity(output_diversity({}), 0.0)
+
+
+def test_gpu_serving_takes_the_limit():
+    from bench import gpu_serving
+
+    assert gpu_serving.parse(["--presets", "hisparse"]).max_reference_repeat == 0.5
+    assert gpu_serving.parse(["--presets", "hisparse", "--max-reference-repeat", "1"]).max_reference_repeat == 1.0
+
+
+def test_gpu_serving_stops_on_a_degenerate_reference(monkeypatch):
+    """`oracle_reference` checks the reference it decoded before returning it (no window runs)."""
+    from types import SimpleNamespace
+
+    from bench import gpu_serving
+    from dhisparse.models.tokenizer import ByteTokenizer
+
+    ns = gpu_serving.parse(["--presets", "hisparse", "--input-len", "16", "--distinct-suffixes", "3"])
+    loaded = SimpleNamespace(tokenizer=ByteTokenizer(), config=SimpleNamespace(vocab_size=259))
+    monkeypatch.setattr(gpu_serving, "decode_reference", lambda *a: {i: [40] * 8 for i in range(3)})
+    with pytest.raises(ValueError, match="--max-reference-repeat"):
+        gpu_serving.oracle_reference(ns, {}, loaded, None)
+    monkeypatch.setattr(gpu_serving, "decode_reference", lambda *a: {i: [40 + i, 41, 42, 43] for i in range(3)})
+    assert len(gpu_serving.oracle_reference(ns, {}, loaded, None)) == 3

@@ -150,3 +150,15 @@ def output_diversity(outputs: dict[int, list[int]]) -> dict:
     repeats = sum(a == b for o in outs for a, b in zip(o, o[1:]))
     return {"n": len(outs), "distinct_ids": sum(len(set(o)) for o in outs) / len(outs),
             "repeat_share": repeats / pairs if pairs else 0.0, "distinct_outputs": len({tuple(o) for o in outs})}
+
+
+def check_diversity(div: dict, max_repeat: float) -> None:
+    """Refuse a degenerate reference before any window runs: ValueError (naming
+    `--max-reference-repeat`) when more than `max_repeat` of its tokens repeat the one before
+    (`output_diversity`'s repeat_share; sessions 36-37 decoded glm5-faithful references of one
+    token repeated, and a costed sweep on them was superseded). 1.0 lets any reference through."""
+    if div.get("n") and div["repeat_share"] > max_repeat:
+        raise ValueError(f"--max-reference-repeat: {100 * div['repeat_share']:.1f}% of the reference's tokens repeat the "
+                         f"one before (limit {100 * max_repeat:.0f}%; {div['distinct_ids']:.1f} distinct ids an output, "
+                         f"{div['distinct_outputs']} distinct outputs of {div['n']}): the model's greedy output is "
+                         "degenerate, so an oracle's rounds would replay one token; fix the model or pass 1.0")
