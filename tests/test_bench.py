@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import matplotlib.image as mpimg
@@ -851,3 +852,21 @@ def test_code_digest_follows_every_file_and_skips_caches(tmp_path):
     files["a.py"], files["m/c.json"] = "x = 1\n", files.pop("m/b.json")
     assert digest("renamed") != base
     assert len(code_digest()) == 32 and code_digest() == code_digest()
+
+
+def test_gpu_serving_run_records_its_engine_build_and_loop_time():
+    """A run's wall time split (engine build, then the loop: warm-up, window, drain), kept in its
+    engine dict: a first window's compiles and graph captures show where they go."""
+    from dhisparse.bench.sweep import load_shared_model
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.kv.memory.prefix_store import PrefixStore
+
+    gs = _bench_script("gpu_serving")
+    ns = gs.parse(["--quick", "--presets", "hisparse", "--duration", "1"])
+    sz = gs.sizing(ns, gs.model_config(ns.model))
+    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    t = time.perf_counter()
+    run = gs.one_run(ns, sz, loaded, PrefixStore(pin=False), "hisparse", 2, None)
+    wall = time.perf_counter() - t
+    assert 0 < run.engine["engine_build_s"] and ns.duration <= run.engine["loop_s"]
+    assert run.engine["engine_build_s"] + run.engine["loop_s"] <= wall
