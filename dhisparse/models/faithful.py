@@ -80,7 +80,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
-from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_module, stable_index_query
+from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_module, offset_direction, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
@@ -154,12 +154,6 @@ def without_direction(weight: torch.Tensor, direction: torch.Tensor, rows: int =
         w = weight[r:r + rows].float()
         out[r:r + rows] = (w - (w @ u)[:, None] * u[None, :]).to(weight.dtype)
     return out
-
-
-def offset_direction(hidden: int, seed: int, device: str | torch.device) -> torch.Tensor:
-    """[hidden] fp32: the shared direction of the locality offset of the model built with `seed` on
-    `device` (drawn on that device: a CUDA build's direction is not the CPU build's)."""
-    return torch.empty(hidden, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
 
 
 def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:

@@ -141,7 +141,7 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
     index_gain: see `_stable_index_queries`."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    shared = torch.empty(cfg.hidden_size, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    shared = offset_direction(cfg.hidden_size, seed, device)
     init_module(model, "", cfg.num_layers, dtype, device, gen)
     if embed_offset:
         emb = model.model.embed_tokens.weight
@@ -149,6 +149,13 @@ def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int, dtype: tor
     _confident_head(model, cfg, seed, embed_offset * shared)
     if index_gain and embed_offset:
         _stable_index_queries(model, cfg, seed, shared, index_gain)
+
+
+def offset_direction(hidden: int, seed: int, device: str | torch.device) -> torch.Tensor:
+    """[hidden] fp32: u, the shared direction of the locality offset of the model built with `seed` on
+    `device` (drawn on that device: a CUDA build's direction is not the CPU build's); the GLM builders'
+    (this module's and models/faithful.py's)."""
+    return torch.empty(hidden, device=device).normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
 
 
 def init_module(module: torch.nn.Module, prefix: str, layers: int, dtype: torch.dtype, device: torch.device | str,

@@ -165,7 +165,7 @@ def stable_v4_index_query(layer: nn.Module, shared: torch.Tensor, gain: float, g
 
 def v4_offset_direction(hidden: int, seed: int, device: str | torch.device) -> torch.Tensor:
     """[hidden] fp32: the locality offset's shared direction of the V4 build with `seed` on `device`
-    (`faithful.offset_direction`'s twin, drawn as this builder always has)."""
+    (`scaled.offset_direction`'s twin, drawn as this builder always has)."""
     return torch.randn(hidden, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
 
 
