@@ -16,8 +16,6 @@ mean |h|^2: one vector shared by every position; models/faithful.py `offset_blin
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 import time
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.locality import build  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 
 
@@ -41,20 +40,6 @@ def parse(argv=None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     ns.argv = ["bench/faithful_diversity.py"] + list(sys.argv[1:] if argv is None else argv)
     return ns
-
-
-def build(ns):
-    from dhisparse.engine.memory import DTYPES
-    from dhisparse.models.faithful import build_faithful
-    from dhisparse.models.tokenizer import ByteTokenizer
-    from dhisparse.models.v4_faithful import build_v41_faithful
-
-    ov = json.loads(ns.overrides or "{}")
-    if ns.model == "glm5-faithful":
-        lm = build_faithful(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, ov)
-    else:
-        lm = build_v41_faithful(0, DTYPES[ns.dtype], ns.device, ns.layers, ov)
-    return dataclasses.replace(lm, tokenizer=ByteTokenizer())
 
 
 def common_share(h: torch.Tensor, shared: torch.Tensor) -> float:
@@ -73,9 +58,9 @@ def main(argv=None) -> int:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    lm = build(ns)
+    lm = build(ns)  # the builder's own locality constants
     hidden = lm.config.hidden_size
-    from dhisparse.models.faithful import offset_direction
+    from dhisparse.models.scaled import offset_direction
     from dhisparse.models.v4_faithful import v4_offset_direction
 
     direction = offset_direction if ns.model == "glm5-faithful" else v4_offset_direction

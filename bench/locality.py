@@ -69,27 +69,33 @@ def share(ns, loaded, hot_rows: int) -> dict:
     return {"hot_cache_rows": hot_rows, "selected_rows": sel, "host_selected_rows": host, "host_fetched_share": host / sel}
 
 
-def main(argv=None) -> int:
-    ns = parse(argv)
+def build(ns, **locality):
+    """ns.model (glm5-faithful, v41-faithful or a scaled GLM) at ns.dtype on ns.device, truncated to
+    ns.layers, with ns.overrides (faithful models), the byte tokenizer, and `locality` (embed_offset,
+    index_gain) given to the builder (its own constants where left out)."""
     from dhisparse.engine.memory import DTYPES
     from dhisparse.models.faithful import build_faithful
     from dhisparse.models.scaled import build_scaled
-    from dhisparse.models.v4_faithful import build_v41_faithful
     from dhisparse.models.tokenizer import ByteTokenizer
+    from dhisparse.models.v4_faithful import build_v41_faithful
 
+    dtype, overrides = DTYPES[ns.dtype], json.loads(ns.overrides or "{}")
+    if ns.model == "glm5-faithful":
+        loaded = build_faithful(ns.model, 0, dtype, ns.device, ns.layers, overrides, **locality)
+    elif ns.model == "v41-faithful":
+        loaded = build_v41_faithful(0, dtype, ns.device, ns.layers, overrides, **locality)
+    else:
+        loaded = build_scaled(ns.model, 0, dtype, ns.device, ns.layers, **locality)
+    return dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+
+
+def main(argv=None) -> int:
+    ns = parse(argv)
     torch.set_num_threads(ns.threads)
     rows, t0 = [], time.perf_counter()
     for off in [float(x) for x in ns.offsets.split(",")]:
         for gain in [float(x) for x in ns.gains.split(",")]:
-            if ns.model == "glm5-faithful":
-                loaded = build_faithful(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, json.loads(ns.overrides or "{}"),
-                                        embed_offset=off, index_gain=gain)
-            elif ns.model == "v41-faithful":
-                loaded = build_v41_faithful(0, DTYPES[ns.dtype], ns.device, ns.layers, json.loads(ns.overrides or "{}"),
-                                            embed_offset=off, index_gain=gain)
-            else:
-                loaded = build_scaled(ns.model, 0, DTYPES[ns.dtype], ns.device, ns.layers, embed_offset=off, index_gain=gain)
-            loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+            loaded = build(ns, embed_offset=off, index_gain=gain)
             k = loaded.config.index_topk
             for m in [float(x) for x in ns.hot.split(",")]:
                 r = {"embed_offset": off, "index_gain": gain, "B_over_k": m, **share(ns, loaded, int(m * k))}
