@@ -13,7 +13,7 @@ from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.faithful import ROUTED_EXPERTS, build_faithful, faithful_config, quantize_module, weight_bytes
 from dhisparse.models.registry import BUILTINS
-from dhisparse.models.scaled import BYTE_VOCAB
+from dhisparse.models.scaled import BYTE_VOCAB, offset_direction
 
 # a small geometry through the same builder: the KV row shape (latent 512 + rope 64) and index
 # keys of 128 stay, so the engine's row formats are the real ones
@@ -130,7 +130,7 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     tok = ByteTokenizer()
     prompts = [prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(i)) for i in range(3)]
     lm = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16)
-    shared = torch.empty(SMALL["hidden_size"]).normal_(generator=torch.Generator().manual_seed(1))
+    shared = offset_direction(SMALL["hidden_size"], 0, "cpu")
     head = lm.model.lm_head.weight.detach().float()
     assert (head @ (shared / shared.norm())).abs().max() < 1e-2 * head.norm(dim=1).max()
     assert sum(len(set(_greedy(lm, p, 16)[3:])) >= 3 for p in prompts) >= 2
@@ -144,18 +144,16 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
 def _common_share(lm, prompt: list[int]) -> float:
     """Share of the energy of the final normed hidden states [T, hidden] of `prompt`'s prefill, the
     locality offset's direction taken out (the head does not read it), that is one vector common to
-    every position: |mean_t h_t|^2 / mean_t |h_t|^2."""
+    every position: |mean_t h_t|^2 / mean_t |h_t|^2 (bench/faithful_diversity.py's `common_share`)."""
+    from bench.faithful_diversity import common_share
+
     got = []
     hook = lm.model.model.norm.register_forward_hook(lambda m, i, o: got.append(o.detach().float().clone()))
     try:
         _greedy(lm, prompt, 1)
     finally:
         hook.remove()
-    h = got[0]
-    u = torch.empty(h.shape[1]).normal_(generator=torch.Generator().manual_seed(1))
-    u = u / u.norm()
-    h = h - (h @ u)[:, None] * u[None, :]
-    return float(h.mean(0).norm() ** 2 / (h.norm(dim=1) ** 2).mean())
+    return common_share(got[0], offset_direction(SMALL["hidden_size"], 0, "cpu"))
 
 
 def test_layers_add_no_part_common_to_every_position(monkeypatch):
@@ -172,7 +170,7 @@ def test_layers_add_no_part_common_to_every_position(monkeypatch):
     tok = ByteTokenizer()
     prompt = prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(0))
     lm = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.float32)
-    shared = torch.empty(SMALL["hidden_size"]).normal_(generator=torch.Generator().manual_seed(1))
+    shared = offset_direction(SMALL["hidden_size"], 0, "cpu")
     u = shared / shared.norm()
     layer = lm.model.model.layers[3]
 

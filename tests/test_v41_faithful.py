@@ -163,8 +163,10 @@ def test_layers_add_no_part_common_to_every_position(monkeypatch):
 
     from v4_engine_util import engine, generate
 
+    from bench.faithful_diversity import common_share
     from dhisparse.bench.workload import prefix_ids, suffix_text
     from dhisparse.models import v4_faithful
+    from dhisparse.models.v4_faithful import v4_offset_direction
 
     tok = ByteTokenizer()
     prompt = prefix_ids(tok, 300, SMALL["vocab_size"]) + tok.encode(suffix_text(0))
@@ -174,11 +176,7 @@ def test_layers_add_no_part_common_to_every_position(monkeypatch):
         got = []
         lm.model.model.norm.register_forward_hook(lambda m, i, o: got.append(o.detach().float().clone()))
         generate(engine(lm, preset="resident", hot_cache_rows=8), [prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-        h = torch.cat(got)[:len(prompt)]
-        u = torch.randn(SMALL["hidden_size"], generator=torch.Generator().manual_seed(1))
-        u = u / u.norm()
-        h = h - (h @ u)[:, None] * u[None, :]
-        return float(h.mean(0).norm() ** 2 / (h.norm(dim=1) ** 2).mean())
+        return common_share(torch.cat(got)[:len(prompt)], v4_offset_direction(SMALL["hidden_size"], 0, "cpu"))
 
     assert share() < 0.2
     monkeypatch.setattr(v4_faithful, "offset_blind", lambda layer, shared, names: None)
