@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                 print(f"offset {off:4.1f}  gain {gain:4.1f}  B = {m:g}k: host-fetched share "
                       f"{100 * r['host_fetched_share']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
             del loaded
-    R.write_doc("locality", ns, ns.out, rows=rows)
+            R.write_doc("locality", ns, ns.out, rows=rows)  # after every build: a call cut short keeps what ran
     return 0
 
 
