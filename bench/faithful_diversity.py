@@ -36,6 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--overrides", default=None, help="config keys as JSON (a small geometry for CPU runs)")
     a("--prompts", type=int, default=4); a("--prompt-len", type=int, default=4096); a("--tokens", type=int, default=64)
     a("--device", default="cpu"); a("--dtype", default="bfloat16"); a("--kv-pool-gib", type=float, default=4.0)
+    a("--index-gain", type=float, default=None, help="the index queries' stable part (default: the builder's)")
     a("--out", required=True)
     ns = p.parse_args(argv)
     ns.argv = ["bench/faithful_diversity.py"] + list(sys.argv[1:] if argv is None else argv)
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    lm = build(ns)  # the builder's own locality constants
+    lm = build(ns, **({} if ns.index_gain is None else {"index_gain": ns.index_gain}))  # else the builder's
     hidden = lm.config.hidden_size
     from dhisparse.models.scaled import offset_direction
     from dhisparse.models.v4_faithful import v4_offset_direction
