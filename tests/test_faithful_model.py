@@ -13,7 +13,7 @@ from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.faithful import ROUTED_EXPERTS, build_faithful, faithful_config, quantize_module, weight_bytes
 from dhisparse.models.registry import BUILTINS
-from dhisparse.models.scaled import BYTE_VOCAB, offset_direction
+from dhisparse.models.scaled import BYTE_VOCAB, INDEX_GAIN, offset_direction
 
 # a small geometry through the same builder: the KV row shape (latent 512 + rope 64) and index
 # keys of 128 stay, so the engine's row formats are the real ones
@@ -136,7 +136,8 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     assert sum(len(set(_greedy(lm, p, 16)[3:])) >= 3 for p in prompts) >= 2
     monkeypatch.setattr(faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
     monkeypatch.setattr(faithful, "offset_blind", lambda layer, shared: None)
-    old = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16)
+    # and its index gain then (glm52-scaled's INDEX_GAIN; FAITHFUL_INDEX_GAIN from session 38)
+    old = build_faithful(num_layers=24, overrides=SMALL, dtype=torch.bfloat16, index_gain=INDEX_GAIN)
     outs = [_greedy(old, p, 16) for p in prompts]
     assert all(len(set(o[3:])) == 1 for o in outs), outs
 
@@ -290,3 +291,27 @@ def test_presets_give_resident_tokens_on_the_wide_tile():
         assert got == want, preset
         if preset == "hisparse":
             assert host_share > 0, "no row came from the host: the test would not see a broken fetch"
+
+
+def test_index_gain_is_the_measured_calibration():
+    """FAITHFUL_INDEX_GAIN is the gain whose host-fetched share at B = 2k, measured at the full geometry
+    (bench/results/locality_glm5_faithful_e12_gains_s38_h100.json), is nearest the paper's 14.2%; and it
+    is what a default build uses (its index queries equal an explicit build's at that gain, not gain 8's)."""
+    import json
+    from pathlib import Path
+
+    from dhisparse.models import faithful
+
+    rows = json.loads((Path(__file__).parents[1] / "bench/results/locality_glm5_faithful_e12_gains_s38_h100.json")
+                      .read_text())["rows"]
+    at2k = {r["index_gain"]: r["host_fetched_share"] for r in rows if r["B_over_k"] == 2.0}
+    assert min(at2k, key=lambda g: abs(at2k[g] - 0.142)) == faithful.FAITHFUL_INDEX_GAIN
+    def wq_b(lm):  # the first indexer's query projection (bf16 / fp32: indexers are not quantized)
+        return next(la.self_attn.indexer.wq_b.weight for la in lm.model.model.layers
+                    if getattr(la.self_attn, "indexer", None) is not None)
+
+    default = build_faithful(num_layers=2, overrides=SMALL, dtype=torch.float32)
+    same = build_faithful(num_layers=2, overrides=SMALL, dtype=torch.float32, index_gain=faithful.FAITHFUL_INDEX_GAIN)
+    other = build_faithful(num_layers=2, overrides=SMALL, dtype=torch.float32, index_gain=INDEX_GAIN)
+    assert torch.equal(wq_b(default), wq_b(same))
+    assert not torch.equal(wq_b(default), wq_b(other))

@@ -16,8 +16,9 @@ model computes what GLM-5 computes per token, except for how many experts there 
   o_proj, the dense and shared MLPs and the routed experts, run by the weight-only FP8 GEMMs of
   kernels/fp8_gemm.py (`layers/fp8_linear.py`). kv_b (split into the absorbed W_UK / W_UV), the
   indexers, embeddings, the head and the norms stay bf16; the router stays fp32.
-- Seeded random weights (scaled.py's `init_tensor` scales) and the same selection locality
-  (EMBED_OFFSET, INDEX_GAIN) as glm52-scaled, routers balanced over every expert
+- Seeded random weights (scaled.py's `init_tensor` scales), glm52-scaled's embedding offset
+  (EMBED_OFFSET) and its own index gain (FAITHFUL_INDEX_GAIN, 0: calibrated at full geometry
+  against the paper's locality), routers balanced over every expert
   (`balance_router`), and **no confident head**: lm_head is an ordinary
   random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero) with the
   locality offset's direction projected out of its rows (`offset_free_head`; before session 36 the
@@ -80,7 +81,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
-from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, init_module, offset_direction, stable_index_query
+from dhisparse.models.scaled import EMBED_OFFSET, init_module, offset_direction, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
@@ -185,6 +186,16 @@ def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     gate.weight.data = without_direction(gate.weight.data, shared)
 
 
+# The index queries' stable part (`stable_index_query`, x its own spread). glm52-scaled's 8 was tuned on
+# that model; on this one, at its full geometry after `offset_blind` (78 layers, bf16, 8K history,
+# hisparse, one request; 12 routed experts so that it fits an H100, which selection does not use),
+# the host-fetched share at B = 2k by gain 8 / 4 / 2 / 1 / 0 is 2.6 / 5.6 / 9.3 / 11.8 / 13.1%
+# (bench/results/locality_glm5_faithful_e12_gains_s38_h100.json): the embedding offset alone, read
+# by q_a and the indexer keys, already gives about the paper's 14.2% (GLM-5.2, low load), so none
+# is added. v41-faithful keeps INDEX_GAIN (8: 13.6% at B = 2k a source, locality_v41_faithful_gains_s38_h100.json).
+FAITHFUL_INDEX_GAIN = 0.0
+
+
 # the weights through which a layer's output depends on its input: the KV latent (keys and values)
 # and the FFN's gate / up sides (dense, shared and routed experts). Not q_a (the index queries' stable
 # part comes through it: `stable_index_query`), not the indexer's keys, not the router (`balance_router`)
@@ -227,7 +238,7 @@ def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
 def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", num_layers: int | None = None,
                    overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
-                   index_gain: float = INDEX_GAIN, ep: tuple[int, int] | None = None) -> LoadedModel:
+                   index_gain: float = FAITHFUL_INDEX_GAIN, ep: tuple[int, int] | None = None) -> LoadedModel:
     """Deterministic random faithful model on `device` (same seed, device and config -> identical
     weights), built one layer at a time (module docstring). ep=(rank, world): expert parallelism,
     each MoE layer keeping only the rank's block of its routed experts (an `EPMoE`)."""
