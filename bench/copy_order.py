@@ -11,7 +11,9 @@ This times `gather_rows_padded` (the resolver's copy kernel) on the same copy pl
 request's rows in host-address order and in selection (random) order. Requests' host pages are
 scattered over a pinned region of --region-gib, as a shared host pool interleaves pages of
 concurrent requests; batch 8 / 32 / 100, 410 and 2,048 misses a request (20% and all of k 2,048),
-rows of 656 and 1,152 B, the L2 flushed before each call, 20 timed calls, median.
+rows of 656 and 1,152 B, the L2 flushed before each call, 20 timed calls, median. Both orders write the
+same device rows in ascending order (the plan lists its victims in slot order), and each is checked to
+copy host[src] to dev[dst] byte for byte (`copies_right`, from 5b1cb64 on).
 
     python3 bench/copy_order.py --out $OUT/copy_order_h200.json      # H200 (~1 min + pinning)
     python3 bench/copy_order.py --quick --out /tmp/copy_order.json   # CPU smoke (TRITON_INTERPRET)
@@ -46,6 +48,18 @@ def plan_rows(pages: int, N: int, L: int, m: int, g: torch.Generator, dev) -> to
     return table.gather(1, pos // PS) * PS + pos % PS
 
 
+def copies_right(host: torch.Tensor, dev_rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                 cnt: torch.Tensor) -> bool:
+    """One copy of the plan (src, dst) [N, m] leaves dev_rows[dst] == host[src] byte for byte (checked
+    against torch indexing)."""
+    dev_rows.view(torch.uint8).fill_(0)
+    gather_rows_padded(host, dev_rows, src, dst, cnt)
+    hp, dp = host.shape[1], dev_rows.shape[1]
+    s, d = src.flatten().cpu(), dst.flatten().to(dev_rows.device)
+    want = host[s // hp, s % hp].to(dev_rows.device)
+    return bool(torch.equal(dev_rows[d // dp, d % dp].view(torch.uint8), want.view(torch.uint8)))
+
+
 def run(args) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -65,11 +79,13 @@ def run(args) -> dict:
                 dev_rows = torch.empty((-(-N * m // PS), PS, W), dtype=dt, device=dev)
                 cnt = torch.full((N,), m, dtype=torch.int64, device=dev)
                 rec = {"row_bytes": rb, "batch": N, "misses": m, "bytes": N * m * rb}
+                # both orders write the same device rows in ascending order, as the plan's victims are listed
                 for order, s in (("host", src.sort(dim=1).values), ("selection", src)):
                     ts = timeit(_Rig(cuda), lambda s=s: gather_rows_padded(host, dev_rows, s, dst, cnt),
                                 lambda: flush.fill_(1), args.iters, args.warmup)
                     rec[order] = stats(ts)
                     rec[order]["GBps"] = rec["bytes"] / rec[order]["time_ms"] / 1e6
+                    rec[order]["copies_right"] = copies_right(host, dev_rows, s, dst, cnt)
                 rec["selection_over_host"] = rec["selection"]["time_ms"] / rec["host"]["time_ms"]
                 print(f"{rb} B  N {N:3d}  m {m:4d}: host order {rec['host']['time_ms'] * 1e3:8.1f} us "
                       f"({rec['host']['GBps']:.1f} GB/s), selection order {rec['selection']['time_ms'] * 1e3:8.1f} us "

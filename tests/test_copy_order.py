@@ -1,0 +1,34 @@
+"""bench/copy_order.py (issue 33's copy-order measurement): its CPU smoke shapes run, both orders of a plan
+copy the right rows, and its check fails on a copy that leaves a row out."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench import copy_order
+
+
+def _quick() -> argparse.Namespace:
+    return argparse.Namespace(region_gib=1 / 64, history=512, batches=[2, 3], misses=[5, 16], row_bytes=[656],
+                              iters=1, warmup=0)
+
+
+def test_both_orders_copy_the_plans_rows():
+    body = copy_order.run(_quick())
+    assert len(body["records"]) == 4
+    for r in body["records"]:
+        assert r["host"]["copies_right"] and r["selection"]["copies_right"]
+        assert r["bytes"] == r["batch"] * r["misses"] * 656
+
+
+def test_the_check_catches_a_row_left_out():
+    g = torch.Generator().manual_seed(1)
+    region = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    host = region[: (region.numel() // (656 * 64)) * 64 * 656].view(torch.float16).view(-1, 64, 328)
+    src = copy_order.plan_rows(host.shape[0], 2, 512, 8, g, torch.device("cpu"))
+    dst = torch.arange(16).view(2, 8)
+    dev_rows = torch.empty((1, 64, 328), dtype=torch.float16)
+    assert copy_order.copies_right(host, dev_rows, src, dst, torch.full((2,), 8))
+    assert not copy_order.copies_right(host, dev_rows, src, dst, torch.tensor([8, 7]))
