@@ -13,7 +13,7 @@ scattered over a pinned region of --region-gib, as a shared host pool interleave
 concurrent requests; batch 8 / 32 / 100, 410 and 2,048 misses a request (20% and all of k 2,048),
 rows of 656 and 1,152 B, the L2 flushed before each call, 20 timed calls, median. Both orders write the
 same device rows in ascending order (the plan lists its victims in slot order), and each is checked to
-copy host[src] to dev[dst] byte for byte (`copies_right`, from 5b1cb64 on).
+copy host[src] to dev[dst] byte for byte (`copies_right`; copy_order_s38_h100.json predates the check).
 
     python3 bench/copy_order.py --out $OUT/copy_order_h200.json      # H200 (~1 min + pinning)
     python3 bench/copy_order.py --quick --out /tmp/copy_order.json   # CPU smoke (TRITON_INTERPRET)
