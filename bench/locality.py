@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -102,7 +103,10 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"offset {off:4.1f}  gain {gain:4.1f}  B = {m:g}k: host-fetched share "
                       f"{100 * r['host_fetched_share']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
-            del loaded
+            del loaded  # a full-size build is most of a GPU: free it (and the engines' cycles) before the next
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             R.write_doc("locality", ns, ns.out, rows=rows)  # after every build: a call cut short keeps what ran
     return 0
 
