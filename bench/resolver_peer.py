@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.resolver_cases import Case, Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
+from dhisparse.kernels import resolver as kres  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
@@ -308,7 +309,7 @@ def write(out: str, rig: Rig, sh: dict, iters: int, checks: list, records: list,
     ok = all(all(v for k, v in c.items() if k not in ("case", "copies")) for c in checks)
     doc = header("resolver_peer", "bench/resolver_peer.py", rig.cuda, t0, shapes=sh, iters=iters,
                  peer_source="issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
-                 checks_pass=ok, checks=checks, records=records)
+                 victim_select=kres.VICTIM_SELECT, checks_pass=ok, checks=checks, records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

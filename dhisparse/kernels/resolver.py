@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts
 MAX_B = 32768  # hot rows a slot (resolver_evict._victims' packed running counts)
 PHASE_STOPS = {0: "P0 prologue", 10: "P1 entries", 30: "P3 hot scan", 41: "P4a-b misses, victims", 43: "P4c sorted",
                45: "P4 misses"}  # upto_phase values below the full plan (50)
+# how P4b finds the victims' threshold stamp when the oldest stamp group does not cover the misses:
+# 0 walks up to four distinct stamps then bisects (the default), 1 selects it by radix (256-bin
+# histograms, resolver_evict._radix_threshold): an experiment for issue 33, same results either way
+VICTIM_SELECT = int(os.environ.get("DHISPARSE_RESOLVER_VSELECT", "0"))
 _PRE = CompiledLaunch(direct_pre_kernel)
 _PLAN = CompiledLaunch(resolve_plan_kernel)
 
@@ -310,7 +315,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=st.hot_pos.device)
     key = None
     if ws is not None and bind:
-        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype)
+        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype, VICTIM_SELECT)
         b = ws.launches.get(key)
         if b is not None and b.valid(st, rc, ws.generation):
             if b.pre is not None:
@@ -367,7 +372,8 @@ def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, dis
         scr64, scr32, pv, lcap, pre if pre is not None else scr32, *cargs,
         hmap if hmap is not None else hot_pos, s_hmap, hitf),
         {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048),
-         "CHB": min(BP, 2048), "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct), **cconsts},
+         "CHB": min(BP, 2048), "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct),
+         "VSELECT": VICTIM_SELECT, **cconsts},
         warps)
 
 
