@@ -399,7 +399,8 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8.py tests/test_launch.py \
-      tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
+      tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py tests/test_resolver_victim_select.py \
+      tests/test_resolver_bound.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
   run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_launch.py \
