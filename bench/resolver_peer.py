@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.resolver_cases import Case, Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
-from dhisparse.kernels import resolver as kres  # noqa: E402
+import dhisparse.kernels.resolver as kr  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
@@ -123,7 +123,6 @@ def host_split(rig: Rig, plan, restore, ws: PlanWorkspace, n: int = 30) -> dict:
     with the same arguments; and the whole call without the bound launches (each call marshals every
     argument through `CompiledLaunch`, as before session 37)."""
     import dhisparse.kernels.launch as kl
-    import dhisparse.kernels.resolver as kr
 
     def med(fn) -> float:
         ts = []
@@ -309,7 +308,7 @@ def write(out: str, rig: Rig, sh: dict, iters: int, checks: list, records: list,
     ok = all(all(v for k, v in c.items() if k not in ("case", "copies")) for c in checks)
     doc = header("resolver_peer", "bench/resolver_peer.py", rig.cuda, t0, shapes=sh, iters=iters,
                  peer_source="issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
-                 victim_select=kres.VICTIM_SELECT, checks_pass=ok, checks=checks, records=records)
+                 victim_select=kr.VICTIM_SELECT, checks_pass=ok, checks=checks, records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
