@@ -31,21 +31,20 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_timing import header, stats, timeit  # noqa: E402  (sets TRITON_INTERPRET on CPU)
+from bench.resolver_timing import header, stats, timeit  # noqa: E402  (first: sets TRITON_INTERPRET on CPU)
+from bench.resolver_cases import Rig  # noqa: E402
+from bench.resolver_peer import Flush  # noqa: E402
 from dhisparse.kernels.gather import gather_rows_padded  # noqa: E402
 
-_DTYPE = {656: torch.float16, 1152: torch.bfloat16}
-PS = 64  # rows a host page (the engine's)
 
-
-def plan_rows(pages: int, N: int, L: int, m: int, g: torch.Generator, dev) -> torch.Tensor:
-    """src [N, m] host row indices: request n's history of L positions lives on L / PS host pages drawn
-    at random (without replacement across requests) from `pages`; its m misses are distinct random
-    positions, in selection (random) order."""
-    per = -(-L // PS)
+def plan_rows(pages: int, ps: int, N: int, L: int, m: int, g: torch.Generator, dev) -> torch.Tensor:
+    """src [N, m] host row indices: request n's history of L positions lives on L / ps host pages (ps rows
+    each) drawn at random (without replacement across requests) from `pages`; its m misses are distinct
+    random positions, in selection (random) order."""
+    per = -(-L // ps)
     table = torch.randperm(pages, generator=g, device=dev)[: N * per].view(N, per)
     pos = torch.stack([torch.randperm(L, generator=g, device=dev)[:m] for _ in range(N)])
-    return table.gather(1, pos // PS) * PS + pos % PS
+    return table.gather(1, pos // ps) * ps + pos % ps
 
 
 def copies_right(host: torch.Tensor, dev_rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -61,28 +60,23 @@ def copies_right(host: torch.Tensor, dev_rows: torch.Tensor, src: torch.Tensor, 
 
 
 def run(args) -> dict:
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    region = torch.empty(int(args.region_gib * (1 << 30)), dtype=torch.uint8, pin_memory=cuda)
-    g = torch.Generator(device=dev).manual_seed(0)
-    flush = torch.empty((256 << 20) if cuda else 1 << 16, dtype=torch.uint8, device=dev)
+    rig = Rig(quick=False, region=int(args.region_gib * (1 << 30)))  # the pinned region and its row views (ps 64)
+    flush = Flush(rig.dev, args.quick)
     recs = []
     for rb in args.row_bytes:
-        dt = _DTYPE.get(rb, torch.uint8)
-        W = rb // torch.empty(0, dtype=dt).element_size()
-        hp = region.numel() // (rb * PS)
-        host = region[: hp * PS * rb].view(dt).view(hp, PS, W)
+        host = rig.host_rows(rb)  # [HP, ps, W]
+        hp, ps, W = host.shape
         for N in args.batches:
             for m in args.misses:
-                src = plan_rows(hp, N, args.history, m, g, dev)
-                dst = torch.arange(N * m, device=dev).view(N, m)
-                dev_rows = torch.empty((-(-N * m // PS), PS, W), dtype=dt, device=dev)
-                cnt = torch.full((N,), m, dtype=torch.int64, device=dev)
+                src = plan_rows(hp, ps, N, args.history, m, rig.g, rig.dev)
+                dst = torch.arange(N * m, device=rig.dev).view(N, m)
+                dev_rows = torch.empty((-(-N * m // ps), ps, W), dtype=host.dtype, device=rig.dev)
+                cnt = torch.full((N,), m, dtype=torch.int64, device=rig.dev)
                 rec = {"row_bytes": rb, "batch": N, "misses": m, "bytes": N * m * rb}
                 # both orders write the same device rows in ascending order, as the plan's victims are listed
                 for order, s in (("host", src.sort(dim=1).values), ("selection", src)):
-                    ts = timeit(_Rig(cuda), lambda s=s: gather_rows_padded(host, dev_rows, s, dst, cnt),
-                                lambda: flush.fill_(1), args.iters, args.warmup)
+                    ts = timeit(rig, lambda s=s: gather_rows_padded(host, dev_rows, s, dst, cnt), flush,
+                                args.iters, args.warmup)
                     rec[order] = stats(ts)
                     rec[order]["GBps"] = rec["bytes"] / rec[order]["time_ms"] / 1e6
                     rec[order]["copies_right"] = copies_right(host, dev_rows, s, dst, cnt)
@@ -91,12 +85,7 @@ def run(args) -> dict:
                       f"({rec['host']['GBps']:.1f} GB/s), selection order {rec['selection']['time_ms'] * 1e3:8.1f} us "
                       f"({rec['selection']['GBps']:.1f} GB/s): {rec['selection_over_host']:.3f}x", flush=True)
                 recs.append(rec)
-    return {"region_bytes": region.numel(), "host_page_rows": PS, "history": args.history, "records": recs}
-
-
-class _Rig:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    return {"region_bytes": rig.region.numel(), "host_page_rows": rig.ps, "history": args.history, "records": recs}
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from bench import copy_order
 
 
 def _quick() -> argparse.Namespace:
-    return argparse.Namespace(region_gib=1 / 64, history=512, batches=[2, 3], misses=[5, 16], row_bytes=[656],
+    return argparse.Namespace(quick=True, region_gib=1 / 64, history=512, batches=[2, 3], misses=[5, 16], row_bytes=[656],
                               iters=1, warmup=0)
 
 
@@ -27,7 +27,7 @@ def test_the_check_catches_a_row_left_out():
     g = torch.Generator().manual_seed(1)
     region = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
     host = region[: (region.numel() // (656 * 64)) * 64 * 656].view(torch.float16).view(-1, 64, 328)
-    src = copy_order.plan_rows(host.shape[0], 2, 512, 8, g, torch.device("cpu"))
+    src = copy_order.plan_rows(host.shape[0], 64, 2, 512, 8, g, torch.device("cpu"))
     dst = torch.arange(16).view(2, 8)
     dev_rows = torch.empty((1, 64, 328), dtype=torch.float16)
     assert copy_order.copies_right(host, dev_rows, src, dst, torch.full((2,), 8))
