@@ -82,7 +82,7 @@ def _min_count(av, ac, bv, bc):
 
 
 @triton.jit
-def _radix_threshold(cand, st, lo, nhost, BP: tl.constexpr):
+def _radix_threshold(cand, st, lo, nhost):
     """The smallest stamp s* with #(candidates, stamp <= s*) >= nhost, given lo, the oldest candidate
     stamp (held by fewer than nhost), by radix selection on d = stamp - lo: 8 bits a pass from the
     highest digit of the candidates' span, each pass a 256-bin histogram of the digit over the
@@ -123,7 +123,7 @@ def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr, SELECT:
     nbelow = have * 0  # #(candidates with stamp < lo): none below the oldest
     if SELECT:
         if have < nhost:
-            lo = _radix_threshold(cand, st, lo, nhost, BP)
+            lo = _radix_threshold(cand, st, lo, nhost)
             nbelow = tl.sum((cand & (st < lo)).to(tl.int32), axis=0)
     else:
         j = 0
