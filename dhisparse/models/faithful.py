@@ -197,8 +197,9 @@ FAITHFUL_INDEX_GAIN = 0.0
 
 
 # the weights through which a layer's output depends on its input: the KV latent (keys and values)
-# and the FFN's gate / up sides (dense, shared and routed experts). Not q_a (the index queries' stable
-# part comes through it: `stable_index_query`), not the indexer's keys, not the router (`balance_router`)
+# and the FFN's gate / up sides (dense, shared and routed experts). Not q_a (the index queries read the
+# offset through it: the locality, with `stable_index_query`'s part where a gain is set), not the
+# indexer's keys, not the router (`balance_router`)
 OFFSET_BLIND = ("self_attn.kv_a_proj_with_mqa.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                 "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.experts.gate_up_proj")
 
