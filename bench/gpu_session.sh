@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,exact33,exact33r,probe33,prims33,ncu33,peer33,victims33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -399,7 +399,7 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8.py tests/test_launch.py \
-      tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py tests/test_resolver_victim_select.py \
+      tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py \
       tests/test_resolver_bound.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
   run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
@@ -409,9 +409,6 @@ case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on 
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
-case ",$STEPS," in *,victims33,*)  # issue 33: peer33 with the victims' threshold chosen by radix selection (DHISPARSE_RESOLVER_VSELECT=1, resolver_evict._radix_threshold) instead of the walk and bisection; run peer33 in the same call for the baseline (~4 min cold: a new kernel variant)
-  run "resolver vs the peer's figures, radix victim threshold" timeout ${VICTIMS33_TIMEOUT:-300} env DHISPARSE_RESOLVER_VSELECT=1 \
-      python3 bench/resolver_peer.py --phases --out "$OUT/resolver_peer_vselect_h200.json" ;; esac
 case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, and across num_warps (~3 min cold)
   run "resolver plan probe" timeout ${PROBE33_TIMEOUT:-240} python3 bench/resolver_probe.py \
       --out "$OUT/resolver_probe_h200.json" ;; esac

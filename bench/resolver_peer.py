@@ -308,7 +308,7 @@ def write(out: str, rig: Rig, sh: dict, iters: int, checks: list, records: list,
     ok = all(all(v for k, v in c.items() if k not in ("case", "copies")) for c in checks)
     doc = header("resolver_peer", "bench/resolver_peer.py", rig.cuda, t0, shapes=sh, iters=iters,
                  peer_source="issue 33 (SGLang 0.5.23 load_cache_to_device_buffer_kernel on one H200, same inputs)",
-                 victim_select=kr.VICTIM_SELECT, checks_pass=ok, checks=checks, records=records)
+                 checks_pass=ok, checks=checks, records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

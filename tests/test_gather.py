@@ -83,3 +83,21 @@ def test_mismatched_row_spaces_are_refused_by_name():
         row_copy(torch.zeros(2, 2, 3), torch.zeros(2, 2, 4))
     with pytest.raises(ValueError, match="layer count"):
         row_copy(torch.zeros(2, 3, 2, 4), torch.zeros(2, 2, 2, 4))
+
+
+@pytest.mark.parametrize("width,blocks", [(130, 2), (129, 3), (300, 3), (500, 4), (520, 5), (1300, 11)])
+def test_rows_of_several_column_blocks(width, blocks):
+    """Rows wider than one 64-unit column block: two to four blocks are all loaded before any store
+    (`copy_row_block`), five or more go one block at a time; odd widths fall back to 4-B units. Every
+    byte of every counted row lands, in both layers, and nothing else is written."""
+    g = torch.Generator().manual_seed(width)
+    host = torch.randint(0, 1 << 20, (24, 2, 4, width), generator=g).to(torch.float32)
+    dev = torch.full((24, 2, 4, width), -1.0)
+    rc = row_copy(host, dev.to(DEV))
+    assert -(-rc.W // rc.CW) == blocks
+    assert rc.width_in_flight == rc.CW * (blocks if blocks <= 4 else 1)
+    src, dst, count = _plan(3, 20, 96, 96, [20, 0, 7], seed=width)
+    want = _reference(host, dev, src, dst, count)
+    d = dev.to(DEV)
+    gather_rows_padded(host.pin_memory() if DEV == "cuda" else host, d, src.to(DEV), dst.to(DEV), count.to(DEV))
+    assert torch.equal(d.cpu(), want)

@@ -90,6 +90,20 @@ def test_chunked_path_and_many_misses_copy_every_row():
     _fused_step(pair, sel, [0, 1], 11, host, dev, got, ws, distinct=True)
 
 
+@pytest.mark.parametrize("width", [130, 300, 520])
+def test_rows_of_several_column_blocks_copy_whole(width):
+    """Rows of two, three and five 64-unit column blocks (gather.copy_row_block loads up to four
+    before storing them): the fused copy lands every planned row whole, in both layers."""
+    g = torch.Generator().manual_seed(width)
+    st = make_state(S=2, B=24, L=200, TT=4)
+    fill_hot(st, 0, list(range(0, 48, 2)), [int(v) for v in torch.randint(0, 5, (24,), generator=g)])
+    host, dev = _rows(st, 2, width, width)
+    pair, got = Pair(st), dev.clone().to(DEV)
+    sel = torch.stack([torch.randperm(190, generator=g)[:40] for _ in range(2)])[:, None]
+    want = _fused_step(pair, sel, [0, 1], 10, host, dev, got)
+    assert want.counters.host > 24  # more rows than one P6 chunk's worth of the smallest blocks
+
+
 def test_all_direct_and_empty_calls_copy_nothing():
     """A request whose rows all resolve directly exits before P6; an empty batch launches nothing."""
     st = make_state(S=2, B=4, L=32, TT=8, direct=True)

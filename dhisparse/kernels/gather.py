@@ -26,18 +26,52 @@ _UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 
 @triton.jit
+def _block(ptr, base, c0, rm, W: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
+    """(pointers [R, CW], mask) of column block c0 of rows at unit offsets base [R]."""
+    cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
+    return ptr + base[:, None] + cols[None, :], rm[:, None] & (cols[None, :] < W)
+
+
+@triton.jit
 def copy_row_block(src_ptr, dst_ptr, si, di, rm, g, hp, hs0, hsl, hs1, dp, ds0, dsl, ds1,
                    W: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
     """Rows si -> di (flat row indices [R] int64: page * rows_per_page + row; mask rm [R]) of layer g
     of a layered row-space pair, W units a row in column blocks of CW. Shared by the gather kernel and
-    the resolver plan kernel's fused copy (resolver_kernel.py, P6)."""
+    the resolver plan kernel's fused copy (resolver_kernel.py, P6).
+    Up to four column blocks (rows to 2 KB in 8-B units) are all loaded before any is stored: a store
+    may alias a later load, so interleaved they would cost one host round trip (~1-2 us over PCIe)
+    per block instead of one per call; callers size R by `copy_blocks` to hold them."""
     sb = tl.multiple_of((si // hp) * hs0 + g * hsl + (si % hp) * hs1, VEC)
     db = tl.multiple_of((di // dp) * ds0 + g * dsl + (di % dp) * ds1, VEC)
-    for c0 in tl.static_range(0, W, CW):
-        cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, CW), VEC), VEC)
-        m = rm[:, None] & (cols[None, :] < W)
-        v = tl.load(src_ptr + sb[:, None] + cols[None, :], mask=m)
-        tl.store(dst_ptr + db[:, None] + cols[None, :], v, mask=m)
+    NB: tl.constexpr = (W + CW - 1) // CW
+    if NB <= 4:
+        p0, m0 = _block(src_ptr, sb, 0, rm, W, CW, VEC)
+        v0 = tl.load(p0, mask=m0)
+        if NB >= 2:
+            p1, m1 = _block(src_ptr, sb, CW, rm, W, CW, VEC)
+            v1 = tl.load(p1, mask=m1)
+        if NB >= 3:
+            p2, m2 = _block(src_ptr, sb, 2 * CW, rm, W, CW, VEC)
+            v2 = tl.load(p2, mask=m2)
+        if NB >= 4:
+            p3, m3 = _block(src_ptr, sb, 3 * CW, rm, W, CW, VEC)
+            v3 = tl.load(p3, mask=m3)
+        q0, m0 = _block(dst_ptr, db, 0, rm, W, CW, VEC)
+        tl.store(q0, v0, mask=m0)
+        if NB >= 2:
+            q1, m1 = _block(dst_ptr, db, CW, rm, W, CW, VEC)
+            tl.store(q1, v1, mask=m1)
+        if NB >= 3:
+            q2, m2 = _block(dst_ptr, db, 2 * CW, rm, W, CW, VEC)
+            tl.store(q2, v2, mask=m2)
+        if NB >= 4:
+            q3, m3 = _block(dst_ptr, db, 3 * CW, rm, W, CW, VEC)
+            tl.store(q3, v3, mask=m3)
+    else:
+        for c0 in tl.static_range(0, W, CW):
+            ps, m = _block(src_ptr, sb, c0, rm, W, CW, VEC)
+            pd, _ = _block(dst_ptr, db, c0, rm, W, CW, VEC)
+            tl.store(pd, tl.load(ps, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["C"])
@@ -147,6 +181,13 @@ class RowCopy:
         """G: the layers every row is copied in."""
         return self.src.shape[1]
 
+    @property
+    def width_in_flight(self) -> int:
+        """Units of a row that `copy_row_block` loads before it stores: the whole row's column blocks
+        (CW each) when they are four or fewer, else one block at a time."""
+        nb = -(-self.W // self.CW)
+        return self.CW * (nb if nb <= 4 else 1)
+
 
 def row_copy(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> RowCopy:
     """Check and prepare src_rows [HP, hp, W] -> dst_rows [P, dp, W] (same dtype, unit last stride),
@@ -188,7 +229,8 @@ def gather_rows(rc: RowCopy, src_idx: torch.Tensor, dst_idx: torch.Tensor, count
     N, C = src_idx.shape
     if N == 0 or C == 0:
         return
-    R = rows_per_prog or max(1, min(16, 1024 // rc.CW))
+    # about 1,024 units in flight a program (8 a thread of 4 warps), rounded up to whole rows
+    R = rows_per_prog or min(16, triton.next_power_of_2(triton.cdiv(1024, rc.width_in_flight)))
     grid = (gather_programs(C, R, N, rc.layers), N, rc.layers)
     gather_rows_kernel[grid](rc.src, rc.dst, src_idx, dst_idx, count, C, *rc.strides,
                              W=rc.W, R=R, CW=rc.CW, VEC=rc.VEC, num_warps=num_warps)

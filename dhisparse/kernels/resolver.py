@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -44,10 +43,6 @@ MAX_KK = 65535  # selection entries per request (resolver_kernel's packed counts
 MAX_B = 32768  # hot rows a slot (resolver_evict._victims' packed running counts)
 PHASE_STOPS = {0: "P0 prologue", 10: "P1 entries", 30: "P3 hot scan", 41: "P4a-b misses, victims", 43: "P4c sorted",
                45: "P4 misses"}  # upto_phase values below the full plan (50)
-# how P4b finds the victims' threshold stamp when the oldest stamp group does not cover the misses:
-# 0 walks up to four distinct stamps then bisects (the default), 1 selects it by radix (256-bin
-# histograms, resolver_evict._radix_threshold): an experiment for issue 33, same results either way
-VICTIM_SELECT = int(os.environ.get("DHISPARSE_RESOLVER_VSELECT", "0"))
 _PRE = CompiledLaunch(direct_pre_kernel)
 _PLAN = CompiledLaunch(resolve_plan_kernel)
 
@@ -267,14 +262,18 @@ def _shape_consts(KK: int, B: int) -> tuple[int, int, int, tuple[int, int, int, 
 
 def _copy_args(rc: RowCopy | None, dummy: torch.Tensor, warps: int) -> tuple[tuple, dict]:
     """The plan kernel's fused-copy arguments (crs, crd, CG and the eight strides) and constexprs;
-    without a copy a dummy pointer and zeros (COPY=0 compiles P6 out). CR rows a chunk: about 8 units a
-    thread of a CCW-unit column block, a power of two up to 64 (16 warps, 64-unit blocks of 8 B: 64
-    rows, 32 KB a round)."""
+    without a copy a dummy pointer and zeros (COPY=0 compiles P6 out). CR rows a chunk: at most 8 units a
+    thread of what `copy_row_block` holds in flight (a row's column blocks, `RowCopy.width_in_flight`),
+    a power of two up to 64 (16 warps, 656-B rows as two 64-unit blocks of 8 B: 32 rows, 21 KB a round)."""
     if rc is None:
         return (dummy, dummy, 0, 1, 0, 0, 0, 1, 0, 0, 0), {"COPY": 0}
-    cr = min(64, 1 << max(0, (warps * 256 // rc.CW).bit_length() - 1))
     return ((rc.src, rc.dst, rc.layers, *rc.strides),
-            {"COPY": 1, "CPW": rc.W, "CCW": rc.CW, "CVEC": rc.VEC, "CR": cr})
+            {"COPY": 1, "CPW": rc.W, "CCW": rc.CW, "CVEC": rc.VEC, "CR": fused_copy_rows(warps, rc.width_in_flight)})
+
+
+def fused_copy_rows(warps: int, in_flight: int) -> int:
+    """CR of the fused copy: rows a chunk at `warps` warps when each row holds `in_flight` units."""
+    return min(64, 1 << max(0, (warps * 256 // in_flight).bit_length() - 1))
 
 
 # the plan kernel's and P0's per-call tensors (BoundLaunch live positions): sel, slots, tail_start,
@@ -315,7 +314,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=st.hot_pos.device)
     key = None
     if ws is not None and bind:
-        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype, VICTIM_SELECT)
+        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype)
         b = ws.launches.get(key)
         if b is not None and b.valid(st, rc, ws.generation):
             if b.pre is not None:
@@ -373,7 +372,7 @@ def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, dis
         hmap if hmap is not None else hot_pos, s_hmap, hitf),
         {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048),
          "CHB": min(BP, 2048), "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct),
-         "VSELECT": VICTIM_SELECT, **cconsts},
+         **cconsts},
         warps)
 
 

@@ -216,7 +216,7 @@ def resolve_plan_kernel(
     hmap_ptr, s_hmap, hitf_ptr,
     PS: tl.constexpr, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr,
     CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
-    VSTEPS: tl.constexpr = 4, VSELECT: tl.constexpr = 0, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
+    VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
     COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
     CR: tl.constexpr = 1, MAP: tl.constexpr = 0,
 ):
@@ -237,8 +237,6 @@ def resolve_plan_kernel(
     from the host rows crs to the device rows crd (layered [pages, CG, rows_per_page, CPW units], the
     strides (chp, chs0, chsl, chs1) and (cdp, cds0, cdsl, cds1) as `gather_rows_kernel` takes them) in
     the same program, CR rows of CCW-unit column blocks at a time: one launch plans and copies.
-    VSELECT (`resolver.VICTIM_SELECT`, an experiment): how P4b finds the victims' threshold stamp when the
-    oldest stamp group does not cover the misses: 0 walks and bisects, 1 selects by radix (same result).
     UPTO (profiling only, bench/resolver_peer.py; resolver.PHASE_STOPS): phases after the stop are
     compiled out (0: none, 10: P1, 30: P3, 41: P4a-b, 43: P4c, 45: P4), so the outputs are
     incomplete below 50; the default 50 runs every phase."""
@@ -251,7 +249,7 @@ def resolve_plan_kernel(
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, PS, dmap_ptr, s_dmap, LMAX,
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
-                      hmap_ptr, s_hmap, hitf_ptr, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, VSELECT, UPTO, DISTINCT,
+                      hmap_ptr, s_hmap, hitf_ptr, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT,
                       COPY, CPW, CCW, CVEC, CR, MAP)
 
 
@@ -262,7 +260,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                   hmap_ptr, s_hmap, hitf_ptr, KKP: tl.constexpr, PRE: tl.constexpr, BP: tl.constexpr,
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-                  SD: tl.constexpr, VSTEPS: tl.constexpr, VSELECT: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr,
+                  SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr,
                   COPY: tl.constexpr, CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr,
                   MAP: tl.constexpr):
     """Request n's plan (program (n, 0)): P0's exit or P1-P5, then (COPY) P6's copy of its planned rows."""
@@ -294,13 +292,13 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             nhost = _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
-                      hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, VSELECT, UPTO, DISTINCT,
+                      hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT,
                       MAP)
         else:
             nhost = _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                           tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
                           LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
-                          LCAP, hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, VSELECT, UPTO,
+                          LCAP, hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO,
                           MAP)
     if COPY:
         if UPTO >= 50:
@@ -314,7 +312,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
                   hmap_ptr, s_hmap, hrow, KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
                   SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr,
-                  VSELECT: tl.constexpr, UPTO: tl.constexpr, MAP: tl.constexpr):
+                  UPTO: tl.constexpr, MAP: tl.constexpr):
     """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH).
     MAP: hits are looked up in P1 (`_entries`) and protected through the hit row hrow [BP] int8 instead of
     P3's scan. Returns the rows it planned to copy (copy_n[n])."""
@@ -343,7 +341,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
                          hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now,
-                         loc_ptr + n * KK, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, VSELECT, UPTO, 0, MAP)
+                         loc_ptr + n * KK, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0, MAP)
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost * 0
         if UPTO >= 50:
