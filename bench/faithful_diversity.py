@@ -4,6 +4,8 @@ glm5-faithful's 100K reference was one token repeated for all 20 prompts).
 
     python3 bench/faithful_diversity.py --model glm5-faithful --device cuda --out $OUT/faithful_diversity.json
     python3 bench/faithful_diversity.py --layers 8 --overrides '{"hidden_size": 256, ...}' --out /tmp/d.json  # CPU
+    python3 bench/faithful_diversity.py --device cuda --prompts 3 --prompt-len 102400 --tokens 1024 \
+        --kv-cache-dtype fp8_e4m3 --kv-pool-gib 24 --margins [--head-vocab full] --out ...  # the costed sweep's shape
 
 Per prompt (the serving workload's: one pseudo-random prefix, a distinct suffix each, as gpu_serving's
 `--distinct-suffixes`), greedy tokens through the engine (resident preset), then
@@ -11,6 +13,9 @@ Per prompt (the serving workload's: one pseudo-random prefix, a distinct suffix 
 first prompt's prefill positions with the locality offset's direction taken out (|mean h|^2 /
 mean |h|^2: one vector shared by every position; models/faithful.py `offset_blind`). A share near
 0.4 at 24 small layers went with a repeated-token output at full size; ~0.03 with a varied one.
+Also where each output settled on one repeated token (`settled_at`: session 39's 100K reference, 1,024 tokens,
+settled after 128-500 of them though the 4K / 64-token check had shown no repeat), and with --margins the
+top-1 minus top-2 logprob by quarter of the output (how near-tied the greedy choices are).
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ def parse(argv=None) -> argparse.Namespace:
     a("--overrides", default=None, help="config keys as JSON (a small geometry for CPU runs)")
     a("--prompts", type=int, default=4); a("--prompt-len", type=int, default=4096); a("--tokens", type=int, default=64)
     a("--device", default="cpu"); a("--dtype", default="bfloat16"); a("--kv-pool-gib", type=float, default=4.0)
+    a("--kv-cache-dtype", default="auto", help="the engine's row format (fp8_e4m3: the costed sweep's 656-B rows)")
     a("--index-gain", type=float, default=None, help="the index queries' stable part (default: the builder's)")
+    a("--head-vocab", default="byte", choices=("byte", "full"), help="glm5-faithful's lm_head over the byte ids (the "
+      "default) or every id (models/faithful.py full_vocab_head)")
+    a("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency_penalty of every request (0: plain greedy)")
+    a("--margins", action="store_true", help="also each output's top-1 minus top-2 logprob margin, by quarter of the output")
     a("--out", required=True)
     ns = p.parse_args(argv)
     ns.argv = ["bench/faithful_diversity.py"] + list(sys.argv[1:] if argv is None else argv)
@@ -50,6 +60,25 @@ def common_share(h: torch.Tensor, shared: torch.Tensor) -> float:
     return float(h.mean(0).norm() ** 2 / (h.norm(dim=1) ** 2).mean())
 
 
+def settled_at(tokens: list[int], min_run: int = 32) -> int | None:
+    """Where the output's final run of one repeated token starts, if that run is min_run tokens or
+    longer (the output has settled on one token), else None."""
+    i = len(tokens)
+    while i > 1 and tokens[i - 2] == tokens[-1]:
+        i -= 1
+    return i - 1 if tokens and len(tokens) - (i - 1) >= min_run else None
+
+
+def quarters(xs: list[float]) -> list[dict]:
+    """mean and min of xs over each quarter of the list (the output's first to last quarter)."""
+    n = len(xs)
+    out = []
+    for q in range(4):
+        part = xs[q * n // 4:(q + 1) * n // 4]
+        out.append({"mean": sum(part) / len(part), "min": min(part)} if part else {})
+    return out
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     from dhisparse import SamplingParams
@@ -59,7 +88,12 @@ def main(argv=None) -> int:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    lm = build(ns, **({} if ns.index_gain is None else {"index_gain": ns.index_gain}))  # else the builder's
+    kw = {} if ns.index_gain is None else {"index_gain": ns.index_gain}  # else the builder's
+    if ns.head_vocab != "byte":
+        if ns.model != "glm5-faithful":
+            raise SystemExit("--head-vocab full: glm5-faithful only")
+        kw["head_vocab"] = ns.head_vocab
+    lm = build(ns, **kw)
     hidden = lm.config.hidden_size
     from dhisparse.models.scaled import offset_direction
     from dhisparse.models.v4_faithful import v4_offset_direction
@@ -72,23 +106,38 @@ def main(argv=None) -> int:
     prompts = [prefix + lm.tokenizer.encode(suffix_text(i)) for i in range(ns.prompts)]
     eng = Engine(EngineConfig(model=ns.model, preset="resident", device=ns.device, page_size=64,
                               max_running_requests=ns.prompts, kv_pool_bytes=int(ns.kv_pool_gib * 2**30),
+                              kv_cache_dtype=ns.kv_cache_dtype,
                               max_num_batched_tokens=8192, max_model_len=len(prompts[0]) + ns.tokens + 8), loaded=lm)
-    ids = [eng.add_request(p, SamplingParams(max_tokens=ns.tokens, ignore_eos=True)) for p in prompts[:1]]
+    params = SamplingParams(max_tokens=ns.tokens, ignore_eos=True, frequency_penalty=ns.frequency_penalty,
+                            logprobs=2 if ns.margins else None)
+    ids = [eng.add_request(p, params) for p in prompts[:1]]
     outputs: dict[int, list[int]] = {}
+    margins: dict[int, list[float]] = {}
+
+    def collect(i: int, o) -> None:
+        outputs.setdefault(i, []).extend(o.new_token_ids)
+        if o.logprobs:
+            margins.setdefault(i, []).extend(lp.top[0][1] - lp.top[1][1] for lp in o.logprobs if len(lp.top) > 1)
+
     while eng.has_unfinished():  # the first prompt alone: its prefill's states are the first len(prompt) rows
         for o in eng.step():
-            outputs.setdefault(0, []).extend(o.new_token_ids)
+            collect(0, o)
     share = common_share(torch.cat(got)[:len(prompts[0])], shared)
     got.clear()
-    ids = {eng.add_request(p, SamplingParams(max_tokens=ns.tokens, ignore_eos=True)): i for i, p in enumerate(prompts[1:], 1)}
+    ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[1:], 1)}
     while eng.has_unfinished():
         for o in eng.step():
-            outputs.setdefault(ids[o.request_id], []).extend(o.new_token_ids)
+            collect(ids[o.request_id], o)
     div = output_diversity(outputs)
+    runs = {str(i): settled_at(o) for i, o in sorted(outputs.items())}
+    print(f"[diversity] settled on one token from output position: {runs}", flush=True)
     print(f"[diversity] {ns.model}: {div['distinct_ids']:.1f} distinct ids an output of {ns.tokens}, "
           f"{100 * div['repeat_share']:.1f}% repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}; "
           f"common share of the final states (offset aside) {share:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    R.write_doc("faithful_diversity", ns, ns.out, diversity=div, common_share=share,
+    extra = {"margins_by_quarter": {str(i): quarters(m) for i, m in sorted(margins.items())}} if ns.margins else {}
+    if extra:
+        print(f"[diversity] top-1 minus top-2 logprob by quarter: {extra['margins_by_quarter']}", flush=True)
+    R.write_doc("faithful_diversity", ns, ns.out, diversity=div, common_share=share, settled_at=runs, **extra,
                 outputs={str(k): v for k, v in sorted(outputs.items())})
     return 0
 

@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,settle31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -337,6 +337,13 @@ case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stabl
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac
+case ",$STEPS," in *,settle31,*)  # issue 31: why glm5-faithful's 100K greedy outputs settle on one token after 128-500 of 1,024 (session 39's reference, refused by the guard): the costed sweep's shape (100K, FP8 rows, 1,024 tokens), 3 prompts, the logprob margins, for each head in ${SETTLE31_HEADS:-byte full} (models/faithful.py full_vocab_head) and frequency penalty ${SETTLE31_FP:-0} (~3 min a variant; needs the full build: an H200, or SETTLE31_OVERRIDES on an H100)
+  for HV in ${SETTLE31_HEADS:-byte full}; do
+    run "settling at 100K, head $HV" timeout ${SETTLE31_TIMEOUT:-280} python3 bench/faithful_diversity.py --model glm5-faithful \
+        --device cuda --prompts 3 --prompt-len 102400 --tokens 1024 --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE31_POOL:-24} \
+        --margins --head-vocab $HV --frequency-penalty ${SETTLE31_FP:-0} ${SETTLE31_OVERRIDES:+--overrides "$SETTLE31_OVERRIDES"} \
+        --out "$OUT/settle_glm5_faithful_${HV}_fp${SETTLE31_FP:-0}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,diversity31,*)  # issue 31: before any oracle reference is decoded from them, do the faithful models' greedy outputs depend on their context (sessions 36-37: glm5-faithful's 100K reference was one token repeated)? ${DIVERSITY31_MODELS:-glm5-faithful}, full geometry, 4 prompts of 4K, 64 tokens each, and the final states' common share (~1 min a model)
   for M in ${DIVERSITY31_MODELS:-glm5-faithful}; do
     run "greedy diversity, $M" timeout ${DIVERSITY31_TIMEOUT:-200} python3 bench/faithful_diversity.py --model $M --device cuda \

@@ -315,3 +315,22 @@ def test_index_gain_is_the_measured_calibration():
     other = build_faithful(num_layers=2, overrides=SMALL, dtype=torch.float32, index_gain=INDEX_GAIN)
     assert torch.equal(wq_b(default), wq_b(same))
     assert not torch.equal(wq_b(default), wq_b(other))
+
+
+def test_a_full_vocabulary_head_scores_every_id_and_keeps_the_byte_rows():
+    """head_vocab="full" (issue-31 probe): the rows past the byte ids are drawn (nonzero, distinct), the
+    byte rows and every other weight are the byte head's, the special rows stay zero, and the offset
+    direction is out of every row; an unknown value is refused by name."""
+    over = {**SMALL, "vocab_size": 1024}
+    byte = build_faithful(num_layers=2, overrides=over, dtype=torch.float32)
+    full = build_faithful(num_layers=2, overrides=over, dtype=torch.float32, head_vocab="full")
+    hb, hf = byte.model.lm_head.weight, full.model.lm_head.weight
+    assert torch.equal(hb[:BYTE_VOCAB], hf[:BYTE_VOCAB]) and not hb[BYTE_VOCAB:].any()
+    assert hf[BYTE_VOCAB:].abs().sum(1).min() > 0 and not torch.equal(hf[BYTE_VOCAB], hf[BYTE_VOCAB + 1])
+    assert not hf[:3].any()
+    u = offset_direction(hf.shape[1], 0, "cpu").float()
+    assert (hf.float() @ (u / u.norm())).abs().max() < 1e-4
+    sb, sf = byte.model.state_dict(), full.model.state_dict()
+    assert all(torch.equal(sb[k], sf[k]) for k in sb if k != "lm_head.weight")
+    with pytest.raises(ValueError, match="head_vocab"):
+        build_faithful(num_layers=1, overrides=over, head_vocab="bytes")

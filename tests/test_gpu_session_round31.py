@@ -67,7 +67,36 @@ def test_faithful_diversity_reports_outputs_and_the_common_share(tmp_path):
                  index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
     out = tmp_path / "d.json"
     faithful_diversity.main(["--layers", "8", "--dtype", "float32", "--prompt-len", "200", "--prompts", "3",
-                             "--tokens", "6", "--kv-pool-gib", "0.25", "--overrides", json.dumps(small), "--out", str(out)])
+                             "--tokens", "6", "--kv-pool-gib", "0.25", "--overrides", json.dumps(small), "--out", str(out),
+                             "--margins"])
     doc = json.loads(out.read_text())
     assert sorted(doc["outputs"]) == ["0", "1", "2"] and all(len(v) == 6 for v in doc["outputs"].values())
     assert doc["diversity"]["n"] == 3 and 0 <= doc["common_share"] < 0.15
+    assert sorted(doc["settled_at"]) == ["0", "1", "2"]
+    q = doc["margins_by_quarter"]["0"]
+    assert len(q) == 4 and all(0 <= p["min"] <= p["mean"] for p in q if p)
+
+
+def test_settle31_runs_the_costed_sweeps_shape_for_each_head(tmp_path):
+    from bench import faithful_diversity
+
+    cmds = [c for c in session_commands(tmp_path, "settle31") if c[0] == "bench/faithful_diversity.py"]
+    got = [faithful_diversity.parse(c[1:]) for c in cmds]
+    assert [ns.head_vocab for ns in got] == ["byte", "full"] and len({ns.out for ns in got}) == 2
+    assert all((ns.model, ns.device, ns.prompt_len, ns.tokens, ns.kv_cache_dtype, ns.margins, ns.overrides) ==
+               ("glm5-faithful", "cuda", 102400, 1024, "fp8_e4m3", True, None) for ns in got)
+    (tmp_path / "b").mkdir()
+    o = '{"n_routed_experts": 12}'
+    (ns,) = [faithful_diversity.parse(c[1:]) for c in session_commands(
+        tmp_path / "b", "settle31", {"SETTLE31_HEADS": "full", "SETTLE31_OVERRIDES": o, "SETTLE31_FP": "0.5"})
+        if c[0] == "bench/faithful_diversity.py"]
+    assert (ns.head_vocab, ns.overrides, ns.frequency_penalty) == ("full", o, 0.5)
+
+
+def test_where_an_output_settles_and_its_margins():
+    from bench.faithful_diversity import quarters, settled_at
+
+    assert settled_at([7, 8] + [5] * 40) == 2 and settled_at([5] * 40) == 0
+    assert settled_at([1] + [5] * 31) is None and settled_at([1, 2, 3]) is None and settled_at([]) is None
+    assert quarters([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == [
+        {"mean": 1.5, "min": 1.0}, {"mean": 3.5, "min": 3.0}, {"mean": 5.5, "min": 5.0}, {"mean": 7.5, "min": 7.0}]

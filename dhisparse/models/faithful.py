@@ -81,7 +81,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
-from dhisparse.models.scaled import EMBED_OFFSET, init_module, offset_direction, stable_index_query
+from dhisparse.models.scaled import BYTE_VOCAB, EMBED_OFFSET, init_module, offset_direction, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
@@ -236,13 +236,34 @@ def quantize_module(module: nn.Module, linears: tuple[str, ...] = FP8_LINEARS,
 
 
 @torch.no_grad()
+def full_vocab_head(head: torch.Tensor, seed: int) -> None:
+    """Draw lm_head's rows past the byte ids (zero after `init_tensor`) from their own seeded generator at
+    the byte rows' scale, so every one of the vocabulary's ids can be the greedy token (GLM-5's 154,880);
+    the byte rows, the special rows and the other tensors' draws are left as they were. Ids past the
+    byte ids decode to no text (ByteTokenizer)."""
+    rows = head.data[BYTE_VOCAB:]
+    if rows.numel() == 0:
+        return
+    gen = torch.Generator(device=head.device).manual_seed(seed * 1_000_003 + 11)
+    std = float(head.data[SPECIAL_IDS:BYTE_VOCAB].float().std())
+    rows.copy_(torch.empty(rows.shape, device=head.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+HEAD_VOCABS = ("byte", "full")  # build_faithful's head_vocab: the byte ids only (the default), or every id
+
+
 def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", num_layers: int | None = None,
                    overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
-                   index_gain: float = FAITHFUL_INDEX_GAIN, ep: tuple[int, int] | None = None) -> LoadedModel:
+                   index_gain: float = FAITHFUL_INDEX_GAIN, ep: tuple[int, int] | None = None,
+                   head_vocab: str = "byte") -> LoadedModel:
     """Deterministic random faithful model on `device` (same seed, device and config -> identical
     weights), built one layer at a time (module docstring). ep=(rank, world): expert parallelism,
-    each MoE layer keeping only the rank's block of its routed experts (an `EPMoE`)."""
+    each MoE layer keeping only the rank's block of its routed experts (an `EPMoE`). head_vocab
+    "full" (`full_vocab_head`): lm_head scores every id, not only the byte ids (an issue-31 probe of
+    whether a 256-token output space is why long greedy outputs settle on one token)."""
+    if head_vocab not in HEAD_VOCABS:
+        raise ValueError(f"head_vocab must be one of {HEAD_VOCABS}, got {head_vocab!r}")
     cfg = faithful_config(name, num_layers, overrides)
     device = torch.device(device)
     with torch.device("meta"):
@@ -252,6 +273,8 @@ def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtyp
     shared = offset_direction(cfg.hidden_size, seed, device)
     for prefix, module in (("model.embed_tokens.", m.embed_tokens), ("model.norm.", m.norm), ("lm_head.", model.lm_head)):
         _init_module(module, prefix, cfg.num_layers, dtype, device, gen)
+    if head_vocab == "full":
+        full_vocab_head(model.lm_head.weight, seed)
     if embed_offset:
         m.embed_tokens.weight.data += (embed_offset * shared).to(dtype)
         offset_free_head(model, shared)
