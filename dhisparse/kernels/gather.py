@@ -40,7 +40,7 @@ def copy_row_block(src_ptr, dst_ptr, si, di, rm, g, hp, hs0, hsl, hs1, dp, ds0, 
     the resolver plan kernel's fused copy (resolver_kernel.py, P6).
     Up to four column blocks (rows to 2 KB in 8-B units) are all loaded before any is stored: a store
     may alias a later load, so interleaved they would cost one host round trip (~1-2 us over PCIe)
-    per block instead of one per call; callers size R by `copy_blocks` to hold them."""
+    per block instead of one a row chunk; callers size R by `RowCopy.width_in_flight` to hold them."""
     sb = tl.multiple_of((si // hp) * hs0 + g * hsl + (si % hp) * hs1, VEC)
     db = tl.multiple_of((di // dp) * ds0 + g * dsl + (di % dp) * ds1, VEC)
     NB: tl.constexpr = (W + CW - 1) // CW
