@@ -337,10 +337,10 @@ case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stabl
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac
-case ",$STEPS," in *,settle31,*)  # issue 31: why glm5-faithful's 100K greedy outputs settle on one token after 128-500 of 1,024 (session 39's reference, refused by the guard): the costed sweep's shape (100K, FP8 rows, 1,024 tokens), 3 prompts, the logprob margins, for each head in ${SETTLE31_HEADS:-byte full} (models/faithful.py full_vocab_head) and frequency penalty ${SETTLE31_FP:-0} (~3 min a variant; needs the full build: an H200, or SETTLE31_OVERRIDES on an H100)
+case ",$STEPS," in *,settle31,*)  # issue 31: why glm5-faithful's 100K greedy outputs settle on one token after 128-500 of 1,024 (session 39's reference, refused by the guard): the costed sweep's shape (100K, FP8 rows, 1,024 tokens), 3 prompts, the logprob margins, for each head in ${SETTLE31_HEADS:-byte full} (models/faithful.py full_vocab_head) and frequency penalty ${SETTLE31_FP:-0} (~3 min a variant; the full build needs an H200; on an H100: SETTLE31_OVERRIDES='{"n_routed_experts": 12}' SETTLE31_PROMPTS=2 SETTLE31_POOL=14, since 100K of FP8 rows over 78 layers is 5.9 GiB a prompt and the 12-expert build ~52 GiB)
   for HV in ${SETTLE31_HEADS:-byte full}; do
     run "settling at 100K, head $HV" timeout ${SETTLE31_TIMEOUT:-280} python3 bench/faithful_diversity.py --model glm5-faithful \
-        --device cuda --prompts 3 --prompt-len 102400 --tokens 1024 --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE31_POOL:-24} \
+        --device cuda --prompts ${SETTLE31_PROMPTS:-3} --prompt-len 102400 --tokens 1024 --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE31_POOL:-24} \
         --margins --head-vocab $HV --frequency-penalty ${SETTLE31_FP:-0} ${SETTLE31_OVERRIDES:+--overrides "$SETTLE31_OVERRIDES"} \
         --out "$OUT/settle_glm5_faithful_${HV}_fp${SETTLE31_FP:-0}_h200.json"
   done ;; esac

@@ -88,9 +88,10 @@ def test_settle31_runs_the_costed_sweeps_shape_for_each_head(tmp_path):
     (tmp_path / "b").mkdir()
     o = '{"n_routed_experts": 12}'
     (ns,) = [faithful_diversity.parse(c[1:]) for c in session_commands(
-        tmp_path / "b", "settle31", {"SETTLE31_HEADS": "full", "SETTLE31_OVERRIDES": o, "SETTLE31_FP": "0.5"})
+        tmp_path / "b", "settle31", {"SETTLE31_HEADS": "full", "SETTLE31_OVERRIDES": o, "SETTLE31_FP": "0.5",
+                                     "SETTLE31_PROMPTS": "2", "SETTLE31_POOL": "14"})
         if c[0] == "bench/faithful_diversity.py"]
-    assert (ns.head_vocab, ns.overrides, ns.frequency_penalty) == ("full", o, 0.5)
+    assert (ns.head_vocab, ns.overrides, ns.frequency_penalty, ns.prompts, ns.kv_pool_gib) == ("full", o, 0.5, 2, 14)
 
 
 def test_where_an_output_settles_and_its_margins():
