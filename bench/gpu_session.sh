@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,settle31,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,locality31,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -344,6 +344,11 @@ case ",$STEPS," in *,settle31,*)  # issue 31: why glm5-faithful's 100K greedy ou
         --margins --head-vocab $HV --frequency-penalty ${SETTLE31_FP:-0} ${SETTLE31_OVERRIDES:+--overrides "$SETTLE31_OVERRIDES"} \
         --out "$OUT/settle_glm5_faithful_${HV}_fp${SETTLE31_FP:-0}_h200.json"
   done ;; esac
+case ",$STEPS," in *,settle41,*)  # issue 31: does v41-faithful's greedy output settle on one token too (glm5-faithful's did at 100K after 128-500 tokens, session 39) before Fig. 5's references are decoded from it? ${SETTLE41_LEN:-131072} tokens of context (one of fig5v41's), ${SETTLE41_TOKENS:-512} tokens (Fig. 5's outputs are 256), 3 prompts, FP8 rows, the margins (~3 min; 57 GiB: fits an H100)
+  run "settling, v41-faithful, ${SETTLE41_LEN:-131072}" timeout ${SETTLE41_TIMEOUT:-280} python3 bench/faithful_diversity.py \
+      --model v41-faithful --device cuda --prompts 3 --prompt-len ${SETTLE41_LEN:-131072} --tokens ${SETTLE41_TOKENS:-512} \
+      --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE41_POOL:-8} --margins \
+      --out "$OUT/settle_v41_faithful_${SETTLE41_LEN:-131072}_h200.json" ;; esac
 case ",$STEPS," in *,diversity31,*)  # issue 31: before any oracle reference is decoded from them, do the faithful models' greedy outputs depend on their context (sessions 36-37: glm5-faithful's 100K reference was one token repeated)? ${DIVERSITY31_MODELS:-glm5-faithful}, full geometry, 4 prompts of 4K, 64 tokens each, and the final states' common share (~1 min a model)
   for M in ${DIVERSITY31_MODELS:-glm5-faithful}; do
     run "greedy diversity, $M" timeout ${DIVERSITY31_TIMEOUT:-200} python3 bench/faithful_diversity.py --model $M --device cuda \

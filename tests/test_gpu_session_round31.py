@@ -101,3 +101,12 @@ def test_where_an_output_settles_and_its_margins():
     assert settled_at([1] + [5] * 31) is None and settled_at([1, 2, 3]) is None and settled_at([]) is None
     assert quarters([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == [
         {"mean": 1.5, "min": 1.0}, {"mean": 3.5, "min": 3.0}, {"mean": 5.5, "min": 5.0}, {"mean": 7.5, "min": 7.0}]
+
+
+def test_settle41_checks_v41_faithful_at_a_fig5_context(tmp_path):
+    from bench import faithful_diversity
+
+    (ns,) = [faithful_diversity.parse(c[1:]) for c in session_commands(tmp_path, "settle41")
+             if c[0] == "bench/faithful_diversity.py"]
+    assert (ns.model, ns.device, ns.prompt_len, ns.tokens, ns.kv_cache_dtype, ns.margins, ns.head_vocab) == (
+        "v41-faithful", "cuda", 131072, 512, "fp8_e4m3", True, "byte")
