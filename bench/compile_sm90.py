@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from dhisparse.kernels.resolver import PHASE_STOPS, _shape_consts, _sort_classes, fused_copy_rows  # noqa: E402
 from bench.resolver_timing import header  # noqa: E402
-from dhisparse.kernels.gather import gather_rows_kernel  # noqa: E402
+from dhisparse.kernels.gather import gather_rows_kernel, gather_rows_per_prog, in_flight_units  # noqa: E402
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel  # noqa: E402
 
 INT32_PTRS = {"copy_n_ptr", "scr32_ptr", "bm_ptr", "pre_ptr"}
@@ -103,7 +103,7 @@ def _variants() -> list[tuple[str, dict, int]]:
         out.append((f"UPTO {upto}", plan_consts(2048, 4096, False, upto, True), 16))
     for KKP, BP, W in ((2048, 4096, 82), (2048, 8192, 144), (16384, 4096, 82)):  # the fused copy (P6) of 656- / 1,152-B rows
         warps = _shape_consts(KKP, BP)[2]
-        cp = dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=fused_copy_rows(warps, 64 * -(-W // 64)))
+        cp = dict(COPY=1, CPW=W, CCW=64, CVEC=2, CR=fused_copy_rows(warps, in_flight_units(W, 64)))
         consts = plan_consts(KKP, BP, False, distinct=KKP <= 2048) | cp
         out.append((f"COPY KKP {KKP} BP {BP} W {W}", consts, warps))
         if KKP <= 2048:  # with P0's pre-pass too (adaptive's optional map: --resolver-copy fused)
@@ -128,8 +128,8 @@ def main() -> None:
         print(f"resolve_plan_kernel {label}: ok, {warps} warps, shared {k.metadata.shared} B"
               + (f", {rec['ptxas']}" if "ptxas" in rec else ""), flush=True)
     compile_kernel(direct_pre_kernel, {"CH": 1024}, 4)
-    for W, R in ((82, 8), (144, 8), (320, 16)):  # 656-, 1,152- and 2,560-B rows: 2, 3 and 5 column blocks
-        compile_kernel(gather_rows_kernel, dict(W=W, R=R, CW=64, VEC=2), 4)
+    for W in (82, 144, 320):  # 656-, 1,152- and 2,560-B rows: 2, 3 and 5 column blocks
+        compile_kernel(gather_rows_kernel, dict(W=W, R=gather_rows_per_prog(in_flight_units(W, 64)), CW=64, VEC=2), 4)
     records += [{"kernel": "direct_pre_kernel"}, {"kernel": "gather_rows_kernel"}]
     print("direct_pre_kernel, gather_rows_kernel: ok")
     if args.out:

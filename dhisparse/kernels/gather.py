@@ -56,16 +56,16 @@ def copy_row_block(src_ptr, dst_ptr, si, di, rm, g, hp, hs0, hsl, hs1, dp, ds0, 
         if NB >= 4:
             p3, m3 = _block(src_ptr, sb, 3 * CW, rm, W, CW, VEC)
             v3 = tl.load(p3, mask=m3)
-        q0, m0 = _block(dst_ptr, db, 0, rm, W, CW, VEC)
+        q0, _ = _block(dst_ptr, db, 0, rm, W, CW, VEC)  # the same columns: the loads' masks
         tl.store(q0, v0, mask=m0)
         if NB >= 2:
-            q1, m1 = _block(dst_ptr, db, CW, rm, W, CW, VEC)
+            q1, _ = _block(dst_ptr, db, CW, rm, W, CW, VEC)
             tl.store(q1, v1, mask=m1)
         if NB >= 3:
-            q2, m2 = _block(dst_ptr, db, 2 * CW, rm, W, CW, VEC)
+            q2, _ = _block(dst_ptr, db, 2 * CW, rm, W, CW, VEC)
             tl.store(q2, v2, mask=m2)
         if NB >= 4:
-            q3, m3 = _block(dst_ptr, db, 3 * CW, rm, W, CW, VEC)
+            q3, _ = _block(dst_ptr, db, 3 * CW, rm, W, CW, VEC)
             tl.store(q3, v3, mask=m3)
     else:
         for c0 in tl.static_range(0, W, CW):
@@ -183,10 +183,21 @@ class RowCopy:
 
     @property
     def width_in_flight(self) -> int:
-        """Units of a row that `copy_row_block` loads before it stores: the whole row's column blocks
-        (CW each) when they are four or fewer, else one block at a time."""
-        nb = -(-self.W // self.CW)
-        return self.CW * (nb if nb <= 4 else 1)
+        """`in_flight_units` of this pair's rows."""
+        return in_flight_units(self.W, self.CW)
+
+
+def in_flight_units(W: int, CW: int) -> int:
+    """Units of a W-unit row that `copy_row_block` loads before it stores: the whole row's column blocks
+    (CW each) when they are four or fewer, else one block at a time."""
+    nb = -(-W // CW)
+    return CW * (nb if nb <= 4 else 1)
+
+
+def gather_rows_per_prog(in_flight: int) -> int:
+    """R of the gather kernel: about 1,024 units in flight a program (8 a thread of 4 warps), rounded up
+    to whole rows of `in_flight` units, at most 16."""
+    return min(16, triton.next_power_of_2(triton.cdiv(1024, in_flight)))
 
 
 def row_copy(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> RowCopy:
@@ -229,8 +240,7 @@ def gather_rows(rc: RowCopy, src_idx: torch.Tensor, dst_idx: torch.Tensor, count
     N, C = src_idx.shape
     if N == 0 or C == 0:
         return
-    # about 1,024 units in flight a program (8 a thread of 4 warps), rounded up to whole rows
-    R = rows_per_prog or min(16, triton.next_power_of_2(triton.cdiv(1024, rc.width_in_flight)))
+    R = rows_per_prog or gather_rows_per_prog(rc.width_in_flight)
     grid = (gather_programs(C, R, N, rc.layers), N, rc.layers)
     gather_rows_kernel[grid](rc.src, rc.dst, src_idx, dst_idx, count, C, *rc.strides,
                              W=rc.W, R=R, CW=rc.CW, VEC=rc.VEC, num_warps=num_warps)
