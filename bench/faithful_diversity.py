@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     runs = {str(i): settled_at(o) for i, o in sorted(outputs.items())}
     print(f"[diversity] settled on one token from output position: {runs}", flush=True)
     print(f"[diversity] {ns.model}: {div['distinct_ids']:.1f} distinct ids an output of {ns.tokens}, "
-          f"{100 * div['repeat_share']:.1f}% repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}; "
+          f"{100 * div['repeat_share']:.1f}% repeat the one before, {100 * div['cycle_share']:.1f}% the one d <= 16 before "
+          f"(d {div['cycle_periods']}), {div['distinct_outputs']} distinct outputs of {div['n']}; "
           f"common share of the final states (offset aside) {share:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     extra = {"margins_by_quarter": {str(i): quarters(m) for i, m in sorted(margins.items())}} if ns.margins else {}
     if extra:

@@ -98,9 +98,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--reference-file", default=None, metavar="PATH",
       help="the oracle's reference outputs: read from PATH when it was made for this model, workload, row format and "
            "commit, else decoded and written there (saves the reference decode in later calls; dhisparse.bench.reference)")
-    a("--max-reference-repeat", type=float, default=0.5, metavar="SHARE",
-      help="refuse an oracle reference in which more than SHARE of the tokens repeat the one before (a degenerate "
-           "model's output, dhisparse.bench.reference.check_diversity); 1.0 accepts any")
+    a("--max-reference-repeat", type=float, default=0.25, metavar="SHARE",
+      help="refuse an oracle reference in which more than SHARE of the tokens repeat the one d <= 16 before, at each "
+           "output's worst d (one token repeated, or a short cycle: a degenerate model's output; byte text is under "
+           "0.2; dhisparse.bench.reference.check_diversity); 1.0 accepts any")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
@@ -340,7 +341,8 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
               + (f", written to {ns.reference_file}" if ns.reference_file else ""), flush=True)
     sz["reference_diversity"] = div = output_diversity(outputs)
     print(f"[reference] diversity: {div['distinct_ids']:.1f} distinct ids an output, {100 * div['repeat_share']:.1f}% "
-          f"of tokens repeat the one before, {div['distinct_outputs']} distinct outputs of {div['n']}", flush=True)
+          f"of tokens repeat the one before, {100 * div['cycle_share']:.1f}% the one d <= 16 before (d "
+          f"{sorted(set(div['cycle_periods']))}), {div['distinct_outputs']} distinct outputs of {div['n']}", flush=True)
     check_diversity(div, ns.max_reference_repeat)
     return {prompts[i]: outputs[i] for i in range(ns.distinct_suffixes)}
 
