@@ -43,8 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--device", default="cpu"); a("--dtype", default="bfloat16"); a("--kv-pool-gib", type=float, default=4.0)
     a("--kv-cache-dtype", default="auto", help="the engine's row format (fp8_e4m3: the costed sweep's 656-B rows)")
     a("--index-gain", type=float, default=None, help="the index queries' stable part (default: the builder's)")
-    a("--head-vocab", default="byte", choices=("byte", "full"), help="glm5-faithful's lm_head over the byte ids (the "
-      "default) or every id (models/faithful.py full_vocab_head)")
+    a("--head-vocab", default="full", choices=("full", "byte"), help="the faithful model's lm_head over every id (the "
+      "default from session 40, models/faithful.py full_vocab_head) or over the byte ids alone (the build before)")
     a("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency_penalty of every request (0: plain greedy)")
     a("--margins", action="store_true", help="also each output's top-1 minus top-2 logprob margin, by quarter of the output")
     a("--out", required=True)
@@ -89,10 +89,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     kw = {} if ns.index_gain is None else {"index_gain": ns.index_gain}  # else the builder's
-    if ns.head_vocab != "byte":
-        if ns.model != "glm5-faithful":
-            raise SystemExit("--head-vocab full: glm5-faithful only")
-        kw["head_vocab"] = ns.head_vocab
+    kw["head_vocab"] = ns.head_vocab
     lm = build(ns, **kw)
     hidden = lm.config.hidden_size
     from dhisparse.models.scaled import offset_direction

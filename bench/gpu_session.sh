@@ -337,18 +337,20 @@ case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stabl
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac
-case ",$STEPS," in *,settle31,*)  # issue 31: why glm5-faithful's 100K greedy outputs settle on one token after 128-500 of 1,024 (session 39's reference, refused by the guard): the costed sweep's shape (100K, FP8 rows, 1,024 tokens), 3 prompts, the logprob margins, for each head in ${SETTLE31_HEADS:-byte full} (models/faithful.py full_vocab_head) and frequency penalty ${SETTLE31_FP:-0} (~3 min a variant; the full build needs an H200; on an H100: SETTLE31_OVERRIDES='{"n_routed_experts": 12}' SETTLE31_PROMPTS=2 SETTLE31_POOL=14, since 100K of FP8 rows over 78 layers is 5.9 GiB a prompt and the 12-expert build ~52 GiB)
-  for HV in ${SETTLE31_HEADS:-byte full}; do
+case ",$STEPS," in *,settle31,*)  # issue 31: does glm5-faithful's 100K greedy output stay varied over 1,024 tokens (session 39's byte-head reference settled on one token after 128-500, refused by the guard; session 40 made the head score every id, which stopped a small CPU build's 4-token cycle over 16K)? The costed sweep's shape (100K, FP8 rows, 1,024 tokens), 3 prompts, the logprob margins and the cycle share, for each head in ${SETTLE31_HEADS:-full byte} (models/faithful.py full_vocab_head: full is the build's default, byte the build before) and frequency penalty ${SETTLE31_FP:-0} (~3 min a variant; the full build needs an H200; on an H100: SETTLE31_OVERRIDES='{"n_routed_experts": 12}' SETTLE31_PROMPTS=2 SETTLE31_POOL=14, since 100K of FP8 rows over 78 layers is 5.9 GiB a prompt and the 12-expert build ~52 GiB)
+  for HV in ${SETTLE31_HEADS:-full byte}; do
     run "settling at 100K, head $HV" timeout ${SETTLE31_TIMEOUT:-280} python3 bench/faithful_diversity.py --model glm5-faithful \
         --device cuda --prompts ${SETTLE31_PROMPTS:-3} --prompt-len 102400 --tokens 1024 --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE31_POOL:-24} \
         --margins --head-vocab $HV --frequency-penalty ${SETTLE31_FP:-0} ${SETTLE31_OVERRIDES:+--overrides "$SETTLE31_OVERRIDES"} \
         --out "$OUT/settle_glm5_faithful_${HV}_fp${SETTLE31_FP:-0}_h200.json"
   done ;; esac
-case ",$STEPS," in *,settle41,*)  # issue 31: does v41-faithful's greedy output settle on one token too (glm5-faithful's did at 100K after 128-500 tokens, session 39) before Fig. 5's references are decoded from it? ${SETTLE41_LEN:-131072} tokens of context (one of fig5v41's), ${SETTLE41_TOKENS:-512} tokens (Fig. 5's outputs are 256), 3 prompts, FP8 rows, the margins (~3 min; 57 GiB: fits an H100)
-  run "settling, v41-faithful, ${SETTLE41_LEN:-131072}" timeout ${SETTLE41_TIMEOUT:-280} python3 bench/faithful_diversity.py \
-      --model v41-faithful --device cuda --prompts 3 --prompt-len ${SETTLE41_LEN:-131072} --tokens ${SETTLE41_TOKENS:-512} \
-      --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE41_POOL:-8} --margins \
-      --out "$OUT/settle_v41_faithful_${SETTLE41_LEN:-131072}_h200.json" ;; esac
+case ",$STEPS," in *,settle41,*)  # issue 31: does v41-faithful's greedy output stay varied (glm5-faithful's byte head settled on one token at 100K after 128-500 tokens, session 39) before Fig. 5's references are decoded from it? ${SETTLE41_LEN:-131072} tokens of context (one of fig5v41's), ${SETTLE41_TOKENS:-512} tokens (Fig. 5's outputs are 256), 3 prompts, FP8 rows, the margins, for each head in ${SETTLE41_HEADS:-full} (~3 min a head; 57 GiB: fits an H100)
+  for HV in ${SETTLE41_HEADS:-full}; do
+    run "settling, v41-faithful, ${SETTLE41_LEN:-131072}, head $HV" timeout ${SETTLE41_TIMEOUT:-280} python3 bench/faithful_diversity.py \
+        --model v41-faithful --device cuda --prompts 3 --prompt-len ${SETTLE41_LEN:-131072} --tokens ${SETTLE41_TOKENS:-512} \
+        --kv-cache-dtype fp8_e4m3 --kv-pool-gib ${SETTLE41_POOL:-8} --margins --head-vocab $HV \
+        --out "$OUT/settle_v41_faithful_${SETTLE41_LEN:-131072}_${HV}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,diversity31,*)  # issue 31: before any oracle reference is decoded from them, do the faithful models' greedy outputs depend on their context (sessions 36-37: glm5-faithful's 100K reference was one token repeated)? ${DIVERSITY31_MODELS:-glm5-faithful}, full geometry, 4 prompts of 4K, 64 tokens each, and the final states' common share (~1 min a model)
   for M in ${DIVERSITY31_MODELS:-glm5-faithful}; do
     run "greedy diversity, $M" timeout ${DIVERSITY31_TIMEOUT:-200} python3 bench/faithful_diversity.py --model $M --device cuda \

@@ -82,7 +82,7 @@ def test_settle31_runs_the_costed_sweeps_shape_for_each_head(tmp_path):
 
     cmds = [c for c in session_commands(tmp_path, "settle31") if c[0] == "bench/faithful_diversity.py"]
     got = [faithful_diversity.parse(c[1:]) for c in cmds]
-    assert [ns.head_vocab for ns in got] == ["byte", "full"] and len({ns.out for ns in got}) == 2
+    assert [ns.head_vocab for ns in got] == ["full", "byte"] and len({ns.out for ns in got}) == 2
     assert all((ns.model, ns.device, ns.prompt_len, ns.tokens, ns.kv_cache_dtype, ns.margins, ns.overrides) ==
                ("glm5-faithful", "cuda", 102400, 1024, "fp8_e4m3", True, None) for ns in got)
     (tmp_path / "b").mkdir()
@@ -109,4 +109,9 @@ def test_settle41_checks_v41_faithful_at_a_fig5_context(tmp_path):
     (ns,) = [faithful_diversity.parse(c[1:]) for c in session_commands(tmp_path, "settle41")
              if c[0] == "bench/faithful_diversity.py"]
     assert (ns.model, ns.device, ns.prompt_len, ns.tokens, ns.kv_cache_dtype, ns.margins, ns.head_vocab) == (
-        "v41-faithful", "cuda", 131072, 512, "fp8_e4m3", True, "byte")
+        "v41-faithful", "cuda", 131072, 512, "fp8_e4m3", True, "full")
+    (tmp_path / "b").mkdir()
+    got = [faithful_diversity.parse(c[1:]) for c in session_commands(tmp_path / "b", "settle41",
+                                                                      {"SETTLE41_HEADS": "full byte"})
+           if c[0] == "bench/faithful_diversity.py"]
+    assert [ns.head_vocab for ns in got] == ["full", "byte"] and len({ns.out for ns in got}) == 2

@@ -92,7 +92,13 @@ def test_small_build_quantizes_what_the_docstring_says():
     assert isinstance(comp.indexer.scorer.weights_proj, torch.nn.Linear)
     assert lm.config.selection_types[2:7] == (FULL, FULL, REUSE, FULL, REINDEX)
     head = lm.model.lm_head.weight
-    assert head[259:].abs().sum() == 0 and head[3:259].abs().min() > 0
+    assert head[3:].abs().sum(1).min() > 0  # every id scored (head_vocab "full", the default)
+    byte = build_v41_faithful(num_layers=8, overrides=SMALL, dtype=torch.float32, head_vocab="byte")
+    assert byte.model.lm_head.weight[259:].abs().sum() == 0 and torch.equal(byte.model.lm_head.weight[:259], head[:259])
+    sb, sf = byte.model.state_dict(), lm.model.state_dict()
+    assert all(torch.equal(sb[k], sf[k]) for k in sb if k != "lm_head.weight")
+    with pytest.raises(ValueError, match="head_vocab"):
+        build_v41_faithful(num_layers=1, overrides=SMALL, head_vocab="bytes")
     again = build_v41_faithful(num_layers=8, overrides=SMALL, dtype=torch.float32)
     for (n, t), (_, u) in zip(lm.model.state_dict().items(), again.model.state_dict().items()):
         assert torch.equal(t.float(), u.float()), n
@@ -142,15 +148,15 @@ def test_head_reads_no_locality_offset_and_the_output_varies(monkeypatch):
     prompts = [prefix_ids(tok, 100, SMALL["vocab_size"]) + tok.encode(suffix_text(i)) for i in range(2)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
-    def outputs():
-        lm = dataclasses.replace(build_v41_faithful(num_layers=43, overrides=SMALL, dtype=torch.bfloat16),
-                                 tokenizer=tok)
+    def outputs(head_vocab="full"):
+        lm = dataclasses.replace(build_v41_faithful(num_layers=43, overrides=SMALL, dtype=torch.bfloat16,
+                                                    head_vocab=head_vocab), tokenizer=tok)
         return generate(engine(lm, preset="resident", hot_cache_rows=8), prompts, params)
 
     assert all(len(set(o[1:])) >= 3 for o in outputs())
     monkeypatch.setattr(v4_faithful, "offset_free_head", lambda model, shared: None)  # the build before session 36
     monkeypatch.setattr(v4_faithful, "offset_blind", lambda layer, shared, names: None)
-    assert all(len(set(o[1:])) == 1 for o in outputs())
+    assert all(len(set(o[1:])) == 1 for o in outputs("byte"))  # and the byte head of then
 
 
 def test_layers_add_no_part_common_to_every_position(monkeypatch):

@@ -20,14 +20,20 @@ model computes what GLM-5 computes per token, except for how many experts there 
   (EMBED_OFFSET) and its own index gain (FAITHFUL_INDEX_GAIN, 0: calibrated at full geometry
   against the paper's locality), routers balanced over every expert
   (`balance_router`), and **no confident head**: lm_head is an ordinary
-  random matrix on the 256 byte ids (rows 0-2, the special ids, and rows past 259 are zero) with the
+  random matrix over the whole vocabulary (rows 0-2, the special ids, are zero; `full_vocab_head`) with the
   locality offset's direction projected out of its rows (`offset_free_head`; before session 36 the
   offset decided the output: one token repeated for every prompt) and out of the inputs through
   which a layer's output depends on the stream (`offset_blind`: the KV latent and the FFN; before
   session 37 the layers turned the offset into new parts common to every position, and the output
   was still one token), so the greedy tokens depend on the context and on what attention returns,
-  and a broken KV path changes them (random weights still fall into cycles of a few tokens after
-  a few dozen, as a random next-token map does). The price: near-tied logits,
+  and a broken KV path changes them. Until session 40 the head scored only the 256 byte ids (rows
+  past 259 zero; `head_vocab="byte"` keeps that build), and over a long fixed context its greedy
+  output fell into a short cycle -- one token after 128-500 tokens at 100K on
+  the H200 (session 39), four tokens from the 8th on a small CPU build over 16K (session 40), where
+  a head over every id gave 974 distinct ids in 1,024 tokens. The likely reason (not measured): over
+  a long context whose selected rows barely change, the next token is nearly a function of the
+  last one, and a random map on 256 ids soon cycles; on 154,880 its cycles are hundreds long. Ids past the byte ids decode to no
+  text (ByteTokenizer): a benchmark model. The price of no confident head: near-tied logits,
   so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
 
 Memory (one H200, ~139 GiB usable):
@@ -249,21 +255,27 @@ def full_vocab_head(head: torch.Tensor, seed: int) -> None:
     rows.copy_(torch.empty(rows.shape, device=head.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
-HEAD_VOCABS = ("byte", "full")  # build_faithful's head_vocab: the byte ids only (the default), or every id
+# build_faithful's / build_v41_faithful's head_vocab: every id (the default from session 40), or the byte ids
+# only (the build before it: over a long fixed context its greedy output cycled through a few of them)
+HEAD_VOCABS = ("full", "byte")
+
+
+def check_head_vocab(head_vocab: str) -> None:
+    if head_vocab not in HEAD_VOCABS:
+        raise ValueError(f"head_vocab must be one of {HEAD_VOCABS}, got {head_vocab!r}")
 
 
 def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", num_layers: int | None = None,
                    overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
                    index_gain: float = FAITHFUL_INDEX_GAIN, ep: tuple[int, int] | None = None,
-                   head_vocab: str = "byte") -> LoadedModel:
+                   head_vocab: str = "full") -> LoadedModel:
     """Deterministic random faithful model on `device` (same seed, device and config -> identical
     weights), built one layer at a time (module docstring). ep=(rank, world): expert parallelism,
     each MoE layer keeping only the rank's block of its routed experts (an `EPMoE`). head_vocab
-    "full" (`full_vocab_head`): lm_head scores every id, not only the byte ids (an issue-31 probe of
-    whether a 256-token output space is why long greedy outputs settle on one token)."""
-    if head_vocab not in HEAD_VOCABS:
-        raise ValueError(f"head_vocab must be one of {HEAD_VOCABS}, got {head_vocab!r}")
+    "full" (`full_vocab_head`, the default): lm_head scores every id; "byte": only the byte ids, the
+    build of sessions 36-39 (module docstring)."""
+    check_head_vocab(head_vocab)
     cfg = faithful_config(name, num_layers, overrides)
     device = torch.device(device)
     with torch.device("meta"):

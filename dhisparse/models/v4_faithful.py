@@ -27,7 +27,9 @@ token, except for how many experts there are to choose from:
   embeddings and head stay bf16 / fp32.
 - Seeded random weights by `build_v4_random`'s rules (matrices N(0, 1/fan_in), residual
   projections / sqrt(2L), random sinks, position biases and hyper-connection biases, distinct hash
-  experts per token); lm_head rows past the byte tokenizer's 259 ids are zero. No confident head, and
+  experts per token); lm_head scores every id of the vocabulary, as drawn (from session 40, as
+  glm5-faithful's: a head over the 256 byte ids cycled through a few of them over a long context;
+  `head_vocab="byte"` zeroes rows past the byte tokenizer's 259 ids, the build before). No confident head, and
   the locality offset's direction is projected out of the head's rows (`faithful.offset_free_head`:
   before session 36 the 43-layer build's greedy output was one token repeated, for every prompt),
   and out of the KV projections' and the experts' inputs (`faithful.offset_blind` with
@@ -70,7 +72,7 @@ from dhisparse.core.v4_config import CSA, HCA, SLIDING, V4Config
 from dhisparse.core.v4_sources import FULL, REINDEX, REUSE
 from dhisparse.layers.v4_moe import Fp8V4Experts
 from dhisparse.models.dsv4 import DeepseekV4ForCausalLM
-from dhisparse.models.faithful import offset_blind, offset_free_head, quantize_module
+from dhisparse.models.faithful import check_head_vocab, offset_blind, offset_free_head, quantize_module
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import EMBED_OFFSET, INDEX_GAIN, bump_index_query
 from dhisparse.models.v4_loader import _FP32
@@ -184,9 +186,13 @@ def quantize_v4_module(module: nn.Module) -> None:
 @torch.no_grad()
 def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                        num_layers: int | None = None, overrides: dict | None = None,
-                       embed_offset: float = EMBED_OFFSET, index_gain: float = INDEX_GAIN) -> LoadedModel:
+                       embed_offset: float = EMBED_OFFSET, index_gain: float = INDEX_GAIN,
+                       head_vocab: str = "full") -> LoadedModel:
     """Deterministic random v41-faithful on `device`, built one layer at a time (module docstring);
-    embed_offset / index_gain: the selection locality (0, 0: none; `stable_v4_index_query`)."""
+    embed_offset / index_gain: the selection locality (0, 0: none; `stable_v4_index_query`);
+    head_vocab "full" (the default): lm_head scores every id, its rows as `build_v4_random`'s rules
+    draw them; "byte": rows past the byte ids zeroed, the build before session 40."""
+    check_head_vocab(head_vocab)
     cfg = v41_faithful_config(num_layers, overrides)
     device = torch.device(device)
     with torch.device("meta"):
@@ -200,7 +206,7 @@ def build_v41_faithful(seed: int = 0, dtype: torch.dtype = torch.bfloat16, devic
     if embed_offset:
         m.embed_tokens.weight.data += (embed_offset * shared).to(m.embed_tokens.weight.dtype)
         offset_free_head(model, shared)
-    if cfg.vocab_size > BYTE_VOCAB and not cfg.tie_word_embeddings:
+    if head_vocab == "byte" and cfg.vocab_size > BYTE_VOCAB and not cfg.tie_word_embeddings:
         model.lm_head.weight[BYTE_VOCAB:] = 0
     index_gen = torch.Generator(device="cpu").manual_seed(seed + 3)
     for i, layer in enumerate(m.layers):
