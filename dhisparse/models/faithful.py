@@ -32,8 +32,9 @@ model computes what GLM-5 computes per token, except for how many experts there 
   the H200 (session 39), four tokens from the 8th on a small CPU build over 16K (session 40), where
   a head over every id gave 974 distinct ids in 1,024 tokens. The likely reason (not measured): over
   a long context whose selected rows barely change, the next token is nearly a function of the
-  last one, and a random map on 256 ids soon cycles; on 154,880 its cycles are hundreds long. Ids past the byte ids decode to no
-  text (ByteTokenizer): a benchmark model. The price of no confident head: near-tied logits,
+  last one, and a random map on 256 ids soon cycles; on 154,880 its cycles are hundreds long. Ids
+  past the byte ids decode to no text (ByteTokenizer): a benchmark model. The price of no confident
+  head: near-tied logits,
   so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
 
 Memory (one H200, ~139 GiB usable):
@@ -261,6 +262,7 @@ HEAD_VOCABS = ("full", "byte")
 
 
 def check_head_vocab(head_vocab: str) -> None:
+    """ValueError naming `head_vocab` unless it is one of HEAD_VOCABS."""
     if head_vocab not in HEAD_VOCABS:
         raise ValueError(f"head_vocab must be one of {HEAD_VOCABS}, got {head_vocab!r}")
 
