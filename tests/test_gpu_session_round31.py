@@ -77,6 +77,35 @@ def test_faithful_diversity_reports_outputs_and_the_common_share(tmp_path):
     assert len(q) == 4 and all(0 <= p["min"] <= p["mean"] for p in q if p)
 
 
+def test_memoized_fp8_dequantization_gives_the_same_tokens(tmp_path, monkeypatch):
+    """faithful_diversity --memo-fp8 (CPU speed) keeps each FP8 weight's dequantized copy: the same
+    greedy tokens as dequantizing every call, and the copies are used (fewer plain dequantizations)."""
+    import json
+
+    from bench import faithful_diversity
+    from dhisparse.kernels import fp8_gemm_ref
+
+    plain = fp8_gemm_ref.dequantize_block_fp8
+    calls = []
+
+    def counted(w8, scale):
+        calls.append(1)
+        return plain(w8, scale)
+
+    monkeypatch.setattr(fp8_gemm_ref, "dequantize_block_fp8", counted)  # restored after the test
+    small = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+                 index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+    args = ["--layers", "4", "--dtype", "float32", "--prompt-len", "120", "--prompts", "2", "--tokens", "5",
+            "--kv-pool-gib", "0.25", "--overrides", json.dumps(small)]
+    faithful_diversity.main(args + ["--out", str(tmp_path / "plain.json")])
+    n_plain, calls[:] = len(calls), []
+    faithful_diversity.main(args + ["--memo-fp8", "--out", str(tmp_path / "memo.json")])
+    got = [json.loads((tmp_path / f).read_text())["outputs"] for f in ("plain.json", "memo.json")]
+    assert got[0] == got[1] and len(got[0]) == 2
+    assert 0 < len(calls) < n_plain / 4
+
+
 def test_settle31_runs_the_costed_sweeps_shape_for_each_head(tmp_path):
     from bench import faithful_diversity
 
