@@ -5,7 +5,7 @@ glm5-faithful's 100K reference was one token repeated for all 20 prompts).
     python3 bench/faithful_diversity.py --model glm5-faithful --device cuda --out $OUT/faithful_diversity.json
     python3 bench/faithful_diversity.py --layers 8 --overrides '{"hidden_size": 256, ...}' --memo-fp8 --out /tmp/d.json  # CPU
     python3 bench/faithful_diversity.py --device cuda --prompts 3 --prompt-len 102400 --tokens 1024 \
-        --kv-cache-dtype fp8_e4m3 --kv-pool-gib 24 --margins [--head-vocab full] --out ...  # the costed sweep's shape
+        --kv-cache-dtype fp8_e4m3 --kv-pool-gib 24 --margins [--head-vocab byte] --out ...  # the costed sweep's shape
 
 Per prompt (the serving workload's: one pseudo-random prefix, a distinct suffix each, as gpu_serving's
 `--distinct-suffixes`), greedy tokens through the engine (resident preset), then
