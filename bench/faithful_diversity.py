@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from bench.locality import build  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
+from dhisparse.models.faithful import HEAD_VOCABS  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -43,7 +44,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--device", default="cpu"); a("--dtype", default="bfloat16"); a("--kv-pool-gib", type=float, default=4.0)
     a("--kv-cache-dtype", default="auto", help="the engine's row format (fp8_e4m3: the costed sweep's 656-B rows)")
     a("--index-gain", type=float, default=None, help="the index queries' stable part (default: the builder's)")
-    a("--head-vocab", default="full", choices=("full", "byte"), help="the faithful model's lm_head over every id (the "
+    a("--head-vocab", default="full", choices=HEAD_VOCABS, help="the faithful model's lm_head over every id (the "
       "default from session 40, models/faithful.py full_vocab_head) or over the byte ids alone (the build before)")
     a("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency_penalty of every request (0: plain greedy)")
     a("--margins", action="store_true", help="also each output's top-1 minus top-2 logprob margin, by quarter of the output")
@@ -113,9 +114,8 @@ def main(argv=None) -> int:
     from dhisparse.engine.engine import Engine
 
     t0 = time.perf_counter()
-    kw = {} if ns.index_gain is None else {"index_gain": ns.index_gain}  # else the builder's
-    kw["head_vocab"] = ns.head_vocab
-    lm = build(ns, **kw)
+    gain = {} if ns.index_gain is None else {"index_gain": ns.index_gain}  # else the builder's
+    lm = build(ns, head_vocab=ns.head_vocab, **gain)
     hidden = lm.config.hidden_size
     from dhisparse.models.scaled import offset_direction
     from dhisparse.models.v4_faithful import v4_offset_direction

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from gpu_session_stub import session_commands
 
+# a small glm5-faithful geometry for faithful_diversity's CPU runs
+SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+
 
 def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
     from bench import step_profile
@@ -62,12 +67,9 @@ def test_faithful_diversity_reports_outputs_and_the_common_share(tmp_path):
 
     from bench import faithful_diversity
 
-    small = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-                 index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
     out = tmp_path / "d.json"
     faithful_diversity.main(["--layers", "8", "--dtype", "float32", "--prompt-len", "200", "--prompts", "3",
-                             "--tokens", "6", "--kv-pool-gib", "0.25", "--overrides", json.dumps(small), "--out", str(out),
+                             "--tokens", "6", "--kv-pool-gib", "0.25", "--overrides", json.dumps(SMALL), "--out", str(out),
                              "--margins"])
     doc = json.loads(out.read_text())
     assert sorted(doc["outputs"]) == ["0", "1", "2"] and all(len(v) == 6 for v in doc["outputs"].values())
@@ -93,11 +95,8 @@ def test_memoized_fp8_dequantization_gives_the_same_tokens(tmp_path, monkeypatch
         return plain(w8, scale)
 
     monkeypatch.setattr(fp8_gemm_ref, "dequantize_block_fp8", counted)  # restored after the test
-    small = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-                 index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
     args = ["--layers", "4", "--dtype", "float32", "--prompt-len", "120", "--prompts", "2", "--tokens", "5",
-            "--kv-pool-gib", "0.25", "--overrides", json.dumps(small)]
+            "--kv-pool-gib", "0.25", "--overrides", json.dumps(SMALL)]
     faithful_diversity.main(args + ["--out", str(tmp_path / "plain.json")])
     n_plain, calls[:] = len(calls), []
     faithful_diversity.main(args + ["--memo-fp8", "--out", str(tmp_path / "memo.json")])

@@ -34,8 +34,8 @@ model computes what GLM-5 computes per token, except for how many experts there 
   a long context whose selected rows barely change, the next token is nearly a function of the
   last one, and a random map on 256 ids soon cycles; on 154,880 its cycles are hundreds long. Ids
   past the byte ids decode to no text (ByteTokenizer): a benchmark model. The price of no confident
-  head: near-tied logits,
-  so greedy output can differ between batch compositions (GEMM rounding), as a real model's can.
+  head: near-tied logits, so greedy output can differ between batch compositions (GEMM rounding), as
+  a real model's can.
 
 Memory (one H200, ~139 GiB usable):
 
