@@ -24,11 +24,16 @@ def test_both_orders_copy_the_plans_rows():
 
 
 def test_the_check_catches_a_row_left_out():
+    """On CUDA the copy kernel reads pinned host rows into device rows (plan on the device), as the
+    benchmark runs it; on the CPU everything stays on the CPU (TRITON_INTERPRET)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(1)
     region = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    if dev.type == "cuda":
+        region = region.pin_memory()
     host = region[: (region.numel() // (656 * 64)) * 64 * 656].view(torch.float16).view(-1, 64, 328)
-    src = copy_order.plan_rows(host.shape[0], 64, 2, 512, 8, g, torch.device("cpu"))
-    dst = torch.arange(16).view(2, 8)
-    dev_rows = torch.empty((1, 64, 328), dtype=torch.float16)
-    assert copy_order.copies_right(host, dev_rows, src, dst, torch.full((2,), 8))
-    assert not copy_order.copies_right(host, dev_rows, src, dst, torch.tensor([8, 7]))
+    src = copy_order.plan_rows(host.shape[0], 64, 2, 512, 8, g, torch.device("cpu")).to(dev)
+    dst = torch.arange(16, device=dev).view(2, 8)
+    dev_rows = torch.empty((1, 64, 328), dtype=torch.float16, device=dev)
+    assert copy_order.copies_right(host, dev_rows, src, dst, torch.full((2,), 8, device=dev))
+    assert not copy_order.copies_right(host, dev_rows, src, dst, torch.tensor([8, 7], device=dev))

@@ -7,13 +7,15 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 from test_sampling_api import capture_logits
+from client_import import openai_client
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.server import ServerConfig, ServerThread
+
+openai = openai_client()
 
 MAX_MODEL_LEN = 512
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})

@@ -9,7 +9,6 @@ import socket
 import time
 
 import httpx
-import openai
 import pytest
 
 from dhisparse.cli import main
@@ -17,6 +16,9 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.models.registry import load_model
 from dhisparse.server import ServerConfig, ServerThread
+from client_import import openai_client
+
+openai = openai_client()
 
 KEY = "sk-test-0123456789"
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}

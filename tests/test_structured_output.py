@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from dhisparse.core.params import SamplingParams
@@ -16,6 +15,9 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.grammar import compile_response_format
 from dhisparse.server import ServerConfig, ServerThread
+from client_import import openai_client
+
+openai = openai_client()
 
 SCHEMA = {
     "type": "object",

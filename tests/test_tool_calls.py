@@ -16,7 +16,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from dhisparse.engine.config import EngineConfig
@@ -26,6 +25,9 @@ from dhisparse.server import ServerConfig, ServerThread
 from dhisparse.server.chat import chat_setup
 from dhisparse.server.protocol import ChatRequest
 from dhisparse.server.tools import FORMATS
+from client_import import openai_client
+
+openai = openai_client()
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
