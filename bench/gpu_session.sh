@@ -356,10 +356,10 @@ case ",$STEPS," in *,diversity31,*)  # issue 31: before any oracle reference is 
     run "greedy diversity, $M" timeout ${DIVERSITY31_TIMEOUT:-200} python3 bench/faithful_diversity.py --model $M --device cuda \
         --prompts 4 --prompt-len 4096 --tokens 64 --out "$OUT/faithful_diversity_${M}_h200.json"
   done ;; esac
-case ",$STEPS," in *,locality31,*)  # issue 31: glm5-faithful's selection locality at its full geometry in bf16 (session 38 calibrated its index gain to 0 on an H100 with 12 experts: 13.1% host-fetched at B = 2k; the paper: 14.2%, GLM-5.2 low load), hisparse, one request, 8K history, B = k and 2k, index gains ${LOCALITY31_GAINS:-0}, one process a gain (a second full-size build in one process ran out of memory) (~1.5 min a gain)
+case ",$STEPS," in *,locality31,*)  # issue 31: glm5-faithful's selection locality at its full geometry in bf16 (session 38 calibrated its index gain to 0 on an H100 with 12 experts: 13.1% host-fetched at B = 2k; the paper: 14.2%, GLM-5.2 low load), hisparse, one request, 8K history, B = k and 2k, index gains ${LOCALITY31_GAINS:-0}, one process a gain (a second full-size build in one process ran out of memory) (~1.5 min a gain); on an H100: LOCALITY31_OVERRIDES='{"n_routed_experts": 12}' (the routed experts take no part in selection)
   for G in $(echo ${LOCALITY31_GAINS:-0} | tr , ' '); do
     run "selection locality, glm5-faithful, bf16, gain $G" timeout ${LOCALITY31_TIMEOUT:-200} python3 bench/locality.py --model glm5-faithful --layers 78 --device cuda \
-        --dtype bfloat16 --prompt-len 8192 --kv-pool-gib 4 --offsets 3 --gains $G --hot 1,2 \
+        --dtype bfloat16 --prompt-len 8192 --kv-pool-gib 4 --offsets 3 --gains $G --hot 1,2 ${LOCALITY31_OVERRIDES:+--overrides "$LOCALITY31_OVERRIDES"} \
         --out "$OUT/locality_glm5_faithful_g${G}_h200.json"
   done ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
