@@ -103,6 +103,19 @@ def memoized_fp8_dequant() -> None:
     fp8_gemm_ref.dequantize_block_fp8 = dequant
 
 
+def state_hook(got: list, need: int):
+    """A forward hook on the final norm that keeps the first `need` rows of final states [T, hidden]
+    on the CPU (the first prompt's prefill) and then nothing. It copies nothing while a CUDA graph
+    is being captured: a device-to-host copy there fails the capture, and every decode step then
+    ran eagerly (session 41's H100 settle31 ran out of time so)."""
+    def hook(module, inputs, out: torch.Tensor) -> None:
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if sum(t.shape[0] for t in got) < need:
+            got.append(out.detach().reshape(-1, out.shape[-1]).float().cpu())
+    return hook
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     if ns.memo_fp8:
@@ -123,9 +136,9 @@ def main(argv=None) -> int:
     direction = offset_direction if ns.model == "glm5-faithful" else v4_offset_direction
     shared = direction(hidden, 0, ns.device).cpu()  # the built model's (seed 0, drawn on its device)
     got: list[torch.Tensor] = []
-    lm.model.model.norm.register_forward_hook(lambda m, i, o: got.append(o.detach().float().cpu()))
     prefix = prefix_ids(lm.tokenizer, ns.prompt_len, lm.config.vocab_size)
     prompts = [prefix + lm.tokenizer.encode(suffix_text(i)) for i in range(ns.prompts)]
+    lm.model.model.norm.register_forward_hook(state_hook(got, len(prompts[0])))
     eng = Engine(EngineConfig(model=ns.model, preset="resident", device=ns.device, page_size=64,
                               max_running_requests=ns.prompts, kv_pool_bytes=int(ns.kv_pool_gib * 2**30),
                               kv_cache_dtype=ns.kv_cache_dtype,
@@ -145,7 +158,6 @@ def main(argv=None) -> int:
         for o in eng.step():
             collect(0, o)
     share = common_share(torch.cat(got)[:len(prompts[0])], shared)
-    got.clear()
     ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[1:], 1)}
     while eng.has_unfinished():
         for o in eng.step():

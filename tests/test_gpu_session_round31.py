@@ -5,6 +5,7 @@ on a small geometry."""
 
 from __future__ import annotations
 
+import torch
 from gpu_session_stub import session_commands
 
 # a small glm5-faithful geometry for faithful_diversity's CPU runs
@@ -143,3 +144,24 @@ def test_settle41_checks_v41_faithful_at_a_fig5_context(tmp_path):
                                                                       {"SETTLE41_HEADS": "full byte"})
            if c[0] == "bench/faithful_diversity.py"]
     assert [ns.head_vocab for ns in got] == ["full", "byte"] and len({ns.out for ns in got}) == 2
+
+
+def test_the_state_hook_keeps_the_first_prompt_only_and_copies_nothing_in_a_capture(monkeypatch):
+    """faithful_diversity's final-norm hook: rows up to `need`, then none; nothing while a CUDA graph
+    is captured (a host copy there failed every decode capture on the H100, session 41)."""
+    from bench.faithful_diversity import state_hook
+
+    got: list = []
+    hook = state_hook(got, 5)
+    hook(None, (), torch.ones(3, 4))
+    hook(None, (), torch.ones(1, 3, 4))
+    hook(None, (), torch.ones(1, 4))  # 6 rows kept already: none more
+    assert [t.shape for t in got] == [torch.Size([3, 4]), torch.Size([3, 4])]
+
+    class Captured:  # a device tensor seen while a graph is captured
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    got2: list = []
+    state_hook(got2, 5)(None, (), Captured())
+    assert got2 == []
