@@ -163,6 +163,10 @@ def main(argv=None) -> int:
         for o in eng.step():
             collect(ids[o.request_id], o)
     div = output_diversity(outputs)
+    graphs = {k: v for k, v in eng.stats().as_dict().items() if k.startswith("step_graph")}
+    if graphs.get("step_graph_capture_failures"):
+        print(f"[diversity] WARNING: {graphs['step_graph_capture_failures']} step graph captures failed; "
+              f"{graphs['step_graph_eager_passes']} passes ran eagerly", flush=True)
     runs = {str(i): settled_at(o) for i, o in sorted(outputs.items())}
     print(f"[diversity] settled on one token from output position: {runs}", flush=True)
     print(f"[diversity] {ns.model}: {div['distinct_ids']:.1f} distinct ids an output of {ns.tokens}, "
@@ -173,7 +177,7 @@ def main(argv=None) -> int:
     if extra:
         print(f"[diversity] top-1 minus top-2 logprob by quarter: {extra['margins_by_quarter']}", flush=True)
     R.write_doc("faithful_diversity", ns, ns.out, diversity=div, common_share=share, settled_at=runs, **extra,
-                outputs={str(k): v for k, v in sorted(outputs.items())})
+                step_graphs=graphs, outputs={str(k): v for k, v in sorted(outputs.items())})
     return 0
 
 

@@ -198,6 +198,7 @@ def test_cuda_step_graphs_match_eager_decoding(preset):
     assert [o.token_ids for o in model.generate(prompts, GREEDY)] == [ref[tuple(p)] for p in prompts]
     stats = model.engine.stats().as_dict()
     assert stats["step_graph_replays"] > 0 and stats["step_graphs_captured"] > 0
+    assert stats["step_graph_capture_failures"] == 0  # a failed capture runs eagerly: same tokens, but slow
 
 
 def test_a_pass_over_cuda_graph_max_bs_requests_runs_eagerly():
@@ -314,6 +315,8 @@ def test_a_failed_capture_leaves_its_passes_to_the_eager_path(reference, caplog)
     assert [o.token_ids for o in model.generate(PROMPTS, GREEDY)] == reference
     assert g.failed and not g.entries and g.replayed == 0
     assert "step graph capture failed" in caplog.text
+    stats = model.engine.stats().as_dict()  # what benchmark JSONs record
+    assert stats["step_graph_capture_failures"] == len(g.failed) and stats["step_graph_eager_passes"] > 0
 
 
 def test_census_in_place_accumulation_equals_the_pending_path():

@@ -308,4 +308,5 @@ class StepGraphs:
 
     def counters(self) -> dict:
         return {"step_graph_replays": self.replayed, "step_graph_ragged_replays": self.ragged, "step_graph_eager_passes": self.eager,
-                "step_graphs_captured": len(self.entries), "step_graph_capture_s": self.capture_s}
+                "step_graphs_captured": len(self.entries), "step_graph_capture_failures": len(self.failed),
+                "step_graph_capture_s": self.capture_s}
