@@ -3,9 +3,9 @@ repeats one token for every prompt flatters a speculative round's retrieval unio
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from dhisparse.bench.reference import CYCLE_SPAN, check_diversity, cycle_share, output_diversity
 
