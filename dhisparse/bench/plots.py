@@ -14,6 +14,8 @@
 * `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
 * `plot_widths` (`plot_widths.py`): Fig. 7 - tokens per round and output of static verification
   widths and eq. 13's online policy at each load, and the widths the policy chose.
+* `plot_costed` (`plot_costed.py`): the costed sweep - speculation's output over the baseline against
+  tokens a round (the costed oracle: acceptance set, drafter network run), and a round's time split.
 * `plot_series` (`plot_series.py`): a serving run over time - output tok/s and requests decoding
   per interval, one line per preset (admission waves against steady decoding).
 * `plot_fig8bc`: Fig. 8b - no-miss resolver time against hot-cache size B, one line per batch, the
@@ -356,11 +358,12 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     """Every figure the given result files support: serving curves from all bench results
     together (or, for bench results of one concurrency at different hot-cache sizes, the budget
     sweep; at different context lengths with resident among the presets, the context crossover; arms of
-    verification widths, Fig. 7), one over-time figure per bench result with per-interval series, one load-step figure
-    per loadstep result, one step-profile figure (Fig. 10) per step_profile result with kernel
+    verification widths, Fig. 7; a baseline and arms of set tokens a round, the costed sweep), one over-time
+    figure per bench result with per-interval series, one load-step figure per loadstep result, one step-profile figure (Fig. 10) per step_profile result with kernel
     data, one resolver figure per resolver file."""
     from dhisparse.bench.plot_budget import is_budget_sweep, plot_budget
     from dhisparse.bench.plot_context import is_context_sweep, plot_context
+    from dhisparse.bench.plot_costed import is_costed_sweep, plot_costed
     from dhisparse.bench.plot_profile import plot_profile, step_bars
     from dhisparse.bench.plot_series import has_series, plot_series
     from dhisparse.bench.plot_widths import is_width_sweep, plot_widths
@@ -374,6 +377,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
         written.append(plot_context(bench, out_dir / "context.png", STYLE))
     elif bench and is_width_sweep(bench):
         written.append(plot_widths(bench, out_dir / "widths.png"))
+    elif bench and is_costed_sweep(bench):
+        written.append(plot_costed(bench, out_dir / "costed.png"))
     elif bench:
         written.append(plot_serving(bench, out_dir / "serving.png"))
     for k, r in enumerate(x for x in bench if has_series(x)):

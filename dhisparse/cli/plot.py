@@ -16,7 +16,9 @@ def add_parser(sub) -> None:
                                    "decoding over time); bench results of one C at several context lengths with resident -> context.png "
                                    "(output vs context and over resident's, where the hierarchy overtakes it); bench "
                                    "results at several hot-cache sizes (one or more loads) -> budget.png (Fig. 9); arms of "
-                                   "verification widths (--arms speculative_num_draft_tokens=...) -> widths.png (Fig. 7); loadstep -> loadstep.png (slots, coverage, host-fetched share "
+                                   "verification widths (--arms speculative_num_draft_tokens=...) -> widths.png (Fig. 7); a baseline "
+                                   "and arms of set tokens a round (--arms speculative_oracle_tokens_per_round=...) -> costed.png "
+                                   "(the costed sweep: output over the baseline against tokens a round, a round's time split); loadstep -> loadstep.png (slots, coverage, host-fetched share "
                                    "vs time); step_profile -> step_profile.png (Fig. 10: a decode step by kernel "
                                    "family); resolver microbenchmark {records: [{miss_bytes, time_ms, case}]} -> "
                                    "resolver.png.")
