@@ -104,6 +104,20 @@ def test_costed_points_divide_each_run_by_the_baselines_mean_at_its_load():
     assert no_central[1].ratio == high.ratio and no_central[1].central_ratio is None
 
 
+def test_a_round_timed_with_its_drafter_is_not_charged_it_twice():
+    """Since session 42 the engine's round cost includes the drafter's proposal (`spec_cost_with_draft`):
+    the step is the cost less the call, and the round is the cost itself."""
+    from dhisparse.bench.plot_costed import costed_points
+
+    res = _costed()
+    for r in res["runs"]:
+        if r["engine"]:
+            r["engine"] = r["engine"] | {"spec_cost_ms_width4": r["engine"]["spec_cost_ms_width4"] + r["engine"]["spec_draft_ms_per_call"],
+                                         "spec_cost_with_draft": 1}
+    high = costed_points([res])[1]
+    assert high.step_ms == Spread(172.0, 170.0, 174.0) and high.round_ms == Spread(185.0, 182.0, 188.0)
+
+
 def test_each_file_is_divided_by_its_own_baseline(tmp_path):
     from dhisparse.bench.plot_costed import costed_points
 

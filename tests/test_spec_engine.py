@@ -4,6 +4,8 @@ through the staging arena with every location checked; counters."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dhisparse import SamplingParams
@@ -83,6 +85,27 @@ def test_width_policies_stay_exact(reference, policy):
     widths = {int(k.removeprefix("spec_steps_width")): n for k, n in st.items() if k.startswith("spec_steps_width")}
     assert sum(widths.values()) == st["spec_draft_calls"] and set(widths) <= {1, 2, 4, 6}
     assert {f"spec_cost_ms_width{w}" for w in llm.engine.spec.cost.measured} <= set(st)
+
+
+def test_a_rounds_cost_includes_its_drafters_proposal(reference, monkeypatch):
+    """Eq. 13 prices a whole round: the measured cost of a width (`VerifyCost`, what the online policy and
+    DSpark read) runs from before the drafter proposes, so a drafter that takes 0.2 s shows in every width's
+    cost (the tiny model's step itself is a few ms here); before session 42 the proposal was left out."""
+    llm = spec_llm(reference, preset="hisparse", speculative_algorithm="oracle", speculative_num_draft_tokens=4,
+                   speculative_oracle_tokens_per_round=2.88)
+    spec, slow = llm.engine.spec, 0.2
+    propose = spec.drafter.propose
+
+    def slow_propose(reqs):
+        time.sleep(slow)
+        return propose(reqs)
+
+    monkeypatch.setattr(spec.drafter, "propose", slow_propose)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference[tuple(p)][:8] for p in PROMPTS[:2]]
+    st = llm.engine.stats().as_dict()
+    assert spec.cost.measured and min(spec.cost.measured.values()) >= slow
+    assert st["spec_cost_with_draft"] == 1 and st["spec_draft_ms_per_call"] >= 1e3 * slow
 
 
 @pytest.mark.parametrize("window", [16, 2048])

@@ -13,8 +13,9 @@ its memory, its drafts discarded. Per (file, arm, offered load), over the arm's 
       (`central_output_tok_s`; from the series for results written before it); the paper's 1.45x at 2.88
       tokens a round (GLM-5, 4 GPUs) and the issue's 1.6x marked
   (b) milliseconds: the baseline's TPOT (a band, min-max) beside each arm's round, its step
-      (`spec_cost_ms_width{K}`, the median of the last decode-only steps at the arm's width) with the drafter's
-      call (`spec_draft_ms_per_call`) stacked on it (the engine times a step after the drafter proposed), and the
+      (`spec_cost_ms_width{K}`, the median of the last decode-only rounds at the arm's width, less the drafter's
+      call where `spec_cost_with_draft` says the round was timed with it: session 42 on; before, the engine timed
+      a step after the drafter proposed) with the drafter's call (`spec_draft_ms_per_call`) stacked on it, and the
       arm's TPOT; without those counters, the arm's TPOT alone
 """
 
@@ -100,11 +101,14 @@ class CostedPoint:
 
 
 def _step_ms(engine: dict) -> float | None:
-    """The measured step cost at the width the arm ran most (`spec_steps_width{K}`), else its only one."""
+    """The round's measured cost less its drafter, at the width the arm ran most (`spec_steps_width{K}`),
+    else its only one. Results flagged `spec_cost_with_draft` (session 42 on) time the round from before
+    the drafter's proposal, so its call comes off; earlier ones timed the step after it."""
     costs = {int(k.rsplit("width", 1)[1]): v for k, v in engine.items() if k.startswith("spec_cost_ms_width")}
     if not costs:
         return None
-    return costs[max(costs, key=lambda w: (engine.get(f"spec_steps_width{w}") or 0, w))]
+    cost = costs[max(costs, key=lambda w: (engine.get(f"spec_steps_width{w}") or 0, w))]
+    return cost - (engine.get("spec_draft_ms_per_call") or 0.0) if engine.get("spec_cost_with_draft") else cost
 
 
 def _over(values: list, base: Spread | None) -> Spread | None:

@@ -75,11 +75,11 @@ class SpecRuntime:
 
     def stats(self) -> dict:
         """Acceptance, steps by chosen width (`spec_steps_width{w}`, 1 = speculation off), the
-        measured round cost by width (`spec_cost_ms_width{w}`, what the online policy and DSpark
-        price widths with), drafter cost (time per propose call, device bytes of its weights and state)
+        measured round cost by width (`spec_cost_ms_width{w}`, the drafter's proposal included, flagged by
+        `spec_cost_with_draft` = 1; what the online policy and DSpark price widths with), drafter cost (time per propose call, device bytes of its weights and state)
         and the drafter's own counters (`Drafter.stats`: the oracle's off-reference share)."""
         mem = self.drafter.device_bytes()
-        costs = {f"spec_cost_ms_width{w}": 1e3 * s for w, s in self.cost.measured.items()}
+        costs = {f"spec_cost_ms_width{w}": 1e3 * s for w, s in self.cost.measured.items()} | {"spec_cost_with_draft": 1}
         return (self.counters.as_dict() | costs | {"drafter_weight_bytes": mem.weights, "drafter_state_bytes": mem.state}
                 | self.drafter.stats())
 
@@ -181,7 +181,10 @@ class SpecRuntime:
         return accs
 
     def observe_step(self, seconds: float, decode_only: bool = True) -> None:
-        """Feed the measured time of a step that decoded (width = its widest verification). Not
+        """Feed the measured time of a step that decoded (width = its widest verification), from before
+        its drafter proposed to its outputs: a round's cost is drafting plus verification, as eq. 13
+        prices it (before session 42 the proposal was left out, which priced a network drafter's rounds
+        low by its forward: 13.4 of ~189 ms on glm5-faithful at C20, session 36). Not
         fed: a step that also prefilled (it says nothing about a round's cost at that width), and
         one that cut a request's width to its remaining max_tokens (its widest chunk is then a
         width no graph was captured for, run eagerly: on the H200 at 8K, 300-500 ms at width 3

@@ -60,9 +60,9 @@ def run_step(eng: Engine) -> list[RequestOutput]:
 
 def step_pass(eng: Engine, chunks: list[Chunk]) -> list[RequestOutput]:
     """The scheduled chunks through the model and out as outputs (`Engine._step`)."""
+    t_start = time.perf_counter()  # a round's cost includes its drafting (eq. 13 prices the whole round)
     if eng.spec is not None:
         chunks = eng.spec.expand(chunks, len(eng.scheduler.running))
-    t_start = time.perf_counter()
     chunks, qs, out = eng._forward(chunks)
     eng.store.before_sync()  # KV upkeep that needs no result of this step runs while it computes
     eng._steps += 1
