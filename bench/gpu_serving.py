@@ -102,6 +102,11 @@ def parse(argv=None) -> argparse.Namespace:
       help="refuse an oracle reference in which more than SHARE of the tokens repeat the one d <= 16 before, at each "
            "output's worst d (one token repeated, or a short cycle: a degenerate model's output; byte text is under "
            "0.2; dhisparse.bench.reference.check_diversity); 1.0 accepts any")
+    a("--replay-reference", action="store_true",
+      help="MEASUREMENT TOOL (dhisparse/engine/replay.py): every preset's requests emit the reference's tokens (decoded "
+           "as for the oracle) in place of their own, the model running on them, so every preset decodes the same "
+           "histories and the oracle's acceptance is the one set (a model whose greedy margins are last-bit small leaves "
+           "its reference in other batches: session 42); the target's own agreement is counted (replay_agreement)")
     a("--out", default="bench/results/gpu_serving.json")
     a("--cuda-graphs", default="auto", help="auto, none, ffn, layer (piecewise CUDA graphs) or step (layer + whole-step graphs)")
     a("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
@@ -204,8 +209,9 @@ def bench_sizing(ns, cfg) -> dict:
 
 
 def uses_oracle(ns) -> bool:
-    """Whether a +spec preset runs with the oracle drafter (it needs the recorded reference)."""
-    return ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list)
+    """Whether a +spec preset runs with the oracle drafter, or every preset replays (both need the
+    recorded reference)."""
+    return ns.replay_reference or (ns.drafter == "oracle" and any(p.endswith("+spec") for p in ns.preset_list))
 
 
 def estimate_s(ns, sz: dict) -> float:
@@ -287,7 +293,7 @@ def engine_config(ns, sz: dict, preset: str, arm: str = "") -> EngineConfig:
                         host_pool_bytes=sz["host_pool_bytes"], max_model_len=sz["tokens_per_request"] + 8,
                         speculative_algorithm=ns.drafter if spec else None, speculative_num_draft_tokens=ns.spec_width,
                         speculative_oracle_tokens_per_round=ns.spec_tokens_per_round if spec and ns.drafter == "oracle" else None,
-                        cuda_graphs=ns.cuda_graphs, kv_cache_dtype=ns.kv_cache_dtype)
+                        cuda_graphs=ns.cuda_graphs, kv_cache_dtype=ns.kv_cache_dtype, replay_reference=ns.replay_reference)
     return EngineConfig(**(base | engine_overrides(ns.engine_arg) | engine_overrides(arm_pairs(arm))))
 
 
@@ -349,7 +355,7 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
 
 def decode_reference(ns, sz, loaded, prefixes, prefix: list[int], prompts: list[tuple]) -> dict[int, list[int]]:
     """Suffix index -> greedy output ids (adaptive preset, one batch; the prefix prepared first)."""
-    engine = fresh_engine(engine_config(ns, sz, "adaptive"), loaded, prefixes)
+    engine = fresh_engine(dataclasses.replace(engine_config(ns, sz, "adaptive"), replay_reference=False), loaded, prefixes)
     engine.prepare_prefix(prefix)
     index = {engine.add_request(list(ids), SamplingParams(max_tokens=ns.output_len, ignore_eos=True)): i
              for i, ids in enumerate(prompts)}
@@ -364,10 +370,10 @@ def decode_reference(ns, sz, loaded, prefixes, prefix: list[int], prompts: list[
 
 
 def arm_engine(ns, sz, loaded, prefixes, preset: str, arm: str, reference, **replace):
-    """A fresh engine of (preset, arm), its config with `replace` applied; +spec presets get the
-    oracle reference."""
+    """A fresh engine of (preset, arm), its config with `replace` applied; +spec presets (every preset
+    under --replay-reference) get the oracle reference."""
     cfg = dataclasses.replace(engine_config(ns, sz, preset, arm), **replace)
-    return fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") else None)
+    return fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") or ns.replay_reference else None)
 
 
 def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
@@ -467,14 +473,16 @@ def _ratios(by: dict, concurrencies, arms) -> dict:
 
 def spec_note(ns) -> str:
     """What the +spec presets' drafting costs and leaves out (every table that uses the oracle says so)."""
+    replay = ("; REPLAYED (measurement tool): every preset emits the reference's tokens, the model running on them, "
+              "so outputs are not the target's own (replay_agreement: its own tokens' agreement)") if ns.replay_reference else ""
     if ns.drafter != "oracle":
-        return f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)"
+        return f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)" + replay
     note = (f"+spec presets use the ORACLE drafter (measurement tool), calibrated to {ns.spec_tokens_per_round} "
             f"tokens/round at width {ns.spec_width}")
     network = engine_overrides(ns.engine_arg).get("speculative_oracle_drafter")
     if network:
-        return note + f"; COSTED: the {network} drafter's network runs every round and holds its memory, its drafts discarded"
-    return note + "; drafting is free (no drafter network runs, no drafter memory is held)"
+        return note + f"; COSTED: the {network} drafter's network runs every round and holds its memory, its drafts discarded" + replay
+    return note + "; drafting is free (no drafter network runs, no drafter memory is held)" + replay
 
 
 def write(ns, sz, est, t0, runs):

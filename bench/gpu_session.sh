@@ -356,10 +356,10 @@ case ",$STEPS," in *,diversity31,*)  # issue 31: before any oracle reference is 
     run "greedy diversity, $M" timeout ${DIVERSITY31_TIMEOUT:-200} python3 bench/faithful_diversity.py --model $M --device cuda \
         --prompts 4 --prompt-len 4096 --tokens 64 --out "$OUT/faithful_diversity_${M}_h200.json"
   done ;; esac
-case ",$STEPS," in *,locality31,*)  # issue 31: glm5-faithful's selection locality at its full geometry in bf16 (session 38 calibrated its index gain to 0 on an H100 with 12 experts: 13.1% host-fetched at B = 2k; the paper: 14.2%, GLM-5.2 low load), hisparse, one request, 8K history, B = k and 2k, index gains ${LOCALITY31_GAINS:-0}, one process a gain (a second full-size build in one process ran out of memory) (~1.5 min a gain); on an H100: LOCALITY31_OVERRIDES='{"n_routed_experts": 12}' (the routed experts take no part in selection)
+case ",$STEPS," in *,locality31,*)  # issue 31: glm5-faithful's selection locality at its full geometry in bf16 (session 38 calibrated its index gain to 0 on an H100 with 12 experts: 13.1% host-fetched at B = 2k; the paper: 14.2%, GLM-5.2 low load), hisparse, one request, 8K history, B = k and 2k, index gains ${LOCALITY31_GAINS:-0}, one process a gain (a second full-size build in one process ran out of memory) (~1.5 min a gain); on an H100: LOCALITY31_OVERRIDES='{"n_routed_experts": 12}' (the routed experts take no part in selection); at the serving context (s42: hisparse fetched 50.2% from host at 100K with the full head, the calibration at 8K gave 13.3%): LOCALITY31_LEN=102400 LOCALITY31_POOL=16
   for G in $(echo ${LOCALITY31_GAINS:-0} | tr , ' '); do
     run "selection locality, glm5-faithful, bf16, gain $G" timeout ${LOCALITY31_TIMEOUT:-200} python3 bench/locality.py --model glm5-faithful --layers 78 --device cuda \
-        --dtype bfloat16 --prompt-len 8192 --kv-pool-gib 4 --offsets 3 --gains $G --hot 1,2 ${LOCALITY31_OVERRIDES:+--overrides "$LOCALITY31_OVERRIDES"} \
+        --dtype bfloat16 --prompt-len ${LOCALITY31_LEN:-8192} --kv-pool-gib ${LOCALITY31_POOL:-4} --offsets 3 --gains $G --hot 1,2 ${LOCALITY31_OVERRIDES:+--overrides "$LOCALITY31_OVERRIDES"} \
         --out "$OUT/locality_glm5_faithful_g${G}_h200.json"
   done ;; esac
 case ",$STEPS," in *,faithful41,*)  # issue 31 item 5: where a v41-faithful decode step goes (the experts' share against the paper's 53%), hisparse, FP8 rows, ${FAITHFUL41_LEN:-131072} tokens, C${FAITHFUL41_C:-16} (untried: the model builds ~57 GiB layer by layer)
@@ -385,6 +385,8 @@ case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle 
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
       --out "$OUT/costed_dflash2_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,costedsweep31,*)  # issue 31: costedfaithful31's run with hisparse once and adaptive+spec at each of
+  # (every preset replays the reference, --replay-reference: s42's unreplayed run left it, 94.7% of proposals off, 1.08
+  # tokens a round set to 2.88; COSTED_NO_REPLAY=" " turns it off)
   # COSTED_TPRS (default 2.2 and 2.88 tokens a round; 2.5 in a second call) as arms of one process: the ratios side by side in
   # one run against one shared hisparse window (gpu_serving --arm-presets). Carry the reference (COSTED_REF) to stay in one call.
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
@@ -396,7 +398,7 @@ case ",$STEPS," in *,costedsweep31,*)  # issue 31: costedfaithful31's run with h
       --arms "${ARMS#;}" --arm-presets adaptive+spec --repeats ${COSTED_REPEATS:-1} \
       --duration 30 --stagger --distinct-suffixes ${COSTED_FAITHFUL_C:-20} --force --charge-spec-memory --spec-width 4 \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
-      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" ${COSTED_NO_REPLAY:---replay-reference} \
       --out "$OUT/costed_sweep_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_h200.json" ;; esac
 case ",$STEPS," in *,drafter34,*)  # issue 31: the DFlash drafter's grouped attention and block-pass CUDA graphs (session 34): CUDA exactness of the drafter files, then a round of the paper's DFlash2 shape on glm5-faithful's hidden / vocabulary at C20 and C47, per_head (the named baseline) / grouped / graph (~5 min cold)
   run "exactness on CUDA, drafter files" timeout ${EXACT34_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \

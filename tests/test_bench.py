@@ -870,3 +870,22 @@ def test_gpu_serving_run_records_its_engine_build_and_loop_time():
     wall = time.perf_counter() - t
     assert 0 < run.engine["engine_build_s"] and ns.duration <= run.engine["loop_s"]
     assert run.engine["engine_build_s"] + run.engine["loop_s"] <= wall
+
+
+def test_gpu_serving_replays_the_reference_for_every_preset():
+    """--replay-reference (a measurement tool, engine/replay.py): the reference is decoded unreplayed even
+    with no +spec preset, every preset's engine gets it and emits its tokens, and the note says so."""
+    from dhisparse.bench.sweep import load_shared_model
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.kv.memory.prefix_store import PrefixStore
+
+    gs = _bench_script("gpu_serving")
+    ns = gs.parse(["--quick", "--presets", "hisparse", "--duration", "1", "--replay-reference"])
+    assert gs.uses_oracle(ns) and not gs.uses_oracle(gs.parse(["--quick", "--presets", "hisparse"]))
+    sz = gs.sizing(ns, gs.model_config(ns.model))
+    loaded = load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    reference = gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
+    run = gs.one_run(ns, sz, loaded, PrefixStore(pin=False), "hisparse", 2, reference)
+    assert run.engine["replay_forced_tokens"] > 0 and run.engine["replay_judged"] > 0
+    assert run.engine["replay_agreement"] > 0.5  # the same model on the CPU: its own tokens are the reference's
+    assert "REPLAYED" in gs.spec_note(ns) and "REPLAYED" not in gs.spec_note(gs.parse(["--quick"]))

@@ -29,6 +29,7 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.disagg_kv import PromptKV
 from dhisparse.engine.grammar import Grammars
 from dhisparse.engine.memory import format_bytes, kv_pool_bytes, release_memory, resolve_device
+from dhisparse.engine.replay import ReferenceReplay
 from dhisparse.engine.request import Request, RequestOutput, next_request_id
 from dhisparse.engine.scheduler import Chunk, Scheduler
 from dhisparse.engine.series import SeriesRecorder
@@ -60,8 +61,12 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, oracle_reference=None) -> None:
         """oracle_reference: prompt ids -> reference output ids (a dict or callable), needed only by
-        the oracle drafter (a benchmark measurement tool)."""
+        the oracle drafter and by `replay_reference` (benchmark measurement tools)."""
         self.config = config = config or EngineConfig()
+        if config.replay_reference and oracle_reference is None:
+            raise ValueError("replay_reference: the engine needs the reference outputs to replay "
+                             "(Engine(oracle_reference=...): bench/gpu_serving.py --replay-reference passes them)")
+        self.replay = ReferenceReplay(oracle_reference) if config.replay_reference else None
         if config.disaggregated:
             raise ValueError("prefill/decode disaggregation (--disaggregation-mode, --disaggregation-prefill-size / "
                              "-decode-size) runs one engine per rank: build it with engine/disagg_launch.build_disagg "
@@ -81,7 +86,8 @@ class Engine:
         if spec_cfg is not None:  # a full-attention drafter's window is the whole context
             spec_cfg = dataclasses.replace(spec_cfg, max_context=self.max_model_len)
         # the drafter (weights, ring) first: a pool sized from free device memory leaves it out
-        self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference) if spec_cfg else None
+        self.spec = SpecRuntime(spec_cfg, self.model, config.max_running_requests, oracle_reference,
+                                self.replay) if spec_cfg else None
         graph_setup.drafter_graphs(self, config)
         self.store, pages = self._build_kv(config)
         self.prefixes = PrefixStore(pin=self.device.type == "cuda")

@@ -24,13 +24,15 @@ log = logging.getLogger("dhisparse.engine")
 
 def finish(eng: Engine, req: Request, reason: str) -> None:
     """End `req` with `reason`: the scheduler frees its KV and slot; the engine forgets its prefix
-    match, its arrived prompt and its drafter state."""
+    match, its arrived prompt, its drafter state and its replayed reference."""
     eng.scheduler.finish(req, reason)
     eng.requests.pop(req.request_id, None)
     eng._matches.pop(req.request_id, None)
     eng._arrived.pop(req.request_id, None)
     if eng.spec is not None:
         eng.spec.release(req.request_id)
+    if eng.replay is not None:
+        eng.replay.forget(req.request_id)
 
 
 def abort(eng: Engine, request_id: str) -> bool:

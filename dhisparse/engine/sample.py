@@ -33,6 +33,8 @@ def sample(eng: Engine, sampled: list[tuple[Chunk, int]], hidden: torch.Tensor) 
     sample = eng.sampler.sample(logits, params, [r.generator for r in reqs],
                                 hist if any(h is not None for h in hist) else None)
     tokens, now = sample.tokens.tolist(), time.perf_counter()
+    if eng.replay is not None:  # a measurement tool (engine/replay.py): the reference's tokens are emitted
+        tokens = [eng.replay.sampled(r.request_id, r.prompt_ids, len(r.output_ids), t) for r, t in zip(reqs, tokens)]
     failed = dict(sample.failed)
     for i, r in enumerate(reqs):
         if r.matcher is not None and i not in failed:

@@ -60,8 +60,11 @@ class SpecCounters:
 
 
 class SpecRuntime:
-    def __init__(self, cfg: SpecConfig, target, max_requests: int, reference=None) -> None:
+    def __init__(self, cfg: SpecConfig, target, max_requests: int, reference=None, replay=None) -> None:
+        """replay: the engine's `ReferenceReplay` (a measurement tool, engine/replay.py): rounds are
+        judged against the reference's tokens."""
         self.cfg = cfg
+        self.replay = replay
         self.cost = VerifyCost()  # seconds per step by width, measured online (DSpark + online policy)
         self.drafter = build_drafter(cfg, target, reference=reference, max_requests=max_requests, cost=self.cost)
         self.online = OnlineWidthPolicy(cfg.num_draft_tokens, self.cost, widths=cfg.online_candidates()) if cfg.policy == "online" else None
@@ -173,6 +176,9 @@ class SpecRuntime:
         props = [self.proposals.pop(c.req.request_id) for c, _, _ in chunks]
         accs = verify_batch(logits, qs, [p.tokens for p in props], [p.probs for p in props],
                             [c.req.params for c, _, _ in chunks], [c.req.generator for c, _, _ in chunks])
+        if self.replay is not None:
+            accs = [self.replay.verified(c.req.request_id, c.req.prompt_ids, len(c.req.output_ids), c.tokens[1:], acc)
+                    for (c, _, _), acc in zip(chunks, accs)]
         for (c, _, _), acc in zip(chunks, accs):
             self.counters.add(len(c.tokens), acc)
             if self.online is not None and len(c.tokens) > 1:

@@ -56,7 +56,8 @@ def engine_stats(eng: Engine) -> EngineStats:
                        | (eng.spec_memory.counters() if eng.spec_memory is not None else {})
                        | pool_counters(eng.store, len(eng.scheduler.running), eng.config.max_running_requests)
                        | graph_counters(eng.model.graphs)
-                       | (eng.step_graphs.counters() if eng.step_graphs is not None else {}))
+                       | (eng.step_graphs.counters() if eng.step_graphs is not None else {})
+                       | (eng.replay.stats() if eng.replay is not None else {}))
 
 
 def store_counters(store, spec_counters: dict) -> dict:

@@ -69,11 +69,13 @@ def _check_rows(rows: torch.Tensor | int, drafts: Sequence[int], what: str) -> N
 def verify_greedy(target_logits: torch.Tensor, drafts: Sequence[int]) -> Acceptance:
     """target_logits [K_r, V]; drafts x_1..x_{K_r-1} -> Acceptance (longest matching prefix)."""
     _check_rows(target_logits, drafts, "target_logits")
-    return _greedy(target_logits.argmax(dim=-1).tolist(), drafts)
+    return greedy_acceptance(target_logits.argmax(dim=-1).tolist(), drafts)
 
 
-def _greedy(best: list[int], drafts: Sequence[int]) -> Acceptance:
-    """best: the target's argmax per row (anchor first) -> the longest matching prefix + bonus."""
+def greedy_acceptance(best: Sequence[int], drafts: Sequence[int]) -> Acceptance:
+    """best: the target's token per row (anchor first; len(drafts) + 1 of them) -> the longest prefix of
+    drafts equal to it, and the next of best as the bonus (greedy verification; also the reference
+    replay's, engine/replay.py)."""
     accepted = 0
     while accepted < len(drafts) and int(drafts[accepted]) == best[accepted]:
         accepted += 1
@@ -180,7 +182,7 @@ def verify_batch(
         a, b = query_start[r], query_start[r + 1]
         if params[r].greedy:
             _check_rows(b - a, drafts[r], f"request {r}'s target_logits")
-            out.append(_greedy(best[a:b], drafts[r]))
+            out.append(greedy_acceptance(best[a:b], drafts[r]))
         else:
             out.append(verify_sampled(probs[a:b], drafts[r], draft_probs[r], generators[r]))
     return out
