@@ -86,9 +86,12 @@ class RingAllocator:
     def rows_batch(self, slots: list[int], positions: list[torch.Tensor]) -> torch.Tensor:
         """`rows` of positions[i] in slots[i] for every i, concatenated, in one pass."""
         pos = torch.cat(positions)
-        counts = torch.tensor([p.numel() for p in positions], device=pos.device)
-        first = torch.tensor(slots, dtype=torch.int64, device=pos.device) * self.rows_per_slot
-        return torch.repeat_interleave(first, counts) + torch.remainder(pos, self.rows_per_slot)
+        # built on the host and copied non-blocking, with the output size given: no stream sync (a
+        # pageable `torch.tensor(..., device=cuda)` and repeat_interleave's size read each wait for the queue)
+        counts = torch.tensor([p.numel() for p in positions]).to(pos.device, non_blocking=True)
+        first = torch.tensor(slots, dtype=torch.int64).to(pos.device, non_blocking=True) * self.rows_per_slot
+        return (torch.repeat_interleave(first, counts, output_size=pos.numel())
+                + torch.remainder(pos, self.rows_per_slot))
 
     def check_integrity(self) -> None:
         used = set(self._slot.values())
