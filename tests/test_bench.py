@@ -721,7 +721,7 @@ def _served(preset, c, tok_s, ttft_p99_post, tpot, reqs):
                         "post_wave_ttft_p99_ms": ttft_p99_post, "tpot_mean_ms": tpot, "tpot_p99_ms": tpot}}
 
 
-def test_appendix_tables_split_ttft_average_repeats_and_find_the_capacity(tmp_path):
+def test_appendix_tables_split_ttft_average_repeats_and_find_the_capacity(tmp_path, capsys):
     """Table A2: allocation wait + hand-off = TTFT, post-wave leaves out the first C submitted and
     requests without a queue figure; Table A3: a point is the mean of its repeats; capacity: the
     highest C within both bounds; a file of another model stays a separate source."""
@@ -750,10 +750,13 @@ def test_appendix_tables_split_ttft_average_repeats_and_find_the_capacity(tmp_pa
     (s4,) = [r for r in split_rows([a]) if (r["preset"], r["C"]) == ("hisparse", 4)]
     assert s4["all_ttft_s"] == pytest.approx(3.5 / 3) and s4["post_wave_allocation_s"] is None  # only r4 (no token)
     path = tmp_path / "a.json"
-    path.write_text(json.dumps(a))
+    path.write_text(json.dumps(a | {"notes": ["+spec presets use the ORACLE drafter"], "not_a_result": "left its reference"}))
     assert main(["table", str(path), "--out", str(tmp_path / "t.json")]) == 0
     saved = json.loads((tmp_path / "t.json").read_text())
     assert {"table_a2", "table_a3", "capacity"} <= set(saved)
+    assert saved["notes"] == [{"source": "m 100/8", "notes": ["NOT A RESULT: left its reference",
+                                                              "+spec presets use the ORACLE drafter"]}]
+    assert "[m 100/8] +spec presets use the ORACLE drafter" in capsys.readouterr().out  # the tool is named under the table
     bad = tmp_path / "l.json"
     bad.write_text(json.dumps({"kind": "loadstep", "runs": []}))
     assert main(["table", str(bad)]) == 2

@@ -168,3 +168,16 @@ def test_session_36s_costed_sweep_gives_the_benchs_own_ratio(tmp_path):
         assert p.runs == 2 and p.ratio.mean == pytest.approx(ratios[key], rel=1e-12)
         assert p.central_ratio is not None and p.round_ms.mean > p.step_ms.mean
     assert [p.name for p in plot_results([res], tmp_path)] == ["costed.png", "series.png"]
+
+
+def test_the_title_names_every_measurement_tool_and_a_non_result():
+    """The oracle (costed or not), reference replay and a result marked not to be cited show in the title."""
+    from dhisparse.bench.plot_costed import _title, costed_points
+
+    res = _costed()
+    plain = _title([res], costed_points([res]))
+    assert "costed oracle" in plain and "measurement tool" in plain and "REPLAYED" not in plain and "NOT A" not in plain
+    res["config"]["engine"]["replay_reference"] = True
+    res["not_a_result"] = "left its reference"
+    marked = _title([res], costed_points([res]))
+    assert "REPLAYED" in marked and "[NOT A RESULT]" in marked

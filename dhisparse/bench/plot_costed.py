@@ -242,8 +242,11 @@ def _title(results: list[dict], pts: list[CostedPoint]) -> str:
     drafter = eng.get("speculative_oracle_drafter")
     how = (f"costed oracle: acceptance set, drafter network run (measurement tool); drafter {drafter}" if drafter
            else "oracle: acceptance set, no drafter network run (measurement tool)")
+    if eng.get("replay_reference"):
+        how += "; REPLAYED: every preset emits the reference's tokens (measurement tool)"
     runs = max(p.runs for p in pts)
     spread = f"; mean of up to {runs} runs, bars min-max" if runs > 1 else ""
     old = " [SUPERSEDED]" if any(r.get("superseded_by") for r in results) else ""
+    old += " [NOT A RESULT]" if any(r.get("not_a_result") for r in results) else ""
     return (f"Costed sweep{old}: {eng.get('model') or '?'}, {f'{ctx:,}-token context' if ctx else 'context ?'}, "
             f"{', '.join(f'C{c}' for c in sorted({p.concurrency for p in pts}))}\n{how}{spread}")

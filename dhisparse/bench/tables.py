@@ -59,6 +59,22 @@ def source(result: dict) -> str:
     return f"{(cfg.get('engine') or {}).get('model', '?')} {w.get('input_len', '?')}/{w.get('output_len', '?')}"
 
 
+def source_notes(results: list[dict]) -> list[dict]:
+    """What each result's runs are, for the tables' caption: its notes (the measurement tools it used and
+    what they leave out: the oracle drafter, a costed network, reference replay), and whether it is not a
+    result or was superseded. One {"source", "notes"} a result that has any."""
+    out = []
+    for res in results:
+        notes = list(res.get("notes") or [])
+        if res.get("not_a_result"):
+            notes.insert(0, f"NOT A RESULT: {res['not_a_result']}")
+        if res.get("superseded_by"):
+            notes.insert(0, f"SUPERSEDED by {res['superseded_by']}")
+        if notes:
+            out.append({"source": source(res), "notes": notes})
+    return out
+
+
 def _points(results: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
     by: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
     for res in results:

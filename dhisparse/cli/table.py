@@ -68,7 +68,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from dhisparse.bench.report import console
     from dhisparse.bench.results import read_json
-    from dhisparse.bench.tables import capacity, latency_rows, split_rows, table2_rows
+    from dhisparse.bench.tables import capacity, latency_rows, source_notes, split_rows, table2_rows
 
     if ns.ttft_bound_s <= 0 or ns.tpot_bound_ms <= 0:
         raise ValueError("--ttft-bound-s and --tpot-bound-ms must be > 0")
@@ -80,6 +80,10 @@ def run(ns: argparse.Namespace) -> int:
     cap = capacity(a3, 1e3 * ns.ttft_bound_s, ns.tpot_bound_ms)
     out = console()
     out.print(_table2(t2, ns.baseline))
+    notes = source_notes(results)
+    for n in notes:  # the measurement tools a table's runs used, and what they leave out
+        for line in n["notes"]:
+            out.print(f"  [{n['source']}] {line}", markup=False, highlight=False)
     t = Table(title="Table A2: where first-token time goes (s; allocation wait + hand-off = TTFT)")
     for c in ("source", "preset", "C", "runs", "alloc", "hand-off", "TTFT", "post-wave alloc", "post-wave hand-off",
               "post-wave TTFT"):
@@ -105,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
     out.print(t)
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps({"sources": ns.results, "table_2": t2, "table_a2": a2, "table_a3": a3,
-                                            "capacity": cap}, indent=1) + "\n")
+        Path(ns.out).write_text(json.dumps({"sources": ns.results, "notes": notes, "table_2": t2, "table_a2": a2,
+                                            "table_a3": a3, "capacity": cap}, indent=1) + "\n")
         print(ns.out)
     return 0

@@ -69,9 +69,10 @@ class ReferenceReplay:
 
     def verified(self, request_id: str, prompt_ids: Sequence[int], position: int, drafts: Sequence[int],
                  own: Acceptance) -> Acceptance:
-        """A round's acceptance with the reference's tokens as the target's: drafts d_1..d_{K-1} for
-        output positions `position`.. are accepted while they equal the reference, and the next token is
-        the reference's. `own`: the round judged against the target's argmax (its first emitted token
+        """A round's acceptance with the reference's tokens as the target's, judged greedily (the reference
+        is a greedy output; a sampled request is judged the same way): drafts d_1..d_{K-1} for output
+        positions `position`.. are accepted while they equal the reference, and the next token is the
+        reference's. `own`: the round judged against the target's argmax (its first emitted token
         is the target's own at `position`, whose history is the reference's)."""
         ref = self.of(request_id, prompt_ids)
         if ref is None or position + len(drafts) >= len(ref):
