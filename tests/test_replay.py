@@ -99,3 +99,11 @@ def test_without_a_reference_or_past_its_end_the_model_decides():
                           "replay_missing_requests": 1}
     rp.forget("b")
     assert "b" not in rp._refs
+
+    def file_reference(prompt):  # a callable reference refuses a prompt it lacks, as a file's does
+        if prompt != [1, 2]:
+            raise KeyError(tuple(prompt))
+        return [7, 8]
+
+    rf = ReferenceReplay(file_reference)
+    assert rf.sampled("c", [5], 0, 9) == 9 and rf.sampled("d", [1, 2], 0, 9) == 7 and rf.missing == 1

@@ -132,11 +132,12 @@ class EngineConfig:
     speculative_oracle_drafter [--speculative-oracle-drafter]: with the oracle, the network drafter
         (dflash, dflash2, dspark, mtp) that runs every round for its cost and memory while the
         oracle's tokens replace its drafts (a costed oracle, spec/oracle.py `CostedOracle`).
-    replay_reference (benchmarks only: bench/gpu_serving.py --replay-reference): MEASUREMENT TOOL (engine/replay.py): requests emit the
-        oracle reference's tokens in place of their own (the target still runs every pass) and rounds
-        are judged against them, so every preset decodes the reference's histories and the oracle's
-        acceptance is the one set; `replay_agreement` counts the target's own agreement. Needs the
-        reference (`Engine(oracle_reference=...)`). Not exact serving: label results "replayed".
+    replay_reference (benchmarks only: bench/gpu_serving.py --replay-reference): MEASUREMENT TOOL
+        (engine/replay.py): requests emit the oracle reference's tokens in place of their own (the target
+        still runs every pass) and rounds are judged against them, so every preset decodes the
+        reference's histories and the oracle's acceptance is the one set; `replay_agreement` counts the
+        target's own agreement. Needs the reference (`Engine(oracle_reference=...)`). Not exact serving:
+        label results "replayed".
     resolver [--resolver]: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
         tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).

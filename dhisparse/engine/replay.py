@@ -15,7 +15,8 @@ histories and the oracle's acceptance is the one set.
 What it leaves out: the tokens are not the target's own, so a serving run no longer shows exactness.
 `agreement` keeps the check that matters for the KV path: the share of emitted positions whose history
 is the reference's where the target's own token equals the reference's (one a sampled step, a round's
-first position). Batch rounding costs a few percent of it; a broken KV path takes it towards 1 / vocab.
+first position). Batch rounding is expected to cost a few percent of it; a broken KV path would take it
+towards 1 / vocab.
 Label every result that uses it "replayed".
 """
 
@@ -48,7 +49,10 @@ class ReferenceReplay:
         if request_id not in self._refs:
             prompt = tuple(int(t) for t in prompt_ids)
             if callable(self.reference):
-                ref = self.reference(list(prompt))
+                try:
+                    ref = self.reference(list(prompt))
+                except KeyError:  # a file reference without this prompt: the model decides
+                    ref = None
             else:
                 ref = self.reference.get(prompt)
             self._refs[request_id] = None if ref is None else [int(t) for t in ref]
