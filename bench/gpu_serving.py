@@ -376,6 +376,26 @@ def arm_engine(ns, sz, loaded, prefixes, preset: str, arm: str, reference, **rep
     return fresh_engine(cfg, loaded, prefixes, reference if preset.endswith("+spec") or ns.replay_reference else None)
 
 
+MAX_OFF_REFERENCE = 0.2  # oracle proposals off the reference above which its acceptance is not the one set
+MIN_AGREEMENT = 0.8  # replayed positions where the target's own token is the reference's, below which its KV path is suspect
+
+
+def run_warnings(engine: dict) -> list[str]:
+    """What a run's counters say about its measurement tools: the oracle off its reference (session 42: 94.7%,
+    seen only in the JSON after the call), or a replayed target that mostly disagrees with the reference
+    (a broken KV path would)."""
+    out = []
+    off = engine.get("oracle_off_reference_share")
+    if off is not None and engine.get("oracle_proposals") and off > MAX_OFF_REFERENCE:
+        out.append(f"{100 * off:.1f}% of the oracle's proposals were off its reference: its acceptance is not the one "
+                   f"set ({engine.get('spec_tokens_per_round', 0):.2f} tokens a round); --replay-reference keeps it")
+    agree = engine.get("replay_agreement")
+    if agree is not None and engine.get("replay_judged") and agree < MIN_AGREEMENT:
+        out.append(f"the target's own token equals the replayed reference's at {100 * agree:.1f}% of positions "
+                   f"(< {100 * MIN_AGREEMENT:.0f}%): check the KV path before citing this run")
+    return out
+
+
 def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str = ""):
     cuda = ns.device.startswith("cuda")
     if cuda:
@@ -539,6 +559,8 @@ def main(argv=None) -> int:
               f"TTFT {m.ttft_mean_ms}  TPOT {m.tpot_mean_ms}  "
               f"active {m.active}  queue {m.queue_mean_ms}  ({time.perf_counter() - t:.0f} s: engine "
               f"{runs[-1].engine['engine_build_s']:.0f}, loop {runs[-1].engine['loop_s']:.0f})", flush=True)
+        for w in run_warnings(runs[-1].engine):
+            print(f"[run] WARNING: {w}", flush=True)
         path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")

@@ -892,3 +892,16 @@ def test_gpu_serving_replays_the_reference_for_every_preset():
     assert run.engine["replay_forced_tokens"] > 0 and run.engine["replay_judged"] > 0
     assert run.engine["replay_agreement"] > 0.5  # the same model on the CPU: its own tokens are the reference's
     assert "REPLAYED" in gs.spec_note(ns) and "REPLAYED" not in gs.spec_note(gs.parse(["--quick"]))
+
+
+def test_gpu_serving_warns_when_a_measurement_tool_misleads():
+    """A run whose oracle went off its reference, or whose replayed target disagrees with the reference, is
+    flagged as it ends (session 42's off-reference run showed it only in the JSON afterwards)."""
+    gs = _bench_script("gpu_serving")
+    assert gs.run_warnings({"oracle_proposals": 100, "oracle_off_reference_share": 0.0, "replay_judged": 50,
+                            "replay_agreement": 0.97}) == []
+    (off,) = gs.run_warnings({"oracle_proposals": 2245, "oracle_off_reference_share": 0.947, "spec_tokens_per_round": 1.08})
+    assert "94.7%" in off and "1.08 tokens" in off
+    (agree,) = gs.run_warnings({"replay_judged": 50, "replay_agreement": 0.02})
+    assert "2.0%" in agree and "KV path" in agree
+    assert gs.run_warnings({}) == [] and gs.run_warnings({"replay_judged": 0, "replay_agreement": 0.0}) == []
