@@ -100,7 +100,7 @@ def test_without_a_reference_or_past_its_end_the_model_decides():
     rp.forget("b")
     assert "b" not in rp._refs
 
-    def file_reference(prompt):  # a callable reference refuses a prompt it lacks, as a file's does
+    def file_reference(prompt):  # a callable reference that refuses a prompt it lacks
         if prompt != [1, 2]:
             raise KeyError(tuple(prompt))
         return [7, 8]

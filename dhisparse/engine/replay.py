@@ -22,11 +22,10 @@ Label every result that uses it "replayed".
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
+from dhisparse.spec.oracle import Reference, reference_output
 from dhisparse.spec.verify import Acceptance, greedy_acceptance
-
-Reference = Mapping[tuple[int, ...], Sequence[int]] | Callable[[Sequence[int]], Sequence[int]]
 
 
 class ReferenceReplay:
@@ -47,15 +46,8 @@ class ReferenceReplay:
     def of(self, request_id: str, prompt_ids: Sequence[int]) -> list[int] | None:
         """The reference output of a request's prompt (cached), None without one."""
         if request_id not in self._refs:
-            prompt = tuple(int(t) for t in prompt_ids)
-            if callable(self.reference):
-                try:
-                    ref = self.reference(list(prompt))
-                except KeyError:  # a file reference without this prompt: the model decides
-                    ref = None
-            else:
-                ref = self.reference.get(prompt)
-            self._refs[request_id] = None if ref is None else [int(t) for t in ref]
+            ref = reference_output(self.reference, prompt_ids)  # none: the model decides
+            self._refs[request_id] = ref
             self.missing += ref is None
         return self._refs[request_id]
 

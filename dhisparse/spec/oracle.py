@@ -28,6 +28,21 @@ from dhisparse.spec.drafter import Commit, DraftProposal, DraftRequest, Stateles
 Reference = Mapping[tuple[int, ...], Sequence[int]] | Callable[[Sequence[int]], Sequence[int]]
 
 
+def reference_output(reference: Reference, prompt: Sequence[int]) -> list[int] | None:
+    """The reference output of a prompt (a map keyed by the prompt's ids, or a callable: one that raises
+    KeyError for a prompt counts as lacking it; `bench.reference.FileReference` returns [] instead), None
+    without one. The oracle and reference replay (engine/replay.py) both look prompts up through it."""
+    prompt = tuple(int(t) for t in prompt)
+    if callable(reference):
+        try:
+            ref = reference(list(prompt))
+        except KeyError:
+            return None
+    else:
+        ref = reference.get(prompt)
+    return None if ref is None else [int(t) for t in ref]
+
+
 def expected_tokens_per_round(accept: float, width: int) -> float:
     """sum_{i=0}^{width-1} accept^i: mean emitted tokens per round at per-draft accuracy `accept`."""
     if width < 1:
@@ -128,17 +143,13 @@ class OracleDrafter(StatelessDrafter):
 
     def _reference_of(self, req: DraftRequest) -> list[int]:
         if req.request_id not in self._refs:
-            prompt = tuple(int(t) for t in req.token_ids[: req.num_prompt_tokens])
-            if callable(self.reference):
-                ref = self.reference(list(prompt))
-            elif prompt in self.reference:
-                ref = self.reference[prompt]
-            else:
+            ref = reference_output(self.reference, req.token_ids[: req.num_prompt_tokens])
+            if ref is None:
                 raise KeyError(
                     f"oracle drafter: no reference run for the prompt of request {req.request_id!r} "
-                    f"({len(prompt)} tokens); record one with a non-speculative run first"
+                    f"({req.num_prompt_tokens} tokens); record one with a non-speculative run first"
                 )
-            self._refs[req.request_id] = [int(t) for t in ref]
+            self._refs[req.request_id] = ref
         return self._refs[req.request_id]
 
     def _stream_seed(self, request_id: str) -> int:
