@@ -8,8 +8,8 @@ rounding differs with the batch (a GEMM's blocking over the rows, a reduction's 
 margins are last-bit small, the served output leaves its reference and the oracle's drafts stop matching
 (session 42's costed sweep: 94.7% of proposals off the reference). This decodes the same prompts with the same
 preset in one batch and one request at a time (and a second preset in two batches), and reports the first
-token at which each prompt's outputs differ (null: identical). Small glm5-faithful geometry (the test suite's
-`SMALL`), 6 layers, random weights, the full head.
+token at which each prompt's outputs differ (null: identical). Small glm5-faithful geometry (models/faithful.py
+`SMALL_OVERRIDES`), 6 layers, random weights, the full head.
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ from dhisparse.bench import results as R
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.engine import Engine
 from dhisparse.engine.llm import LLM
-from dhisparse.models.faithful import build_faithful
+from dhisparse.models.faithful import SMALL_OVERRIDES as SMALL, build_faithful
 from dhisparse.models.tokenizer import ByteTokenizer
 
-SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
 
 
 def decode(loaded, dtype: str, preset: str, batches: list[list[list[int]]], tokens: int) -> list[list[int]]:

@@ -17,12 +17,9 @@ from dhisparse.engine.rank_spawn import free_addr
 from dhisparse.layers.ep_moe import EPMoE
 from dhisparse.layers.fp8_linear import Fp8Experts
 from dhisparse.layers.moe import MoE
-from dhisparse.models.faithful import build_faithful
+from dhisparse.models.faithful import SMALL_OVERRIDES, build_faithful
 
-# test_faithful_model.py's small geometry: 6 routed experts, top 2; layers 3+ are MoE
-SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+SMALL = SMALL_OVERRIDES  # the small geometry: 6 routed experts, top 2; layers 3+ are MoE
 BUFFERS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
 

@@ -11,15 +11,11 @@ import torch
 from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
 from dhisparse.models.dsa import DsaForCausalLM
-from dhisparse.models.faithful import ROUTED_EXPERTS, build_faithful, faithful_config, quantize_module, weight_bytes
+from dhisparse.models.faithful import ROUTED_EXPERTS, SMALL_OVERRIDES, build_faithful, faithful_config, quantize_module, weight_bytes
 from dhisparse.models.registry import BUILTINS
 from dhisparse.models.scaled import BYTE_VOCAB, INDEX_GAIN, offset_direction
 
-# a small geometry through the same builder: the KV row shape (latent 512 + rope 64) and index
-# keys of 128 stay, so the engine's row formats are the real ones
-SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+SMALL = SMALL_OVERRIDES  # a small geometry through the same builder (models/faithful.py)
 
 
 def test_geometry_is_glm5s():

@@ -8,10 +8,9 @@ from __future__ import annotations
 import torch
 from gpu_session_stub import session_commands
 
-# a small glm5-faithful geometry for faithful_diversity's CPU runs
-SMALL = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
-             index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
+from dhisparse.models.faithful import SMALL_OVERRIDES
+
+SMALL = SMALL_OVERRIDES  # the small glm5-faithful geometry for faithful_diversity's CPU runs
 
 
 def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):

@@ -92,6 +92,11 @@ from dhisparse.models.scaled import BYTE_VOCAB, EMBED_OFFSET, init_module, offse
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
+# glm5-faithful's small geometry for CPU runs (`overrides=SMALL_OVERRIDES`): the KV row shape (latent 512 +
+# rope 64) and index keys of 128 stay, so the engine's row formats are the real ones; 6 routed experts, top 2
+SMALL_OVERRIDES = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+                       index_topk=64, n_routed_experts=6, num_experts_per_tok=2, vocab_size=512)
 
 FAITHFUL_CONFIGS: dict[str, dict] = {
     "glm5-faithful": {
