@@ -46,7 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--hidden", type=int, default=6144); a("--inter", type=int, default=2048)
     a("--reps", type=int, default=20); a("--warmup", type=int, default=3); a("--graph", type=int, default=10)
     a("--sweep", default="64:4:3,64:4:4,64:4:5,128:4:3,128:4:4,128:8:3,32:4:4,32:2:5",
-      help="BN:warps:stages tile configurations timed on the decode shapes (fp8 only; '' = none)")
+      help="[BM:]BN:warps:stages tile configurations timed on the decode shapes (fp8 only; '' = none; "
+           "BM left out: block_m_for's)")
     a("--sweep-tokens", default="47,188")
     a("--quick", action="store_true", help="tiny shapes on CPU under the interpreter")
     a("--out", default="bench/results/fp8_gemm_bench.json")
@@ -109,13 +110,22 @@ def expert_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: tor
     return rows
 
 
+def tile_config(text: str) -> tuple[int | None, int, int, int]:
+    """'BN:warps:stages' or 'BM:BN:warps:stages' -> (BM or None, BN, warps, stages); ValueError naming --sweep."""
+    parts = [int(v) for v in text.split(":")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--sweep entries are [BM:]BN:warps:stages, got {text!r}")
+    return (None, *parts) if len(parts) == 3 else tuple(parts)
+
+
 def sweep_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torch.Generator) -> list[dict]:
     """fp8 time of each --sweep tile configuration on the decode shapes: the linears' Triton call and
-    the experts' gate-up and down grouped GEMMs (the defaults' row is the 64:4:3 one)."""
+    the experts' gate-up and down grouped GEMMs (the defaults' row is the 64:4:3 one). A configuration
+    of four fields sets BM too (BM:BN:warps:stages; `block_m` None in the row: `block_m_for`'s)."""
     from dhisparse.kernels.fp8_gemm import fp8_linear_triton, fp8_moe_triton
     from dhisparse.kernels.fp8_gemm_ref import quantize_block_fp8
 
-    configs = [tuple(int(v) for v in c.split(":")) for c in ns.sweep.split(",") if c]
+    configs = [tile_config(c) for c in ns.sweep.split(",") if c]
     scale = ns.hidden / 6144
     shapes = {n: (max(16, int(a * scale)), max(16, int(b * scale))) for n, (a, b) in LINEARS.items()}
     shapes |= {"experts_gate_up": (2 * ns.inter, ns.hidden), "experts_down": (ns.hidden, ns.inter)}
@@ -129,14 +139,14 @@ def sweep_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: torc
             x = torch.randn(T * (ns.top_k if name == "experts_down" else 1), k, generator=g).to(dev, dtype)
             ids = torch.stack([torch.randperm(ns.experts, generator=g)[: ns.top_k] for _ in range(T)]).to(dev)
             ids = ids.reshape(-1, 1) if name == "experts_down" else ids
-            for bn, warps, stages in configs:
-                kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
+            for bm, bn, warps, stages in configs:
+                kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
                 fn = (lambda: fp8_moe_triton(x, w8, sc, ids, **kw)) if stacked else (lambda: fp8_linear_triton(x, w8, sc, **kw))
                 t = timed(fn, tm, cuda)
                 gbps = (w8.numel() + sc.numel() * 4) / t / 1e6
-                rows.append({"case": name, "tokens": T, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                rows.append({"case": name, "tokens": T, "block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
                              "fp8_ms": t, "fp8_gbps": gbps})
-                print(f"  sweep {name:16} T{T:<4} BN{bn:<4} w{warps} s{stages}  {t:8.4f} ms ({gbps:6.0f} GB/s)", flush=True)
+                print(f"  sweep {name:16} T{T:<4} BM{bm or '-':<4} BN{bn:<4} w{warps} s{stages}  {t:8.4f} ms ({gbps:6.0f} GB/s)", flush=True)
     return rows
 
 
