@@ -232,8 +232,9 @@ def test_tensor_parallel_is_refused_by_name_and_an_ep_rank_is_built_on_its_devic
 
 def test_routing_spreads_over_every_expert():
     """The routers do not collapse onto the shared embedding direction: 47 tokens, top 4 of 12,
-    every expert chosen and none by nearly every token. (Breakage tried: `balance_router` skipped;
-    14-of-24-style collapse, caught here.)"""
+    every expert chosen and none by nearly every token, and no random selection bias. (Breakages
+    tried: `balance_router` skipped, 14-of-24-style collapse; the bias kept, 42 of 47 tokens on one
+    expert at offset 4.5: both caught here.)"""
     over = {**SMALL, "n_routed_experts": 12, "num_experts_per_tok": 4}
     lm = build_faithful(num_layers=6, overrides=over, dtype=torch.float32)
     m = lm.model.model
@@ -241,6 +242,7 @@ def test_routing_spreads_over_every_expert():
     for layer in m.layers[3:]:
         counts = torch.bincount(layer.mlp.gate(layer.post_attention_layernorm(h)).experts.reshape(-1), minlength=12)
         assert (counts > 0).sum() >= 11 and counts.max() <= 0.8 * 47, counts.tolist()
+        assert not layer.mlp.gate.e_score_correction_bias.any()
 
 
 def test_builtin_config_names_every_random_model():
@@ -290,19 +292,27 @@ def test_presets_give_resident_tokens_on_the_wide_tile():
             assert host_share > 0, "no row came from the host: the test would not see a broken fetch"
 
 
-def test_index_gain_is_the_measured_calibration():
-    """FAITHFUL_INDEX_GAIN is the gain whose host-fetched share at B = 2k, measured at the full geometry
-    (bench/results/locality_glm5_faithful_e12_gains_s38_h100.json), is nearest the paper's 14.2%; and it
-    is what a default build uses (its index queries equal an explicit build's at that gain, not gain 8's)."""
+def test_locality_is_the_measured_calibration():
+    """(FAITHFUL_EMBED_OFFSET, FAITHFUL_INDEX_GAIN) is the setting whose host-fetched share at B = 2k, measured
+    at the full geometry over a 100K history (bench/results/locality_glm5_faithful_100k_e12_s43_h100.json), is
+    nearest the paper's 14.2%; and it is what a default build uses (its index queries and embeddings equal an
+    explicit build's at that setting, not at gain 8 or offset 3)."""
     import json
     from pathlib import Path
 
     from dhisparse.models import faithful
 
-    rows = json.loads((Path(__file__).parents[1] / "bench/results/locality_glm5_faithful_e12_gains_s38_h100.json")
-                      .read_text())["rows"]
-    at2k = {r["index_gain"]: r["host_fetched_share"] for r in rows if r["B_over_k"] == 2.0}
-    assert min(at2k, key=lambda g: abs(at2k[g] - 0.142)) == faithful.FAITHFUL_INDEX_GAIN
+    doc = json.loads((Path(__file__).parents[1] / "bench/results/locality_glm5_faithful_100k_e12_s43_h100.json").read_text())
+    rows = doc["rows"]
+    at2k = {(r["embed_offset"], r["index_gain"]): r["host_fetched_share"] for r in rows if r["B_over_k"] == 2.0}
+    assert len(at2k) == 7 and doc["config"]["prompt_len"] == 102400
+    best = min(at2k, key=lambda og: abs(at2k[og] - 0.142))
+    assert best == (faithful.FAITHFUL_EMBED_OFFSET, faithful.FAITHFUL_INDEX_GAIN)
+    emb = lambda lm: lm.model.model.embed_tokens.weight  # noqa: E731
+    default_off = build_faithful(num_layers=1, overrides=SMALL, dtype=torch.float32)
+    explicit_off = build_faithful(num_layers=1, overrides=SMALL, dtype=torch.float32, embed_offset=faithful.FAITHFUL_EMBED_OFFSET)
+    offset3 = build_faithful(num_layers=1, overrides=SMALL, dtype=torch.float32, embed_offset=3.0)
+    assert torch.equal(emb(default_off), emb(explicit_off)) and not torch.equal(emb(default_off), emb(offset3))
     def wq_b(lm):  # the first indexer's query projection (bf16 / fp32: indexers are not quantized)
         return next(la.self_attn.indexer.wq_b.weight for la in lm.model.model.layers
                     if getattr(la.self_attn, "indexer", None) is not None)

@@ -33,13 +33,14 @@ def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
 def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):
     from bench import locality
 
-    from dhisparse.models.faithful import FAITHFUL_INDEX_GAIN
+    from dhisparse.models.faithful import FAITHFUL_EMBED_OFFSET, FAITHFUL_INDEX_GAIN
 
     (cmd,) = [c for c in session_commands(tmp_path, "locality31") if c[0] == "bench/locality.py"]
     ns = locality.parse(cmd[1:])
     assert (ns.model, ns.layers, ns.device, ns.dtype, ns.overrides) == ("glm5-faithful", 78, "cuda", "bfloat16", None)
-    assert ns.offsets == "3" and float(ns.gains) == FAITHFUL_INDEX_GAIN and ns.out.startswith(str(tmp_path / "out"))
-    assert ns.kv_pool_gib == 4  # 8K of bf16 rows over 78 layers (~0.8 GB) beside the hot cache
+    assert float(ns.offsets) == FAITHFUL_EMBED_OFFSET and float(ns.gains) == FAITHFUL_INDEX_GAIN and ns.out.startswith(str(tmp_path / "out"))
+    # the serving context (102,400 tokens of bf16 rows over 78 layers, ~11 GB) and the paper's hot cache B = 2k
+    assert (ns.prompt_len, ns.kv_pool_gib, ns.hot) == (102400, 16, "2")
     # several gains: one process (and one output file) each, so no second full-size build shares a GPU
     (tmp_path / "b").mkdir()
     cmds = [c for c in session_commands(tmp_path / "b", "locality31", {"LOCALITY31_GAINS": "0,4"})

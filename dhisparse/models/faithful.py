@@ -16,8 +16,8 @@ model computes what GLM-5 computes per token, except for how many experts there 
   o_proj, the dense and shared MLPs and the routed experts, run by the weight-only FP8 GEMMs of
   kernels/fp8_gemm.py (`layers/fp8_linear.py`). kv_b (split into the absorbed W_UK / W_UV), the
   indexers, embeddings, the head and the norms stay bf16; the router stays fp32.
-- Seeded random weights (scaled.py's `init_tensor` scales), glm52-scaled's embedding offset
-  (EMBED_OFFSET) and its own index gain (FAITHFUL_INDEX_GAIN, 0: calibrated at full geometry
+- Seeded random weights (scaled.py's `init_tensor` scales), an embedding offset and index gain of its
+  own (FAITHFUL_EMBED_OFFSET 4.5, FAITHFUL_INDEX_GAIN 12: calibrated at full geometry over a 100K history
   against the paper's locality), routers balanced over every expert
   (`balance_router`), and **no confident head**: lm_head is an ordinary
   random matrix over the whole vocabulary (rows 0-2, the special ids, are zero; `full_vocab_head`) with the
@@ -88,7 +88,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.models.dsa import DsaForCausalLM
 from dhisparse.models.loader import LoadedModel
 from dhisparse.models.scaled import SHARED_CONFIG as SCALED_SHARED
-from dhisparse.models.scaled import BYTE_VOCAB, EMBED_OFFSET, init_module, offset_direction, stable_index_query
+from dhisparse.models.scaled import BYTE_VOCAB, init_module, offset_direction, stable_index_query
 
 ROUTED_EXPERTS = 24  # a layer's routed experts on one H200 (module docstring)
 SPECIAL_IDS = 3  # ByteTokenizer's pad / bos / eos: their head rows are zero
@@ -171,7 +171,7 @@ def without_direction(weight: torch.Tensor, direction: torch.Tensor, rows: int =
 
 def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:
     """Project the shared embedding direction out of lm_head's rows (zero rows stay zero). Every
-    token's residual stream carries EMBED_OFFSET x `shared` (the locality offset) on top of its own
+    token's residual stream carries FAITHFUL_EMBED_OFFSET x `shared` (the locality offset) on top of its own
     part, and a random head scores that common part alike for every position: at GLM-5's 78 layers
     the greedy output was then one token repeated, the same for every prompt (session 36: glm5-faithful's
     100K reference, 20 prompts x 1,024 tokens, 2 distinct ids). Without it the head reads the
@@ -186,26 +186,34 @@ def offset_free_head(model: nn.Module, shared: torch.Tensor) -> None:
 
 def balance_router(layer: nn.Module, shared: torch.Tensor) -> None:
     """Project the shared embedding direction out of a MoE layer's router rows (no-op for dense
-    layers). The locality offset (EMBED_OFFSET x `shared` in every embedding) is the largest common
+    layers). The locality offset (FAITHFUL_EMBED_OFFSET x `shared` in every embedding) is the largest common
     part of every token's residual stream, so random router rows would score it alike for every
     token: a batch of 47 tokens then chose 14 of 24 experts, most of them for every token (routing
     collapse; an H200 step streamed about half the expert weights). A trained router is kept
     balanced (GLM-5's aux-loss-free bias); without the common part the choice spreads over every
-    expert, as there."""
+    expert, as there. The selection bias (`e_score_correction_bias`) is zeroed: a trained one is what
+    balances the load, and a random one (std 0.05) has nothing to balance but outweighs the scores once
+    the offset shrinks their spread after the norm (0.95 / 0.29 / 0.20 at offset 0 / 3 / 4.5): at 4.5 one
+    expert took 42 of 47 tokens, against 21 with the bias at zero (session 43)."""
     gate = getattr(layer.mlp, "gate", None)
     if gate is None:
         return
     gate.weight.data = without_direction(gate.weight.data, shared)
+    gate.e_score_correction_bias.zero_()
 
 
-# The index queries' stable part (`stable_index_query`, x its own spread). glm52-scaled's 8 was tuned on
-# that model; on this one, at its full geometry after `offset_blind` (78 layers, bf16, 8K history,
-# hisparse, one request; 12 routed experts so that it fits an H100, which selection does not use),
-# the host-fetched share at B = 2k by gain 8 / 4 / 2 / 1 / 0 is 2.6 / 5.6 / 9.3 / 11.8 / 13.1%
-# (bench/results/locality_glm5_faithful_e12_gains_s38_h100.json): the embedding offset alone, read
-# by q_a and the indexer keys, already gives about the paper's 14.2% (GLM-5.2, low load), so none
-# is added. v41-faithful keeps INDEX_GAIN (8: 13.6% at B = 2k a source, locality_v41_faithful_gains_s38_h100.json).
-FAITHFUL_INDEX_GAIN = 0.0
+# The locality: the embedding offset (FAITHFUL_EMBED_OFFSET x `shared` in every embedding row) and the index
+# queries' stable part (`stable_index_query`, FAITHFUL_INDEX_GAIN x its own spread), calibrated where the
+# model is served: hisparse, one request over a 102,400-token history, B = 2k = 4,096 rows, 78 layers in bf16
+# with 12 routed experts so that it fits an H100 (session 43, locality_glm5_faithful_100k_e12_s43_h100.json).
+# At glm52-scaled's offset 3 the gain saturates: 4 / 8 / 12 / 20 / 32 -> 33.1 / 24.9 / 22.8 / 20.9 / 19.6%
+# host-fetched (session 42's serving run at gain 0: 50.2%); offset 4.5 with gain 12 gives 13.9% (the paper:
+# 14.2%, GLM-5.2 low load), offset 6 11.7%. The outputs still follow their context there (32K, 4 prompts:
+# 128 distinct ids of 128, common share 0.030; faithful_diversity_glm5_o4.5_g12_32k_e12_s43_h100.json).
+# Session 38's calibration at an 8K history (offset 3, gain 0: 13.1%) held k / L at 25%; at 100K it is 2%.
+# v41-faithful keeps EMBED_OFFSET and INDEX_GAIN (8: 13.6% at B = 2k a source, locality_v41_faithful_gains_s38_h100.json).
+FAITHFUL_EMBED_OFFSET = 4.5
+FAITHFUL_INDEX_GAIN = 12.0
 
 
 # the weights through which a layer's output depends on its input: the KV latent (keys and values)
@@ -274,7 +282,7 @@ def check_head_vocab(head_vocab: str) -> None:
 
 def build_faithful(name: str = "glm5-faithful", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", num_layers: int | None = None,
-                   overrides: dict | None = None, embed_offset: float = EMBED_OFFSET,
+                   overrides: dict | None = None, embed_offset: float = FAITHFUL_EMBED_OFFSET,
                    index_gain: float = FAITHFUL_INDEX_GAIN, ep: tuple[int, int] | None = None,
                    head_vocab: str = "full") -> LoadedModel:
     """Deterministic random faithful model on `device` (same seed, device and config -> identical
