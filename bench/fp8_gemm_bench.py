@@ -11,6 +11,8 @@ same weights dequantized, through `nn.Linear` and through `layers.moe.Experts` (
 glm52-scaled runs: every expert on every token for small passes). Each time is the median replay
 of a CUDA graph of --graph calls (launch cost excluded, as in the engine's step graphs); weights
 exceed L2 so every call streams them. `gbps` = weight bytes (FP8 + scales, or bf16) / time.
+`w8a8_ms`: the same FP8 module with activations "dynamic" (kernels/fp8_w8a8.py: each token quantized per
+group of 128 columns, FP8 x FP8 on the tensor cores, as FP8 checkpoints are served), timed in the same run.
 """
 
 from __future__ import annotations
@@ -63,12 +65,20 @@ def _bytes(module: nn.Module) -> int:
 
 
 def _pair(name: str, T: int, fp8: nn.Module, bf16: nn.Module, fn8, fn16, tm: Timing, cuda: bool) -> dict:
+    """fp8 (w8a16, then w8a8: `fp8.activations` "dynamic") and bf16 times of one case."""
     t8, t16 = timed(fn8, tm, cuda), timed(fn16, tm, cuda)
+    fp8.activations = "dynamic"
+    try:
+        t88 = timed(fn8, tm, cuda)
+    finally:
+        fp8.activations = "none"
     b8, b16 = _bytes(fp8), _bytes(bf16)
-    row = {"case": name, "tokens": T, "fp8_ms": t8, "bf16_ms": t16, "fp8_over_bf16": t8 / t16,
-           "fp8_weight_bytes": b8, "bf16_weight_bytes": b16, "fp8_gbps": b8 / t8 / 1e6, "bf16_gbps": b16 / t16 / 1e6}
-    print(f"  {name:12} T{T:<5} fp8 {t8:8.4f} ms ({row['fp8_gbps']:7.0f} GB/s)  bf16 {t16:8.4f} ms "
-          f"({row['bf16_gbps']:7.0f} GB/s)  fp8/bf16 {row['fp8_over_bf16']:.2f}", flush=True)
+    row = {"case": name, "tokens": T, "fp8_ms": t8, "w8a8_ms": t88, "bf16_ms": t16, "fp8_over_bf16": t8 / t16,
+           "w8a8_over_bf16": t88 / t16, "fp8_weight_bytes": b8, "bf16_weight_bytes": b16, "fp8_gbps": b8 / t8 / 1e6,
+           "w8a8_gbps": b8 / t88 / 1e6, "bf16_gbps": b16 / t16 / 1e6}
+    print(f"  {name:12} T{T:<5} fp8 {t8:8.4f} ms ({row['fp8_gbps']:7.0f} GB/s)  w8a8 {t88:8.4f} ms "
+          f"({row['w8a8_gbps']:7.0f} GB/s)  bf16 {t16:8.4f} ms ({row['bf16_gbps']:7.0f} GB/s)  "
+          f"fp8/bf16 {row['fp8_over_bf16']:.2f}  w8a8/bf16 {row['w8a8_over_bf16']:.2f}", flush=True)
     return row
 
 

@@ -230,7 +230,8 @@ def estimate_s(ns, sz: dict) -> float:
 
 def engine_overrides(pairs: list[str]) -> dict:
     """--engine-arg NAME=VALUE pairs -> EngineConfig keyword values, typed from the field's default
-    (int, float, bool or str; a None default: an int or float when VALUE reads as one; 'none' -> None)."""
+    (int, float, bool or str; a None default: an int or float when VALUE reads as one; 'none' -> None, except
+    for a field whose default is a string, where 'none' may be a value: fp8_activations=none)."""
     from dataclasses import fields
 
     defaults = {f.name: f.default for f in fields(EngineConfig)}
@@ -240,7 +241,7 @@ def engine_overrides(pairs: list[str]) -> dict:
         if not sep or name not in defaults:
             raise SystemExit(f"--engine-arg {pair!r}: expected NAME=VALUE with NAME one of {sorted(defaults)}")
         d = defaults[name]
-        if raw.lower() == "none":
+        if raw.lower() == "none" and not isinstance(d, str):
             out[name] = None
         elif isinstance(d, bool):
             out[name] = raw.lower() in ("1", "true", "yes", "on")

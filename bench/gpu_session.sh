@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,exact42,locality31,gemm43,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,exact42,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -430,6 +430,12 @@ case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on 
 case ",$STEPS," in *,gemm43,*)  # issue 31: FP8 GEMM tiles BM 64 vs 128 at verification pass sizes (s42's round: dense GEMMs 2.43x the step's for 5x the rows: BM 64 reads each weight twice at 100 rows) (~2 min)
   run "FP8 GEMM tiles, BM 64 vs 128" timeout ${GEMM43_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --tokens 20,100 --prefill-tokens 0 \
       --sweep-tokens 20,47,100,188 --sweep "64:4:3,64:64:4:3,128:64:4:3,128:64:8:3,128:128:8:3,128:64:4:4" --out "$OUT/fp8_gemm_tiles_bm_h200.json" ;; esac
+case ",$STEPS," in *,w8a843,*)  # issue 31: FP8 activations (--fp8-activations dynamic, kernels/fp8_w8a8.py): CUDA exactness of the FP8 GEMM files and glm5-faithful's presets under both settings, then w8a16 / w8a8 / bf16 GEMM times at decode and verification pass sizes (~4 min cold); the round with it: round31 with ROUND31_ARGS="--engine-arg fp8_activations=dynamic" ROUND31_TAG=_w8a8
+  run "exactness on CUDA, FP8 GEMM files" timeout ${W8A8_EXACT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
+      tests/test_fp8_w8a8.py tests/test_fp8_gemm.py tests/test_fp8_modules.py tests/test_faithful_model.py tests/test_moe.py tests/test_ep_fp8.py \
+      --junitxml="$OUT/w8a843_cuda.xml"
+  run "FP8 GEMMs: w8a16 / w8a8 / bf16" timeout ${W8A8_BENCH_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --tokens 20,47,100,188 --prefill-tokens 8192 \
+      --sweep "" --out "$OUT/fp8_gemm_w8a8_h200.json" ;; esac
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac

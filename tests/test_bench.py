@@ -271,8 +271,10 @@ def test_gpu_serving_engine_args_are_typed_from_the_config():
     spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
     gs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gs)
-    got = gs.engine_overrides(["backup_ahead_pages=128", "copy_stream=compute", "debug_checks=true", "hot_cache_rows=none"])
-    assert got == {"backup_ahead_pages": 128, "copy_stream": "compute", "debug_checks": True, "hot_cache_rows": None}
+    got = gs.engine_overrides(["backup_ahead_pages=128", "copy_stream=compute", "debug_checks=true", "hot_cache_rows=none",
+                               "fp8_activations=none"])
+    assert got == {"backup_ahead_pages": 128, "copy_stream": "compute", "debug_checks": True, "hot_cache_rows": None,
+                   "fp8_activations": "none"}  # a string field's 'none' is its value
     with pytest.raises(SystemExit, match="backup_ahead_pages"):
         gs.engine_overrides(["backup_ahed_pages=1"])
 

@@ -75,7 +75,7 @@ def test_small_build_quantizes_what_the_docstring_says():
         assert torch.equal(t.float(), u.float()), n
 
 
-def _greedy(lm, prompt: list[int], n: int) -> list[int]:
+def _greedy(lm, prompt: list[int], n: int, preset: str = "hisparse", activations: str = "none") -> list[int]:
     from dhisparse.core.params import SamplingParams
     from dhisparse.engine.config import EngineConfig
     from dhisparse.engine.engine import Engine
@@ -83,13 +83,35 @@ def _greedy(lm, prompt: list[int], n: int) -> list[int]:
 
     lm = dataclasses.replace(lm, tokenizer=ByteTokenizer())
     e = Engine(EngineConfig(model="glm5-faithful", device="cpu", dtype="float32", page_size=16,
-                            kv_pool_bytes=64 << 20, preset="hisparse",
+                            kv_pool_bytes=64 << 20, preset=preset, fp8_activations=activations,
                             hot_cache_rows=2 * lm.config.index_topk), loaded=lm)
     e.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     toks = []
     while e.has_unfinished():
         toks += [t for o in e.step() for t in o.new_token_ids]
     return toks
+
+
+def test_dynamic_fp8_activations_run_in_the_engine(monkeypatch):
+    """--fp8-activations dynamic: the engine sets every FP8 module to the w8a8 GEMMs (their reference runs on
+    the CPU), and hisparse gives resident's greedy tokens under it."""
+    import dhisparse.kernels.fp8_dispatch as fd
+    from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear
+
+    calls = []
+    for name in ("fp8_linear_w8a8_reference", "fp8_moe_w8a8_reference"):
+        real = getattr(fd, name)
+        monkeypatch.setattr(fd, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    lm = build_faithful(num_layers=4, overrides=SMALL, dtype=torch.float32)
+    prompt = list(range(3, 150))
+    got = _greedy(lm, prompt, 8, activations="dynamic")
+    fp8 = [m for m in lm.model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    assert fp8 and all(m.activations == "dynamic" for m in fp8)
+    assert {"fp8_linear_w8a8_reference", "fp8_moe_w8a8_reference"} <= set(calls)
+    assert _greedy(lm, prompt, 8, preset="resident", activations="dynamic") == got
+    calls.clear()
+    _greedy(lm, prompt, 2)  # the next engine's setting ("none") replaces it
+    assert calls == [] and all(m.activations == "none" for m in fp8)
 
 
 def test_output_depends_on_attention():
@@ -255,10 +277,12 @@ def test_builtin_config_names_every_random_model():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wide sparse-MLA tile runs with bf16 queries on the GPU")
-def test_presets_give_resident_tokens_on_the_wide_tile():
+@pytest.mark.parametrize("activations", ["none", "dynamic"])
+def test_presets_give_resident_tokens_on_the_wide_tile(activations):
     """GLM-5's 64 heads and 512-value latent in bf16 on the GPU: the sparse-MLA plan is the wide one
     (64 heads x 64 rows a program) and hisparse / adaptive, whose rows come through the hot cache and
-    the host, give resident's greedy tokens exactly."""
+    the host, give resident's greedy tokens exactly; with the FP8 GEMMs' activations kept in bf16 and
+    quantized per token group (--fp8-activations dynamic: the w8a8 kernels)."""
     import dhisparse.kernels.sparse_mla as sm
     from dhisparse.core.params import SamplingParams
     from dhisparse.engine.config import EngineConfig
@@ -272,7 +296,7 @@ def test_presets_give_resident_tokens_on_the_wide_tile():
     def run(preset: str) -> tuple[list[list[int]], float]:
         e = Engine(EngineConfig(model="glm5-faithful", device="cuda", dtype="bfloat16", page_size=16,
                                 kv_pool_bytes=256 << 20, host_pool_bytes=256 << 20, preset=preset,
-                                hot_cache_rows=lm.config.index_topk), loaded=lm)
+                                hot_cache_rows=lm.config.index_topk, fp8_activations=activations), loaded=lm)
         for p in prompts:
             e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
         toks: dict[str, list[int]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
+from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS  # none, dynamic
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
@@ -185,6 +186,10 @@ class EngineConfig:
     quantization [--quantization]: None / "none" (weights as stored: block-scaled FP8 checkpoints
         are dequantized at load) or "fp8" (require a block-scaled FP8 checkpoint; no online
         quantization).
+    fp8_activations [--fp8-activations]: how a model's FP8 weight GEMMs (glm5-faithful, v41-faithful) take
+        their activations: "none" (kept in the model's dtype, w8a16) or "dynamic" (FP8 per token and group of
+        128 columns, w8a8, as DeepSeek-V3 / GLM-5 FP8 checkpoints' activation_scheme "dynamic" is served;
+        kernels/fp8_w8a8.py). "dynamic" on a model without FP8 weights is refused at engine start.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
     """
 
@@ -251,6 +256,7 @@ class EngineConfig:
     chat_template: str | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    fp8_activations: str = "none"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -327,6 +333,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "bfloat16" and self.dtype not in (None, "bfloat16"):
             raise ConfigValueError(f"--kv-cache-dtype bfloat16 needs a bfloat16 model; got --dtype {self.dtype} "
                                    "(the KV cache has the model's dtype: pass --dtype bfloat16 or --kv-cache-dtype auto)")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ConfigValueError(f"fp8_activations (--fp8-activations) must be one of {', '.join(FP8_ACTIVATIONS)}; "
+                                   f"got {self.fp8_activations!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ConfigValueError(f"quantization (--quantization) must be none or fp8 (block-scaled FP8 checkpoints); "
                                    f"got {self.quantization!r}")

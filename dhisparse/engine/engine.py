@@ -43,6 +43,7 @@ from dhisparse.kv.build import build_store
 from dhisparse.kv.memory.prefix_store import PrefixStore, StoredPrefix
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.graphs import CudaGraphRunner
+from dhisparse.layers.fp8_linear import set_fp8_activations
 from dhisparse.models.registry import LoadedModel, load_for_config
 from dhisparse.models.tokenizer import stream_detokenizer
 
@@ -80,6 +81,9 @@ class Engine:
             log.info("moving the model from %s to %s", self.loaded.model.device, self.device)
             self.loaded.model.to(self.device)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
+        if set_fp8_activations(self.model, config.fp8_activations) == 0 and config.fp8_activations != "none":
+            raise ValueError(f"fp8_activations (--fp8-activations) {config.fp8_activations!r} needs a model with FP8 "
+                             f"weights (glm5-faithful, v41-faithful); {config.model!r} has none")
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         graph_setup.set_graphs(self, config.cuda_graphs)
         spec_cfg = config.spec_config()

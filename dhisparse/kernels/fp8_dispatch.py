@@ -12,6 +12,11 @@ its weight dequantized to that dtype by one Triton pass and multiplies with torc
 H200 our FP8 GEMM reaches 0.3-0.4x bf16 matmul's FLOP rate there (bench/results/fp8_gemm_bench_s28c_h200.json)
 and dequantizing costs one read and one write of the weight. The product then rounds each
 dequantized weight to 16 bits once (the kernels keep the scale in fp32).
+
+activations (FP8_ACTIVATIONS): "none" keeps the activations in their dtype (w8a16: `fp8_gemm.py`);
+"dynamic" quantizes each token's row per group of 128 columns first and multiplies FP8 by FP8 (w8a8:
+`fp8_w8a8.py`), as the FP8 checkpoints' activation_scheme "dynamic" is served. A dynamic prefill-sized
+linear multiplies the dequantized weight by the round-tripped activations (`dequantize_act_fp8`).
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kernels.backend import use_triton
-from dhisparse.kernels.fp8_gemm_ref import check_x, fp8_linear_reference, fp8_moe_reference
+from dhisparse.kernels.fp8_gemm_ref import (FP8_ACTIVATIONS, check_activations, check_x, dequantize_act_fp8,  # noqa: F401
+                                            fp8_linear_reference, fp8_linear_w8a8_reference, fp8_moe_reference,
+                                            fp8_moe_w8a8_reference)
 
 try:
     from dhisparse.kernels import fp8_gemm as _fp8_triton
+    from dhisparse.kernels import fp8_w8a8 as _w8a8_triton
 except ImportError:  # no Triton on this machine
-    _fp8_triton = None
+    _fp8_triton = _w8a8_triton = None
 
 
 def _triton_for(t: torch.Tensor) -> bool:
@@ -38,19 +46,31 @@ def _triton_for(t: torch.Tensor) -> bool:
 DEQUANT_ROWS = 2048  # rows from which a 16-bit linear dequantizes its weight and runs torch.matmul
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: bool = False) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: bool = False,
+               activations: str = "none") -> torch.Tensor:
     """x [T, K] @ W.T -> [T, N] in x's dtype, W = w8 float8_e4m3fn [N, K] x block scales [nb, kb].
-    expert: a shared expert's GEMM (the Triton path launches it under the experts' kernel name)."""
+    expert: a shared expert's GEMM (the Triton path launches it under the experts' kernel name).
+    activations: "none" / "dynamic" (module docstring)."""
+    check_activations(activations)
+    dynamic = activations == "dynamic"
     if _triton_for(x):
         if x.shape[0] >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             check_x(x, w8)
+            if dynamic:
+                x = dequantize_act_fp8(*_w8a8_triton.fp8_act_quant_triton(x)).to(x.dtype)
             return torch.nn.functional.linear(x, _fp8_triton.fp8_dequantize_triton(w8, scale, x.dtype))
+        if dynamic:
+            return _w8a8_triton.fp8_w8a8_linear_triton(x, w8, scale, expert=expert)
         return _fp8_triton.fp8_linear_triton(x, w8, scale, expert=expert)
-    return fp8_linear_reference(x, w8, scale)
+    return (fp8_linear_w8a8_reference if dynamic else fp8_linear_reference)(x, w8, scale)
 
 
-def fp8_moe(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """Row (t, j) = x[t] @ W[expert_ids[t, j]].T -> [T, top_k, N] in x's dtype; w8 [E, N, K], scale [E, nb, kb]."""
+def fp8_moe(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor,
+            activations: str = "none") -> torch.Tensor:
+    """Row (t, j) = x[t] @ W[expert_ids[t, j]].T -> [T, top_k, N] in x's dtype; w8 [E, N, K], scale [E, nb, kb].
+    activations: "none" / "dynamic" (module docstring)."""
+    check_activations(activations)
+    dynamic = activations == "dynamic"
     if _triton_for(x):
-        return _fp8_triton.fp8_moe_triton(x, w8, scale, expert_ids)
-    return fp8_moe_reference(x, w8, scale, expert_ids)
+        return (_w8a8_triton.fp8_w8a8_moe_triton if dynamic else _fp8_triton.fp8_moe_triton)(x, w8, scale, expert_ids)
+    return (fp8_moe_w8a8_reference if dynamic else fp8_moe_reference)(x, w8, scale, expert_ids)

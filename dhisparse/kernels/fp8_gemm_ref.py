@@ -133,3 +133,69 @@ def fp8_moe_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
         if rows.numel():
             out[rows] = xf[tok[rows]] @ dequantize_block_fp8(w8[e], scale[e]).T
     return out.to(x.dtype).reshape(T, top_k, N)
+
+
+# ---- dynamic activation quantization ("w8a8"): DeepSeek-V3 / GLM-5 FP8 checkpoints' activation_scheme "dynamic" ----
+#
+#   quantize_act_fp8(x [T, K])            -> (x8 float8_e4m3fn [T, K], xs fp32 [T, ceil(K/128)])
+#   dequantize_act_fp8(x8, xs)            -> fp32 [T, K]
+#   fp8_linear_w8a8_reference(x, w8, scale)            -> [T, N]         (x's dtype)
+#   fp8_moe_w8a8_reference(x, w8, scale, expert_ids)   -> [T, top_k, N]  (x's dtype)
+#
+# Each token's row is quantized in groups of 128 columns (1 x 128, as SGLang / vLLM serve these checkpoints:
+# per-token-group quantization), so both GEMM operands are FP8 and each k-block's partial product is scaled by
+# the token's group scale times the weight's block scale.
+
+FP8_ACTIVATIONS = ("none", "dynamic")  # activations kept in their dtype (w8a16) / FP8 per token group (w8a8)
+
+
+def check_activations(activations: str) -> None:
+    """ValueError naming `activations` unless it is one of FP8_ACTIVATIONS."""
+    if activations not in FP8_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {FP8_ACTIVATIONS}, got {activations!r}")
+
+
+def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] floating -> (x8 float8_e4m3fn [T, K], xs fp32 [T, ceil(K/128)]): per token and group of 128
+    columns, scale = amax / 448 (an all-zero group: 1.0, its x8 zero), x8 = x / scale rounded to nearest
+    (fp32 division), the weights' rule (`quantize_block_fp8`) on 1 x 128 blocks."""
+    if not x.is_floating_point() or x.dtype == FP8 or x.dim() != 2:
+        raise ValueError(f"x must be a floating [T, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    T, k = x.shape
+    kb = -(-k // BLOCK)
+    g = F.pad(x.float(), (0, kb * BLOCK - k)).reshape(T, kb, BLOCK)
+    amax = g.abs().amax(dim=-1)  # [T, kb]
+    xs = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (g / xs[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(T, kb * BLOCK)[:, :k]
+    return q.to(FP8), xs.contiguous()
+
+
+def dequantize_act_fp8(x8: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """(x8 float8_e4m3fn [T, K], xs fp32 [T, ceil(K/128)]) -> fp32 [T, K]."""
+    if x8.dtype != FP8 or x8.dim() != 2:
+        raise ValueError(f"x8 must be a float8_e4m3fn [T, K] tensor, got {x8.dtype} {tuple(x8.shape)}")
+    want = (x8.shape[0], -(-x8.shape[1] // BLOCK))
+    if xs.dtype != torch.float32 or tuple(xs.shape) != want:
+        raise ValueError(f"xs must be float32 {want} for x8 {tuple(x8.shape)}, got {xs.dtype} {tuple(xs.shape)}")
+    return x8.float() * xs.repeat_interleave(BLOCK, -1)[:, : x8.shape[1]]
+
+
+def _act_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> fp32 [T, K]: x as the w8a8 GEMMs read it (quantized per token group, dequantized)."""
+    return dequantize_act_fp8(*quantize_act_fp8(x))
+
+
+def fp8_linear_w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear_reference` with x quantized per token group first (`quantize_act_fp8`): fp32 math on both
+    dequantized operands, one cast to x's dtype at the end."""
+    check_weight(w8, scale, stacked=False)
+    check_x(x, w8)
+    return fp8_linear_reference(_act_round_trip(x), w8, scale).to(x.dtype)
+
+
+def fp8_moe_w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                           expert_ids: torch.Tensor) -> torch.Tensor:
+    """`fp8_moe_reference` with x quantized per token group first (each token once, whatever its experts)."""
+    check_weight(w8, scale, stacked=True)
+    check_x(x, w8)
+    return fp8_moe_reference(_act_round_trip(x), w8, scale, expert_ids).to(x.dtype)

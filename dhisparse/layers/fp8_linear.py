@@ -7,6 +7,10 @@ per 128x128 block (`kernels/fp8_gemm_ref.py`). The GEMMs run through `kernels/fp
               down_proj [E, H, I] + down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]; x [T, H] -> [T, H];
               `each_row` (row i through one expert) is what an expert-parallel owner runs (layers/ep_moe.py)
 
+Both take `activations` ("none": the activations stay in their dtype, w8a16; "dynamic": FP8 per token and
+group of 128 columns, w8a8, as the FP8 checkpoints' activation_scheme "dynamic" is served;
+kernels/fp8_dispatch.py); `set_fp8_activations` sets it on every FP8 module of a model.
+
 Fp8Experts keeps `layers/moe.py`'s stacked layout; its scale blocks tile the stacked [2I, H]
 matrix, so a checkpoint's separate gate / up scales stack into it when I is a multiple of 128.
 """
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhisparse.kernels.fp8_dispatch import fp8_linear, fp8_moe
+from dhisparse.kernels.fp8_dispatch import check_activations, fp8_linear, fp8_moe
 from dhisparse.kernels.fp8_gemm_ref import FP8, quantize_block_fp8, scale_shape
 from dhisparse.layers.moe import Experts, Routing
 
@@ -43,11 +47,13 @@ class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, device=None, expert: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.expert = in_features, out_features, expert
+        self.activations = "none"  # `set_fp8_activations`
         _fp8_buffers(self, "weight", (out_features, in_features), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, expert=self.expert)
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, expert=self.expert,
+                       activations=self.activations)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
@@ -61,7 +67,7 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks"
-                + (", shared expert" if self.expert else ""))
+                + (", shared expert" if self.expert else "") + f", activations={self.activations}")
 
 
 class Fp8Experts(nn.Module):
@@ -70,6 +76,7 @@ class Fp8Experts(nn.Module):
     def __init__(self, E: int, hidden: int, inter: int, device=None) -> None:
         super().__init__()
         self.n_experts, self.hidden, self.inter = E, hidden, inter
+        self.activations = "none"  # `set_fp8_activations`
         _fp8_buffers(self, "gate_up_proj", (E, 2 * inter, hidden), device)
         _fp8_buffers(self, "down_proj", (E, hidden, inter), device)
 
@@ -77,9 +84,10 @@ class Fp8Experts(nn.Module):
         """x [T, H] -> [T, H]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), the sum in fp32."""
         ids = routing.experts
         T, top_k = ids.shape
-        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids).chunk(2, dim=-1)
+        a = self.activations
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a).chunk(2, dim=-1)
         h = self.act(gate, up).reshape(T * top_k, self.inter)  # [T * top_k, I]
-        y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1)).reshape(T, top_k, self.hidden)
+        y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1), a).reshape(T, top_k, self.hidden)
         return torch.einsum("tjh,tj->th", y.float(), routing.weights.float()).to(x.dtype)
 
     def each_row(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -87,8 +95,9 @@ class Fp8Experts(nn.Module):
         (no routing weight): the per-row expert outputs an expert-parallel owner sends back
         (layers/ep_moe.py), by the same two grouped GEMMs as `forward` with one slot a row."""
         ids = expert_ids.reshape(-1, 1)
-        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids).reshape(x.shape[0], -1).chunk(2, dim=-1)
-        return fp8_moe(self.act(gate, up), self.down_proj, self.down_proj_scale_inv, ids).reshape(x.shape[0], self.hidden)
+        a = self.activations
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a).reshape(x.shape[0], -1).chunk(2, dim=-1)
+        return fp8_moe(self.act(gate, up), self.down_proj, self.down_proj_scale_inv, ids, a).reshape(x.shape[0], self.hidden)
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """Gated activation (SiLU-GLU); subclasses change it, as `Experts.act`."""
@@ -103,3 +112,13 @@ class Fp8Experts(nn.Module):
         _load_quantized(m, "gate_up_proj", experts.gate_up_proj)
         _load_quantized(m, "down_proj", experts.down_proj)
         return m
+
+
+def set_fp8_activations(model: nn.Module, activations: str) -> int:
+    """Every Fp8Linear / Fp8Experts of `model` takes `activations` ("none" / "dynamic", module docstring);
+    returns how many modules it set (0: the model has no FP8 weights). ValueError naming `activations`."""
+    check_activations(activations)
+    mods = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    for m in mods:
+        m.activations = activations
+    return len(mods)

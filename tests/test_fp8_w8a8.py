@@ -1,0 +1,155 @@
+"""FP8 activations ("w8a8", kernels/fp8_w8a8.py): per-token-group quantization against its reference bit for
+bit, the w8a8 linear / MoE kernels against their references over ragged, empty and split shapes, the
+dispatchers and modules under `activations="dynamic"`, and the engine's --fp8-activations switch.
+
+Mutation checks (each breakage applied by hand to dhisparse/kernels/fp8_w8a8.py, this file run, then restored):
+  - the rows' group scale dropped from a k step (`part * sb[None, :]`): every kernel test here.
+  - the group scale of the next k-block (`tl.minimum(k0 // 128 + 1, (K - 1) // 128)`): the linear and MoE
+    tests with K > 128.
+  - the token's scale read at the flat MoE row (`r * sxst` for `tok * sxst`): test_w8a8_moe_matches_reference.
+  - the quantization's scale from amax / 224 (`QMAX=FP8_MAX / 2`): test_act_quant_is_the_reference_bit_for_bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dhisparse.kernels.fp8_dispatch import fp8_linear, fp8_moe
+from dhisparse.kernels.fp8_gemm_ref import (FP8, check_activations, dequantize_act_fp8, fp8_linear_reference,
+                                            fp8_linear_w8a8_reference, fp8_moe_reference, fp8_moe_w8a8_reference,
+                                            quantize_act_fp8)
+from dhisparse.kernels.fp8_w8a8 import fp8_act_quant_triton, fp8_w8a8_linear_triton, fp8_w8a8_moe_triton
+from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear, set_fp8_activations
+from dhisparse.layers.moe import Routing
+from fp8_fixtures import DEV, SHAPES, TILES, _close, _ids, _use, _weight, _x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K", [(0, 64), (1, 1), (1, 128), (5, 200), (17, 300), (33, 129)])
+def test_act_quant_is_the_reference_bit_for_bit(T, K, dtype):
+    x = (_x(T, K, seed=T + K) * 7).to(dtype)
+    if T > 2:
+        x[1] = 0  # all-zero groups: scale 1, zeros
+        x[2, : min(K, 128)] = 1e-30  # tiny values (fp32): a scale near the normal range's bottom
+    got, want = fp8_act_quant_triton(x), quantize_act_fp8(x)
+    assert got[0].dtype == FP8 and got[0].shape == (T, K) and got[1].shape == (T, -(-K // 128))
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
+
+
+def test_act_quant_round_trip_is_within_e4m3_precision():
+    x = _x(9, 300, seed=4) * torch.exp2(torch.arange(9, device=DEV, dtype=torch.float32) - 4)[:, None]
+    x8, xs = quantize_act_fp8(x)
+    back = dequantize_act_fp8(x8, xs)
+    group_max = x.abs().reshape(9, -1)[:, :256].reshape(9, 2, 128).amax(-1)  # first two groups
+    err = (back - x).abs()[:, :256].reshape(9, 2, 128).amax(-1)
+    assert (err <= group_max * 2 ** -4 + 1e-30).all()  # e4m3: 3 mantissa bits, half-ulp 2^-4 of the group max
+    assert xs.amax().item() > 0 and torch.all(x8.float().abs() <= 448)
+
+
+@pytest.mark.parametrize("tiles", list(TILES) + ["split"])
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("T", [0, 1, 17, 33])
+def test_w8a8_linear_matches_reference(T, N, K, tiles):
+    w8, s = _weight(N, K)
+    x = _x(T, K, seed=T)
+    kw = {"split_k": 3, "block_k": 64} if tiles == "split" else TILES[tiles]
+    got = fp8_w8a8_linear_triton(x, w8, s, **kw)
+    assert got.shape == (T, N)
+    _close(got, fp8_linear_w8a8_reference(x, w8, s))
+
+
+def test_w8a8_linear_bf16_and_shared_expert_name():
+    w8, s = _weight(130, 200, seed=2)
+    x = _x(17, 200, torch.bfloat16)
+    want = fp8_linear_w8a8_reference(x, w8, s)
+    _close(fp8_w8a8_linear_triton(x, w8, s), want)
+    assert torch.equal(fp8_w8a8_linear_triton(x, w8, s, expert=True), fp8_w8a8_linear_triton(x, w8, s))
+
+
+def test_w8a8_differs_from_w8a16_by_the_activation_rounding():
+    """The quantized activations change the product (else the switch would be a no-op), by about e4m3's precision."""
+    w8, s = _weight(128, 384, seed=7)
+    x = _x(9, 384, seed=8)
+    a, b = fp8_linear_w8a8_reference(x, w8, s), fp8_linear_reference(x, w8, s)
+    rel = ((a - b).norm() / b.norm()).item()
+    assert 1e-4 < rel < 0.1
+
+
+@pytest.mark.parametrize("E,top_k,T", [(1, 1, 0), (3, 2, 7), (8, 3, 20), (3, 1, 1)])
+def test_w8a8_moe_matches_reference(E, top_k, T):
+    w8, s = _weight(E, 130, 200, seed=E)
+    x = _x(T, 200, seed=T)
+    ids = _ids(T, top_k, E)
+    got = fp8_w8a8_moe_triton(x, w8, s, ids, block_n=32, block_k=64)
+    assert got.shape == (T, top_k, 130)
+    _close(got, fp8_moe_w8a8_reference(x, w8, s, ids))
+
+
+@pytest.mark.parametrize("pattern", ["all", "sparse"])
+def test_w8a8_moe_skewed_routing_ragged(pattern):
+    w8, s = _weight(8, 300, 129, seed=5)
+    x, ids = _x(20, 129), _ids(20, 3, 8, pattern)
+    _close(fp8_w8a8_moe_triton(x, w8, s, ids), fp8_moe_w8a8_reference(x, w8, s, ids))
+
+
+def test_dispatchers_take_the_activations_setting():
+    w8, s = _weight(130, 200)
+    ew8, es = _weight(3, 130, 200)
+    x, ids = _x(5, 200), _ids(5, 2, 3)
+    for backend in ("torch", "triton"):
+        _use(backend)
+        _close(fp8_linear(x, w8, s, activations="dynamic"), fp8_linear_w8a8_reference(x, w8, s))
+        _close(fp8_moe(x, ew8, es, ids, "dynamic"), fp8_moe_w8a8_reference(x, ew8, es, ids))
+        _close(fp8_moe(x, ew8, es, ids), fp8_moe_reference(x, ew8, es, ids))
+    with pytest.raises(ValueError, match="activations"):
+        fp8_linear(x, w8, s, activations="static")
+    with pytest.raises(ValueError, match="activations"):
+        check_activations("fp8")
+
+
+def test_prefill_sized_dynamic_linear_rounds_the_activations(monkeypatch):
+    """At DEQUANT_ROWS and above a 16-bit dynamic linear multiplies the dequantized weight by the round-tripped
+    activations: the w8a8 product up to bf16 rounding, not the w8a16 one."""
+    import dhisparse.kernels.fp8_dispatch as fd
+
+    monkeypatch.setattr(fd, "DEQUANT_ROWS", 8)
+    _use("triton")
+    w8, s = _weight(128, 256, seed=9)
+    x = _x(12, 256, torch.bfloat16, seed=10)
+    got = fp8_linear(x, w8, s, activations="dynamic")
+    _close(got, fp8_linear_w8a8_reference(x, w8, s))
+    assert not torch.equal(got, fp8_linear(x, w8, s))
+
+
+def test_modules_follow_set_fp8_activations():
+    torch.manual_seed(0)
+    lin = Fp8Linear.from_linear(torch.nn.Linear(200, 130, bias=False).to(DEV))
+    ex = Fp8Experts(3, 200, 128, device=DEV)
+    ex.gate_up_proj.copy_(_weight(3, 256, 200)[0]), ex.down_proj.copy_(_weight(3, 200, 128)[0])
+    model = torch.nn.ModuleDict({"lin": lin, "ex": ex})
+    x, ids = _x(6, 200), _ids(6, 2, 3)
+    r = Routing(ids, torch.full((6, 2), 0.5, device=DEV))
+    plain_lin, plain_ex = lin(x), ex(x, r)
+    assert set_fp8_activations(model, "dynamic") == 2 and lin.activations == ex.activations == "dynamic"
+    _close(lin(x), fp8_linear_w8a8_reference(x, lin.weight, lin.weight_scale_inv))
+    assert not torch.equal(lin(x), plain_lin) and not torch.equal(ex(x, r), plain_ex)
+    assert set_fp8_activations(model, "none") == 2
+    assert torch.equal(lin(x), plain_lin) and torch.equal(ex(x, r), plain_ex)
+    assert set_fp8_activations(torch.nn.Linear(2, 2), "dynamic") == 0
+    with pytest.raises(ValueError, match="activations"):
+        set_fp8_activations(model, "w8a8")
+
+
+def test_engine_refuses_dynamic_activations_without_fp8_weights():
+    from dhisparse.engine.config import ConfigValueError, EngineConfig
+    from dhisparse.engine.engine import Engine
+
+    with pytest.raises(ConfigValueError, match="fp8_activations"):
+        EngineConfig(model="tiny", fp8_activations="fp8")
+    with pytest.raises(ValueError, match="fp8_activations.*FP8"):
+        Engine(EngineConfig(model="tiny", device="cpu", fp8_activations="dynamic"))
