@@ -147,7 +147,9 @@ def test_fp8_linear_split_k_matches_reference(split, N, K):
 
 def test_split_k_for_fills_the_gpu_only_for_small_passes(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(fg, "_programs_wanted", lambda d: 264 if d.type == "cuda" else 1)  # an H200's 132 SMs
+    import dhisparse.kernels.fp8_tiles as ft
+
+    monkeypatch.setattr(ft, "_programs_wanted", lambda d: 264 if d.type == "cuda" else 1)  # an H200's 132 SMs
     assert fg.split_k_for(47, 2048, 6144, 64, 64, 128, cuda) == 9  # q_a: 32 tiles -> 9 splits (288 programs)
     assert fg.split_k_for(47, 16384, 2048, 64, 64, 128, cuda) == 2  # q_b: 256 tiles
     assert fg.split_k_for(47, 6144, 16384, 64, 64, 128, cuda) == 3  # o_proj: 96 tiles

@@ -21,14 +21,14 @@ Block sizes are keyword arguments (tests pass small ones; the defaults are for t
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.fp8_gemm_ref import BLOCK, check_expert_ids, check_weight, check_x
+from dhisparse.kernels.fp8_gemm_ref import check_weight
+from dhisparse.kernels.fp8_tiles import (LARGE_ROWS, SPLIT_MAX_ROWS, _blocks, _modes, _unit_last,  # noqa: F401
+                                        block_m_for, linear_launch, moe_align, moe_launch, padded_rows, split_k_for,
+                                        tiles_for)
 
 
 @triton.jit
@@ -149,90 +149,6 @@ def fp8_dequantize_triton(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return out
 
 
-def block_m_for(rows: int) -> int:
-    """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, 64 up
-    to LARGE_ROWS, 128 above (prefill: see `tiles_for`)."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= LARGE_ROWS else 128
-
-
-LARGE_ROWS = 256  # rows a weight sees above which a pass is compute-bound (prefill chunks)
-
-
-def tiles_for(rows: int, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
-    """(BN, num_warps): 128-wide tiles on 8 warps for compute-bound passes (rows > LARGE_ROWS, BM
-    128), else 64-wide tiles on 4 warps (memory-bound decode / verification). Explicit values win."""
-    large = rows > LARGE_ROWS
-    return block_n or (128 if large else 64), num_warps or (8 if large else 4)
-
-
-def padded_rows(M: int, E: int, BM: int) -> int:
-    """P_max = M + E * (BM - 1) rounded up to BM: bounds the sum of every expert's count rounded up to BM."""
-    return triton.cdiv(M + E * (BM - 1), BM) * BM
-
-
-def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_ids [T, top_k] -> (sorted_rows int32 [P_max], block_expert int32 [P_max // BM]).
-
-    sorted_rows lists the flat rows t * top_k + j grouped by expert (ascending within an expert),
-    each expert's run padded with M = T * top_k (out of range: masked) to a multiple of BM and
-    starting at a multiple of BM; block_expert[b] is the expert of rows b*BM .. b*BM+BM-1, or E for
-    blocks past the used count. Torch ops of data-independent shapes only (no host sync). An id
-    outside [0, E) is left out: its row appears nowhere."""
-    flat = expert_ids.reshape(-1)
-    M, dev = flat.numel(), flat.device
-    P = padded_rows(M, E, BM)
-    key = torch.where((flat >= 0) & (flat < E), flat, E)  # invalid ids: bucket E, never placed
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    pend = ((counts[:E] + BM - 1) // BM * BM).cumsum(0)  # [E] end of each expert's padded run
-    pstart = torch.cat([pend.new_zeros(1), pend])  # [E + 1]
-    ustart = counts.cumsum(0) - counts  # [E + 1] start of each expert in the sorted order
-    order = torch.argsort(key, stable=True)
-    skey = key[order]
-    dest = pstart[skey] + torch.arange(M, device=dev) - ustart[skey]
-    dest = torch.where(skey < E, dest, P)  # slot P: dropped below
-    rows = torch.full((P + 1,), M, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:P]
-    block_expert = torch.searchsorted(pend, torch.arange(0, P, BM, device=dev), right=True)
-    return rows.to(torch.int32), block_expert.to(torch.int32)
-
-
-def _blocks(block_n: int, block_k: int, block_m: int) -> None:
-    for name, v, hi in (("block_n", block_n, BLOCK), ("block_k", block_k, BLOCK), ("block_m", block_m, 1 << 10)):
-        if v < 16 or v > hi or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two in [16, {hi}], got {v}")
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _modes(x: torch.Tensor) -> dict[str, bool]:
-    """IEEE: fp32 tl.dot (fp32 x, or the interpreter, whose 16-bit tl.dot is wrong); INTERP: the interpreter."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return {"IEEE": x.dtype == torch.float32 or interp, "INTERP": interp}
-
-
-SPLIT_MAX_ROWS = 256  # passes up to this many rows split K when their tiles are too few to fill the GPU
-
-
-@functools.lru_cache(maxsize=None)
-def _programs_wanted(device: torch.device) -> int:
-    """Two programs an SM on CUDA (enough weight reads in flight to stream HBM); 1 elsewhere."""
-    if device.type != "cuda":
-        return 1
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_k_for(T: int, N: int, K: int, BM: int, BN: int, BK: int, device: torch.device) -> int:
-    """K splits of a pass: decode-sized passes (T <= SPLIT_MAX_ROWS) whose (m, n) tiles number
-    fewer than `_programs_wanted` split K so the tiles x splits reach it (at most one split a K
-    step); larger passes and CPU runs do not split. A function of the shapes only."""
-    tiles = triton.cdiv(T, BM) * triton.cdiv(N, BN)
-    want = _programs_wanted(device)
-    if T > SPLIT_MAX_ROWS or tiles >= want:
-        return 1
-    return max(1, min(triton.cdiv(K, BK), triton.cdiv(want, tiles)))
-
-
 def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int = 128, num_warps: int | None = None, num_stages: int = 3,
                       split_k: int | None = None, expert: bool = False) -> torch.Tensor:
@@ -240,24 +156,16 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
     split_k: K splits (None: `split_k_for`); with more than one, each split writes fp32 partial
     sums [split, T, N] that are added in split order (deterministic) and cast. expert: launch
     `fp8_expert_linear_kernel` (the same program under the name a profile counts as experts)."""
-    check_weight(w8, scale, stacked=False)
-    check_x(x, w8)
-    T, (N, K) = x.shape[0], w8.shape
-    bm = block_m or block_m_for(T)
-    block_n, num_warps = tiles_for(T, block_n, num_warps)
-    _blocks(block_n, block_k, bm)
-    if T == 0 or N == 0:
+    T, N, K, bm, bn, warps, split, kper = linear_launch(x, w8, scale, block_m, block_n, block_k, num_warps, split_k)
+    if split == 0:
         return x.new_empty(T, N)
-    split = split_k or split_k_for(T, N, K, bm, block_n, block_k, x.device)
-    kper = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
-    split = triton.cdiv(K, kper)  # no empty split
     out = x.new_empty(T, N) if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
-    grid = (triton.cdiv(T, bm), triton.cdiv(N, block_n), split)
     kernel = fp8_expert_linear_kernel if expert else fp8_linear_kernel
-    kernel[grid](x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
-                 out.stride(0) if split > 1 else 0, out.stride(-2),
-                 BM=bm, BN=block_n, BK=block_k, **_modes(x), num_warps=num_warps, num_stages=num_stages)
+    kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn), split)](
+        x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2),
+        BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -267,19 +175,17 @@ def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, exper
     """Grouped x [T, K] x experts -> [T, top_k, N] (contract of `fp8_moe_reference`). Sync-free on
     CUDA, where ids are not checked (that would sync): a row whose id is outside [0, E) is zero.
     On CPU ids are checked like the reference. T == 0: no launch."""
-    check_weight(w8, scale, stacked=True)
-    check_x(x, w8)
-    E, N, K = w8.shape
-    check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
-    T, top_k = expert_ids.shape
-    M = T * top_k
-    rows_per_expert = triton.cdiv(M, max(E, 1))
-    bm = block_m or block_m_for(rows_per_expert)
-    block_n, num_warps = tiles_for(rows_per_expert, block_n, num_warps)
-    _blocks(block_n, block_k, bm)
+    E, N, K, T, top_k, M, bm, bn, warps = moe_launch(x, w8, scale, expert_ids, block_m, block_n, block_k, num_warps)
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:
         return out.reshape(T, top_k, N)
+    rows, block_expert = moe_align(expert_ids, E, bm)
+    x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
+    fp8_moe_kernel[(block_expert.numel(), triton.cdiv(N, bn))](
+        x, w8, scale, out, rows, block_expert, M, N, K, E, top_k,
+        x.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
+    return out.reshape(T, top_k, N)
     rows, block_expert = moe_align(expert_ids, E, bm)
     x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
     grid = (block_expert.numel(), triton.cdiv(N, block_n))

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.fp8_gemm import _blocks, _modes, _unit_last, block_m_for, moe_align, split_k_for, tiles_for
-from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_expert_ids, check_weight, check_x
+from dhisparse.kernels.fp8_tiles import _modes, _unit_last, linear_launch, moe_align, moe_launch
+from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX
 
 ACT_ROWS = 16  # rows a quantization program takes
 
@@ -156,25 +156,17 @@ def fp8_w8a8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tenso
                            num_stages: int = 3, split_k: int | None = None, expert: bool = False) -> torch.Tensor:
     """x [T, K] quantized per token group, then x8 @ W.T -> [T, N] in x's dtype (contract of
     `fp8_linear_w8a8_reference`). Tiles and K splits as `fp8_gemm.fp8_linear_triton`'s; T == 0: no launch."""
-    check_weight(w8, scale, stacked=False)
-    check_x(x, w8)
-    T, (N, K) = x.shape[0], w8.shape
-    bm = block_m or block_m_for(T)
-    block_n, num_warps = tiles_for(T, block_n, num_warps)
-    _blocks(block_n, block_k, bm)
-    if T == 0 or N == 0:
+    T, N, K, bm, bn, warps, split, kper = linear_launch(x, w8, scale, block_m, block_n, block_k, num_warps, split_k)
+    if split == 0:
         return x.new_empty(T, N)
     x8, xs = fp8_act_quant_triton(x)
-    split = split_k or split_k_for(T, N, K, bm, block_n, block_k, x.device)
-    kper = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
-    split = triton.cdiv(K, kper)  # no empty split
     out = x.new_empty(T, N) if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     w8, scale = _unit_last(w8), scale.contiguous()
     kernel = fp8_w8a8_expert_linear_kernel if expert else fp8_w8a8_linear_kernel
-    kernel[(triton.cdiv(T, bm), triton.cdiv(N, block_n), split)](
+    kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn), split)](
         x8, xs, w8, scale, out, T, N, K, kper, x8.stride(0), xs.stride(0), w8.stride(0), scale.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
-        BM=bm, BN=block_n, BK=block_k, **_modes(x), num_warps=num_warps, num_stages=num_stages)
+        BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -183,19 +175,18 @@ def fp8_w8a8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, 
                         num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """Grouped x [T, K] (each token quantized once) x experts -> [T, top_k, N] (contract of
     `fp8_moe_w8a8_reference`); ids and grouping as `fp8_gemm.fp8_moe_triton`'s. T == 0: no launch."""
-    check_weight(w8, scale, stacked=True)
-    check_x(x, w8)
-    E, N, K = w8.shape
-    check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
-    T, top_k = expert_ids.shape
-    M = T * top_k
-    rows_per_expert = triton.cdiv(M, max(E, 1))
-    bm = block_m or block_m_for(rows_per_expert)
-    block_n, num_warps = tiles_for(rows_per_expert, block_n, num_warps)
-    _blocks(block_n, block_k, bm)
+    E, N, K, T, top_k, M, bm, bn, warps = moe_launch(x, w8, scale, expert_ids, block_m, block_n, block_k, num_warps)
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:
         return out.reshape(T, top_k, N)
+    x8, xs = fp8_act_quant_triton(x)
+    rows, block_expert = moe_align(expert_ids, E, bm)
+    w8, scale = _unit_last(w8), scale.contiguous()
+    fp8_w8a8_moe_kernel[(block_expert.numel(), triton.cdiv(N, bn))](
+        x8, xs, w8, scale, out, rows, block_expert, M, N, K, E, top_k,
+        x8.stride(0), xs.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
+    return out.reshape(T, top_k, N)
     x8, xs = fp8_act_quant_triton(x)
     rows, block_expert = moe_align(expert_ids, E, bm)
     w8, scale = _unit_last(w8), scale.contiguous()

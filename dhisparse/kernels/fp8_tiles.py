@@ -1,0 +1,165 @@
+"""Tiles, K splits and launch checks shared by the FP8 GEMMs (`fp8_gemm.py`: w8a16; `fp8_w8a8.py`: w8a8).
+
+  block_m_for(rows) / tiles_for(rows, ...)   BM, then (BN, warps), from the rows one weight sees
+  split_k_for(T, N, K, BM, BN, BK, device)    K splits of a decode-sized pass (fill the GPU's SMs)
+  linear_launch(...) -> LinearLaunch          a linear's checked shapes, tiles and splits
+  moe_align(expert_ids, E, BM)                rows sorted by expert, each run padded to BM (no host sync)
+  moe_launch(...) -> MoeLaunch                a grouped MoE GEMM's checked shapes and tiles
+
+All functions of shapes only (and the device's SM count), so a CUDA graph replays the same launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+from dhisparse.kernels.fp8_gemm_ref import BLOCK, check_expert_ids, check_weight, check_x
+
+
+def block_m_for(rows: int) -> int:
+    """BM from the rows one weight sees: 16 (tl.dot's minimum) up to 16 rows, 32 up to 32, 64 up
+    to LARGE_ROWS, 128 above (prefill: see `tiles_for`)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= LARGE_ROWS else 128
+
+
+LARGE_ROWS = 256  # rows a weight sees above which a pass is compute-bound (prefill chunks)
+
+
+def tiles_for(rows: int, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
+    """(BN, num_warps): 128-wide tiles on 8 warps for compute-bound passes (rows > LARGE_ROWS, BM
+    128), else 64-wide tiles on 4 warps (memory-bound decode / verification). Explicit values win."""
+    large = rows > LARGE_ROWS
+    return block_n or (128 if large else 64), num_warps or (8 if large else 4)
+
+
+def padded_rows(M: int, E: int, BM: int) -> int:
+    """P_max = M + E * (BM - 1) rounded up to BM: bounds the sum of every expert's count rounded up to BM."""
+    return triton.cdiv(M + E * (BM - 1), BM) * BM
+
+
+def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids [T, top_k] -> (sorted_rows int32 [P_max], block_expert int32 [P_max // BM]).
+
+    sorted_rows lists the flat rows t * top_k + j grouped by expert (ascending within an expert),
+    each expert's run padded with M = T * top_k (out of range: masked) to a multiple of BM and
+    starting at a multiple of BM; block_expert[b] is the expert of rows b*BM .. b*BM+BM-1, or E for
+    blocks past the used count. Torch ops of data-independent shapes only (no host sync). An id
+    outside [0, E) is left out: its row appears nowhere."""
+    flat = expert_ids.reshape(-1)
+    M, dev = flat.numel(), flat.device
+    P = padded_rows(M, E, BM)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)  # invalid ids: bucket E, never placed
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    pend = ((counts[:E] + BM - 1) // BM * BM).cumsum(0)  # [E] end of each expert's padded run
+    pstart = torch.cat([pend.new_zeros(1), pend])  # [E + 1]
+    ustart = counts.cumsum(0) - counts  # [E + 1] start of each expert in the sorted order
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    dest = pstart[skey] + torch.arange(M, device=dev) - ustart[skey]
+    dest = torch.where(skey < E, dest, P)  # slot P: dropped below
+    rows = torch.full((P + 1,), M, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:P]
+    block_expert = torch.searchsorted(pend, torch.arange(0, P, BM, device=dev), right=True)
+    return rows.to(torch.int32), block_expert.to(torch.int32)
+
+
+def _blocks(block_n: int, block_k: int, block_m: int) -> None:
+    for name, v, hi in (("block_n", block_n, BLOCK), ("block_k", block_k, BLOCK), ("block_m", block_m, 1 << 10)):
+        if v < 16 or v > hi or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two in [16, {hi}], got {v}")
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _modes(x: torch.Tensor) -> dict[str, bool]:
+    """IEEE: fp32 tl.dot (fp32 x, or the interpreter, whose 16-bit tl.dot is wrong); INTERP: the interpreter."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return {"IEEE": x.dtype == torch.float32 or interp, "INTERP": interp}
+
+
+SPLIT_MAX_ROWS = 256  # passes up to this many rows split K when their tiles are too few to fill the GPU
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs an SM on CUDA (enough weight reads in flight to stream HBM); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(T: int, N: int, K: int, BM: int, BN: int, BK: int, device: torch.device) -> int:
+    """K splits of a pass: decode-sized passes (T <= SPLIT_MAX_ROWS) whose (m, n) tiles number
+    fewer than `_programs_wanted` split K so the tiles x splits reach it (at most one split a K
+    step); larger passes and CPU runs do not split. A function of the shapes only."""
+    tiles = triton.cdiv(T, BM) * triton.cdiv(N, BN)
+    want = _programs_wanted(device)
+    if T > SPLIT_MAX_ROWS or tiles >= want:
+        return 1
+    return max(1, min(triton.cdiv(K, BK), triton.cdiv(want, tiles)))
+
+
+class LinearLaunch(NamedTuple):
+    """A linear's launch: x [T, K] @ w8 [N, K].T in tiles of bm x bn on `warps` warps, K split `split`
+    ways of `kper` columns each (split / kper 0 when T or N is 0: no launch)."""
+    T: int
+    N: int
+    K: int
+    bm: int
+    bn: int
+    warps: int
+    split: int
+    kper: int
+
+
+def linear_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block_m: int | None, block_n: int | None,
+                  block_k: int, num_warps: int | None, split_k: int | None) -> LinearLaunch:
+    """Checks x / w8 / scale (errors name the parameter) and picks the tiles (`block_m_for`, `tiles_for`) and
+    K splits (`split_k_for` unless split_k; no empty split) of a linear; the w8a16 and w8a8 kernels share it."""
+    check_weight(w8, scale, stacked=False)
+    check_x(x, w8)
+    T, (N, K) = x.shape[0], w8.shape
+    bm = block_m or block_m_for(T)
+    bn, warps = tiles_for(T, block_n, num_warps)
+    _blocks(bn, block_k, bm)
+    if T == 0 or N == 0:
+        return LinearLaunch(T, N, K, bm, bn, warps, 0, 0)
+    split = split_k or split_k_for(T, N, K, bm, bn, block_k, x.device)
+    kper = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+    return LinearLaunch(T, N, K, bm, bn, warps, triton.cdiv(K, kper), kper)
+
+
+class MoeLaunch(NamedTuple):
+    """A grouped MoE GEMM's launch: T tokens x top_k slots (M rows) over E experts of w8 [E, N, K], tiles
+    bm x bn on `warps` warps."""
+    E: int
+    N: int
+    K: int
+    T: int
+    top_k: int
+    M: int
+    bm: int
+    bn: int
+    warps: int
+
+
+def moe_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, block_m: int | None,
+               block_n: int | None, block_k: int, num_warps: int | None) -> MoeLaunch:
+    """Checks the grouped GEMM's inputs (ids by value only off CUDA: that would sync) and picks its tiles
+    from the rows an expert sees on average; the w8a16 and w8a8 kernels share it."""
+    check_weight(w8, scale, stacked=True)
+    check_x(x, w8)
+    E, N, K = w8.shape
+    check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
+    T, top_k = expert_ids.shape
+    rows_per_expert = triton.cdiv(T * top_k, max(E, 1))
+    bm = block_m or block_m_for(rows_per_expert)
+    bn, warps = tiles_for(rows_per_expert, block_n, num_warps)
+    _blocks(bn, block_k, bm)
+    return MoeLaunch(E, N, K, T, top_k, T * top_k, bm, bn, warps)
