@@ -186,11 +186,3 @@ def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, exper
         x.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
         BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
     return out.reshape(T, top_k, N)
-    rows, block_expert = moe_align(expert_ids, E, bm)
-    x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
-    grid = (block_expert.numel(), triton.cdiv(N, block_n))
-    fp8_moe_kernel[grid](x, w8, scale, out, rows, block_expert, M, N, K, E, top_k,
-                         x.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
-                         BM=bm, BN=block_n, BK=block_k, **_modes(x),
-                         num_warps=num_warps, num_stages=num_stages)
-    return out.reshape(T, top_k, N)

@@ -187,11 +187,3 @@ def fp8_w8a8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, 
         x8.stride(0), xs.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
         BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
     return out.reshape(T, top_k, N)
-    x8, xs = fp8_act_quant_triton(x)
-    rows, block_expert = moe_align(expert_ids, E, bm)
-    w8, scale = _unit_last(w8), scale.contiguous()
-    fp8_w8a8_moe_kernel[(block_expert.numel(), triton.cdiv(N, block_n))](
-        x8, xs, w8, scale, out, rows, block_expert, M, N, K, E, top_k,
-        x8.stride(0), xs.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
-        BM=bm, BN=block_n, BK=block_k, **_modes(x), num_warps=num_warps, num_stages=num_stages)
-    return out.reshape(T, top_k, N)
