@@ -114,7 +114,7 @@ def test_dispatchers_pick_the_backend(monkeypatch):
     x, ids = _x(5, 200), _ids(5, 2, 3)
     calls = []
     monkeypatch.setattr(fg, "fp8_linear_triton", lambda *a, **k: calls.append("linear") or fp8_linear_reference(*a))
-    monkeypatch.setattr(fg, "fp8_moe_triton", lambda *a: calls.append("moe") or fp8_moe_reference(*a))
+    monkeypatch.setattr(fg, "fp8_moe_triton", lambda *a, **k: calls.append("moe") or fp8_moe_reference(*a))
     _use("torch")
     assert torch.equal(fp8_linear(x, w8, s), fp8_linear_reference(x, w8, s))
     assert torch.equal(fp8_moe(x, ew8, es, ids), fp8_moe_reference(x, ew8, es, ids))

@@ -153,3 +153,43 @@ def test_engine_refuses_dynamic_activations_without_fp8_weights():
         EngineConfig(model="tiny", fp8_activations="fp8")
     with pytest.raises(ValueError, match="fp8_activations.*FP8"):
         Engine(EngineConfig(model="tiny", device="cpu", fp8_activations="dynamic"))
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic"])
+def test_a_moe_layer_groups_its_rows_once(activations, monkeypatch):
+    """Fp8Experts' gate-up and down GEMMs share one `moe_align` (ids [T, top_k] and [T * top_k, 1] are the same
+    flat rows): one call a forward on the Triton path, the same bits as each GEMM grouping its own rows; a
+    grouping made for other rows is refused by name. (Breakage tried: the down GEMM given a grouping made at
+    another BM: refused here.)"""
+    import dhisparse.kernels.fp8_tiles as ft
+    from dhisparse.kernels.fp8_gemm import fp8_moe_triton
+    from dhisparse.kernels.fp8_tiles import moe_grouping
+
+    _use("triton")
+    ex = Fp8Experts(4, 200, 128, device=DEV)
+    ex.gate_up_proj.copy_(_weight(4, 256, 200)[0]), ex.down_proj.copy_(_weight(4, 200, 128)[0])
+    ex.activations = activations
+    x, ids = _x(9, 200), _ids(9, 2, 4)
+    r = Routing(ids, torch.full((9, 2), 0.5, device=DEV))
+    import dhisparse.kernels.fp8_gemm as fg
+    import dhisparse.kernels.fp8_w8a8 as fw
+
+    calls = []
+    real = ft.moe_align
+    for mod in (ft, fg, fw):  # each module calls the name it imported
+        monkeypatch.setattr(mod, "moe_align", lambda *a: calls.append(a[2]) or real(*a))
+    got = ex(x, r)
+    assert len(calls) == 1
+    for mod in (ft, fg, fw):
+        monkeypatch.setattr(mod, "moe_align", real)
+    gu = fp8_moe_triton(x, ex.gate_up_proj, ex.gate_up_proj_scale_inv, ids) if activations == "none" else \
+        fp8_w8a8_moe_triton(x, ex.gate_up_proj, ex.gate_up_proj_scale_inv, ids)
+    gate, up = gu.chunk(2, dim=-1)
+    h = (torch.nn.functional.silu(gate) * up).reshape(18, 128)
+    fn = fp8_moe_triton if activations == "none" else fp8_w8a8_moe_triton
+    y = fn(h, ex.down_proj, ex.down_proj_scale_inv, ids.reshape(-1, 1)).reshape(9, 2, 200)
+    assert torch.equal(got, torch.einsum("tjh,tj->th", y.float(), r.weights.float()).to(x.dtype))
+    other = real(ids, 4, 16 if calls[0] != 16 else 32)
+    with pytest.raises(ValueError, match="grouping"):
+        fn(h, ex.down_proj, ex.down_proj_scale_inv, ids.reshape(-1, 1), grouping=other)
+    assert torch.equal(moe_grouping(ids, 4)[0], real(ids, 4, calls[0])[0])

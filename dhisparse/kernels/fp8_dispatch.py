@@ -65,12 +65,20 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: b
     return (fp8_linear_w8a8_reference if dynamic else fp8_linear_reference)(x, w8, scale)
 
 
+def fp8_moe_grouping(x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int):
+    """The Triton grouped GEMMs' row grouping of `expert_ids` (`fp8_tiles.moe_grouping`) where x takes the
+    Triton path, else None: computed once, it serves a MoE layer's gate-up and down GEMMs (`fp8_moe`'s grouping)."""
+    return _fp8_triton.moe_grouping(expert_ids, n_experts) if _triton_for(x) else None
+
+
 def fp8_moe(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor,
-            activations: str = "none") -> torch.Tensor:
+            activations: str = "none", grouping=None) -> torch.Tensor:
     """Row (t, j) = x[t] @ W[expert_ids[t, j]].T -> [T, top_k, N] in x's dtype; w8 [E, N, K], scale [E, nb, kb].
-    activations: "none" / "dynamic" (module docstring)."""
+    activations: "none" / "dynamic" (module docstring). grouping: `fp8_moe_grouping` of the same flat ids
+    (None: the Triton path groups them itself; the reference needs none)."""
     check_activations(activations)
     dynamic = activations == "dynamic"
     if _triton_for(x):
-        return (_w8a8_triton.fp8_w8a8_moe_triton if dynamic else _fp8_triton.fp8_moe_triton)(x, w8, scale, expert_ids)
+        fn = _w8a8_triton.fp8_w8a8_moe_triton if dynamic else _fp8_triton.fp8_moe_triton
+        return fn(x, w8, scale, expert_ids, grouping=grouping)
     return (fp8_moe_w8a8_reference if dynamic else fp8_moe_reference)(x, w8, scale, expert_ids)

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from dhisparse.kernels.fp8_gemm_ref import check_weight
 from dhisparse.kernels.fp8_tiles import (LARGE_ROWS, SPLIT_MAX_ROWS, _blocks, _modes, _unit_last,  # noqa: F401
-                                        block_m_for, linear_launch, moe_align, moe_launch, padded_rows, split_k_for,
-                                        tiles_for)
+                                        block_m_for, checked_grouping, linear_launch, moe_align, moe_grouping,
+                                        moe_launch, padded_rows, split_k_for, tiles_for)
 
 
 @triton.jit
@@ -171,15 +171,17 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
 
 def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-                   num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int = 3,
+                   grouping: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Grouped x [T, K] x experts -> [T, top_k, N] (contract of `fp8_moe_reference`). Sync-free on
     CUDA, where ids are not checked (that would sync): a row whose id is outside [0, E) is zero.
-    On CPU ids are checked like the reference. T == 0: no launch."""
+    On CPU ids are checked like the reference. T == 0: no launch. grouping: `moe_align(expert_ids, E, BM)`
+    made beforehand (`moe_grouping`), so a layer's two grouped GEMMs sort their rows once."""
     E, N, K, T, top_k, M, bm, bn, warps = moe_launch(x, w8, scale, expert_ids, block_m, block_n, block_k, num_warps)
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:
         return out.reshape(T, top_k, N)
-    rows, block_expert = moe_align(expert_ids, E, bm)
+    rows, block_expert = checked_grouping(grouping, M, E, bm) if grouping is not None else moe_align(expert_ids, E, bm)
     x, w8, scale = _unit_last(x), _unit_last(w8), scale.contiguous()
     fp8_moe_kernel[(block_expert.numel(), triton.cdiv(N, bn))](
         x, w8, scale, out, rows, block_expert, M, N, K, E, top_k,

@@ -5,6 +5,7 @@
   linear_launch(...) -> LinearLaunch          a linear's checked shapes, tiles and splits
   moe_align(expert_ids, E, BM)                rows sorted by expert, each run padded to BM (no host sync)
   moe_launch(...) -> MoeLaunch                a grouped MoE GEMM's checked shapes and tiles
+  moe_grouping(expert_ids, E)                 moe_align at the BM the grouped GEMMs pick for these ids
 
 All functions of shapes only (and the device's SM count), so a CUDA graph replays the same launch.
 """
@@ -163,3 +164,21 @@ def moe_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_id
     bn, warps = tiles_for(rows_per_expert, block_n, num_warps)
     _blocks(bn, block_k, bm)
     return MoeLaunch(E, N, K, T, top_k, T * top_k, bm, bn, warps)
+
+
+def moe_grouping(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align(expert_ids, E, BM)` at the BM a grouped GEMM picks for these ids by default (`moe_launch`):
+    a MoE layer's gate-up and down GEMMs (ids [T, top_k] and [T * top_k, 1]: the same flat rows) share it."""
+    M = expert_ids.numel()
+    return moe_align(expert_ids, E, block_m_for(triton.cdiv(M, max(E, 1))))
+
+
+def checked_grouping(grouping: tuple[torch.Tensor, torch.Tensor], M: int, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouping` (sorted_rows, block_expert) if its sizes are moe_align's for M rows, E experts and BM; else
+    ValueError naming grouping (made for other ids or another block_m)."""
+    rows, block_expert = grouping
+    P = padded_rows(M, E, BM)
+    if rows.numel() != P or block_expert.numel() != P // BM:
+        raise ValueError(f"grouping was made for other rows or another block_m: {rows.numel()} sorted rows and "
+                         f"{block_expert.numel()} blocks, want {P} and {P // BM} (M {M}, E {E}, BM {BM})")
+    return rows, block_expert

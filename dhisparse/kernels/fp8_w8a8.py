@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dhisparse.kernels.fp8_tiles import _modes, _unit_last, linear_launch, moe_align, moe_launch
+from dhisparse.kernels.fp8_tiles import _modes, _unit_last, checked_grouping, linear_launch, moe_align, moe_launch
 from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX
 
 ACT_ROWS = 16  # rows a quantization program takes
@@ -172,15 +172,16 @@ def fp8_w8a8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tenso
 
 def fp8_w8a8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,
                         block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-                        num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                        num_warps: int | None = None, num_stages: int = 3,
+                        grouping: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Grouped x [T, K] (each token quantized once) x experts -> [T, top_k, N] (contract of
-    `fp8_moe_w8a8_reference`); ids and grouping as `fp8_gemm.fp8_moe_triton`'s. T == 0: no launch."""
+    `fp8_moe_w8a8_reference`); ids, grouping and `grouping` as `fp8_gemm.fp8_moe_triton`'s. T == 0: no launch."""
     E, N, K, T, top_k, M, bm, bn, warps = moe_launch(x, w8, scale, expert_ids, block_m, block_n, block_k, num_warps)
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:
         return out.reshape(T, top_k, N)
     x8, xs = fp8_act_quant_triton(x)
-    rows, block_expert = moe_align(expert_ids, E, bm)
+    rows, block_expert = checked_grouping(grouping, M, E, bm) if grouping is not None else moe_align(expert_ids, E, bm)
     w8, scale = _unit_last(w8), scale.contiguous()
     fp8_w8a8_moe_kernel[(block_expert.numel(), triton.cdiv(N, bn))](
         x8, xs, w8, scale, out, rows, block_expert, M, N, K, E, top_k,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dhisparse.kernels.fp8_dispatch import check_activations, fp8_linear, fp8_moe
+from dhisparse.kernels.fp8_dispatch import check_activations, fp8_linear, fp8_moe, fp8_moe_grouping
 from dhisparse.kernels.fp8_gemm_ref import FP8, quantize_block_fp8, scale_shape
 from dhisparse.layers.moe import Experts, Routing
 
@@ -84,10 +84,10 @@ class Fp8Experts(nn.Module):
         """x [T, H] -> [T, H]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), the sum in fp32."""
         ids = routing.experts
         T, top_k = ids.shape
-        a = self.activations
-        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a).chunk(2, dim=-1)
+        a, g = self.activations, fp8_moe_grouping(x, ids, self.n_experts)  # one row grouping for both GEMMs
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a, g).chunk(2, dim=-1)
         h = self.act(gate, up).reshape(T * top_k, self.inter)  # [T * top_k, I]
-        y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1), a).reshape(T, top_k, self.hidden)
+        y = fp8_moe(h, self.down_proj, self.down_proj_scale_inv, ids.reshape(-1, 1), a, g).reshape(T, top_k, self.hidden)
         return torch.einsum("tjh,tj->th", y.float(), routing.weights.float()).to(x.dtype)
 
     def each_row(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -95,9 +95,9 @@ class Fp8Experts(nn.Module):
         (no routing weight): the per-row expert outputs an expert-parallel owner sends back
         (layers/ep_moe.py), by the same two grouped GEMMs as `forward` with one slot a row."""
         ids = expert_ids.reshape(-1, 1)
-        a = self.activations
-        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a).reshape(x.shape[0], -1).chunk(2, dim=-1)
-        return fp8_moe(self.act(gate, up), self.down_proj, self.down_proj_scale_inv, ids, a).reshape(x.shape[0], self.hidden)
+        a, g = self.activations, fp8_moe_grouping(x, ids, self.n_experts)
+        gate, up = fp8_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids, a, g).reshape(x.shape[0], -1).chunk(2, dim=-1)
+        return fp8_moe(self.act(gate, up), self.down_proj, self.down_proj_scale_inv, ids, a, g).reshape(x.shape[0], self.hidden)
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """Gated activation (SiLU-GLU); subclasses change it, as `Experts.act`."""
