@@ -293,3 +293,19 @@ def test_large_16bit_linears_multiply_the_dequantized_weight(monkeypatch):
     fp8_linear(_x(23, 200, torch.bfloat16), w8, s)
     fp8_linear(_x(24, 200), w8, s)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("S,T,N", [(1, 3, 5), (3, 17, 130), (9, 1, 2048), (2, 0, 7), (5, 33, 1)])
+def test_split_sum_adds_the_splits_in_order_and_casts_once(S, T, N):
+    """`split_sum`: a split-K linear's fp32 partials [S, T, N] added in split order (the sum written out as
+    a loop, bit for bit in fp32) and cast once; bf16 within one bf16 ulp (the interpreter truncates where the
+    GPU rounds). (Breakage tried: the last split left out, `static_range(S - 1)`: caught.)"""
+    g = torch.Generator().manual_seed(S * 100 + T)
+    p = (torch.randn(S, T, N, generator=g) * torch.exp2(torch.randint(-8, 8, (S, T, N), generator=g).float())).to(DEV)
+    want = torch.zeros(T, N, device=DEV)
+    for s in range(S):
+        want = want + p[s]
+    assert torch.equal(fg.split_sum(p, torch.float32), want)
+    got = fg.split_sum(p, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, N)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=0.0)  # one bf16 ulp (the interpreter truncates)

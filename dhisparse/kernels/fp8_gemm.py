@@ -124,6 +124,29 @@ def fp8_moe_kernel(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, bexp_ptr, M, N, K, E,
 
 
 @triton.jit
+def split_sum_kernel(p_ptr, out_ptr, TN, S: tl.constexpr, BLOCK: tl.constexpr):
+    """Program i: out[i*BLOCK : +BLOCK] = sum over s = 0 .. S-1, in that order, of partials[s, same] (fp32),
+    cast once to out's dtype; partials [S, T, N] and out [T, N] contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < TN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        acc += tl.load(p_ptr + s * TN + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def split_sum(partials: torch.Tensor, dtype: torch.dtype, block: int = 1024) -> torch.Tensor:
+    """partials fp32 [S, T, N] (a split-K linear's, contiguous) -> [T, N] in `dtype`: the splits added in order
+    and cast in one pass (torch's `sum(0).to(dtype)` is two kernels: session 42's step ran 546 reduces and 623
+    casts)."""
+    S, T, N = partials.shape
+    out = torch.empty(T, N, dtype=dtype, device=partials.device)
+    if T * N:
+        split_sum_kernel[(triton.cdiv(T * N, block),)](partials.contiguous(), out, T * N, S=S, BLOCK=block)
+    return out
+
+
+@triton.jit
 def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, swn, ssn, son, BN: tl.constexpr, BK: tl.constexpr):
     """Program (n, k): out[n*BN : +BN, k*BK : +BK] = w8 * scale[n // 128, k // 128] in out's dtype
     (BN, BK divide 128: one scale a tile)."""
@@ -154,7 +177,7 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
                       split_k: int | None = None, expert: bool = False) -> torch.Tensor:
     """x [T, K] @ W.T -> [T, N] in x's dtype (contract of `fp8_linear_reference`). T == 0: no launch.
     split_k: K splits (None: `split_k_for`); with more than one, each split writes fp32 partial
-    sums [split, T, N] that are added in split order (deterministic) and cast. expert: launch
+    sums [split, T, N] that `split_sum` adds in split order (deterministic) and casts. expert: launch
     `fp8_expert_linear_kernel` (the same program under the name a profile counts as experts)."""
     T, N, K, bm, bn, warps, split, kper = linear_launch(x, w8, scale, block_m, block_n, block_k, num_warps, split_k)
     if split == 0:
@@ -166,7 +189,7 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *,
         x, w8, scale, out, T, N, K, kper, x.stride(0), w8.stride(0), scale.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return out if split == 1 else split_sum(out, x.dtype)
 
 
 def fp8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,

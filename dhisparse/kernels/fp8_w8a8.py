@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dhisparse.kernels.fp8_tiles import _modes, _unit_last, checked_grouping, linear_launch, moe_align, moe_launch
+from dhisparse.kernels.fp8_gemm import split_sum
 from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX
 
 ACT_ROWS = 16  # rows a quantization program takes
@@ -167,7 +168,7 @@ def fp8_w8a8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tenso
         x8, xs, w8, scale, out, T, N, K, kper, x8.stride(0), xs.stride(0), w8.stride(0), scale.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BM=bm, BN=bn, BK=block_k, **_modes(x), num_warps=warps, num_stages=num_stages)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return out if split == 1 else split_sum(out, x.dtype)
 
 
 def fp8_w8a8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, *,
