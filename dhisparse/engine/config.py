@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
-from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS  # none, dynamic
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
+from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS  # none, dynamic
 from dhisparse.kernels.resolver import MAX_B  # hot rows a slot the plan kernel ranks
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.context import RESOLVER_COPIES, RESOLVER_LOOKUPS  # separate, fused; scan, index

@@ -41,9 +41,9 @@ from dhisparse.engine.stops import FeedDetokenizer, StopChecker
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.kv.build import build_store
 from dhisparse.kv.memory.prefix_store import PrefixStore, StoredPrefix
+from dhisparse.layers.fp8_linear import set_fp8_activations
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.graphs import CudaGraphRunner
-from dhisparse.layers.fp8_linear import set_fp8_activations
 from dhisparse.models.registry import LoadedModel, load_for_config
 from dhisparse.models.tokenizer import stream_detokenizer
 

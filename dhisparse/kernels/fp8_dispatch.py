@@ -65,7 +65,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: b
     return (fp8_linear_w8a8_reference if dynamic else fp8_linear_reference)(x, w8, scale)
 
 
-def fp8_moe_grouping(x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int):
+def fp8_moe_grouping(x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Triton grouped GEMMs' row grouping of `expert_ids` (`fp8_tiles.moe_grouping`) where x takes the
     Triton path, else None: computed once, it serves a MoE layer's gate-up and down GEMMs (`fp8_moe`'s grouping)."""
     return _fp8_triton.moe_grouping(expert_ids, n_experts) if _triton_for(x) else None
