@@ -136,6 +136,16 @@ def linear_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block_
     return LinearLaunch(T, N, K, bm, bn, warps, triton.cdiv(K, kper), kper)
 
 
+def rows_per_expert(M: int, E: int) -> int:
+    """The rows an expert sees on average when M (token, slot) rows spread over E experts."""
+    return triton.cdiv(M, max(E, 1))
+
+
+def moe_block_m(M: int, E: int) -> int:
+    """A grouped GEMM's default BM for M rows over E experts (`moe_launch`, `moe_grouping`)."""
+    return block_m_for(rows_per_expert(M, E))
+
+
 class MoeLaunch(NamedTuple):
     """A grouped MoE GEMM's launch: T tokens x top_k slots (M rows) over E experts of w8 [E, N, K], tiles
     bm x bn on `warps` warps."""
@@ -159,9 +169,8 @@ def moe_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_id
     E, N, K = w8.shape
     check_expert_ids(expert_ids, x.shape[0], E, values=not expert_ids.is_cuda)
     T, top_k = expert_ids.shape
-    rows_per_expert = triton.cdiv(T * top_k, max(E, 1))
-    bm = block_m or block_m_for(rows_per_expert)
-    bn, warps = tiles_for(rows_per_expert, block_n, num_warps)
+    bm = block_m or moe_block_m(T * top_k, E)
+    bn, warps = tiles_for(rows_per_expert(T * top_k, E), block_n, num_warps)
     _blocks(bn, block_k, bm)
     return MoeLaunch(E, N, K, T, top_k, T * top_k, bm, bn, warps)
 
@@ -169,8 +178,7 @@ def moe_launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert_id
 def moe_grouping(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align(expert_ids, E, BM)` at the BM a grouped GEMM picks for these ids by default (`moe_launch`):
     a MoE layer's gate-up and down GEMMs (ids [T, top_k] and [T * top_k, 1]: the same flat rows) share it."""
-    M = expert_ids.numel()
-    return moe_align(expert_ids, E, block_m_for(triton.cdiv(M, max(E, 1))))
+    return moe_align(expert_ids, E, moe_block_m(expert_ids.numel(), E))
 
 
 def checked_grouping(grouping: tuple[torch.Tensor, torch.Tensor], M: int, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
