@@ -41,6 +41,13 @@ def test_act_quant_is_the_reference_bit_for_bit(T, K, dtype):
     assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("quantize", [quantize_act_fp8, fp8_act_quant_triton])
+def test_act_quantizers_refuse_what_they_cannot_take(quantize):
+    for bad in (torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, 4), torch.ones(2, 3).to(FP8)):
+        with pytest.raises(ValueError, match="x must be a floating"):
+            quantize(bad.to(DEV))
+
+
 def test_act_quant_round_trip_is_within_e4m3_precision():
     x = _x(9, 300, seed=4) * torch.exp2(torch.arange(9, device=DEV, dtype=torch.float32) - 4)[:, None]
     x8, xs = quantize_act_fp8(x)

@@ -155,12 +155,17 @@ def check_activations(activations: str) -> None:
         raise ValueError(f"activations must be one of {FP8_ACTIVATIONS}, got {activations!r}")
 
 
+def check_act(x: torch.Tensor) -> None:
+    """ValueError naming x unless it is a floating, non-FP8 [T, K] tensor (what the activation quantizers take)."""
+    if not x.is_floating_point() or x.dtype == FP8 or x.dim() != 2:
+        raise ValueError(f"x must be a floating [T, K] tensor, got {x.dtype} {tuple(x.shape)}")
+
+
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] floating -> (x8 float8_e4m3fn [T, K], xs fp32 [T, ceil(K/128)]): per token and group of 128
     columns, scale = amax / 448 (an all-zero group: 1.0, its x8 zero), x8 = x / scale rounded to nearest
     (fp32 division), the weights' rule (`quantize_block_fp8`) on 1 x 128 blocks."""
-    if not x.is_floating_point() or x.dtype == FP8 or x.dim() != 2:
-        raise ValueError(f"x must be a floating [T, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    check_act(x)
     T, k = x.shape
     kb = -(-k // BLOCK)
     g = F.pad(x.float(), (0, kb * BLOCK - k)).reshape(T, kb, BLOCK)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from dhisparse.kernels.fp8_tiles import _modes, _unit_last, checked_grouping, linear_launch, moe_align, moe_launch
 from dhisparse.kernels.fp8_gemm import split_sum
-from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX
+from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_act
 
 ACT_ROWS = 16  # rows a quantization program takes
 
@@ -138,8 +138,7 @@ def fp8_w8a8_moe_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, bexp_ptr
 
 def fp8_act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (x8 float8_e4m3fn [T, K], xs fp32 [T, ceil(K/128)]): `quantize_act_fp8`, bit for bit."""
-    if not x.is_floating_point() or x.dtype == FP8 or x.dim() != 2:
-        raise ValueError(f"x must be a floating [T, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    check_act(x)
     T, K = x.shape
     kb = triton.cdiv(K, BLOCK)
     interp = _modes(x)["INTERP"]
