@@ -493,17 +493,22 @@ def _ratios(by: dict, concurrencies, arms) -> dict:
 
 
 def spec_note(ns) -> str:
-    """What the +spec presets' drafting costs and leaves out (every table that uses the oracle says so)."""
+    """What the +spec presets' drafting costs and leaves out (every table that uses the oracle says so), and
+    whether every preset was replayed."""
     replay = ("; REPLAYED (measurement tool): every preset emits the reference's tokens, the model running on them, "
               "so outputs are not the target's own (replay_agreement: its own tokens' agreement)") if ns.replay_reference else ""
+    return _drafting_note(ns) + replay
+
+
+def _drafting_note(ns) -> str:
     if ns.drafter != "oracle":
-        return f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)" + replay
+        return f"+spec presets use the {ns.drafter} drafter at width {ns.spec_width} (real acceptance)"
     note = (f"+spec presets use the ORACLE drafter (measurement tool), calibrated to {ns.spec_tokens_per_round} "
             f"tokens/round at width {ns.spec_width}")
     network = engine_overrides(ns.engine_arg).get("speculative_oracle_drafter")
     if network:
-        return note + f"; COSTED: the {network} drafter's network runs every round and holds its memory, its drafts discarded" + replay
-    return note + "; drafting is free (no drafter network runs, no drafter memory is held)" + replay
+        return note + f"; COSTED: the {network} drafter's network runs every round and holds its memory, its drafts discarded"
+    return note + "; drafting is free (no drafter network runs, no drafter memory is held)"
 
 
 def write(ns, sz, est, t0, runs):
