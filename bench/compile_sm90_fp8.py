@@ -42,7 +42,7 @@ POINTERS = {
     "fp8_w8a8_linear_kernel": {"x_ptr": F8, "xs_ptr": F32, "w_ptr": F8, "s_ptr": F32, "out_ptr": BF16},
     "fp8_w8a8_moe_kernel": {"x_ptr": F8, "xs_ptr": F32, "w_ptr": F8, "s_ptr": F32, "out_ptr": BF16,
                             "rows_ptr": I32, "bexp_ptr": I32},
-    "fp8_act_quant_kernel": {"x_ptr": BF16, "q_ptr": F8, "s_ptr": F32},
+    "fp8_act_quant_kernel": {"x_ptr": BF16, "q_ptr": F8, "s_ptr": F32},  # round trip: q_ptr bf16 (out type)
     "split_sum_kernel": {"p_ptr": F32, "out_ptr": BF16},
 }
 DIVISIBLE = {"sxt", "sxst", "swn", "ssn", "sos", "sot", "swe", "sse", "K", "N", "KPER", "TN"}
@@ -50,9 +50,10 @@ DIVISIBLE = {"sxt", "sxst", "swn", "ssn", "sos", "sot", "swe", "sse", "K", "N", 
 
 def compile_one(kern, consts: dict, num_warps: int, out_ptr: str | None = None):
     """triton.compile one specialization of `kern` for sm_90 (constexprs `consts`; pointers as POINTERS says,
-    `out_ptr` overriding the output's type: fp32 for a split-K linear's partials)."""
+    `out_ptr` overriding the output's type: fp32 for a split-K linear's partials, bf16 for the quantization's round trip)."""
     name = kern.fn.__name__
-    ptrs = POINTERS[name] | ({"out_ptr": out_ptr} if out_ptr else {})
+    ptrs = POINTERS[name]
+    ptrs = ptrs | ({"q_ptr" if "q_ptr" in ptrs else "out_ptr": out_ptr} if out_ptr else {})
     sig, cst, attrs = {}, {}, {}
     for i, arg in enumerate(kern.arg_names):
         if arg in consts:
@@ -80,6 +81,8 @@ def variants() -> list[tuple[str, object, dict, int, str | None]]:
             out.append((f"{kern.fn.__name__} rows/expert {rows}", kern, gemm | dict(BM=bm, BN=bn), warps, None))
     out.append(("fp8_w8a8_linear_kernel BM 128 BN 64", fw.fp8_w8a8_linear_kernel, gemm | dict(BM=128, BN=64), 4, None))
     out.append(("fp8_act_quant_kernel", fw.fp8_act_quant_kernel, dict(R=fw.ACT_ROWS, G=128, QMAX=448.0), 4, None))
+    out.append(("fp8_act_quant_kernel round trip", fw.fp8_act_quant_kernel,
+                dict(R=fw.ACT_ROWS, G=128, QMAX=448.0, ROUND_TRIP=True), 4, BF16))
     for S in (2, 9, 30):
         out.append((f"split_sum_kernel S {S}", fg.split_sum_kernel, dict(S=S, BLOCK=1024), 4, None))
     return out

@@ -19,7 +19,8 @@ from dhisparse.kernels.fp8_dispatch import fp8_linear, fp8_moe
 from dhisparse.kernels.fp8_gemm_ref import (FP8, check_activations, dequantize_act_fp8, fp8_linear_reference,
                                             fp8_linear_w8a8_reference, fp8_moe_reference, fp8_moe_w8a8_reference,
                                             quantize_act_fp8)
-from dhisparse.kernels.fp8_w8a8 import fp8_act_quant_triton, fp8_w8a8_linear_triton, fp8_w8a8_moe_triton
+from dhisparse.kernels.fp8_w8a8 import (ACT_ROWS, fp8_act_quant_kernel, fp8_act_quant_triton, fp8_act_round_trip_triton, fp8_w8a8_linear_triton,
+                                        fp8_w8a8_moe_triton)
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear, set_fp8_activations
 from dhisparse.layers.moe import Routing
 from fp8_fixtures import DEV, SHAPES, TILES, _close, _ids, _use, _weight, _x
@@ -41,7 +42,42 @@ def test_act_quant_is_the_reference_bit_for_bit(T, K, dtype):
     assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("quantize", [quantize_act_fp8, fp8_act_quant_triton])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,K", [(0, 64), (1, 1), (5, 200), (33, 129)])
+def test_act_round_trip_is_the_reference_bit_for_bit(T, K, dtype):
+    """The prefill path's one-pass quantize-and-dequantize (on CUDA its own kernel store) against the
+    reference's composition, bit for bit, all-zero and tiny groups included."""
+    x = (_x(T, K, seed=T + K + 1) * 7).to(dtype)
+    if T > 2:
+        x[1] = 0
+        x[2, : min(K, 128)] = 1e-30 if dtype == torch.float32 else 1e-6
+    got, want = fp8_act_round_trip_triton(x), dequantize_act_fp8(*quantize_act_fp8(x)).to(dtype)
+    assert got.dtype == dtype and got.shape == (T, K)
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_act_round_trip_kernel_store_on_representable_values():
+    """The kernel's ROUND_TRIP store run directly (also under the interpreter, which the public function
+    leaves for torch's rounding): every group's amax is 448 x 2^j and its values e4m3 values x 2^j, so no
+    value rounds and the interpreter's FP8 rounding cannot differ. Dropping the multiply by the scale changes
+    the output (tried); the rounding itself is compared with the reference on CUDA (the test above)."""
+    T, K = 19, 300
+    g = torch.Generator().manual_seed(3)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)]
+    codes = e4m3[torch.randint(0, e4m3.numel(), (T, K), generator=g)]
+    codes[:, ::128] = 448.0  # each group's amax: 448
+    x = (codes * torch.exp2(torch.randint(-6, 7, (T, 1), generator=g).float())).to(torch.bfloat16).to(DEV)
+    out = torch.empty_like(x)
+    fp8_act_quant_kernel[(-(-T // ACT_ROWS), -(-K // 128))](x, out, out, T, K, x.stride(0), out.stride(0), 0,
+                                                           R=ACT_ROWS, G=128, QMAX=448.0, ROUND_TRIP=True)
+    assert torch.equal(out, x)  # representable: the round trip is the identity
+    want = dequantize_act_fp8(*quantize_act_fp8(x)).to(x.dtype)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("quantize", [quantize_act_fp8, fp8_act_quant_triton, fp8_act_round_trip_triton])
 def test_act_quantizers_refuse_what_they_cannot_take(quantize):
     for bad in (torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, 4), torch.ones(2, 3).to(FP8)):
         with pytest.raises(ValueError, match="x must be a floating"):

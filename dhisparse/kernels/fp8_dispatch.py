@@ -16,7 +16,7 @@ dequantized weight to 16 bits once (the kernels keep the scale in fp32).
 activations (FP8_ACTIVATIONS): "none" keeps the activations in their dtype (w8a16: `fp8_gemm.py`);
 "dynamic" quantizes each token's row per group of 128 columns first and multiplies FP8 by FP8 (w8a8:
 `fp8_w8a8.py`), as the FP8 checkpoints' activation_scheme "dynamic" is served. A dynamic prefill-sized
-linear multiplies the dequantized weight by the round-tripped activations (`dequantize_act_fp8`).
+linear multiplies the dequantized weight by the round-tripped activations (`fp8_act_round_trip_triton`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: b
         if x.shape[0] >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             check_x(x, w8)
             if dynamic:
-                x = dequantize_act_fp8(*_w8a8_triton.fp8_act_quant_triton(x)).to(x.dtype)
+                x = _w8a8_triton.fp8_act_round_trip_triton(x)
             return torch.nn.functional.linear(x, _fp8_triton.fp8_dequantize_triton(w8, scale, x.dtype))
         if dynamic:
             return _w8a8_triton.fp8_w8a8_linear_triton(x, w8, scale, expert=expert)

@@ -1,6 +1,7 @@
 """Triton GEMMs with both operands FP8 ("w8a8"): the contracts of `fp8_gemm_ref.py`'s w8a8 references.
 
   fp8_act_quant_triton(x [T, K])                                                 -> (x8 [T, K], xs [T, kb])
+  fp8_act_round_trip_triton(x [T, K])                                            -> [T, K] (x's dtype)
   fp8_w8a8_linear_triton(x [T, K], w8 [N, K], scale [nb, kb])                    -> [T, N]
   fp8_w8a8_moe_triton(x [T, K], w8 [E, N, K], scale [E, nb, kb], expert_ids [T, top_k]) -> [T, top_k, N]
 
@@ -25,17 +26,19 @@ import triton.language as tl
 
 from dhisparse.kernels.fp8_tiles import _modes, _unit_last, checked_grouping, linear_launch, moe_align, moe_launch
 from dhisparse.kernels.fp8_gemm import split_sum
-from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_act
+from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_act, dequantize_act_fp8
 
 ACT_ROWS = 16  # rows a quantization program takes
 
 
 @triton.jit
-def fp8_act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, sxt, sqt, sst, R: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr):
+def fp8_act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, sxt, sqt, sst, R: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr,
+                         ROUND_TRIP: tl.constexpr = False):
     """Program (r, g): rows r*R .. +R, columns g*G .. +G (one group): scale = amax / QMAX (1.0 for an
     all-zero group), q = x / scale clamped to +-QMAX, both divisions rounded to nearest as torch's, stored in
     q's dtype (float8_e4m3fn; fp32 under the interpreter, whose FP8 rounding sends values just under a
-    power of two to the power below: 124.3 -> 64 where e4m3 has 128)."""
+    power of two to the power below: 124.3 -> 64 where e4m3 has 128). ROUND_TRIP (GPU only): q rounded to
+    e4m3 and multiplied back by its scale (fp32), stored in q's dtype (x's), the scales not stored."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.program_id(1) * G + tl.arange(0, G)
     m = (rows < T)[:, None] & (cols < K)[None, :]
@@ -45,8 +48,12 @@ def fp8_act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, sxt, sqt, sst, R: tl.constex
     s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
     q = tl.math.div_rn(v, tl.broadcast_to(s[:, None], v.shape))
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    tl.store(q_ptr + r64[:, None] * sqt + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + r64 * sst + tl.program_id(1), s, mask=rows < T)
+    if ROUND_TRIP:
+        back = q.to(tl.float8e4nv).to(tl.float32) * s[:, None]
+        tl.store(q_ptr + r64[:, None] * sqt + cols[None, :], back.to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(q_ptr + r64[:, None] * sqt + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + r64 * sst + tl.program_id(1), s, mask=rows < T)
 
 
 @triton.jit
@@ -149,6 +156,23 @@ def fp8_act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fp8_act_quant_kernel[(triton.cdiv(T, ACT_ROWS), kb)](x, x8, xs, T, K, x.stride(0), x8.stride(0), xs.stride(0),
                                                              R=ACT_ROWS, G=BLOCK, QMAX=FP8_MAX)
     return (x8.to(FP8) if interp else x8), xs  # torch rounds the interpreter's fp32 values
+
+
+def fp8_act_round_trip_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] 16-bit or fp32 -> [T, K] in x's dtype: x as the w8a8 GEMMs read it, quantized per token group and
+    multiplied back (`dequantize_act_fp8(*quantize_act_fp8(x)).to(x.dtype)`, bit for bit) in one pass, for
+    prefill-sized dynamic linears that multiply the dequantized weight (`fp8_dispatch.fp8_linear`). Under
+    the interpreter: `fp8_act_quant_triton`, then torch's dequantization."""
+    check_act(x)
+    if _modes(x)["INTERP"]:
+        return dequantize_act_fp8(*fp8_act_quant_triton(x)).to(x.dtype)
+    T, K = x.shape
+    out = torch.empty(T, K, dtype=x.dtype, device=x.device)
+    if T and K:
+        x = _unit_last(x)
+        fp8_act_quant_kernel[(triton.cdiv(T, ACT_ROWS), triton.cdiv(K, BLOCK))](
+            x, out, out, T, K, x.stride(0), out.stride(0), 0, R=ACT_ROWS, G=BLOCK, QMAX=FP8_MAX, ROUND_TRIP=True)
+    return out
 
 
 def fp8_w8a8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
