@@ -42,6 +42,7 @@ from dhisparse.bench.inproc import InProcessLoop  # noqa: E402
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
+from dhisparse.layers.fp8_linear import fp8_activations_for  # noqa: E402
 from dhisparse.core.params import SamplingParams  # noqa: E402
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # noqa: E402
 from dhisparse.core.v4_config import CSA, HCA, V4Config  # noqa: E402
@@ -424,7 +425,8 @@ def device_memory(loaded, counters: dict) -> dict:
     the peak allocated from engine build to the window's end, the target's weights, the KV pool
     and speculation's accounted bytes (drafter weights, ring, staging: `spec_bytes`), and the rest
     (activations, graph pools, metadata, the verification batch's buffers) = peak - the three."""
-    weights = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+    # buffers too: the FP8 models' weights and scales are buffers (layers/fp8_linear.py)
+    weights = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers()))
     peak = torch.cuda.max_memory_allocated()
     pool, spec = int(counters.get("kv_pool_bytes", 0)), int(counters.get("spec_bytes", 0))
     return {"device_peak_bytes": peak, "device_model_bytes": weights,
@@ -544,7 +546,11 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     loaded = load_model(ns)
-    print(f"[model] {model_key(ns)} built in {time.perf_counter() - t0:.1f} s", flush=True)
+    # what the engines' fp8_activations ("auto": the checkpoint's activation_scheme) resolve to, in the JSON
+    sz["fp8_activations"] = fp8_activations_for(loaded.model, engine_config(ns, sz, ns.preset_list[0]).fp8_activations,
+                                                loaded.config.fp8_activation_scheme)
+    print(f"[model] {model_key(ns)} built in {time.perf_counter() - t0:.1f} s; FP8 activations: {sz['fp8_activations']}",
+          flush=True)
     prefixes = new_prefixes(ns, cfg)
     reference = oracle_reference(ns, sz, loaded, prefixes) if uses_oracle(ns) else None
     if ns.charge_spec_memory and any(p.endswith("+spec") for p in ns.preset_list):

@@ -299,11 +299,12 @@ def one_preset(ns, loaded, prefixes, preset: str, graphs: str) -> dict:
     syncs = sync_report(engine, ns) if ns.sync_report else {}
     replayed = attention_replay.replay(engine.step, preset, ns.spec_width, ns.attention_replay) if ns.attention_replay else []
     st = engine.stats().as_dict()
+    fp8_activations = engine.fp8_activations  # what --engine-arg fp8_activations (default auto) resolved to
     del engine
     release_memory()
     walls.sort()
     hosts.sort()
-    res = {"preset": preset, "cuda_graphs": graphs, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
+    res = {"preset": preset, "cuda_graphs": graphs, "fp8_activations": fp8_activations, "C": ns.concurrency, "admitted": admitted, "wall_ms_median": walls[len(walls) // 2], "wall_ms": walls,
            "host_unprofiled_ms_median": hosts[len(hosts) // 2], "host_unprofiled_share": hosts[len(hosts) // 2] / walls[len(walls) // 2],
            "host_phases_ms": phases, "kernels": kern, "host_top": host, "host_cum_top": host_cum, "sync_sites": syncs, "attention_replay": replayed, "counters": {k: v for k, v in st.items() if isinstance(v, (int, float))}}
     if kern:

@@ -97,6 +97,10 @@ def test_fp8_quantization_config():
     q = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
     assert ModelConfig.from_hf(v32_config(quantization_config=q)).fp8_block_size == (128, 128)
     assert ModelConfig.from_hf(v32_config()).fp8_block_size is None
+    # the activation scheme --fp8-activations auto follows: DeepSeek-V3 / GLM-5 FP8 checkpoints say "dynamic"
+    assert ModelConfig.from_hf(v32_config(quantization_config=q)).fp8_activation_scheme == "dynamic"
+    static = dict(q, activation_scheme="static")
+    assert ModelConfig.from_hf(v32_config(quantization_config=static)).fp8_activation_scheme == "static"
     with pytest.raises(ConfigError, match="quantization"):
         ModelConfig.from_hf(v32_config(quantization_config={"quant_method": "awq"}))
 

@@ -112,6 +112,8 @@ def test_dynamic_fp8_activations_run_in_the_engine(monkeypatch):
     calls.clear()
     _greedy(lm, prompt, 2)  # the next engine's setting ("none") replaces it
     assert calls == [] and all(m.activations == "none" for m in fp8)
+    _greedy(lm, prompt, 1, activations="auto")  # the default: the faithful models' scheme, "dynamic"
+    assert calls and all(m.activations == "dynamic" for m in fp8)
 
 
 def test_output_depends_on_attention():

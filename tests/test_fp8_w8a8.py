@@ -21,7 +21,7 @@ from dhisparse.kernels.fp8_gemm_ref import (FP8, check_activations, dequantize_a
                                             quantize_act_fp8)
 from dhisparse.kernels.fp8_w8a8 import (ACT_ROWS, fp8_act_quant_kernel, fp8_act_quant_triton, fp8_act_round_trip_triton, fp8_w8a8_linear_triton,
                                         fp8_w8a8_moe_triton)
-from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear, set_fp8_activations
+from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear, resolve_fp8_activations, set_fp8_activations
 from dhisparse.layers.moe import Routing
 from fp8_fixtures import DEV, SHAPES, TILES, _close, _ids, _use, _weight, _x
 
@@ -188,14 +188,30 @@ def test_modules_follow_set_fp8_activations():
         set_fp8_activations(model, "w8a8")
 
 
+def test_auto_follows_the_checkpoints_activation_scheme():
+    """--fp8-activations auto (the default): "dynamic" where the checkpoint's activation_scheme is (DeepSeek-V3 /
+    GLM-5 FP8), "none" for another scheme and for a model without FP8 weights; an explicit mode wins."""
+    lin = Fp8Linear.from_linear(torch.nn.Linear(200, 130, bias=False).to(DEV))
+    model = torch.nn.ModuleDict({"lin": lin, "ex": Fp8Experts(3, 200, 128, device=DEV)})
+    assert resolve_fp8_activations(model, "auto", "dynamic") == ("dynamic", 2) and lin.activations == "dynamic"
+    assert resolve_fp8_activations(model, "auto", "static") == ("none", 2) and lin.activations == "none"
+    assert resolve_fp8_activations(model, "dynamic", "static") == ("dynamic", 2)
+    assert resolve_fp8_activations(model, "none", "dynamic") == ("none", 2) and lin.activations == "none"
+    assert resolve_fp8_activations(torch.nn.Linear(2, 2), "auto", "dynamic") == ("none", 0)
+
+
 def test_engine_refuses_dynamic_activations_without_fp8_weights():
     from dhisparse.engine.config import ConfigValueError, EngineConfig
     from dhisparse.engine.engine import Engine
 
+    assert EngineConfig().fp8_activations == "auto"
     with pytest.raises(ConfigValueError, match="fp8_activations"):
         EngineConfig(model="tiny", fp8_activations="fp8")
     with pytest.raises(ValueError, match="fp8_activations.*FP8"):
         Engine(EngineConfig(model="tiny", device="cpu", fp8_activations="dynamic"))
+    e = Engine(EngineConfig(model="tiny", device="cpu"))  # auto on a model without FP8 weights: none, no error
+    assert e.fp8_activations == "none"
+    e.close()
 
 
 @pytest.mark.parametrize("activations", ["none", "dynamic"])

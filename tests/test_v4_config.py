@@ -20,6 +20,8 @@ def _hf_normalized(d: dict) -> dict:
 
 def test_tiny_hf_keys():
     c = V4Config.from_hf(v4_config())
+    assert c.fp8_activation_scheme == "dynamic"  # no quantization_config: the FP8 checkpoints' scheme
+    assert V4Config.from_hf(v4_config(quantization_config={"activation_scheme": "static"})).fp8_activation_scheme == "static"
     assert c.layer_types == (SLIDING, CSA, HCA, CSA)
     assert [c.compress_rate(i) for i in range(4)] == [0, 4, 8, 4]
     assert [c.rope_of(i) for i in range(4)] == ["main", "compress", "compress", "compress"]

@@ -142,8 +142,9 @@ FLAGS: list[Flag] = [
          help_="KV cache rows: auto = the model dtype; bfloat16 needs a bfloat16 model; fp8_e4m3 = FP8 rows in every "
                "tier (656-B MLA rows and 132-B index keys at GLM-5's shape; CPU or CUDA compute capability >= 8.9)"),
     Flag("--fp8-activations", "fp8_activations", _lower, choices=FP8_ACTIVATIONS,
-         help_="FP8 weight GEMMs (glm5-faithful, v41-faithful): none = activations in the model dtype (w8a16); dynamic = "
-               "FP8 per token and group of 128 columns (w8a8, as DeepSeek-V3 / GLM-5 FP8 checkpoints are served)"),
+         help_="FP8 weight GEMMs (glm5-faithful, v41-faithful): auto = the checkpoint's activation_scheme (dynamic for "
+               "DeepSeek-V3 / GLM-5 FP8 checkpoints and the faithful models); none = activations in the model dtype "
+               "(w8a16); dynamic = FP8 per token and group of 128 columns (w8a8, as SGLang and vLLM serve them)"),
     Flag("--quantization", "quantization", _lower, choices=QUANTIZATIONS,
          help_="weights: none = as stored (block-scaled FP8 checkpoints are dequantized at load); fp8 = require a "
                "block-scaled FP8 checkpoint (dequantized at load; no online quantization)"),

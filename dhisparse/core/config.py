@@ -119,6 +119,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     num_nextn_predict_layers: int = 0
     fp8_block_size: tuple[int, int] | None = None
+    fp8_activation_scheme: str = "dynamic"  # quantization_config.activation_scheme (DeepSeek-V3 / GLM-5 FP8: dynamic)
     torch_dtype: str = "float32"
 
     # ---- derived sizes -------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         qcfg = d.get("quantization_config") or {}
-        fp8_block = None
+        fp8_block, scheme = None, "dynamic"
         if qcfg:
             if qcfg.get("quant_method") not in ("fp8", None):
                 raise ConfigError(
@@ -175,6 +176,7 @@ class ModelConfig:
                     "only block-scaled fp8 checkpoints (dequantized at load) are"
                 )
             fp8_block = tuple(qcfg.get("weight_block_size", (128, 128)))
+            scheme = str(qcfg.get("activation_scheme", "dynamic"))
         default_interleave = arch == "glm_moe_dsa"
         cfg = cls(
             architecture=arch,
@@ -213,6 +215,7 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0) or 0),
             fp8_block_size=fp8_block,
+            fp8_activation_scheme=scheme,
             torch_dtype=str(d.get("dtype", d.get("torch_dtype", "float32")) or "float32"),
         )
         cfg.validate()

@@ -76,6 +76,7 @@ class V4Config:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     num_nextn_predict_layers: int = 0
+    fp8_activation_scheme: str = "dynamic"  # quantization_config.activation_scheme (DeepSeek-V4 FP8: dynamic)
     torch_dtype: str = "float32"
     architecture: str = "deepseek_v4"
     kv_source_layer_ids: tuple[int, ...] = ()  # () = every layer its own source (see v4_sources)
@@ -168,6 +169,7 @@ class V4Config:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             pad_token_id=d.get("pad_token_id"),
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 1) or 0),
+            fp8_activation_scheme=str((d.get("quantization_config") or {}).get("activation_scheme", "dynamic")),
             torch_dtype=str(d.get("dtype", d.get("torch_dtype", "float32")) or "float32"),
         )
         if d.get("kv_source_layer_ids") is not None or d.get("selection_types") is not None:

@@ -8,7 +8,7 @@ from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
 from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
-from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS  # none, dynamic
+from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS as _KERNEL_ACTIVATIONS  # none, dynamic
 from dhisparse.kernels.resolver import MAX_B  # hot rows a slot the plan kernel ranks
 from dhisparse.kv.build import StoreSettings
 from dhisparse.kv.hier.context import RESOLVER_COPIES, RESOLVER_LOOKUPS  # separate, fused; scan, index
@@ -27,6 +27,8 @@ class ConfigValueError(ValueError):
 
 DECODE_PAGES = ("optional", "hot-cache")  # adaptive: where completed decode pages go (see decode_pages)
 
+
+FP8_ACTIVATIONS = ("auto", *_KERNEL_ACTIVATIONS)  # --fp8-activations: auto = the checkpoint's activation_scheme
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -187,9 +189,11 @@ class EngineConfig:
         are dequantized at load) or "fp8" (require a block-scaled FP8 checkpoint; no online
         quantization).
     fp8_activations [--fp8-activations]: how a model's FP8 weight GEMMs (glm5-faithful, v41-faithful) take
-        their activations: "none" (kept in the model's dtype, w8a16) or "dynamic" (FP8 per token and group of
-        128 columns, w8a8, as DeepSeek-V3 / GLM-5 FP8 checkpoints' activation_scheme "dynamic" is served;
-        kernels/fp8_w8a8.py). "dynamic" on a model without FP8 weights is refused at engine start.
+        their activations: "auto" (default: the checkpoint's quantization_config.activation_scheme, "dynamic"
+        for DeepSeek-V3 / GLM-5 FP8 checkpoints and the faithful models, as SGLang and vLLM serve them;
+        "none" for a model without FP8 weights), "none" (kept in the model's dtype, w8a16) or "dynamic" (FP8
+        per token and group of 128 columns, w8a8; kernels/fp8_w8a8.py). "dynamic" on a model without FP8
+        weights is refused at engine start; the engine's `fp8_activations` says what was set.
     debug_checks [--debug-checks]: run pool integrity checks after every step.
     """
 
@@ -256,7 +260,7 @@ class EngineConfig:
     chat_template: str | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
-    fp8_activations: str = "none"
+    fp8_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

@@ -41,7 +41,7 @@ from dhisparse.engine.stops import FeedDetokenizer, StopChecker
 from dhisparse.kernels import backend as kernel_backend
 from dhisparse.kv.build import build_store
 from dhisparse.kv.memory.prefix_store import PrefixStore, StoredPrefix
-from dhisparse.layers.fp8_linear import set_fp8_activations
+from dhisparse.layers.fp8_linear import resolve_fp8_activations
 from dhisparse.models.dsa import ModelOutput
 from dhisparse.models.graphs import CudaGraphRunner
 from dhisparse.models.registry import LoadedModel, load_for_config
@@ -81,7 +81,9 @@ class Engine:
             log.info("moving the model from %s to %s", self.loaded.model.device, self.device)
             self.loaded.model.to(self.device)
         self.model, self.model_config, self.tokenizer = self.loaded.model, self.loaded.config, self.loaded.tokenizer
-        if set_fp8_activations(self.model, config.fp8_activations) == 0 and config.fp8_activations != "none":
+        self.fp8_activations, n_fp8 = resolve_fp8_activations(self.model, config.fp8_activations,
+                                                              self.model_config.fp8_activation_scheme)
+        if n_fp8 == 0 and config.fp8_activations == "dynamic":
             raise ValueError(f"fp8_activations (--fp8-activations) {config.fp8_activations!r} needs a model with FP8 "
                              f"weights (glm5-faithful, v41-faithful); {config.model!r} has none")
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

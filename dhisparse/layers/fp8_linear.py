@@ -9,7 +9,8 @@ per 128x128 block (`kernels/fp8_gemm_ref.py`). The GEMMs run through `kernels/fp
 
 Both take `activations` ("none": the activations stay in their dtype, w8a16; "dynamic": FP8 per token and
 group of 128 columns, w8a8, as the FP8 checkpoints' activation_scheme "dynamic" is served;
-kernels/fp8_dispatch.py); `set_fp8_activations` sets it on every FP8 module of a model.
+kernels/fp8_dispatch.py); `set_fp8_activations` sets it on every FP8 module of a model, and
+`resolve_fp8_activations` resolves the engine's "auto" from the checkpoint's activation_scheme first.
 
 Fp8Experts keeps `layers/moe.py`'s stacked layout; its scale blocks tile the stacked [2I, H]
 matrix, so a checkpoint's separate gate / up scales stack into it when I is a multiple of 128.
@@ -114,11 +115,32 @@ class Fp8Experts(nn.Module):
         return m
 
 
+def fp8_modules(model: nn.Module) -> list[nn.Module]:
+    """Every Fp8Linear / Fp8Experts of `model`."""
+    return [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+
+
+def fp8_activations_for(model: nn.Module, mode: str, scheme: str) -> str:
+    """What `resolve_fp8_activations` sets, without setting it: "none" for a model without FP8 weights."""
+    if not fp8_modules(model):
+        return "none"
+    return ("dynamic" if scheme == "dynamic" else "none") if mode == "auto" else mode
+
+
+def resolve_fp8_activations(model: nn.Module, mode: str, scheme: str) -> tuple[str, int]:
+    """Set the activations of every FP8 module of `model` from `mode` and return (what was set, how many
+    modules). mode "none" / "dynamic" as `set_fp8_activations`; "auto": `scheme` (the checkpoint's
+    quantization_config.activation_scheme) when it is "dynamic", as SGLang and vLLM serve block-scaled FP8
+    checkpoints, else "none" (w8a16). A model without FP8 weights: ("none", 0) under "auto" and "none"."""
+    picked = fp8_activations_for(model, mode, scheme)
+    return picked, set_fp8_activations(model, picked)
+
+
 def set_fp8_activations(model: nn.Module, activations: str) -> int:
     """Every Fp8Linear / Fp8Experts of `model` takes `activations` ("none" / "dynamic", module docstring);
     returns how many modules it set (0: the model has no FP8 weights). ValueError naming `activations`."""
     check_activations(activations)
-    mods = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    mods = fp8_modules(model)
     for m in mods:
         m.activations = activations
     return len(mods)
