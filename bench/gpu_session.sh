@@ -430,7 +430,7 @@ case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on 
 case ",$STEPS," in *,gemm43,*)  # issue 31: FP8 GEMM tiles BM 64 vs 128 at verification pass sizes (s42's round: dense GEMMs 2.43x the step's for 5x the rows: BM 64 reads each weight twice at 100 rows) (~2 min)
   run "FP8 GEMM tiles, BM 64 vs 128" timeout ${GEMM43_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --tokens 20,100 --prefill-tokens 0 \
       --sweep-tokens 20,47,100,188 --sweep "64:4:3,64:64:4:3,128:64:4:3,128:64:8:3,128:128:8:3,128:64:4:4" --out "$OUT/fp8_gemm_tiles_bm_h200.json" ;; esac
-case ",$STEPS," in *,w8a843,*)  # issue 31: FP8 activations (--fp8-activations dynamic, kernels/fp8_w8a8.py): CUDA exactness of the FP8 GEMM files and glm5-faithful's presets under both settings, then w8a16 / w8a8 / bf16 GEMM times at decode and verification pass sizes (~4 min cold); the round with it: round31 with ROUND31_ARGS="--engine-arg fp8_activations=dynamic" ROUND31_TAG=_w8a8
+case ",$STEPS," in *,w8a843,*)  # issue 31: FP8 activations (--fp8-activations dynamic, kernels/fp8_w8a8.py): CUDA exactness of the FP8 GEMM files and glm5-faithful's presets under both settings, then w8a16 / w8a8 / bf16 GEMM times at decode and verification pass sizes (~2.5 min cold); the default is w8a8 since session 44 (--fp8-activations auto), the round without it: round31 with ROUND31_ARGS="--engine-arg fp8_activations=none" ROUND31_TAG=_w8a16
   run "exactness on CUDA, FP8 GEMM files" timeout ${W8A8_EXACT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
       tests/test_fp8_w8a8.py tests/test_fp8_gemm.py tests/test_fp8_modules.py tests/test_faithful_model.py tests/test_moe.py tests/test_ep_fp8.py \
       --junitxml="$OUT/w8a843_cuda.xml"
