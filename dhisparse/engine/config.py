@@ -30,6 +30,7 @@ DECODE_PAGES = ("optional", "hot-cache")  # adaptive: where completed decode pag
 
 FP8_ACTIVATIONS = ("auto", *_KERNEL_ACTIVATIONS)  # --fp8-activations: auto = the checkpoint's activation_scheme
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (CLI flags in brackets).
