@@ -78,8 +78,9 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
-    a("--layers", type=int, default=None, help="v41-faithful only: truncate its layer plan (a small geometry)")
-    a("--overrides", default=None, help="v41-faithful only: config keys as JSON (a small geometry)")
+    a("--layers", type=int, default=None, help="faithful models only: truncate the layer plan (a small geometry)")
+    a("--overrides", default=None, help="faithful models only: config keys as JSON (v41-faithful's small geometry; "
+      "glm5-faithful: e.g. '{\"n_routed_experts\": 12}' to fit an H100)")
     a("--input-len", type=int, default=8192); a("--output-len", type=int, default=256)
     a("--concurrency", default="4,12,36"); a("--duration", type=float, default=15.0, help="seconds per run")
     a("--presets", default="hisparse,adaptive,adaptive+spec,resident")
@@ -271,16 +272,20 @@ def model_key(ns) -> str:
 
 
 def load_model(ns):
-    """The model every engine shares: a built-in by name, or v41-faithful's builder at --layers /
-    --overrides (with the byte tokenizer, as the registry gives it)."""
+    """The model every engine shares: a built-in by name, or a faithful model's builder at --layers /
+    --overrides (with the byte tokenizer, as the registry gives it). ns: model, device, dtype, layers, overrides."""
     if ns.layers is None and not ns.overrides:
         from dhisparse.bench.sweep import load_shared_model
 
         return load_shared_model(EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype))
+    from dhisparse.models.faithful import build_faithful
     from dhisparse.models.tokenizer import ByteTokenizer
     from dhisparse.models.v4_faithful import build_v41_faithful
 
-    loaded = build_v41_faithful(EngineConfig.seed, model_dtype(ns), ns.device, ns.layers, ns.overrides)
+    if ns.model == "v41-faithful":
+        loaded = build_v41_faithful(EngineConfig.seed, model_dtype(ns), ns.device, ns.layers, ns.overrides)
+    else:  # glm5-faithful (sizing.model_config refused the others at parse time)
+        loaded = build_faithful(ns.model, EngineConfig.seed, model_dtype(ns), ns.device, ns.layers, ns.overrides)
     return dataclasses.replace(loaded, tokenizer=ByteTokenizer())
 
 

@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,topk31,exact42,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -332,6 +332,17 @@ case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round g
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful ${ROUND31_ARGS:-} \
       --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}${ROUND31_TAG:-}_fp8_e4m3_h200.json" ;; esac
+case ",$STEPS," in *,round44,*)  # issue 31 on an H100 (no H200 lent): round31's profile on glm5-faithful with 12 routed experts (51.9 GiB of FP8 weights; the full 24 take 83.5 GiB, an H200), pool ${ROUND44_POOL:-10} GiB, C${ROUND44_C:-20} at 100K, hisparse's decode step beside the costed DFlash2 round, under each --fp8-activations of ROUND44_ACTS (default "auto none": w8a8, the default since session 44, then w8a16; ~6 min each cold, so one a call: ROUND44_ACTS=none in the second)
+  run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
+      --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
+  for A in ${ROUND44_ACTS:-auto none}; do
+    run "step profile, glm5-faithful e12, hisparse step vs costed DFlash2 round, C${ROUND44_C:-20}, fp8_activations=$A" timeout ${ROUND44_TIMEOUT:-480} \
+        python3 bench/step_profile.py --model glm5-faithful --overrides '{"n_routed_experts": 12}' --input-len 102400 \
+        --concurrency ${ROUND44_C:-20} --steps 5 --warmup 3 --presets hisparse,adaptive+spec --kv-cache-dtype fp8_e4m3 \
+        --kv-pool-gib ${ROUND44_POOL:-10} --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
+        --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
+        --engine-arg fp8_activations=$A --out "$OUT/step_profile_round_faithful_e12_100k_k2048_c${ROUND44_C:-20}_${A}_fp8_e4m3_h200.json"
+  done ;; esac
 case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes and two sorts, the baseline) vs packed_topk (one top-k over int64 keys) and lean_topk (one sort), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)

@@ -907,3 +907,26 @@ def test_gpu_serving_warns_when_a_measurement_tool_misleads():
     (agree,) = gs.run_warnings({"replay_judged": 50, "replay_agreement": 0.02})
     assert "2.0%" in agree and "KV path" in agree
     assert gs.run_warnings({}) == [] and gs.run_warnings({"replay_judged": 0, "replay_agreement": 0.0}) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script; on a GPU the bench itself runs")
+def test_step_profile_builds_glm5_faithful_at_overrides(tmp_path):
+    """--layers / --overrides build glm5-faithful at another geometry (fewer routed experts fit an H100); each run
+    records what --fp8-activations resolved to (auto: the faithful models' "dynamic"; an --engine-arg wins).
+    Another model's --overrides is refused by name."""
+    import json
+
+    from bench import step_profile
+    from dhisparse.models.faithful import SMALL_OVERRIDES
+
+    base = ["--model", "glm5-faithful", "--layers", "4", "--overrides", json.dumps(SMALL_OVERRIDES), "--device", "cpu",
+            "--dtype", "float32", "--input-len", "160", "--concurrency", "2", "--steps", "2", "--warmup", "1",
+            "--kv-pool-gib", "0.05", "--host-pool-gib", "0.05", "--page-size", "16", "--max-batched-tokens", "1024",
+            "--presets", "hisparse", "--cuda-graphs", "none"]
+    for extra, want in (([], "dynamic"), (["--engine-arg", "fp8_activations=none"], "none")):
+        out = tmp_path / f"sp_{want}.json"
+        assert step_profile.main([*base, *extra, "--out", str(out)]) == 0
+        (run,) = json.loads(out.read_text())["runs"]
+        assert run["fp8_activations"] == want and run["admitted"] >= 1
+    with pytest.raises(SystemExit):
+        step_profile.parse(["--model", "glm52-scaled-k512", "--overrides", "{\"n_routed_experts\": 4}"])

@@ -1,4 +1,5 @@
-"""bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes),
+"""bench/gpu_session.sh's issue-31 steps `round31` (where a costed verification round goes), `round44` (the same on
+an H100 under each FP8 activation setting),
 `locality31` (glm5-faithful's locality at full geometry) and `diversity31` (whether its greedy output
 depends on the context) parse (`gpu_session_stub.session_commands`); bench/faithful_diversity.py runs
 on a small geometry."""
@@ -28,6 +29,21 @@ def test_round31_profiles_the_costed_round_at_the_sweeps_point(tmp_path):
     cfg = step_profile.engine_config(ns, "adaptive+spec", "step")
     assert (cfg.speculative_oracle_drafter, cfg.speculative_draft_model_path) == ("dflash2", path)
     assert cfg.speculative_num_draft_tokens == 4 and cfg.cuda_graphs == "step"
+
+
+def test_round44_profiles_the_round_on_an_h100_under_each_activation_setting(tmp_path):
+    """round44: round31's profile on glm5-faithful with 12 routed experts (fits an H100), once under the default
+    FP8 activations (auto) and once under none, to two files; ROUND44_ACTS picks one a call."""
+    from bench import step_profile
+
+    profs = [c for c in session_commands(tmp_path, "round44") if c[0] == "bench/step_profile.py"]
+    got = [step_profile.parse(c[1:]) for c in profs]
+    assert [ns.overrides for ns in got] == [{"n_routed_experts": 12}] * 2 and len({ns.out for ns in got}) == 2
+    assert [step_profile.engine_config(ns, "hisparse").fp8_activations for ns in got] == ["auto", "none"]
+    assert all((ns.model, ns.input_len, ns.concurrency, ns.kv_pool_gib) == ("glm5-faithful", 102400, 20, 10.0) for ns in got)
+    (tmp_path / "b").mkdir()
+    (one,) = [c for c in session_commands(tmp_path / "b", "round44", {"ROUND44_ACTS": "none"}) if c[0] == "bench/step_profile.py"]
+    assert step_profile.engine_config(step_profile.parse(one[1:]), "hisparse").fp8_activations == "none"
 
 
 def test_locality31_measures_glm5_faithful_at_full_geometry(tmp_path):

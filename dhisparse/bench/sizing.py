@@ -51,17 +51,25 @@ def mem_available() -> int:
         return 0
 
 
+FAITHFUL_OVERRIDABLE = ("glm5-faithful", "v41-faithful")  # models whose geometry --layers / --overrides change
+
+
 def model_config(name: str, layers: int | None = None, overrides: dict | None = None):
     """The config of a built-in random model, no weights built: GLM / V3.2 (`builtin_config`) or
-    DeepSeek-V4 (`layers` / `overrides`: v41-faithful's small geometries, models/v4_faithful.py)."""
+    DeepSeek-V4; `layers` / `overrides` change a faithful model's geometry (v41-faithful's small ones,
+    models/v4_faithful.py; glm5-faithful's, models/faithful.py: e.g. fewer routed experts to fit an H100)."""
+    from dhisparse.models.faithful import FAITHFUL_CONFIGS, faithful_config
     from dhisparse.models.registry import builtin_config
     from dhisparse.models.v4_faithful import v41_faithful_config
     from dhisparse.models.v4_scaled import v41_scaled_config
 
     if name == "v41-faithful":
         return v41_faithful_config(layers, overrides)
+    if name in FAITHFUL_CONFIGS and (layers is not None or overrides):
+        return faithful_config(name, layers, overrides)
     if layers is not None or overrides:
-        raise ValueError(f"--layers / --overrides are for v41-faithful, not {name!r}")
+        raise ValueError(f"--layers / --overrides are for the faithful models ({', '.join(FAITHFUL_OVERRIDABLE)}), "
+                         f"not {name!r}")
     return v41_scaled_config() if name == "v41-scaled" else builtin_config(name)
 
 
