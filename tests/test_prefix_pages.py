@@ -221,3 +221,27 @@ def test_a_prefix_without_the_drafters_features_is_prefilled_not_imported():
     assert llm.engine.spec.serves(llm.engine.prefixes.get(PREFIX))
     outs = llm.generate(_reqs(2), GREEDY)
     assert [o.token_ids for o in outs] == ref and all(o.metrics.imported_len == len(PREFIX) for o in outs)
+
+
+def test_exported_rows_are_the_stores_rows_read_a_layer_at_a_time():
+    """`read_rows` (a prefix's export) returns host tensors [L, n, d] / [F, n, iD] equal to the store's own rows at
+    the request's locations, every layer its own (read one layer at a time, so a long prompt's export holds one
+    layer's rows on the device, not the whole prompt's). The hierarchy's `read_rows` is its resident part's, read
+    at the prompt's end before the hand-off (engine/prefixes.py). Breakage tried: every layer given layer 0's rows."""
+    from dhisparse.core.rows import gather_rows
+
+    eng = LLM("tiny", preset="resident", page_size=16).engine
+    rid = eng.add_request(PREFIX, SamplingParams(max_tokens=8, ignore_eos=True))
+    while not eng.requests[rid].output_ids:
+        eng.step()  # until prefilled: PREFIX's rows are written, the request still running
+    res = eng.store
+    latent, index = res.read_rows(rid, len(PREFIX))
+    a = res.arena
+    lat, idx = res.latent_locs(rid, len(PREFIX)), res.index_locs(rid, len(PREFIX))
+    assert latent.device.type == index.device.type == "cpu"
+    assert tuple(latent.shape[:2]) == (a.cfg.num_layers, len(PREFIX))
+    for l in range(a.cfg.num_layers):
+        assert torch.equal(latent[l], gather_rows(a.latent_rows(l), lat).cpu())
+    for j, l in enumerate(a.layout.index_layers):
+        assert torch.equal(index[j], a.read_index(l, idx).cpu())
+    assert not torch.equal(latent[0], latent[-1])  # the layers differ, so a layer mix-up shows

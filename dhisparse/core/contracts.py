@@ -126,8 +126,8 @@ class KVStore(abc.ABC):
     supports_prefix: bool = True
     """Whether `prepare_prefix` can export this store's rows (`read_rows`) and import them."""
 
-    def read_rows(self, req: Hashable, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD])."""
+    def read_rows(self, req: Hashable, n: int, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD]), pinned when `pin`."""
         raise NotImplementedError(f"{type(self).__name__} cannot export rows (supports_prefix is False)")
 
     def write_rows(self, req: Hashable, latent: torch.Tensor, index: torch.Tensor, start: int = 0) -> None:

@@ -57,7 +57,7 @@ def prompt_rows(eng: Engine, req: Request) -> StoredPrefix | V4Prefix:
     feats, own = store_export(eng, req)
     if own is not None:
         return whole_state(own)
-    latent, index = eng.store.read_rows(req.request_id, len(req.prompt_ids))
+    latent, index = eng.store.read_rows(req.request_id, len(req.prompt_ids), eng.prefixes.pin)
     return whole_prompt(req.prompt_ids, latent, index, feats, eng.prefixes.pin)
 
 

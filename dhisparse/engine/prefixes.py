@@ -58,7 +58,7 @@ def export(eng: Engine, req: Request) -> None:
     if own is not None:
         eng.prefixes.put(own)
     else:
-        latent, index = eng.store.read_rows(req.request_id, len(req.prompt_ids))
+        latent, index = eng.store.read_rows(req.request_id, len(req.prompt_ids), eng.prefixes.pin)
         item = eng.prefixes.add(req.prompt_ids, latent, index, feats)
         layout = eng.store.prefix_layout()
         if layout is not None:  # its page layout now, not on the first import

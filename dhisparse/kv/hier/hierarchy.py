@@ -254,8 +254,8 @@ class HierarchicalKV(KVStore):
         """Whether req waits for its prefix import or its hand-off backup (kv/memory/loads.py)."""
         return self.resident.loading(req) or self.handoffs.loading(req)
 
-    def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.resident.read_rows(req, n)
+    def read_rows(self, req: object, n: int, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.resident.read_rows(req, n, pin)
 
     # -- passes --------------------------------------------------------------------------------
     def graph_context(self) -> type:

@@ -29,6 +29,17 @@ def copy_index_pages(arena: KVArena, paged, pages: list[int]) -> None:
         arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
 
 
+
+def _to_host(reads: list, pin: bool) -> torch.Tensor:
+    """torch.stack([read() for read in reads]) on the host (pinned when `pin`), each device read copied out
+    before the next is made. reads: non-empty callables returning tensors of one shape and dtype."""
+    first = reads[0]()
+    out = torch.empty((len(reads), *first.shape), dtype=first.dtype, pin_memory=pin)
+    out[0].copy_(first)
+    for i, read in enumerate(reads[1:], 1):
+        out[i].copy_(read())
+    return out
+
 class ResidentKV(KVStore):
     def __init__(self, arena: KVArena, side_loads: bool = False) -> None:
         self.arena, self.pool = arena, arena.pool
@@ -132,12 +143,14 @@ class ResidentKV(KVStore):
 
         self.loads.run(req, copies)
 
-    def read_rows(self, req: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD])."""
+    def read_rows(self, req: object, n: int, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of positions 0..n-1: (latent [L, n, d], index [F, n, iD]), pinned when `pin`. Read one
+        layer at a time into the host tensors, so the device holds one layer's rows at once, not the whole
+        prompt's twice (a 100K-token glm5-faithful prompt: 4.9 GiB, which failed an export on an H100)."""
         lat, idx = self.latent_locs(req, n), self.index_locs(req, n)
         a = self.arena
-        latent = torch.stack([gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)])
-        index = torch.stack([a.read_index(l, idx) for l in a.layout.index_layers])
+        latent = _to_host([lambda l=l: gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)], pin)
+        index = _to_host([lambda l=l: a.read_index(l, idx) for l in a.layout.index_layers], pin)
         return latent, index
 
     def row_place(self, req: object, position: int, layer: int = 0) -> RowPlace:

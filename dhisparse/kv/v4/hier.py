@@ -293,5 +293,5 @@ class V4HierStore(KVStore):
     def write_rows(self, req: object, latent, index, start: int = 0) -> None:
         raise ValueError("deepseek_v4 prefixes are whole streaming states (import_prefix), not rows by position")
 
-    def read_rows(self, req: object, n: int):
+    def read_rows(self, req: object, n: int, pin: bool = False):
         raise ValueError("deepseek_v4 prefixes are whole streaming states (export_prefix), not rows by position")
