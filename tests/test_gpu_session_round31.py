@@ -40,7 +40,8 @@ def test_round44_profiles_the_round_on_an_h100_under_each_activation_setting(tmp
     got = [step_profile.parse(c[1:]) for c in profs]
     assert [ns.overrides for ns in got] == [{"n_routed_experts": 12}] * 2 and len({ns.out for ns in got}) == 2
     assert [step_profile.engine_config(ns, "hisparse").fp8_activations for ns in got] == ["auto", "none"]
-    assert all((ns.model, ns.input_len, ns.concurrency, ns.kv_pool_gib) == ("glm5-faithful", 102400, 20, 10.0) for ns in got)
+    assert all((ns.model, ns.input_len, ns.concurrency, ns.kv_pool_gib, ns.max_batched_tokens) ==
+               ("glm5-faithful", 102400, 20, 9.5, 2048) for ns in got)
     (tmp_path / "b").mkdir()
     (one,) = [c for c in session_commands(tmp_path / "b", "round44", {"ROUND44_ACTS": "none"}) if c[0] == "bench/step_profile.py"]
     assert step_profile.engine_config(step_profile.parse(one[1:]), "hisparse").fp8_activations == "none"
