@@ -45,7 +45,7 @@ POINTERS = {
     "fp8_act_quant_kernel": {"x_ptr": BF16, "q_ptr": F8, "s_ptr": F32},  # round trip: q_ptr bf16 (out type)
     "split_sum_kernel": {"p_ptr": F32, "out_ptr": BF16},
 }
-DIVISIBLE = {"sxt", "sxst", "swn", "ssn", "sos", "sot", "swe", "sse", "K", "N", "KPER", "TN"}
+DIVISIBLE = {"sxt", "sxst", "sqt", "swn", "ssn", "sos", "sot", "swe", "sse", "K", "N", "KPER", "TN"}
 
 
 def compile_one(kern, consts: dict, num_warps: int, out_ptr: str | None = None):
