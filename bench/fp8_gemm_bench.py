@@ -112,7 +112,7 @@ def expert_rows(ns, tm: Timing, cuda: bool, dev: str, dtype: torch.dtype, g: tor
     ex.gate_up_proj.data = dequantize_block_fp8(f8.gate_up_proj, f8.gate_up_proj_scale_inv).to(dtype)
     ex.down_proj.data = dequantize_block_fp8(f8.down_proj, f8.down_proj_scale_inv).to(dtype)
     rows = []
-    for T in ints(ns.tokens):
+    for T in [*ints(ns.tokens), *([ns.prefill_tokens] if ns.prefill_tokens else [])]:  # a prefill chunk too
         x = torch.randn(T, ns.hidden, generator=g).to(dev, dtype)
         ids = torch.stack([torch.randperm(ns.experts, generator=g)[: ns.top_k] for _ in range(T)]).to(dev)
         r = Routing(ids, torch.rand(T, ns.top_k, generator=g).to(dev))
