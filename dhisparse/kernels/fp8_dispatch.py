@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kernels.backend import use_triton
-from dhisparse.kernels.fp8_gemm_ref import (FP8_ACTIVATIONS, check_activations, check_x, dequantize_act_fp8,  # noqa: F401
-                                            fp8_linear_reference, fp8_linear_w8a8_reference, fp8_moe_reference,
-                                            fp8_moe_w8a8_reference)
+from dhisparse.kernels.fp8_gemm_ref import (FP8_ACTIVATIONS, check_activations, check_x, fp8_linear_reference,  # noqa: F401
+                                            fp8_linear_w8a8_reference, fp8_moe_reference, fp8_moe_w8a8_reference)
 
 try:
     from dhisparse.kernels import fp8_gemm as _fp8_triton
