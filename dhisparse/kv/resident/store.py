@@ -30,14 +30,14 @@ def copy_index_pages(arena: KVArena, paged, pages: list[int]) -> None:
 
 
 
-def _to_host(reads: list, pin: bool) -> torch.Tensor:
-    """torch.stack([read() for read in reads]) on the host (pinned when `pin`), each device read copied out
-    before the next is made. reads: non-empty callables returning tensors of one shape and dtype."""
-    first = reads[0]()
-    out = torch.empty((len(reads), *first.shape), dtype=first.dtype, pin_memory=pin)
+def _to_host(read, layers: list[int], pin: bool) -> torch.Tensor:
+    """torch.stack([read(l) for l in layers]) on the host (pinned when `pin`), each layer's device read copied
+    out before the next is made. layers: non-empty; read(l): tensors of one shape and dtype."""
+    first = read(layers[0])
+    out = torch.empty((len(layers), *first.shape), dtype=first.dtype, pin_memory=pin)
     out[0].copy_(first)
-    for i, read in enumerate(reads[1:], 1):
-        out[i].copy_(read())
+    for i, l in enumerate(layers[1:], 1):
+        out[i].copy_(read(l))
     return out
 
 class ResidentKV(KVStore):
@@ -149,8 +149,8 @@ class ResidentKV(KVStore):
         prompt's twice (a 100K-token glm5-faithful prompt: 4.9 GiB, which failed an export on an H100)."""
         lat, idx = self.latent_locs(req, n), self.index_locs(req, n)
         a = self.arena
-        latent = _to_host([lambda l=l: gather_rows(a.latent_rows(l), lat) for l in range(a.cfg.num_layers)], pin)
-        index = _to_host([lambda l=l: a.read_index(l, idx) for l in a.layout.index_layers], pin)
+        latent = _to_host(lambda l: gather_rows(a.latent_rows(l), lat), list(range(a.cfg.num_layers)), pin)
+        index = _to_host(lambda l: a.read_index(l, idx), list(a.layout.index_layers), pin)
         return latent, index
 
     def row_place(self, req: object, position: int, layer: int = 0) -> RowPlace:
