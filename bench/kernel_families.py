@@ -13,7 +13,12 @@ FAMILIES = (
     ("cache copy", ("gather_rows", "gather_copy", "copy_rows", "Memcpy", "memcpy", "scatter")),
     ("attention", ("sparse_mla", "_mla_", "flash", "attn")),
     ("indexer", ("indexer", "topk", "top_k", "sort", "radix")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "xmma", "fp8_linear")),
+    # FP8 activations' per-token-group quantization (w8a8, and the prefill round trip) and the weights'
+    # dequantization for prefill's bf16 matmuls
+    ("fp8 quant", ("act_quant", "fp8_dequant")),
+    # fp8_linear / fp8_w8a8_linear and their split-K sum (session 45: w8a8's linear had fallen into "other")
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "xmma", "fp8_linear", "fp8_w8a8_linear",
+              "split_sum")),
     # glm5-faithful's expert GEMMs: fp8_moe_kernel (routed) and fp8_expert_linear_kernel (shared, from c. s30)
     ("moe", ("moe", "expert", "index_add", "scatter_add")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rope", "softmax", "cat", "fill", "copy_")),

@@ -132,6 +132,24 @@ def test_the_shared_experts_kernel_name_gives_the_same_bits(split, monkeypatch):
     assert spy.n == 1
 
 
+def test_every_fp8_kernel_has_its_profile_family():
+    """Each FP8 kernel's name files under the family a step profile reports it in, none under
+    "other" (session 45's profile had w8a8's linear and the activation quantization there)."""
+    import importlib.util
+    import pathlib
+
+    from dhisparse.kernels import fp8_w8a8 as fw
+
+    spec = importlib.util.spec_from_file_location("kf", pathlib.Path(__file__).parents[1] / "bench" / "kernel_families.py")
+    kf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kf)
+    want = {fg.fp8_linear_kernel: "gemm", fw.fp8_w8a8_linear_kernel: "gemm", fg.split_sum_kernel: "gemm",
+            fg.fp8_moe_kernel: "moe", fw.fp8_w8a8_moe_kernel: "moe", fg.fp8_expert_linear_kernel: "moe",
+            fw.fp8_w8a8_expert_linear_kernel: "moe", fw.fp8_act_quant_kernel: "fp8 quant",
+            fg.fp8_dequant_kernel: "fp8 quant"}
+    assert {k.fn.__name__: kf.family(k.fn.__name__) for k in want} == {k.fn.__name__: f for k, f in want.items()}
+
+
 @pytest.mark.parametrize("split", [2, 3, 7, 50])
 @pytest.mark.parametrize("N,K", [(130, 200), (64, 384), (300, 129)])
 def test_fp8_linear_split_k_matches_reference(split, N, K):

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from dhisparse.bench.plots import save_figure  # noqa: E402
 
 FAMILY_COLORS = {"gemm": "tab:blue", "attention": "tab:orange", "indexer": "tab:purple", "elementwise": "tab:olive",
-                 "cache copy": "tab:red", "resolver": "tab:brown", "other": "tab:pink"}
+                 "cache copy": "tab:red", "resolver": "tab:brown", "moe": "tab:cyan", "fp8 quant": "tab:gray",
+                 "other": "tab:pink"}
 OVERLAP, IDLE = "several families at once", "no kernel running"
 
 
