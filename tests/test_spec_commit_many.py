@@ -168,3 +168,26 @@ def test_batched_commits_dispatch_one_projection_pass(target):
     per_each, per_many = (each6 - each1) / 5, (many6 - many1) / 5
     assert per_many * 4 < per_each, (per_each, per_many)
     assert many6 < each6 / 2
+
+
+def test_ring_rows_of_a_round_take_no_repeat_interleave():
+    """The round's ring rows (`RingAllocator.rows_batch`) are each position's slot offset plus its
+    remainder, with the offsets built as a host list: no `repeat_interleave`, whose CPU kernel forks
+    torch's thread pool for a few dozen rows (1.9-3.6 ms of a costed round's host time on the H100 host,
+    session 45), and a fixed number of ops however many requests commit."""
+    from dhisparse.spec.ring import RingAllocator
+
+    alloc = RingAllocator(8, 16)
+
+    def ops_for(n: int) -> collections.Counter:
+        slots = list(range(n))[::-1]
+        positions = [torch.arange(20 + i, 20 + i + 1 + i % 4) for i in range(n)]
+        with _Ops() as ops:
+            rows = alloc.rows_batch(slots, positions)
+        want = torch.cat([alloc.rows(s, p) for s, p in zip(slots, positions)])
+        assert torch.equal(rows, want)
+        return ops.n
+
+    few, many = ops_for(2), ops_for(7)
+    assert "aten.repeat_interleave" not in many
+    assert few == many, (few, many)
