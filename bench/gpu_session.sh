@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -425,6 +425,11 @@ case ",$STEPS," in *,exact42,*)  # session 42's changes on CUDA: reference repla
       tests/test_replay.py tests/test_spec_engine.py tests/test_engine.py tests/test_spec_ring.py tests/test_spec_dflash.py \
       tests/test_drafters_models.py tests/test_dspark_head.py tests/test_costed_oracle.py tests/test_dflash_graphs.py \
       tests/test_spec_policy.py tests/test_step_graphs.py --junitxml="$OUT/exact42_cuda.xml" ;; esac
+case ",$STEPS," in *,exact45,*)  # session 45's changes on CUDA: the drafter ring's row offsets as a host list (RingAllocator.rows_batch: every DFlash / DSpark commit), the FP8 kernels' profile families (~3 min cold)
+  run "exactness on CUDA, session 45's files" timeout ${EXACT45_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+      tests/test_spec_ring.py tests/test_spec_commit_many.py tests/test_spec_dflash.py tests/test_spec_engine.py \
+      tests/test_costed_oracle.py tests/test_dflash_graphs.py tests/test_drafters_models.py tests/test_dspark_head.py \
+      tests/test_fp8_gemm.py --junitxml="$OUT/exact45_cuda.xml" ;; esac
 case ",$STEPS," in *,exact44,*)  # session 44's changes on CUDA: read_rows to host a layer at a time (981cd47: prefix export, disaggregation's hand-off), --fp8-activations auto (82cdb11: the faithful models' default w8a8) (~3 min cold)
   run "exactness on CUDA, session 44's files" timeout ${EXACT44_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_prefix_pages.py tests/test_disagg.py tests/test_disagg_v4.py tests/test_disagg_ep.py tests/test_v4_prefix.py \
