@@ -2,7 +2,10 @@
 `EagerRunner` (same static inputs, bucketing and padding; CUDA capture is the CUDA run's): drafts and
 logits equal the eager path's round after round, padding rows never trip the liveness check, a
 window that is not yet full runs eagerly, a stale ring row still raises, and a shifted window or
-unmasked padding fails these checks."""
+unmasked padding fails these checks. The commits' context projection from row-bucket graphs
+(`IngestGraphs`) writes the eager ring; breakages tried (session 45, CAUGHT): the features not
+copied into the static rows, the bucket's whole output returned instead of its first n rows, the
+layers' (k, v) handed to the ring in reverse order, and static positions not refreshed (a test)."""
 
 from __future__ import annotations
 
@@ -171,3 +174,48 @@ def test_breakages_fail(target, monkeypatch):
     with pytest.raises(RuntimeError, match="no longer live"):
         for k in range(6):
             rounds.step(k)
+
+
+def ring_of(d: DFlashDrafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.stack(d.kv.k), torch.stack(d.kv.v), d.kv.tags.clone()
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_graphed_commits_write_the_eager_ring(target, kind):
+    """The commits' context projection from row-bucket graphs (`IngestGraphs`: 13 rows -> bucket 16,
+    padding rows holding an earlier round's features) leaves the ring the eager projection leaves,
+    round after round; observes above the largest bucket (6 slots x block 5 = 30 rows) run eagerly."""
+    eager, graphed = pair(target, kind)
+    ig = graphed.ingest_graphs
+    assert ig.buckets == (1, 2, 4, 8, 12, 16, 24, 30) and ig.counters()["drafter_ingest_graph_buckets"] == 8
+    rounds = Rounds([eager, graphed], [20, 31, 15])  # three observes of W = 12 kept rows: bucket 12
+    assert ig.replayed == 3 and ig.eager == 0
+    for k in range(5):
+        a, b = rounds.step(k)
+        assert same(a, b), k
+        for x, y in zip(ring_of(eager), ring_of(graphed)):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), k
+    assert ig.replayed == 3 + 5 and graphed.stats()["drafter_ingest_graph_replays"] == 8
+    f = {l: torch.randn(31, HIDDEN) for l in graphed.capture_layers}
+    for d in (eager, graphed):
+        d.observe("big", f, 0)  # 12 kept rows again: replayed
+    wide = feats(graphed.capture_layers, 40, 7)
+    graphed.release("big"), eager.release("big")
+    big = DFlashDrafter.random(graphed.cfg, target, seed=3, window=40, page=4, k_max=4, max_requests=1)
+    assert big.use_graphs(EagerRunner(), 1) and big.ingest_graphs.buckets == (1, 2, 4, 5)
+    big.observe("w", wide, 0)  # 40 kept rows > 5: eager
+    assert big.ingest_graphs.eager == 1 and big.ingest_graphs.replayed == 0
+
+
+def test_ingest_breakages_fail(target, monkeypatch):
+    """Mutation check: a replay that keeps the previous round's positions (the static positions not
+    refreshed) ropes the keys at the wrong positions, and the ring differs from the eager one."""
+    eager, graphed = pair(target)
+    ig = graphed.ingest_graphs
+    rounds = Rounds([eager, graphed], [20, 31, 15])
+    real = ig._pos
+    monkeypatch.setattr(ig, "_pos", real.clone())  # the graphs read `real`; the copy lands elsewhere
+    rounds.step(0)
+    k_e, _, _ = ring_of(eager)
+    k_g, _, _ = ring_of(graphed)
+    assert not torch.allclose(k_e, k_g, rtol=1e-5, atol=1e-6)

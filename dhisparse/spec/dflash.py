@@ -32,7 +32,7 @@ from dhisparse.spec.dflash_config import DFlashConfig, DFlashConfigError
 from dhisparse.spec.dflash_io import load_dflash, save_dflash
 from dhisparse.spec.dflash_model import DFlashModel
 from dhisparse.spec.drafter import Commit, DrafterBytes, DraftProposal, DraftRequest, Features
-from dhisparse.spec.dflash_graphs import BlockGraphs
+from dhisparse.spec.dflash_graphs import BlockGraphs, IngestGraphs
 from dhisparse.spec.dflash_pick import head_path, pick_each, select_path
 from dhisparse.spec.ring import STALE, DenseDraftKV, DraftKVRing, ring_rows
 
@@ -93,6 +93,7 @@ class DFlashDrafter:
                  f"{self._bytes / 2**20:.1f} MiB")
         self._states: dict[str, _State] = {}
         self.graphs: BlockGraphs | None = None  # `use_graphs`
+        self.ingest_graphs: IngestGraphs | None = None  # `use_graphs`
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -127,10 +128,12 @@ class DFlashDrafter:
 
     def device_bytes(self) -> DrafterBytes:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return DrafterBytes(weights, self.kv.device_bytes())
+        fixed = 0 if self.ingest_graphs is None else self.ingest_graphs.device_bytes()
+        return DrafterBytes(weights, self.kv.device_bytes() + fixed)
 
     def stats(self) -> dict[str, float]:
-        return {} if self.graphs is None else self.graphs.counters()
+        return {**({} if self.graphs is None else self.graphs.counters()),
+                **({} if self.ingest_graphs is None else self.ingest_graphs.counters())}
 
     def admit(self, request_id: str) -> None:
         if request_id not in self._states:
@@ -249,10 +252,16 @@ class DFlashDrafter:
                           for l in self.cfg.target_layer_ids], dim=-1)  # a cat a layer, not one a request
         positions = [torch.arange(s.num_context + n - keep, s.num_context + n, dtype=torch.int64)
                      for s, n, keep in zip(states, counts, keeps)]
-        kv = self.model.context_kv(rows, torch.cat(positions))
+        kv = self._context_kv(rows, torch.cat(positions))
         self.kv.write_layers([s.slot for s in states], positions, kv)
         for state, n_new in zip(states, counts):
             state.num_context += n_new
+
+    def _context_kv(self, rows: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`DFlashModel.context_kv` of rows [n, F*H] at positions [n]: from `ingest_graphs` where a
+        bucket holds n rows, else eagerly."""
+        out = self.ingest_graphs.run(rows, positions) if self.ingest_graphs is not None else None
+        return self.model.context_kv(rows, positions) if out is None else out
 
     def _prepare(self, req: DraftRequest) -> _State:
         return self._prepare_many([req])[0]
@@ -348,10 +357,14 @@ class DFlashDrafter:
     def use_graphs(self, runner, max_requests: int) -> bool:
         """Replay the block pass from per-bucket graphs through `runner` (`CudaGraphRunner`; tests:
         `EagerRunner`), every bucket up to `max_requests` captured now, in rounds whose windows are
-        full; the dense reference store has none."""
+        full, and the commits' context projection from per-row-bucket graphs (up to `max_requests`
+        x block size rows, spec/dflash_graphs.py); the dense reference store has neither."""
         if not isinstance(self.kv, DraftKVRing):
             return False
         self.graphs = BlockGraphs(self._block, self.kv, self.window, runner, max_requests)
+        w = self.model.fc.weight
+        self.ingest_graphs = IngestGraphs(self.model.context_kv, w.shape[1], w.dtype, w.device, runner,
+                                          max_requests * self.cfg.block_size)
         return True
 
     def _generator(self, req: DraftRequest, state: _State, device) -> torch.Generator:

@@ -254,7 +254,8 @@ def commit_each(drafter: "Drafter", items: Sequence[Commit]) -> list[Exception |
 @dataclass(frozen=True)
 class DrafterBytes:
     """weights: parameters the drafter owns (not the target's embedding / head it borrows);
-    state: its allocated per-request state for every slot (the draft KV ring)."""
+    state: its allocated per-request state for every slot (the draft KV ring), plus its fixed buffers
+    (the DFlash family's context-projection graphs' static inputs, spec/dflash_graphs.py)."""
 
     weights: int = 0
     state: int = 0
