@@ -332,16 +332,16 @@ case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round g
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful ${ROUND31_ARGS:-} \
       --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}${ROUND31_TAG:-}_fp8_e4m3_h200.json" ;; esac
-case ",$STEPS," in *,round44,*)  # issue 31 on an H100 (no H200 lent): round31's profile on glm5-faithful with 12 routed experts (51.9 GiB of FP8 weights; the full 24 take 83.5 GiB, an H200), pool ${ROUND44_POOL:-9.5} GiB, prefill chunks of ${ROUND44_MBT:-2048} (8,192 ran out of memory in session 44), C${ROUND44_C:-20} at 100K, hisparse's decode step beside the costed DFlash2 round, under each --fp8-activations of ROUND44_ACTS (default "auto none": w8a8, the default since session 44, then w8a16; ~6 min each cold, so one a call: ROUND44_ACTS=none in the second)
+case ",$STEPS," in *,round44,*)  # issue 31 on an H100 (no H200 lent): round31's profile on glm5-faithful with 12 routed experts (51.9 GiB of FP8 weights; the full 24 take 83.5 GiB, an H200), pool ${ROUND44_POOL:-9.5} GiB, prefill chunks of ${ROUND44_MBT:-2048} (8,192 ran out of memory in session 44), C${ROUND44_C:-20} at 100K, hisparse's decode step beside the costed DFlash2 round, under each --fp8-activations of ROUND44_ACTS (default "auto none": w8a8, the default since session 44, then w8a16; ~6 min each cold, so one a call: ROUND44_ACTS=none in the second); ROUND44_PRESETS (default hisparse,adaptive+spec) and ROUND44_TAG (a file-name suffix) for a round alone
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   for A in ${ROUND44_ACTS:-auto none}; do
     run "step profile, glm5-faithful e12, hisparse step vs costed DFlash2 round, C${ROUND44_C:-20}, fp8_activations=$A" timeout ${ROUND44_TIMEOUT:-480} \
         python3 bench/step_profile.py --model glm5-faithful --overrides '{"n_routed_experts": 12}' --input-len 102400 \
-        --concurrency ${ROUND44_C:-20} --steps 5 --warmup 3 --presets hisparse,adaptive+spec --kv-cache-dtype fp8_e4m3 \
+        --concurrency ${ROUND44_C:-20} --steps 5 --warmup 3 --presets ${ROUND44_PRESETS:-hisparse,adaptive+spec} --kv-cache-dtype fp8_e4m3 \
         --kv-pool-gib ${ROUND44_POOL:-9.5} --host-pool-gib 16 --max-batched-tokens ${ROUND44_MBT:-2048} --cuda-graphs step --drafter oracle \
         --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
-        --engine-arg fp8_activations=$A --out "$OUT/step_profile_round_faithful_e12_100k_k2048_c${ROUND44_C:-20}_${A}_fp8_e4m3_h200.json"
+        --engine-arg fp8_activations=$A --out "$OUT/step_profile_round_faithful_e12_100k_k2048_c${ROUND44_C:-20}_${A}${ROUND44_TAG:-}_fp8_e4m3_h200.json"
   done ;; esac
 case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stable_topk (two top-k passes and two sorts, the baseline) vs packed_topk (one top-k over int64 keys) and lean_topk (one sort), at 100K, k 2,048, rows 20 / 47 / 100 (~1 min)
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
@@ -425,11 +425,11 @@ case ",$STEPS," in *,exact42,*)  # session 42's changes on CUDA: reference repla
       tests/test_replay.py tests/test_spec_engine.py tests/test_engine.py tests/test_spec_ring.py tests/test_spec_dflash.py \
       tests/test_drafters_models.py tests/test_dspark_head.py tests/test_costed_oracle.py tests/test_dflash_graphs.py \
       tests/test_spec_policy.py tests/test_step_graphs.py --junitxml="$OUT/exact42_cuda.xml" ;; esac
-case ",$STEPS," in *,exact45,*)  # session 45's changes on CUDA: the drafter ring's row offsets as a host list (RingAllocator.rows_batch: every DFlash / DSpark commit), the FP8 kernels' profile families (~3 min cold)
+case ",$STEPS," in *,exact45,*)  # session 45's changes on CUDA: the drafter ring's row offsets as a host list (RingAllocator.rows_batch: every DFlash / DSpark commit), the commits' context projection from CUDA graphs (IngestGraphs), the FP8 kernels' profile families (~3 min cold)
   run "exactness on CUDA, session 45's files" timeout ${EXACT45_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_spec_ring.py tests/test_spec_commit_many.py tests/test_spec_dflash.py tests/test_spec_engine.py \
       tests/test_costed_oracle.py tests/test_dflash_graphs.py tests/test_drafters_models.py tests/test_dspark_head.py \
-      tests/test_fp8_gemm.py --junitxml="$OUT/exact45_cuda.xml" ;; esac
+      tests/test_fp8_gemm.py tests/test_drafter_cost.py --junitxml="$OUT/exact45_cuda.xml" ;; esac
 case ",$STEPS," in *,exact44,*)  # session 44's changes on CUDA: read_rows to host a layer at a time (981cd47: prefix export, disaggregation's hand-off), --fp8-activations auto (82cdb11: the faithful models' default w8a8) (~3 min cold)
   run "exactness on CUDA, session 44's files" timeout ${EXACT44_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_prefix_pages.py tests/test_disagg.py tests/test_disagg_v4.py tests/test_disagg_ep.py tests/test_v4_prefix.py \
