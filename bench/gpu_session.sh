@@ -328,7 +328,7 @@ case ",$STEPS," in *,round31,*)  # issue 31: where a costed verification round g
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   run "step profile, glm5-faithful, hisparse step vs costed DFlash2 round, C${ROUND31_C:-20}" timeout ${ROUND31_TIMEOUT:-480} python3 bench/step_profile.py \
-      --model glm5-faithful --input-len 102400 --concurrency ${ROUND31_C:-20} --steps 5 --warmup 3 --presets hisparse,adaptive+spec \
+      --model glm5-faithful --input-len 102400 --concurrency ${ROUND31_C:-20} --steps 5 --warmup 3 --top ${ROUND_TOP:-80} --presets hisparse,adaptive+spec \
       --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 --max-batched-tokens 8192 --cuda-graphs step --drafter oracle \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful ${ROUND31_ARGS:-} \
       --out "$OUT/step_profile_round_faithful_100k_k2048_c${ROUND31_C:-20}${ROUND31_TAG:-}_fp8_e4m3_h200.json" ;; esac
@@ -338,7 +338,7 @@ case ",$STEPS," in *,round44,*)  # issue 31 on an H100 (no H200 lent): round31's
   for A in ${ROUND44_ACTS:-auto none}; do
     run "step profile, glm5-faithful e12, hisparse step vs costed DFlash2 round, C${ROUND44_C:-20}, fp8_activations=$A" timeout ${ROUND44_TIMEOUT:-480} \
         python3 bench/step_profile.py --model glm5-faithful --overrides '{"n_routed_experts": 12}' --input-len 102400 \
-        --concurrency ${ROUND44_C:-20} --steps 5 --warmup 3 --presets ${ROUND44_PRESETS:-hisparse,adaptive+spec} --kv-cache-dtype fp8_e4m3 \
+        --concurrency ${ROUND44_C:-20} --steps 5 --warmup 3 --top ${ROUND_TOP:-80} --presets ${ROUND44_PRESETS:-hisparse,adaptive+spec} --kv-cache-dtype fp8_e4m3 \
         --kv-pool-gib ${ROUND44_POOL:-9.5} --host-pool-gib 16 --max-batched-tokens ${ROUND44_MBT:-2048} --cuda-graphs step --drafter oracle \
         --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
         --engine-arg fp8_activations=$A --out "$OUT/step_profile_round_faithful_e12_100k_k2048_c${ROUND44_C:-20}_${A}${ROUND44_TAG:-}_fp8_e4m3_h200.json"
