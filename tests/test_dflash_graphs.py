@@ -199,8 +199,10 @@ def test_graphed_commits_write_the_eager_ring(target, kind):
     f = {l: torch.randn(31, HIDDEN) for l in graphed.capture_layers}
     for d in (eager, graphed):
         d.observe("big", f, 0)  # 12 kept rows again: replayed
+    assert ig.replayed == 9 and ig.eager == 0
+    for x, y in zip(ring_of(eager), ring_of(graphed)):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
     wide = feats(graphed.capture_layers, 40, 7)
-    graphed.release("big"), eager.release("big")
     big = DFlashDrafter.random(graphed.cfg, target, seed=3, window=40, page=4, k_max=4, max_requests=1)
     assert big.use_graphs(EagerRunner(), 1) and big.ingest_graphs.buckets == (1, 2, 4, 5)
     big.observe("w", wide, 0)  # 40 kept rows > 5: eager
