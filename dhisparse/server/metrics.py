@@ -51,7 +51,7 @@ OPTIONAL_GAUGES = {
     "acceptance": ("acceptance", "speculative acceptance rate"),
     "spec_draft_ms_per_call": ("spec_draft_ms_per_call", "drafter time per step that drafts, milliseconds"),
     "drafter_weight_bytes": ("drafter_weight_bytes", "device bytes of the drafter's own weights"),
-    "drafter_state_bytes": ("drafter_state_bytes", "device bytes of the drafter's state (draft KV ring, every slot)"),
+    "drafter_state_bytes": ("drafter_state_bytes", "device bytes of the drafter's state (draft KV ring, every slot; graph static inputs)"),
 }
 PER_STEP_KEYS = ("decoding",)  # what the last step did: 0 while nothing runs or waits
 ABORT_REASONS = ("client_disconnect", "stall", "timeout", "shutdown")
