@@ -8,6 +8,9 @@ Mutation checks (each breakage applied by hand to dhisparse/kernels/fp8_w8a8.py,
     tests with K > 128.
   - the token's scale read at the flat MoE row (`r * sxst` for `tok * sxst`): test_w8a8_moe_matches_reference.
   - the quantization's scale from amax / 224 (`QMAX=FP8_MAX / 2`): test_act_quant_is_the_reference_bit_for_bit.
+Shared activation quantization (session 45, /tmp mutation runs, each CAUGHT by the scope tests): the scope
+dropped from MLA's pre, from the GLM MoE, from the V4 MoE and from the V4 attention; the memo keyed without the
+data pointer; a nested scope starting its own memo; the memo kept past the scope.
 """
 
 from __future__ import annotations
@@ -252,3 +255,115 @@ def test_a_moe_layer_groups_its_rows_once(activations, monkeypatch):
     with pytest.raises(ValueError, match="grouping"):
         fn(h, ex.down_proj, ex.down_proj_scale_inv, ids.reshape(-1, 1), grouping=other)
     assert torch.equal(moe_grouping(ids, 4)[0], real(ids, 4, calls[0])[0])
+
+
+def _count_quant(monkeypatch) -> list[tuple]:
+    """Record each activation quantization the w8a8 kernels run (the view it quantized)."""
+    import dhisparse.kernels.fp8_w8a8 as fw
+
+    seen, real = [], fw.fp8_act_quant_triton
+    monkeypatch.setattr(fw, "fp8_act_quant_triton", lambda x: seen.append((x.data_ptr(), tuple(x.shape))) or real(x))
+    return seen
+
+
+def test_one_scope_quantizes_a_shared_activation_once(monkeypatch):
+    """Inside `shared_activations()` the w8a8 GEMMs reading one activation view quantize it once (two linears
+    and a MoE's gate-up on x: one quantization, plus the down GEMM's input), with the same bits as each
+    quantizing its own; a copy or another view of it is quantized apart, the memo ends with the scope, and
+    a nested scope shares the outer one's."""
+    from dhisparse.kernels.fp8_dispatch import shared_activations
+
+    _use("triton")
+    torch.manual_seed(0)
+    a = Fp8Linear.from_linear(torch.nn.Linear(200, 130, bias=False).to(DEV))
+    b = Fp8Linear.from_linear(torch.nn.Linear(200, 64, bias=False).to(DEV), expert=True)
+    ex = Fp8Experts(3, 200, 128, device=DEV)
+    ex.gate_up_proj.copy_(_weight(3, 256, 200)[0]), ex.down_proj.copy_(_weight(3, 200, 128)[0])
+    set_fp8_activations(torch.nn.ModuleList([a, b, ex]), "dynamic")
+    x, ids = _x(7, 200, seed=4), _ids(7, 2, 3)
+    r = Routing(ids, torch.full((7, 2), 0.5, device=DEV))
+    seen = _count_quant(monkeypatch)
+    apart = (a(x), b(x), ex(x, r))
+    assert len(seen) == 4
+    seen.clear()
+    with shared_activations():
+        shared = (a(x), b(x), ex(x, r))
+        assert len(seen) == 2  # x once, the experts' hidden rows once
+        a(x.clone()), a(x[1:])  # a copy and another view: their own quantizations
+        assert len(seen) == 4
+        with shared_activations():
+            b(x)  # the outer scope's memo
+        assert len(seen) == 4
+    assert all(torch.equal(p, q) for p, q in zip(apart, shared))
+    a(x)
+    assert len(seen) == 5  # the memo ended with the scope
+
+
+def test_glm_layers_open_their_scopes(monkeypatch):
+    """glm5-faithful's layers under w8a8 (small build, Triton path under the interpreter): MLA's pre
+    quantizes the normed hidden state once for q_a and kv_a, the MoE its input once for the routed
+    gate-up and the shared experts' gate and up, a dense MLP once for gate and up."""
+    from dhisparse.layers.moe import MLP, MoE
+    from dhisparse.layers.rope import RopeTables
+    from dhisparse.models.faithful import SMALL_OVERRIDES, build_faithful
+
+    _use("triton")
+    lm = build_faithful(num_layers=4, overrides=SMALL_OVERRIDES, dtype=torch.float32, device=DEV)
+    set_fp8_activations(lm.model, "dynamic")
+    layers = lm.model.model.layers
+    moe = next(l.mlp for l in layers if isinstance(l.mlp, MoE))
+    dense = next(l.mlp for l in layers if isinstance(l.mlp, MLP))
+    T, H = 5, lm.config.hidden_size
+    x = _x(T, H, seed=6)
+    seen = _count_quant(monkeypatch)
+    moe(x)
+    # x once (routed gate-up, shared gate, shared up), then the routed and the shared down inputs
+    assert len(seen) == 3 and seen.count((x.data_ptr(), (T, H))) == 1
+    seen.clear()
+    dense(x)
+    assert len(seen) == 2 and seen.count((x.data_ptr(), (T, H))) == 1
+    seen.clear()
+    rope = RopeTables.build(*lm.model.model.rotary_emb(torch.arange(T, device=DEV), x.dtype))
+    layers[0].self_attn.pre(x, rope.C, rope.S)
+    assert seen.count((x.data_ptr(), (T, H))) == 1 and len(seen) == 2  # q_a / kv_a once, q_b's input once
+
+
+def test_v4_layers_open_their_scopes(monkeypatch):
+    """v41-faithful's layers under w8a8 (small build): the MoE's input quantized once for the routed gate-up
+    and the shared expert's gate and up (a hash-routed layer and a scored one), the attention's once for
+    q_a and kv."""
+    from dhisparse.core.v4_config import CSA, HCA
+    from dhisparse.layers.v4_moe import V4MoE
+    from dhisparse.models.v4_faithful import build_v41_faithful
+
+    _use("triton")
+    small = dict(hidden_size=256, num_attention_heads=4, q_lora_rank=128, o_groups=2, o_lora_rank=64, index_n_heads=8,
+                 index_topk=8, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=512,
+                 sliding_window=8, compress_rates={CSA: 4, HCA: 16})
+    lm = build_v41_faithful(num_layers=4, overrides=small, dtype=torch.float32, device=DEV)
+    set_fp8_activations(lm.model, "dynamic")
+    moes = [m for m in lm.model.modules() if isinstance(m, V4MoE)]
+    T = 5
+    x, ids = _x(T, 256, seed=8), torch.arange(T, device=DEV)
+    seen = _count_quant(monkeypatch)
+    for moe in (moes[0], moes[-1]):  # hash-routed, scored
+        seen.clear()
+        moe(x, ids)
+        assert seen.count((x.data_ptr(), (T, 256))) == 1 and len(seen) == 3
+
+    class Stop(Exception):
+        pass
+
+    class Ctx:  # the pass context: stop at the window's store, after the projections
+        def window(self, *a):
+            raise Stop
+
+    from dhisparse.layers.v4_attention import V4RopeTables
+
+    m = lm.model.model
+    pos = torch.arange(T, device=DEV)
+    ropes = V4RopeTables(m.rope_main(pos, x.dtype), m.rope_compress(pos, x.dtype), m.rope_compress)
+    seen.clear()
+    with pytest.raises(Stop):
+        m.layers[0].self_attn(x, ropes, None, Ctx())
+    assert seen.count((x.data_ptr(), (T, 256))) == 1 and len(seen) == 2  # q_a / kv once, q_b's input once

@@ -20,6 +20,10 @@ Under the interpreter (and for fp32 x) the dot runs in fp32 on the FP8 values, e
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +33,41 @@ from dhisparse.kernels.fp8_gemm import split_sum
 from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_act, dequantize_act_fp8
 
 ACT_ROWS = 16  # rows a quantization program takes
+_SHARED = threading.local()  # .memo: the open `shared_activations` scope's quantized activations, or None
+
+
+@contextmanager
+def shared_activations() -> Iterator[None]:
+    """A scope in which the w8a8 GEMMs that read the same activation quantize it once: the first call on
+    a tensor view (data pointer, shape, strides, dtype, device) runs `fp8_act_quant_triton`, later calls
+    on an identical view reuse its (x8, xs) -- the same values, so the same products. A layer opens it
+    around GEMMs that share an input (MLA's q_a / kv_a on the hidden state; a MoE's routed gate-up and
+    the shared experts' gate and up on theirs: layers/attention.py, layers/moe.py).
+
+    Invariant: inside the scope an activation a GEMM has read is not written in place (the memo cannot
+    see writes: inference tensors keep no version counter), so scopes stay that narrow. The memo keeps
+    each tensor it keyed alive, so its address is not reused within the scope. Per thread; a scope
+    opened inside another is the outer one (a MoE's shared-experts MLP shares its routed experts' memo)."""
+    if getattr(_SHARED, "memo", None) is not None:
+        yield
+        return
+    _SHARED.memo = {}
+    try:
+        yield
+    finally:
+        _SHARED.memo = None
+
+
+def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_act_quant_triton(x)`, once per identical view inside a `shared_activations` scope."""
+    memo = getattr(_SHARED, "memo", None)
+    if memo is None:
+        return fp8_act_quant_triton(x)
+    key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (x, fp8_act_quant_triton(x))
+    return hit[1]
 
 
 @triton.jit
@@ -183,7 +222,7 @@ def fp8_w8a8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tenso
     T, N, K, bm, bn, warps, split, kper = linear_launch(x, w8, scale, block_m, block_n, block_k, num_warps, split_k)
     if split == 0:
         return x.new_empty(T, N)
-    x8, xs = fp8_act_quant_triton(x)
+    x8, xs = _act_quant(x)
     out = x.new_empty(T, N) if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     w8, scale = _unit_last(w8), scale.contiguous()
     kernel = fp8_w8a8_expert_linear_kernel if expert else fp8_w8a8_linear_kernel
@@ -204,7 +243,7 @@ def fp8_w8a8_moe_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, 
     out = x.new_zeros(M, N)
     if M == 0 or N == 0:
         return out.reshape(T, top_k, N)
-    x8, xs = fp8_act_quant_triton(x)
+    x8, xs = _act_quant(x)
     rows, block_expert = checked_grouping(grouping, M, E, bm) if grouping is not None else moe_align(expert_ids, E, bm)
     w8, scale = _unit_last(w8), scale.contiguous()
     fp8_w8a8_moe_kernel[(block_expert.numel(), triton.cdiv(N, bn))](

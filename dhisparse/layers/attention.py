@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dhisparse.kernels.dispatch import sparse_mla
+from dhisparse.kernels.fp8_dispatch import shared_activations
 from dhisparse.core.batch import ForwardBatch, KVContext
 from dhisparse.layers.indexer import Indexer, IndexerProjection
 from dhisparse.layers.norm import RMSNorm
@@ -92,11 +93,12 @@ class MLAttention(nn.Module):
         """Everything before the KV cache, a pure per-token function (graph-capturable):
         x [T, hidden], C / S [T, rope] (RopeTables) -> PreAttention."""
         c, T, rope = self.cfg, x.shape[0], RopeTables(None, None, C, S)
-        q_lat = self.q_a_layernorm(self.q_a_proj(x))
+        with shared_activations():  # FP8 w8a8: q_a and kv_a quantize x once
+            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            ckv = self.kv_a_proj_with_mqa(x)
         q = self.q_b_proj(q_lat).view(T, c.num_heads, c.qk_head_dim)
         q_pe = rope_fused(q[..., c.qk_nope_head_dim :], rope, interleaved=True)
         q_abs = torch.einsum("thn,hnc->thc", q[..., : c.qk_nope_head_dim], self.absorbed_weights()[0])
-        ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(ckv[:, : c.kv_lora_rank]), rope_fused(ckv[:, c.kv_lora_rank :], rope, interleaved=True)], -1)
         proj = self.indexer.project(x, q_lat, rope) if self.indexer is not None else None
         return PreAttention(q_abs, q_pe, latent, proj)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dhisparse.core.config import ModelConfig
+from dhisparse.kernels.fp8_dispatch import shared_activations
 
 
 class MLP(nn.Module):
@@ -26,7 +27,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        with shared_activations():  # FP8 w8a8: gate and up quantize x once
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Routing(NamedTuple):
@@ -130,5 +133,6 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_sh) if n_sh > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.experts(x, self.gate(x))
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        with shared_activations():  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
+            y = self.experts(x, self.gate(x))
+            return y + self.shared_experts(x) if self.shared_experts is not None else y

@@ -30,6 +30,7 @@ from dhisparse.layers.rope import RotaryEmbedding
 from dhisparse.layers.v4_compressor import Compressor, Reindexer, V4Indexer
 from dhisparse.layers.v4_ops import V4RMSNorm, rope_trailing, unweighted_rms_norm
 from dhisparse.core.v4_config import CSA, SLIDING, V4Config
+from dhisparse.kernels.fp8_dispatch import shared_activations
 from dhisparse.core.v4_sources import FULL, REINDEX
 
 
@@ -122,10 +123,11 @@ class V4Attention(nn.Module):
         """x [T, hidden] (normed block input) of a ForwardBatch, ctx a V4Pass -> [T, hidden]."""
         c, T = self.cfg, x.shape[0]
         cos, sin = ropes.main if self.kind == SLIDING else ropes.compress
-        q_lat = self.q_a_norm(self.q_a_proj(x))
+        with shared_activations():  # FP8 w8a8: q_a and kv quantize x once
+            q_lat = self.q_a_norm(self.q_a_proj(x))
+            kv = rope_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
         q = unweighted_rms_norm(self.q_b_proj(q_lat).view(T, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = rope_trailing(q, cos, sin)
-        kv = rope_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
         spaces = [ctx.window(self.layer, kv)]
         if self.kind != SLIDING:
             spaces.append(self._compressed(x, q_lat, ropes, batch, ctx))

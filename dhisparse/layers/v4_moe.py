@@ -20,6 +20,7 @@ from torch import nn
 from dhisparse.layers.fp8_linear import Fp8Experts
 from dhisparse.layers.moe import Experts, Routing
 from dhisparse.core.v4_config import V4Config
+from dhisparse.kernels.fp8_dispatch import shared_activations
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -95,7 +96,9 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+        with shared_activations():  # FP8 w8a8: gate and up quantize x once
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu_clamped(gate, up, self.limit))
 
 
 class V4MoE(nn.Module):
@@ -108,4 +111,5 @@ class V4MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x, input_ids)) + self.shared_experts(x)
+        with shared_activations():  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
+            return self.experts(x, self.gate(x, input_ids)) + self.shared_experts(x)
