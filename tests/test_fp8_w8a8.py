@@ -9,8 +9,8 @@ Mutation checks (each breakage applied by hand to dhisparse/kernels/fp8_w8a8.py,
   - the token's scale read at the flat MoE row (`r * sxst` for `tok * sxst`): test_w8a8_moe_matches_reference.
   - the quantization's scale from amax / 224 (`QMAX=FP8_MAX / 2`): test_act_quant_is_the_reference_bit_for_bit.
 Shared activation quantization (session 45, /tmp mutation runs, each CAUGHT by the scope tests): the scope
-dropped from MLA's pre, from the GLM MoE, from the V4 MoE and from the V4 attention; the memo keyed without the
-data pointer; a nested scope starting its own memo; the memo kept past the scope.
+dropped from MLA's pre, from the GLM MoE and dense MLP, from the V4 MoE and from the V4 attention; the memo keyed
+without the data pointer; the key kept past the scope; a nested scope dropping the outer one's key.
 """
 
 from __future__ import annotations
@@ -267,10 +267,11 @@ def _count_quant(monkeypatch) -> list[tuple]:
 
 
 def test_one_scope_quantizes_a_shared_activation_once(monkeypatch):
-    """Inside `shared_activations()` the w8a8 GEMMs reading one activation view quantize it once (two linears
-    and a MoE's gate-up on x: one quantization, plus the down GEMM's input), with the same bits as each
-    quantizing its own; a copy or another view of it is quantized apart, the memo ends with the scope, and
-    a nested scope shares the outer one's."""
+    """Inside `shared_activations(x)` the w8a8 GEMMs reading that view of x quantize it once (two linears and a
+    MoE's gate-up: one quantization, plus the down GEMM's input), with the same bits as each quantizing its
+    own; a copy or another view of x, and any other activation, is quantized per call and not kept; the memo
+    ends with the scope, and a nested scope on x shares the outer one's."""
+    import dhisparse.kernels.fp8_w8a8 as fw
     from dhisparse.kernels.fp8_dispatch import shared_activations
 
     _use("triton")
@@ -280,23 +281,24 @@ def test_one_scope_quantizes_a_shared_activation_once(monkeypatch):
     ex = Fp8Experts(3, 200, 128, device=DEV)
     ex.gate_up_proj.copy_(_weight(3, 256, 200)[0]), ex.down_proj.copy_(_weight(3, 200, 128)[0])
     set_fp8_activations(torch.nn.ModuleList([a, b, ex]), "dynamic")
-    x, ids = _x(7, 200, seed=4), _ids(7, 2, 3)
+    x, y, ids = _x(7, 200, seed=4), _x(7, 200, seed=5), _ids(7, 2, 3)
     r = Routing(ids, torch.full((7, 2), 0.5, device=DEV))
     seen = _count_quant(monkeypatch)
     apart = (a(x), b(x), ex(x, r))
     assert len(seen) == 4
     seen.clear()
-    with shared_activations():
+    with shared_activations(x):
         shared = (a(x), b(x), ex(x, r))
         assert len(seen) == 2  # x once, the experts' hidden rows once
-        a(x.clone()), a(x[1:])  # a copy and another view: their own quantizations
-        assert len(seen) == 4
-        with shared_activations():
-            b(x)  # the outer scope's memo
-        assert len(seen) == 4
+        a(x.clone()), a(x[1:]), a(y), a(y)  # a copy, another view, another activation twice: per call
+        assert len(seen) == 6 and len(fw._SHARED.memo) == 1
+        with shared_activations(x):
+            b(x)  # the outer scope's quantization
+        assert len(seen) == 6
     assert all(torch.equal(p, q) for p, q in zip(apart, shared))
+    assert fw._SHARED.memo == {}
     a(x)
-    assert len(seen) == 5  # the memo ended with the scope
+    assert len(seen) == 7  # the memo ended with the scope
 
 
 def test_glm_layers_open_their_scopes(monkeypatch):

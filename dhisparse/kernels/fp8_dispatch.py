@@ -17,7 +17,7 @@ activations (FP8_ACTIVATIONS): "none" keeps the activations in their dtype (w8a1
 "dynamic" quantizes each token's row per group of 128 columns first and multiplies FP8 by FP8 (w8a8:
 `fp8_w8a8.py`), as the FP8 checkpoints' activation_scheme "dynamic" is served. A dynamic prefill-sized
 linear multiplies the dequantized weight by the round-tripped activations (`fp8_act_round_trip_triton`).
-Inside `shared_activations()` GEMMs reading one activation quantize it once (a layer's q_a and kv_a, a
+Inside `shared_activations(x)` GEMMs reading x quantize it once (a layer's q_a and kv_a, a
 MoE's routed gate-up and shared gate and up).
 """
 
@@ -68,11 +68,11 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, expert: b
     return (fp8_linear_w8a8_reference if dynamic else fp8_linear_reference)(x, w8, scale)
 
 
-def shared_activations() -> contextlib.AbstractContextManager:
-    """A scope in which "dynamic" GEMMs on the Triton path that read the same activation quantize it once
+def shared_activations(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A scope in which "dynamic" GEMMs on the Triton path that read x quantize it once
     (`fp8_w8a8.shared_activations`); the references quantize per call (the same values either way). A
     no-op without Triton."""
-    return _w8a8_triton.shared_activations() if _w8a8_triton is not None else contextlib.nullcontext()
+    return _w8a8_triton.shared_activations(x) if _w8a8_triton is not None else contextlib.nullcontext()
 
 
 def fp8_moe_grouping(x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -33,41 +33,49 @@ from dhisparse.kernels.fp8_gemm import split_sum
 from dhisparse.kernels.fp8_gemm_ref import BLOCK, FP8, FP8_MAX, check_act, dequantize_act_fp8
 
 ACT_ROWS = 16  # rows a quantization program takes
-_SHARED = threading.local()  # .memo: the open `shared_activations` scope's quantized activations, or None
+_SHARED = threading.local()  # .memo: {view key: (x, (x8, xs)) or None} of the open `shared_activations` scopes
+
+
+def _view_key(x: torch.Tensor) -> tuple:
+    return x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device
 
 
 @contextmanager
-def shared_activations() -> Iterator[None]:
-    """A scope in which the w8a8 GEMMs that read the same activation quantize it once: the first call on
-    a tensor view (data pointer, shape, strides, dtype, device) runs `fp8_act_quant_triton`, later calls
-    on an identical view reuse its (x8, xs) -- the same values, so the same products. A layer opens it
-    around GEMMs that share an input (MLA's q_a / kv_a on the hidden state; a MoE's routed gate-up and
-    the shared experts' gate and up on theirs: layers/attention.py, layers/moe.py).
+def shared_activations(x: torch.Tensor) -> Iterator[None]:
+    """A scope in which the w8a8 GEMMs that read `x` quantize it once: the first call on this view of x
+    (data pointer, shape, strides, dtype, device) runs `fp8_act_quant_triton`, later calls on an identical
+    view reuse its (x8, xs) -- the same values, so the same products. Other activations are quantized per
+    call and not kept. A layer opens it around GEMMs that share an input (MLA's q_a / kv_a on the hidden
+    state; a MoE's routed gate-up and the shared experts' gate and up on theirs: layers/attention.py,
+    layers/moe.py).
 
-    Invariant: inside the scope an activation a GEMM has read is not written in place (the memo cannot
-    see writes: inference tensors keep no version counter), so scopes stay that narrow. The memo keeps
-    each tensor it keyed alive, so its address is not reused within the scope. Per thread; a scope
-    opened inside another is the outer one (a MoE's shared-experts MLP shares its routed experts' memo)."""
-    if getattr(_SHARED, "memo", None) is not None:
-        yield
-        return
-    _SHARED.memo = {}
+    Invariant: x is not written in place inside the scope (the memo cannot see writes: inference tensors
+    keep no version counter), so scopes stay that narrow. The memo keeps x alive, so its address is not
+    reused within the scope. Per thread; a scope opened inside another on the same view shares the outer
+    one's quantization (a MoE's shared-experts MLP, its routed experts')."""
+    memo = getattr(_SHARED, "memo", None)
+    if memo is None:
+        memo = _SHARED.memo = {}
+    key = _view_key(x)
+    mine = key not in memo
+    if mine:
+        memo[key] = None
     try:
         yield
     finally:
-        _SHARED.memo = None
+        if mine:
+            del memo[key]
 
 
 def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_act_quant_triton(x)`, once per identical view inside a `shared_activations` scope."""
+    """`fp8_act_quant_triton(x)`, once per scope for a view a `shared_activations` scope names."""
     memo = getattr(_SHARED, "memo", None)
-    if memo is None:
+    key = _view_key(x) if memo else None
+    if key is None or key not in memo:
         return fp8_act_quant_triton(x)
-    key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = (x, fp8_act_quant_triton(x))
-    return hit[1]
+    if memo[key] is None:
+        memo[key] = (x, fp8_act_quant_triton(x))
+    return memo[key][1]
 
 
 @triton.jit

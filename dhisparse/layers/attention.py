@@ -93,7 +93,7 @@ class MLAttention(nn.Module):
         """Everything before the KV cache, a pure per-token function (graph-capturable):
         x [T, hidden], C / S [T, rope] (RopeTables) -> PreAttention."""
         c, T, rope = self.cfg, x.shape[0], RopeTables(None, None, C, S)
-        with shared_activations():  # FP8 w8a8: q_a and kv_a quantize x once
+        with shared_activations(x):  # FP8 w8a8: q_a and kv_a quantize x once
             q_lat = self.q_a_layernorm(self.q_a_proj(x))
             ckv = self.kv_a_proj_with_mqa(x)
         q = self.q_b_proj(q_lat).view(T, c.num_heads, c.qk_head_dim)

@@ -27,7 +27,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with shared_activations():  # FP8 w8a8: gate and up quantize x once
+        with shared_activations(x):  # FP8 w8a8: gate and up quantize x once
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -133,6 +133,6 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_sh) if n_sh > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with shared_activations():  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
+        with shared_activations(x):  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
             y = self.experts(x, self.gate(x))
             return y + self.shared_experts(x) if self.shared_experts is not None else y

@@ -123,7 +123,7 @@ class V4Attention(nn.Module):
         """x [T, hidden] (normed block input) of a ForwardBatch, ctx a V4Pass -> [T, hidden]."""
         c, T = self.cfg, x.shape[0]
         cos, sin = ropes.main if self.kind == SLIDING else ropes.compress
-        with shared_activations():  # FP8 w8a8: q_a and kv quantize x once
+        with shared_activations(x):  # FP8 w8a8: q_a and kv quantize x once
             q_lat = self.q_a_norm(self.q_a_proj(x))
             kv = rope_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
         q = unweighted_rms_norm(self.q_b_proj(q_lat).view(T, c.num_heads, c.head_dim), c.rms_norm_eps)

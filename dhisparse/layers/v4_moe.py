@@ -96,7 +96,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with shared_activations():  # FP8 w8a8: gate and up quantize x once
+        with shared_activations(x):  # FP8 w8a8: gate and up quantize x once
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(swiglu_clamped(gate, up, self.limit))
 
@@ -111,5 +111,5 @@ class V4MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        with shared_activations():  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
+        with shared_activations(x):  # FP8 w8a8: the routed gate-up and the shared gate and up quantize x once
             return self.experts(x, self.gate(x, input_ids)) + self.shared_experts(x)
