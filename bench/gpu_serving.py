@@ -78,9 +78,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
-    a("--layers", type=int, default=None, help="faithful models only: truncate the layer plan (a small geometry)")
-    a("--overrides", default=None, help="faithful models only: config keys as JSON (v41-faithful's small geometry; "
-      "glm5-faithful: e.g. '{\"n_routed_experts\": 12}' to fit an H100)")
+    geometry_args(a)
     a("--input-len", type=int, default=8192); a("--output-len", type=int, default=256)
     a("--concurrency", default="4,12,36"); a("--duration", type=float, default=15.0, help="seconds per run")
     a("--presets", default="hisparse,adaptive,adaptive+spec,resident")
@@ -141,11 +139,7 @@ def parse(argv=None) -> argparse.Namespace:
         for k, v in (QUICK | (dict(QUICK_V4, model=ns.model) if v4 else {})).items():
             if not (v4 and k in QUICK_V4 and getattr(ns, k) is not None):  # an explicit --layers / --overrides wins
                 setattr(ns, k, v)
-    try:
-        ns.overrides = json.loads(ns.overrides) if isinstance(ns.overrides, str) else ns.overrides
-        model_config(ns.model, ns.layers, ns.overrides)  # --layers / --overrides on another model fail here
-    except (ValueError, KeyError) as e:
-        p.error(f"--model {ns.model} --layers {ns.layers} --overrides {ns.overrides}: {e}")
+    check_geometry(p, ns)
     ns.argv = ["bench/gpu_serving.py"] + list(sys.argv[1:] if argv is None else argv)
     ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
     ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
@@ -158,6 +152,23 @@ def parse(argv=None) -> argparse.Namespace:
     for arm in ns.arm_list:
         engine_overrides(arm_pairs(arm))  # a bad arm fails here, before the model is built
     return ns
+
+
+def geometry_args(a) -> None:
+    """--layers / --overrides: a faithful model's geometry (bench/step_profile.py takes them too)."""
+    a("--layers", type=int, default=None, help="faithful models only: truncate the layer plan (a small geometry)")
+    a("--overrides", default=None, help="faithful models only: config keys as JSON (v41-faithful's small geometry; "
+      "glm5-faithful: e.g. '{\"n_routed_experts\": 12}' to fit an H100)")
+
+
+def check_geometry(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """ns.overrides parsed from JSON; --layers / --overrides on a model they do not apply to (or a bad key)
+    fail through `p.error`, naming them (`sizing.model_config` decides)."""
+    try:
+        ns.overrides = json.loads(ns.overrides) if isinstance(ns.overrides, str) else ns.overrides
+        model_config(ns.model, ns.layers, ns.overrides)
+    except (ValueError, KeyError) as e:
+        p.error(f"--model {ns.model} --layers {ns.layers} --overrides {ns.overrides}: {e}")
 
 
 def arm_pairs(arm: str) -> list[str]:

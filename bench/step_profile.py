@@ -21,7 +21,6 @@ import argparse
 import cProfile
 import dataclasses
 import io
-import json
 import os
 import pstats
 import sys
@@ -33,9 +32,9 @@ import torch  # noqa: E402
 
 from bench import attention_replay  # noqa: E402
 from bench.host_phases import phase_steps  # noqa: E402
+from bench.gpu_serving import check_geometry, geometry_args, load_model  # noqa: E402
 from bench.kernel_families import family, family_times  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
-from dhisparse.bench.sizing import model_config  # noqa: E402
 from dhisparse.bench.workload import prefix_ids, suffix_text  # noqa: E402
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # noqa: E402
 from dhisparse.engine.config import RESOLVER_LOOKUPS, EngineConfig  # noqa: E402
@@ -50,9 +49,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="glm52-scaled-k512"); a("--device", default="cuda"); a("--dtype", default="bfloat16")
-    a("--layers", type=int, default=None, help="faithful models only: truncate the layer plan")
-    a("--overrides", default=None, help="faithful models only: config keys as JSON, e.g. glm5-faithful with "
-      "'{\"n_routed_experts\": 12}' to fit an H100 (bench/gpu_serving.py's)")
+    geometry_args(a)
     a("--presets", default="resident,hisparse,adaptive,adaptive+spec")
     a("--input-len", type=int, default=8192); a("--concurrency", type=int, default=32)
     a("--steps", type=int, default=10); a("--warmup", type=int, default=4)
@@ -92,11 +89,7 @@ def parse(argv=None) -> argparse.Namespace:
     if ns.quick:
         for k, v in QUICK.items():
             setattr(ns, k, v)
-    try:
-        ns.overrides = json.loads(ns.overrides) if isinstance(ns.overrides, str) else ns.overrides
-        model_config(ns.model, ns.layers, ns.overrides)  # --layers / --overrides on another model fail here
-    except (ValueError, KeyError) as e:
-        p.error(f"--model {ns.model} --layers {ns.layers} --overrides {ns.overrides}: {e}")
+    check_geometry(p, ns)
     ns.argv = ["bench/step_profile.py"] + list(sys.argv[1:] if argv is None else argv)
     return ns
 
@@ -351,7 +344,6 @@ def main(argv=None) -> int:
     import faulthandler
 
     faulthandler.enable()  # (no periodic dump_traceback_later: dumping a running thread crashed once)
-    from bench.gpu_serving import load_model
     from dhisparse.kv.memory.prefix_store import PrefixStore
 
     t0 = time.perf_counter()

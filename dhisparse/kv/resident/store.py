@@ -29,7 +29,6 @@ def copy_index_pages(arena: KVArena, paged, pages: list[int]) -> None:
         arena.index_pages[d].copy_(paged.index[s].view(arena.index_pages.shape[1:]), non_blocking=True)
 
 
-
 def _to_host(read, layers: list[int], pin: bool) -> torch.Tensor:
     """torch.stack([read(l) for l in layers]) on the host (pinned when `pin`), each layer's device read copied
     out before the next is made. layers: non-empty; read(l): tensors of one shape and dtype."""
@@ -39,6 +38,7 @@ def _to_host(read, layers: list[int], pin: bool) -> torch.Tensor:
     for i, l in enumerate(layers[1:], 1):
         out[i].copy_(read(l))
     return out
+
 
 class ResidentKV(KVStore):
     def __init__(self, arena: KVArena, side_loads: bool = False) -> None:
