@@ -103,18 +103,14 @@ def test_the_shared_experts_kernel_name_gives_the_same_bits(split, monkeypatch):
     """expert=True launches fp8_expert_linear_kernel, the same program under the name a profile
     counts as expert GEMMs: bit for bit the default kernel's output, whole and split-K, fp32 and
     bf16, and its name is what the profile's family table files under "moe"."""
-    import importlib.util
-    import pathlib
+    from bench.kernel_families import family
 
     w8, s = _weight(130, 200, seed=8)
     for x in (_x(7, 200), _x(5, 200, torch.bfloat16)):
         kw = dict(block_n=32, block_k=64, split_k=split)
         assert torch.equal(fp8_linear_triton(x, w8, s, expert=True, **kw), fp8_linear_triton(x, w8, s, **kw))
-    spec = importlib.util.spec_from_file_location("kf", pathlib.Path(__file__).parents[1] / "bench" / "kernel_families.py")
-    kf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kf)
-    assert kf.family(fg.fp8_expert_linear_kernel.fn.__name__) == "moe"
-    assert kf.family(fg.fp8_linear_kernel.fn.__name__) == "gemm"
+    assert family(fg.fp8_expert_linear_kernel.fn.__name__) == "moe"
+    assert family(fg.fp8_linear_kernel.fn.__name__) == "gemm"
 
     class Spy:  # counts launches of the experts' kernel
         def __init__(self, k):
@@ -135,19 +131,14 @@ def test_the_shared_experts_kernel_name_gives_the_same_bits(split, monkeypatch):
 def test_every_fp8_kernel_has_its_profile_family():
     """Each FP8 kernel's name files under the family a step profile reports it in, none under
     "other" (session 45's profile had w8a8's linear and the activation quantization there)."""
-    import importlib.util
-    import pathlib
-
+    from bench.kernel_families import family
     from dhisparse.kernels import fp8_w8a8 as fw
 
-    spec = importlib.util.spec_from_file_location("kf", pathlib.Path(__file__).parents[1] / "bench" / "kernel_families.py")
-    kf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kf)
     want = {fg.fp8_linear_kernel: "gemm", fw.fp8_w8a8_linear_kernel: "gemm", fg.split_sum_kernel: "gemm",
             fg.fp8_moe_kernel: "moe", fw.fp8_w8a8_moe_kernel: "moe", fg.fp8_expert_linear_kernel: "moe",
             fw.fp8_w8a8_expert_linear_kernel: "moe", fw.fp8_act_quant_kernel: "fp8 quant",
             fg.fp8_dequant_kernel: "fp8 quant"}
-    assert {k.fn.__name__: kf.family(k.fn.__name__) for k in want} == {k.fn.__name__: f for k, f in want.items()}
+    assert {k.fn.__name__: family(k.fn.__name__) for k in want} == {k.fn.__name__: f for k, f in want.items()}
 
 
 @pytest.mark.parametrize("split", [2, 3, 7, 50])
