@@ -334,15 +334,13 @@ def test_v4_layers_open_their_scopes(monkeypatch):
     """v41-faithful's layers under w8a8 (small build): the MoE's input quantized once for the routed gate-up
     and the shared expert's gate and up (a hash-routed layer and a scored one), the attention's once for
     q_a and kv."""
-    from dhisparse.core.v4_config import CSA, HCA
+    from test_v41_faithful import SMALL  # v41-faithful's small geometry
+
     from dhisparse.layers.v4_moe import V4MoE
     from dhisparse.models.v4_faithful import build_v41_faithful
 
     _use("triton")
-    small = dict(hidden_size=256, num_attention_heads=4, q_lora_rank=128, o_groups=2, o_lora_rank=64, index_n_heads=8,
-                 index_topk=8, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=512,
-                 sliding_window=8, compress_rates={CSA: 4, HCA: 16})
-    lm = build_v41_faithful(num_layers=4, overrides=small, dtype=torch.float32, device=DEV)
+    lm = build_v41_faithful(num_layers=4, overrides=SMALL, dtype=torch.float32, device=DEV)
     set_fp8_activations(lm.model, "dynamic")
     moes = [m for m in lm.model.modules() if isinstance(m, V4MoE)]
     T = 5
