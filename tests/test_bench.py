@@ -551,6 +551,24 @@ def test_fp8_kernels_bench_scores_keys_where_the_engine_stores_them(tmp_path):
         assert all(r["topk_position_agreement"] > 0.5 for r in idx)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
+def test_indexer_tune_bench_puts_the_shipped_launch_first_and_checks_round_against_decode(tmp_path):
+    """bench/indexer_tune_bench.py --quick: the shipped configuration is first (ratio 1), every swept
+    one follows once, and each round configuration's scores are checked bit for bit against the
+    per-token kernel's (fp32 in the interpreter: all equal)."""
+    import json
+
+    from bench import indexer_tune_bench
+
+    out = tmp_path / "indexer.json"
+    assert indexer_tune_bench.main(["--quick", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    got = [(r["block_s"], r["num_warps"], r["round_kernel"]) for r in runs]
+    assert got == [(64, 4, "group"), (16, 4, "group"), (16, 4, "stack"), (32, 4, "group"), (32, 4, "stack")]
+    assert runs[0]["round_over_shipped"] == runs[0]["decode_over_shipped"] == 1.0
+    assert all(r["equal_to_decode"] and r["decode_equal_to_shipped"] for r in runs)
+
+
 def test_resolver_peer_cases_phases_and_comparison():
     """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
     is timed, the host split has its parts (the compiled launcher's only on CUDA), the case's full plan equals the
