@@ -6,10 +6,10 @@
 One full indexer layer of glm5-faithful's shape (32 index heads x 128, FP8 132-B keys in a KVArena
 page slot, as the engine stores them) scores --index-len keys per request for a decode pass (one
 token for each of --decode-requests) and a verification pass (--width tokens for each of
---round-requests: the grouped kernels). Each configuration is (block_s keys a program, num_warps,
-and for the round the grouped kernel: `group`, which scores a token at a time against a key
-block read once, or `stack`, one product for the whole group). The shipped configuration (block_s
-64, Triton's 4 warps, `group`) is first and every ratio is against it, measured in the same run.
+--round-requests: the grouped kernel). Each configuration is (block_s keys a program, num_warps),
+applied to both kernels. The shipped configuration (`kernels.indexer.BLOCK_S`, Triton's 4 warps) is
+first and every ratio is against it, measured in the same run. (Session 46 also timed a grouped
+kernel with one product for the whole group, since removed: indexer_tune_s46_h100.json.)
 
 Exactness: a verification round must select what decoding selects, so every round configuration
 reports `equal_to_decode`: its scores bit for bit against the per-token kernel's at the same
@@ -36,7 +36,6 @@ from dhisparse.bench import results as R  # noqa: E402
 from bench.fp8_kernels import index_keys  # noqa: E402
 from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
 
-SHIPPED = (64, 0, "group")  # block_s, num_warps (0: Triton's default, 4), grouped kernel
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -46,7 +45,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--width", type=int, default=5, help="tokens a request scores in the round (drafts + 1)")
     a("--index-heads", type=int, default=32); a("--index-dim", type=int, default=128)
     a("--index-len", type=int, default=102400, help="keys per request")
-    a("--block-s", default="64,128,256"); a("--warps", default="4,8"); a("--kernels", default="group,stack")
+    a("--block-s", default="64,128,256"); a("--warps", default="4,8")
     a("--key-layout", default="arena", choices=("arena", "contiguous"))
     a("--index-model", default="glm52-scaled", help="the arena's layer layout (--key-layout arena)")
     a("--index-slot", type=int, default=1); a("--page-size", type=int, default=64)
@@ -63,11 +62,14 @@ def parse(argv=None) -> argparse.Namespace:
     return ns
 
 
-def configs(ns) -> list[tuple[int, int, str]]:
-    """The shipped configuration first, then every swept one that differs from it."""
-    out = [SHIPPED]
-    for bs, nw, kern in itertools.product(ints(ns.block_s), ints(ns.warps), ns.kernels.split(",")):
-        c = (bs, 0 if (nw == 4 and bs == SHIPPED[0] and kern == SHIPPED[2]) else nw, kern)
+def configs(ns) -> list[tuple[int, int]]:
+    """(block_s, num_warps; 0: Triton's default, 4): the shipped configuration first, then every
+    swept one that differs from it."""
+    from dhisparse.kernels.indexer import BLOCK_S
+
+    out = [(BLOCK_S, 0)]
+    for bs, nw in itertools.product(ints(ns.block_s), ints(ns.warps)):
+        c = (bs, 0 if (bs, nw) == (BLOCK_S, 4) else nw)
         if c not in out:
             out.append(c)
     return out
@@ -94,13 +96,13 @@ def main(argv=None) -> int:
         passes[name] = (q, w, pos, req)
     tm, runs, base = Timing(ns.warmup, ns.reps, ns.graph), [], {}
     shipped_decode = indexer_scores_triton(*passes["decode"], table)
-    for bs, nw, kern in configs(ns):
+    for bs, nw in configs(ns):
         opts = {"block_s": bs, "num_warps": nw or None}
         q, w, pos, req = passes["round"]
         decode_fn = lambda: indexer_scores_triton(*passes["decode"], table, **opts)  # noqa: E731
-        round_fn = lambda: indexer_scores_triton(q, w, pos, req, table, group=K, stack=kern == "stack", **opts)  # noqa: E731
+        round_fn = lambda: indexer_scores_triton(q, w, pos, req, table, group=K, **opts)  # noqa: E731
         per_token = indexer_scores_triton(q, w, pos, req, table, **opts)
-        row = {"block_s": bs, "num_warps": nw or 4, "round_kernel": kern,
+        row = {"block_s": bs, "num_warps": nw or 4,
                "equal_to_decode": bool(torch.equal(round_fn(), per_token)),
                "decode_equal_to_shipped": bool(torch.equal(decode_fn(), shipped_decode)),
                "decode_ms": timed(decode_fn, tm, cuda), "round_ms": timed(round_fn, tm, cuda)}
@@ -108,12 +110,12 @@ def main(argv=None) -> int:
         row |= {"decode_over_shipped": row["decode_ms"] / base["decode_ms"],
                 "round_over_shipped": row["round_ms"] / base["round_ms"]}
         runs.append(row)
-        print(f"block_s {bs:4d} warps {nw or 4}  {kern:5s}  decode {row['decode_ms'] * 1e3:8.1f} us "
+        print(f"block_s {bs:4d} warps {nw or 4}  decode {row['decode_ms'] * 1e3:8.1f} us "
               f"x{row['decode_over_shipped']:.3f}  round {row['round_ms'] * 1e3:8.1f} us x{row['round_over_shipped']:.3f}  "
               f"round==decode {row['equal_to_decode']}  decode==shipped {row['decode_equal_to_shipped']}", flush=True)
     config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"gpu": gpu, "dtype": str(dtype),
                                                                   "key_bytes": fmt.width if fmt else D * 2}
-    notes = ["ratios against the shipped configuration (block_s 64, 4 warps, grouped kernel) in the same run",
+    notes = ["ratios against the shipped configuration (kernels.indexer.BLOCK_S, 4 warps) in the same run",
              "equal_to_decode: the round's scores bit for bit equal to the per-token kernel's at the same "
              "block_s / num_warps (a configuration is usable only where it holds)",
              "CUDA times: median graph replay / calls per graph; L2 not flushed"]

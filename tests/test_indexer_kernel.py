@@ -154,14 +154,12 @@ def test_dense_table_and_dispatch():
     assert torch.equal(indexer_topk(proj, batch, KeysOnly(), LAYER, 8), want)
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["group", "stack"])
 @pytest.mark.parametrize("K,starts,lens_cut", [(2, [60, 20, 7], 0), (3, [9, 0, 40], 5), (4, [1, 33], 0),
                                                (5, [0, 12, 70, 3], 2)])
-def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut, stack):
-    """Grouped scoring (one key read for a request's K queries; stack: one product for them all):
-    same visibility, same scores (1e-5), same top-k as the torch path; a padded token (position
-    -1) sees nothing; a request whose keys end before its queries' positions (lens_cut) is cut at
-    its length."""
+def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut):
+    """Grouped scoring (one key read for a request's K queries): same visibility, same scores
+    (1e-5), same top-k as the torch path; a padded token (position -1) sees nothing; a request
+    whose keys end before its queries' positions (lens_cut) is cut at its length."""
     batch, proj = make_pass([(K, s) for s in starts])
     assert batch.tokens_per_request == K
     lens = [max(1, n - lens_cut) for n in batch.seq_lens.tolist()]
@@ -169,7 +167,7 @@ def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut, stack):
     pos = batch.positions.clone()
     pos[K - 1] = -1  # the first request's last token is padding
     args = (proj.q, proj.w, pos, batch.req_idx, table)
-    s_torch, s_grp = indexer_scores_torch(*args), indexer_scores_triton(*args, group=K, stack=stack)
+    s_torch, s_grp = indexer_scores_torch(*args), indexer_scores_triton(*args, group=K)
     assert torch.isinf(s_grp[K - 1]).all()
     assert torch.equal(torch.isinf(s_torch), torch.isinf(s_grp))
     fin = ~torch.isinf(s_torch)

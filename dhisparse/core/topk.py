@@ -13,8 +13,9 @@ Cost: two top-k passes over the row (the second finds the lowest tied positions)
 k entries, against one top-k. `packed_topk` gives the same result with one top-k over int64 keys
 (the score's order-preserving bits above, the position's complement below: no two keys tie), so the
 tie rule costs a key pass instead of a second top-k and two sorts, and `lean_topk` keeps the two
-top-k passes but sorts once; which is faster on a GPU is for bench/topk_bench.py to say (the
-indexer uses `stable_topk` until it has).
+top-k passes but sorts once. On an H100 at 100K keys, k 2,048 (bench/results/topk_bench_s46_h100.json)
+packed is 0.65x of stable at 20 rows and 0.85x at 47 but 1.09x at 100, lean 0.91-0.97x throughout;
+`auto_topk`, the indexers' default, takes packed for a decode-sized pass and lean above it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 import torch
 
 # the forms `{form}_topk` of this module; the indexers' choice is KernelSettings.indexer_topk
-TOPK_FORMS = ("stable", "packed", "lean")
+TOPK_FORMS = ("stable", "packed", "lean", "auto")
+AUTO_PACKED_ROWS = 64  # auto: packed_topk up to this many score rows on CUDA, lean_topk above
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +97,21 @@ def lean_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     picked_val = scores.gather(-1, picked)
     order = _packed(picked_val, picked).argsort(dim=-1, descending=True)
     return picked_val.gather(-1, order), picked.gather(-1, order)
+
+
+def auto_form(rows: int, device_type: str) -> str:
+    """The form `auto_topk` takes for `rows` score rows on a device: on CUDA "packed" up to
+    AUTO_PACKED_ROWS rows (a decode pass: one row a request) and "lean" above (a verification
+    round's rows; packed's int64 top-k grows past stable's there); "stable" on the CPU, where the
+    others were not faster (packed 1.35x at 100K, session 36)."""
+    if device_type != "cuda":
+        return "stable"
+    return "packed" if rows <= AUTO_PACKED_ROWS else "lean"
+
+
+def auto_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stable_topk`'s (values, indices) through the form `auto_form` names for scores [..., L]."""
+    form = auto_form(scores.numel() // max(scores.shape[-1], 1), scores.device.type)
+    if form == "packed":
+        return packed_topk(scores, k)
+    return lean_topk(scores, k) if form == "lean" else stable_topk(scores, k)

@@ -148,8 +148,9 @@ class EngineConfig:
     mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
         0 = off). indexer_group: grouped indexer scoring of verification rounds.
     indexer_topk [--indexer-topk]: the form of the indexers' tie-ruled top-k, "stable" (two top-k passes
-        and two sorts), "packed" (one top-k over int64 (score, index) keys) or "lean" (one sort):
-        the same selections, different costs (core/topk.py; bench/topk_bench.py times them).
+        and two sorts), "packed" (one top-k over int64 (score, index) keys), "lean" (one sort) or
+        "auto" (the default: packed for a decode pass on CUDA, lean for a verification round,
+        stable on the CPU): the same selections, different costs (core/topk.py; bench/topk_bench.py).
         The environment overrides of kernels/backend.py apply on top, read when the engine is built.
     admission_lookahead [--admission-lookahead]: waiting requests that may be admitted past one
         that does not fit yet (0: strict first-come-first-served).
@@ -238,7 +239,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
     indexer_group: bool = True
-    indexer_topk: str = "stable"
+    indexer_topk: str = "auto"
     admission_lookahead: int = 8
     admission_age_bound_s: float = 10.0
     cpu_threads: int | None = None

@@ -39,7 +39,7 @@ class KernelSettings:
     backend: str = "auto"
     mla_split_rows: int = DEFAULT_SPLIT_ROWS
     indexer_group: bool = True
-    indexer_topk: str = "stable"
+    indexer_topk: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

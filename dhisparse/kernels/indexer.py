@@ -22,7 +22,9 @@ same dot product over iD in the same order, and tests/test_indexer_kernel.py che
 kernels' scores are bitwise equal (on the GPU in bf16, where it matters). Only verification-sized
 groups (2 .. MAX_GROUP tokens) are grouped: a prefill chunk is one request's thousands of tokens,
 whose query tile would exceed Triton's block limit, and the per-token kernel already reads each key
-block once per token there.
+block once per token there. One product for the whole group (the G queries as one [G * iH, iD] tile)
+was tried and dropped: 1.06-4.1x slower than scoring a token at a time, and not bitwise equal to the
+per-token kernel on an H100 (indexer_tune_s46_h100.json).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ from dhisparse.kernels.indexer_torch import (  # noqa: F401  (re-exported: the k
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_GROUP = 16  # largest group scored by the grouped kernel (a verification width); larger: per token
+# keys a program scores (both kernels): 128 against 64 at glm5-faithful's shape (32 heads x 128, FP8
+# keys, 100K a request) on an H100 is 0.84x for a C20 decode pass and 0.65x for an 18 x 5 round, scores
+# unchanged bit for bit (bench/results/indexer_tune_s46_h100.json; 256: 0.91x / 0.86x; 8 warps slower)
+BLOCK_S = 128
 
 
 @triton.jit
@@ -133,60 +139,18 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos
                 tl.store(out_ptr + (t0 + u) * Lmax + s, tl.full([BS], float("-inf"), tl.float32), mask=s < Lmax)
 
 
-@triton.jit
-def indexer_score_stack_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
-                               Lmax, H, D, G, ks0, ks1, ks2, ss0, ss1, qs0, qs1, qs2, ws0, ws1, scale,
-                               IPS: tl.constexpr, QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                               IEEE: tl.constexpr, FP8: tl.constexpr, KDT: tl.constexpr):
-    """The grouped kernel's contract with one product for the whole group: the G tokens' queries
-    are one [QG * BH, BD] tile (token u's heads at rows u * BH ..), multiplied by the key block in
-    one tl.dot, and each token's weighted head sum is taken over its [BH, BS] slice of the
-    product (queries read once a program, not once a token). Its scores equal the per-token
-    kernel's only where the GPU's products and sums of the larger tile round alike:
-    bench/indexer_tune_bench.py checks that bit for bit before a configuration is used."""
-    g = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    s = j * BS + tl.arange(0, BS)
-    t0 = g * G
-    r = tl.load(req_ptr + t0).to(tl.int64)
-    n = tl.load(len_ptr + r)
-    i = tl.arange(0, QG)
-    pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
-    lims = tl.where(i < G, tl.minimum(n, pos + 1), 0)  # [QG] visible positions of each token
-    lim_max = tl.max(lims, 0)
-    res = tl.full([QG, BS], float("-inf"), tl.float32)
-    if j * BS < lim_max:
-        k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-        m = tl.arange(0, QG * BH)
-        u = m // BH
-        h = m % BH
-        d = tl.arange(0, BD)
-        qm = (u < G) & (h < H)
-        q = tl.load(q_ptr + (t0 + u)[:, None] * qs0 + h[:, None] * qs1 + d[None, :] * qs2,
-                    mask=qm[:, None] & (d < D)[None, :], other=0.0)
-        if IEEE:
-            logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [QG * BH, BS]
-        else:
-            logit = tl.dot(q, k)
-        logit = tl.maximum(logit * scale, 0.0)
-        wv = tl.load(w_ptr + (t0 + u) * ws0 + h * ws1, mask=qm, other=0.0).to(tl.float32)
-        sc = tl.sum(tl.reshape(logit * wv[:, None], (QG, BH, BS)), axis=1)  # [QG, BS]
-        res = tl.where(ok[None, :] & (s[None, :] < lims[:, None]), sc, float("-inf"))
-    tl.store(out_ptr + (t0 + i)[:, None] * Lmax + s[None, :], res, mask=(i < G)[:, None] & (s < Lmax)[None, :])
-
-
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(n, 1)))
 
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
-                          table: IndexTable, block_s: int = 64, group: int = 1, num_warps: int | None = None,
-                          stack: bool = False) -> torch.Tensor:
+                          table: IndexTable, block_s: int = BLOCK_S, group: int = 1,
+                          num_warps: int | None = None) -> torch.Tensor:
     """q [T, iH, iD], w [T, iH], positions / req_idx [T] int64, table -> scores [T, Lmax] fp32.
     group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
-    when G <= MAX_GROUP, the per-token kernel above it). block_s keys a program and num_warps
-    (None: Triton's 4) configure every kernel; stack takes the one-product grouped kernel
-    (`indexer_score_stack_kernel`) for a group."""
+    when G <= MAX_GROUP, the per-token kernel above it). block_s (keys a program) and num_warps
+    (None: Triton's 4) configure both kernels alike: grouped and per-token scores are bitwise
+    equal only at the same configuration."""
     T, H, D = q.shape
     rows, locs, lens, fmt, scales = table
     fp8 = fmt is not None and fmt.fp8
@@ -209,8 +173,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         raise ValueError(f"grouped indexer scoring needs T ({T}) to be a multiple of group ({group})")
     launch = {} if num_warps is None else {"num_warps": num_warps}
     if 1 < group <= MAX_GROUP:
-        kernel = indexer_score_stack_kernel if stack else indexer_score_group_kernel
-        kernel[(T // group, triton.cdiv(Lmax, block_s))](
+        indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
             IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=_pow2(H), BD=_pow2(D), BS=block_s,
