@@ -570,6 +570,20 @@ def test_indexer_tune_bench_puts_the_shipped_launch_first_and_checks_round_again
     assert all(r["equal_to_decode"] and r["decode_equal_to_shipped"] for r in runs)
 
 
+def test_dflash_attention_bench_times_both_forms_on_the_same_inputs(tmp_path):
+    """bench/dflash_attention_bench.py --quick: the upcast baseline and the fused form, their ratio and
+    their difference (bf16 rounding, not a wrong pairing) for each request count."""
+    import json
+
+    from bench import dflash_attention_bench
+
+    out = tmp_path / "dfa.json"
+    assert dflash_attention_bench.main(["--quick", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["requests"] == 2 and row["fused_over_upcast"] == row["fused_ms"] / row["upcast_ms"]
+    assert 0 < row["max_abs_diff"] < 2e-2
+
+
 def test_resolver_peer_cases_phases_and_comparison():
     """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
     is timed, the host split has its parts (the compiled launcher's only on CUDA), the case's full plan equals the

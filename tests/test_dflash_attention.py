@@ -1,7 +1,8 @@
 """The DFlash drafter's grouped-query attention (`grouped_attention`) against the per-head form it
 replaced: K/V repeated to every query head (`repeat_interleave`: query head h reads K/V head
 h // (Hq / kvh)), upcast, masked softmax. Odd shapes, an empty context, a single K/V head, no
-grouping, queries that see nothing; and a wrong head pairing must fail the same comparison."""
+grouping, queries that see nothing; and a wrong head pairing must fail the same comparison. 16-bit
+inputs take a fused form (one scaled_dot_product_attention in their dtype), held to bf16 rounding."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from dhisparse.spec.dflash_model import attention_mask, grouped_attention, per_head_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA the 16-bit form runs the GPU's SDPA backends
 
 
 def case(n, b, length, hq, kvh, d, dtype=torch.float32, seed=0, window=None, causal=False):
@@ -19,7 +22,8 @@ def case(n, b, length, hq, kvh, d, dtype=torch.float32, seed=0, window=None, cau
     k_pos = torch.arange(length + b)[None].expand(n, -1)
     valid = torch.rand(n, length + b, generator=g) > 0.2
     valid[:, length:] = True
-    return q, ck, cv, kb, vb, attention_mask(q_pos, k_pos, valid, window, causal)
+    out = q, ck, cv, kb, vb, attention_mask(q_pos, k_pos, valid, window, causal)
+    return tuple(t.to(DEV) for t in out)
 
 
 SHAPES = [  # n, b, L, Hq, kvh, d
@@ -37,13 +41,33 @@ def test_grouped_equals_per_head(shape, mask):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_inputs_are_upcast_like_the_per_head_form():
-    args = case(3, 4, 11, 12, 3, 16, dtype=torch.bfloat16, seed=3)
-    torch.testing.assert_close(grouped_attention(*args), per_head_attention(*args), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", [(None, False), (3, True)])
+def test_16_bit_inputs_take_the_fused_form_within_bf16_rounding(shape, mask):
+    """bf16 inputs (the GPU drafter's) go through one fused scaled_dot_product_attention in bf16: the
+    per-head fp32 form's result within bf16 rounding (the probabilities meet V in 16 bits), in bf16."""
+    args = case(*shape, dtype=torch.bfloat16, seed=3, window=mask[0], causal=mask[1])
+    got, want = grouped_attention(*args), per_head_attention(*args)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_a_query_that_sees_nothing_gets_zero():
-    q, ck, cv, kb, vb, visible = case(2, 3, 5, 4, 2, 4)
+def test_the_fused_form_pairs_heads_and_masks_like_the_reference():
+    """Mutation checks of the 16-bit form at a tolerance that bf16 rounding passes: a K/V head paired
+    by `repeat` instead of `repeat_interleave`, or the mask of the wrong block row, fails it."""
+    q, ck, cv, kb, vb, visible = case(2, 4, 9, 6, 2, 8, dtype=torch.bfloat16, seed=7, window=3, causal=True)
+    got = grouped_attention(q, ck, cv, kb, vb, visible).float()
+    hq, kvh = q.shape[2], ck.shape[2]
+    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)], device=q.device)
+    moved = torch.empty_like(q)
+    moved[:, :, slot] = q
+    assert not torch.allclose(got, per_head_attention(moved, ck, cv, kb, vb, visible)[:, :, slot], rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(got, per_head_attention(q, ck, cv, kb, vb, visible.flip(1)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_that_sees_nothing_gets_zero(dtype):
+    q, ck, cv, kb, vb, visible = case(2, 3, 5, 4, 2, 4, dtype=dtype)
     visible[1, 2] = False
     out = grouped_attention(q, ck, cv, kb, vb, visible)
     assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2])) and torch.isfinite(out).all()
@@ -55,7 +79,7 @@ def test_a_wrong_head_pairing_fails_the_comparison():
     slot (h % kvh) * rep + h // kvh, and moved back."""
     q, *rest = case(2, 4, 9, 6, 2, 8, seed=7)
     hq, kvh = q.shape[2], rest[0].shape[2]
-    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)])
+    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)], device=q.device)
     moved = torch.empty_like(q)
     moved[:, :, slot] = q
     wrong = per_head_attention(moved, *rest)[:, :, slot]

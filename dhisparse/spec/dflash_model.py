@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dhisparse.layers.moe import MLP
@@ -100,11 +101,12 @@ def _keys32(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
 
 def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
                       v_blk: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """GQA over [context ; block] in fp32, each K/V head read once for its group of query heads.
+    """GQA over [context ; block], each K/V head read once for its group of query heads.
 
     q [N, B, Hq, d]; ctx_k / ctx_v [N, L, kvh, d]; k_blk / v_blk [N, B, kvh, d]; visible [N, B, L+B]
-    -> [N, B, Hq, d] fp32. Query head h uses K/V head h // (Hq / kvh), as repeat_interleave would
-    pair them; a query that sees no key gets 0.
+    -> [N, B, Hq, d]: fp32 for fp32 inputs (`upcast_grouped`: the reference parity and training
+    path), q's dtype for 16-bit ones (`fused_grouped`). Query head h uses K/V head h // (Hq / kvh),
+    as repeat_interleave would pair them; a query that sees no key gets 0.
 
         scores [N, kvh, B*rep, L+B]   rows (block query i, head r of the group), i-major
                = q_g @ k^T / sqrt(d), -inf where not visible, softmax over keys
@@ -115,6 +117,15 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     (`per_head_attention` is the reference; tests/test_dflash_attention.py checks the two agree and
     that a wrong pairing fails).
     """
+    form = fused_grouped if q.dtype in (torch.float16, torch.bfloat16) else upcast_grouped
+    return form(q, ctx_k, ctx_v, k_blk, v_blk, visible)
+
+
+def upcast_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
+                   v_blk: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention` in fp32 whatever the input dtype (K/V upcast once per K/V head, fp32
+    GEMMs, softmax): the fp32 path, and for 16-bit inputs the form before session 46 (the named
+    baseline of bench/dflash_attention_bench.py). -> [N, B, Hq, d] fp32."""
     n, b, hq, d = q.shape
     kvh = ctx_k.shape[2]
     rep = hq // kvh
@@ -124,6 +135,27 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     scores.view(n, kvh, b, rep, -1).masked_fill_(~visible[:, None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: training differentiates softmax
     return (probs @ v).view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
+
+
+def fused_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
+                  v_blk: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention` for 16-bit inputs: the same [N, kvh, B*rep, L+B] problem through one fused
+    `scaled_dot_product_attention` in the input dtype (fp32 accumulation and softmax inside the
+    kernel; the probabilities meet V in 16 bits, as the dflash reference's eager bf16 attention rounds
+    them too), instead of upcasting K/V, fp32 GEMMs without tensor cores, a separate softmax and a
+    NaN pass: at the paper's GLM-5 drafter shape those were about 3.5 ms of a 12.6-ms round at C20
+    (H100, bench/results/step_profile_round_faithful_e12_100k_k2048_c20_w8a8_indexer_s46_h100.json).
+    Drafts only: the target's tokens never depend on it. A query row that sees no key comes back
+    NaN or 0 by backend; it is 0 here."""
+    n, b, hq, d = q.shape
+    kvh = ctx_k.shape[2]
+    rep = hq // kvh
+    k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [N, kvh, L+B, d]
+    v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+    qg = q.view(n, b, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * rep, d)
+    mask = visible[:, None, :, None, :].expand(n, 1, b, rep, visible.shape[-1]).reshape(n, 1, b * rep, -1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).nan_to_num_(0.0)
+    return out.view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
 
 
 def per_head_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
