@@ -3,7 +3,7 @@
   block_m_for(rows) / tiles_for(rows, ...)   BM, then (BN, warps), from the rows one weight sees
   split_k_for(T, N, K, BM, BN, BK, device)    K splits of a decode-sized pass (fill the GPU's SMs)
   linear_launch(...) -> LinearLaunch          a linear's checked shapes, tiles and splits
-  moe_align(expert_ids, E, BM)                rows sorted by expert, each run padded to BM (no host sync)
+  moe_align(expert_ids, E, BM)                rows sorted by expert, each run padded to BM (kernels/moe_align.py)
   moe_launch(...) -> MoeLaunch                a grouped MoE GEMM's checked shapes and tiles
   moe_grouping(expert_ids, E)                 moe_align at the BM the grouped GEMMs pick for these ids
 
@@ -20,6 +20,7 @@ import torch
 import triton
 
 from dhisparse.kernels.fp8_gemm_ref import BLOCK, check_expert_ids, check_weight, check_x
+from dhisparse.kernels.moe_align import moe_align, padded_rows  # noqa: F401  (re-exported to the GEMM modules)
 
 
 def block_m_for(rows: int) -> int:
@@ -36,36 +37,6 @@ def tiles_for(rows: int, block_n: int | None, num_warps: int | None) -> tuple[in
     128), else 64-wide tiles on 4 warps (memory-bound decode / verification). Explicit values win."""
     large = rows > LARGE_ROWS
     return block_n or (128 if large else 64), num_warps or (8 if large else 4)
-
-
-def padded_rows(M: int, E: int, BM: int) -> int:
-    """P_max = M + E * (BM - 1) rounded up to BM: bounds the sum of every expert's count rounded up to BM."""
-    return triton.cdiv(M + E * (BM - 1), BM) * BM
-
-
-def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_ids [T, top_k] -> (sorted_rows int32 [P_max], block_expert int32 [P_max // BM]).
-
-    sorted_rows lists the flat rows t * top_k + j grouped by expert (ascending within an expert),
-    each expert's run padded with M = T * top_k (out of range: masked) to a multiple of BM and
-    starting at a multiple of BM; block_expert[b] is the expert of rows b*BM .. b*BM+BM-1, or E for
-    blocks past the used count. Torch ops of data-independent shapes only (no host sync). An id
-    outside [0, E) is left out: its row appears nowhere."""
-    flat = expert_ids.reshape(-1)
-    M, dev = flat.numel(), flat.device
-    P = padded_rows(M, E, BM)
-    key = torch.where((flat >= 0) & (flat < E), flat, E)  # invalid ids: bucket E, never placed
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    pend = ((counts[:E] + BM - 1) // BM * BM).cumsum(0)  # [E] end of each expert's padded run
-    pstart = torch.cat([pend.new_zeros(1), pend])  # [E + 1]
-    ustart = counts.cumsum(0) - counts  # [E + 1] start of each expert in the sorted order
-    order = torch.argsort(key, stable=True)
-    skey = key[order]
-    dest = pstart[skey] + torch.arange(M, device=dev) - ustart[skey]
-    dest = torch.where(skey < E, dest, P)  # slot P: dropped below
-    rows = torch.full((P + 1,), M, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:P]
-    block_expert = torch.searchsorted(pend, torch.arange(0, P, BM, device=dev), right=True)
-    return rows.to(torch.int32), block_expert.to(torch.int32)
 
 
 def _blocks(block_n: int, block_k: int, block_m: int) -> None:
