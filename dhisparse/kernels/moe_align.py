@@ -66,7 +66,7 @@ def _keys(ids_ptr, i, M, E, EP: tl.constexpr):
     return tl.where((key >= 0) & (key < E), key, EP).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "E", "P"])  # a count of 1 would otherwise become a compile-time constant
 def moe_align_kernel(ids_ptr, rows_ptr, blk_ptr, M, E, P, BM: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
     """One program: rows_ptr [P] and blk_ptr [P // BM] as `moe_align_torch` writes them (module docstring)."""
     e = tl.arange(0, EP)
@@ -113,6 +113,8 @@ def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, 
         return moe_align_torch(expert_ids, E, BM)
     P = padded_rows(M, E, BM)
     dev = expert_ids.device
+    if M == 0:  # no rows (an expert-parallel rank without tokens): every slot a pad, every block past the used count
+        return torch.zeros(P, dtype=torch.int32, device=dev), torch.full((P // BM,), E, dtype=torch.int32, device=dev)
     rows = torch.empty(P, dtype=torch.int32, device=dev)
     block_expert = torch.empty(P // BM, dtype=torch.int32, device=dev)
     moe_align_kernel[(1,)](expert_ids.reshape(-1).contiguous(), rows, block_expert, M, E, P, BM=BM,
