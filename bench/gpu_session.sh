@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -352,6 +352,10 @@ case ",$STEPS," in *,dflashattn46,*)  # issue 31: the DFlash drafter's fused 16-
       tests/test_dflash_attention.py tests/test_dflash_graphs.py tests/test_spec_dflash.py tests/test_drafters_models.py \
       tests/test_costed_oracle.py tests/test_dflash_reference.py -rfE --junitxml="$OUT/exact_cuda_drafter.xml"
   run "DFlash attention, fused vs upcast" timeout 60 python3 bench/dflash_attention_bench.py --out "$OUT/dflash_attention_h200.json" ;; esac
+case ",$STEPS," in *,moealign46,*)  # issue 31: a MoE layer's row grouping, the one-program kernel (kernels/moe_align.py, session 46) against the torch form, at decode and round sizes, E 12 / 24 / 256, CUDA-graph replays, then its CUDA exactness with the FP8 MoE files (~1.5 min)
+  run "MoE row grouping, kernel vs torch" timeout 90 python3 bench/moe_align_bench.py --out "$OUT/moe_align_h200.json"
+  run "exactness on CUDA, MoE grouping files" timeout ${EXACT46M_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
+      tests/test_moe_align.py tests/test_fp8_gemm.py tests/test_fp8_w8a8.py -rfE --junitxml="$OUT/exact_cuda_moe_align.xml" ;; esac
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac

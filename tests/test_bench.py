@@ -584,6 +584,21 @@ def test_dflash_attention_bench_times_both_forms_on_the_same_inputs(tmp_path):
     assert 0 < row["max_abs_diff"] < 2e-2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
+def test_moe_align_bench_times_both_groupings_on_the_same_ids(tmp_path):
+    """bench/moe_align_bench.py --quick: per (experts, tokens) the torch form and the kernel, their ratio, and
+    that both group alike."""
+    import json
+
+    from bench import moe_align_bench
+
+    out = tmp_path / "ma.json"
+    assert moe_align_bench.main(["--quick", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["experts"], r["tokens"], r["rows"]) for r in runs] == [(4, 3, 6), (4, 17, 34)]
+    assert all(r["same"] and r["kernel_over_torch"] == r["kernel_us"] / r["torch_us"] for r in runs)
+
+
 def test_resolver_peer_cases_phases_and_comparison():
     """bench/resolver_peer.py (issue 33): a case misses the share its level names, every phase stop
     is timed, the host split has its parts (the compiled launcher's only on CUDA), the case's full plan equals the
