@@ -37,7 +37,6 @@ from bench.fp8_kernels import index_keys  # noqa: E402
 from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
 
 
-
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument

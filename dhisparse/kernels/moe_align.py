@@ -117,6 +117,7 @@ def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, 
         return torch.zeros(P, dtype=torch.int32, device=dev), torch.full((P // BM,), E, dtype=torch.int32, device=dev)
     rows = torch.empty(P, dtype=torch.int32, device=dev)
     block_expert = torch.empty(P // BM, dtype=torch.int32, device=dev)
-    moe_align_kernel[(1,)](expert_ids.reshape(-1).contiguous(), rows, block_expert, M, E, P, BM=BM,
-                           EP=max(16, triton.next_power_of_2(E)), CH=CHUNK)
+    ep = max(16, triton.next_power_of_2(E))
+    moe_align_kernel[(1,)](expert_ids.reshape(-1).contiguous(), rows, block_expert, M, E, P, BM=BM, EP=ep, CH=CHUNK,
+                           num_warps=4 if ep <= 64 else 8)  # [CHUNK, EP] one-hots: more threads for GLM-5's 256 experts
     return rows, block_expert
