@@ -3,7 +3,7 @@
     python3 bench/moe_align_bench.py --out $OUT/moe_align_h200.json    # GPU (~30 s)
     python3 bench/moe_align_bench.py --quick --out /tmp/moe_align.json  # CPU smoke (interpreter)
 
-`moe_align_torch` (the named baseline: the grouping before session 46, ~25 torch launches with a
+`moe_align_torch` (the named baseline: the grouping before session 46, about 30 torch ops with a
 stable int64 argsort) against `moe_align` (kernels/moe_align.py: one Triton program) for tokens x
 top_k rows over E experts at the BM a grouped GEMM picks (`moe_block_m`), with random expert ids.
 On CUDA each time is the median replay of a CUDA graph of --graph calls (the engine replays its
