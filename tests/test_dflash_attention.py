@@ -84,3 +84,12 @@ def test_a_wrong_head_pairing_fails_the_comparison():
     moved[:, :, slot] = q
     wrong = per_head_attention(moved, *rest)[:, :, slot]
     assert not torch.allclose(grouped_attention(q, *rest), wrong, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_form_differentiates():
+    """The 16-bit form's NaN pass is out of place: SDPA's backward keeps its output, so an in-place pass
+    would fail a backward through it (a bf16 fine-tune of a drafter)."""
+    q, *rest = case(2, 4, 9, 6, 2, 8, dtype=torch.bfloat16, seed=5)
+    q.requires_grad_(True)
+    grouped_attention(q, *rest).float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0

@@ -154,7 +154,7 @@ def fused_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_b
     v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
     qg = q.view(n, b, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * rep, d)
     mask = visible[:, None, :, None, :].expand(n, 1, b, rep, visible.shape[-1]).reshape(n, 1, b * rep, -1)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).nan_to_num_(0.0)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).nan_to_num(0.0)  # out of place: SDPA's backward keeps its output
     return out.view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
 
 
