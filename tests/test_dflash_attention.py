@@ -57,11 +57,7 @@ def test_the_fused_form_pairs_heads_and_masks_like_the_reference():
     by `repeat` instead of `repeat_interleave`, or the mask of the wrong block row, fails it."""
     q, ck, cv, kb, vb, visible = case(2, 4, 9, 6, 2, 8, dtype=torch.bfloat16, seed=7, window=3, causal=True)
     got = grouped_attention(q, ck, cv, kb, vb, visible).float()
-    hq, kvh = q.shape[2], ck.shape[2]
-    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)], device=q.device)
-    moved = torch.empty_like(q)
-    moved[:, :, slot] = q
-    assert not torch.allclose(got, per_head_attention(moved, ck, cv, kb, vb, visible)[:, :, slot], rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(got, repeat_paired(q, ck, cv, kb, vb, visible), rtol=2e-2, atol=2e-2)
     assert not torch.allclose(got, per_head_attention(q, ck, cv, kb, vb, visible.flip(1)), rtol=2e-2, atol=2e-2)
 
 
@@ -73,17 +69,22 @@ def test_a_query_that_sees_nothing_gets_zero(dtype):
     assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2])) and torch.isfinite(out).all()
 
 
+def repeat_paired(q, ctx_k, *rest):
+    """The reference with query head h paired to K/V head h % kvh (`repeat`, not `repeat_interleave`):
+    query head h moved to slot (h % kvh) * rep + h // kvh, run per head, and moved back."""
+    hq, kvh = q.shape[2], ctx_k.shape[2]
+    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)], device=q.device)
+    moved = torch.empty_like(q)
+    moved[:, :, slot] = q
+    return per_head_attention(moved, ctx_k, *rest)[:, :, slot]
+
+
 def test_a_wrong_head_pairing_fails_the_comparison():
     """Mutation check: pairing query head h with K/V head h % kvh (`repeat`, not `repeat_interleave`)
     is caught by the comparison above. That pairing is the reference run with query head h moved to
     slot (h % kvh) * rep + h // kvh, and moved back."""
     q, *rest = case(2, 4, 9, 6, 2, 8, seed=7)
-    hq, kvh = q.shape[2], rest[0].shape[2]
-    slot = torch.tensor([(h % kvh) * (hq // kvh) + h // kvh for h in range(hq)], device=q.device)
-    moved = torch.empty_like(q)
-    moved[:, :, slot] = q
-    wrong = per_head_attention(moved, *rest)[:, :, slot]
-    assert not torch.allclose(grouped_attention(q, *rest), wrong, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(grouped_attention(q, *rest), repeat_paired(q, *rest), rtol=1e-5, atol=1e-6)
 
 
 def test_the_fused_form_differentiates():

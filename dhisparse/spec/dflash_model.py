@@ -128,13 +128,11 @@ def upcast_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_
     baseline of bench/dflash_attention_bench.py). -> [N, B, Hq, d] fp32."""
     n, b, hq, d = q.shape
     kvh = ctx_k.shape[2]
-    rep = hq // kvh
     k, v = _keys32(ctx_k, k_blk), _keys32(ctx_v, v_blk)
-    qg = q.view(n, b, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * rep, d).float()
-    scores = (qg @ k.transpose(-1, -2)).div_(math.sqrt(d))  # [N, kvh, B*rep, L+B]
-    scores.view(n, kvh, b, rep, -1).masked_fill_(~visible[:, None, :, None, :], float("-inf"))
+    scores = (_grouped_rows(q, kvh).float() @ k.transpose(-1, -2)).div_(math.sqrt(d))  # [N, kvh, B*rep, L+B]
+    scores.view(n, kvh, b, hq // kvh, -1).masked_fill_(~visible[:, None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: training differentiates softmax
-    return (probs @ v).view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
+    return _per_query(probs @ v, b)
 
 
 def fused_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
@@ -147,15 +145,28 @@ def fused_grouped(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_b
     (H100, bench/results/step_profile_round_faithful_e12_100k_k2048_c20_w8a8_indexer_s46_h100.json).
     Drafts only: the target's tokens never depend on it. A query row that sees no key comes back
     NaN or 0 by backend; it is 0 here."""
-    n, b, hq, d = q.shape
+    n, b, hq, _ = q.shape
     kvh = ctx_k.shape[2]
     rep = hq // kvh
     k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [N, kvh, L+B, d]
     v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-    qg = q.view(n, b, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * rep, d)
     mask = visible[:, None, :, None, :].expand(n, 1, b, rep, visible.shape[-1]).reshape(n, 1, b * rep, -1)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).nan_to_num(0.0)  # out of place: SDPA's backward keeps its output
-    return out.view(n, kvh, b, rep, d).permute(0, 2, 1, 3, 4).reshape(n, b, hq, d)
+    out = F.scaled_dot_product_attention(_grouped_rows(q, kvh), k, v, attn_mask=mask)
+    return _per_query(out.nan_to_num(0.0), b)  # out of place: SDPA's backward keeps its output
+
+
+def _grouped_rows(q: torch.Tensor, kvh: int) -> torch.Tensor:
+    """q [N, B, Hq, d] -> [N, kvh, B*rep, d] (rep = Hq / kvh): K/V head g's query heads g*rep ..
+    g*rep+rep-1, rows i-major (block query i, head r of the group), the layout both grouped forms
+    and their masks share."""
+    n, b, hq, d = q.shape
+    return q.view(n, b, kvh, hq // kvh, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, b * (hq // kvh), d)
+
+
+def _per_query(out: torch.Tensor, b: int) -> torch.Tensor:
+    """`_grouped_rows`' inverse: [N, kvh, B*rep, d] -> [N, B, kvh*rep, d]."""
+    n, kvh, rows, d = out.shape
+    return out.view(n, kvh, b, rows // b, d).permute(0, 2, 1, 3, 4).reshape(n, b, kvh * (rows // b), d)
 
 
 def per_head_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k_blk: torch.Tensor,
