@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -356,6 +356,15 @@ case ",$STEPS," in *,moealign46,*)  # issue 31: a MoE layer's row grouping, the 
   run "MoE row grouping, kernel vs torch" timeout 90 python3 bench/moe_align_bench.py --out "$OUT/moe_align_h200.json"
   run "exactness on CUDA, MoE grouping files" timeout ${EXACT46M_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
       tests/test_moe_align.py tests/test_fp8_gemm.py tests/test_fp8_w8a8.py -rfE --junitxml="$OUT/exact_cuda_moe_align.xml" ;; esac
+case ",$STEPS," in *,mlasplit47,*)  # issue 31: the sparse-MLA split (rows a program walks; 128 since session 10, chosen at 32K with 16 heads) at glm5-faithful's tile (64 heads, k 2,048, FP8 rows) over decode and round pass sizes, then bench/mla_split_pick.py's rule (geometric mean over T below 0.97x of the default) and, with MLASPLIT47_APPLY=1, that split patched in as DEFAULT_SPLIT_ROWS of this call's tree (for an exactall after it in the same call; ~1.5 min)
+  run "sparse-MLA split sweep, 64 heads, k 2048, FP8 rows" timeout ${MLASPLIT47_TIMEOUT:-240} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
+      --kv-cache-dtype fp8_e4m3 --tokens ${MLASPLIT47_TOKENS:-20,47,90,235} --block-h 64 --splits ${MLASPLIT47_SPLITS:-256,512,1024,0} --block-k 64 \
+      --warps 8 --stages 1 --out "$OUT/mla_split_h200.json"
+  N=$(python3 bench/mla_split_pick.py "$OUT/mla_split_h200.json" 2>>"$LOG"); echo "split picked: $N" | tee "$OUT/mla_split_pick.txt"
+  if [ -n "${MLASPLIT47_APPLY:-}" ] && [ -n "$N" ]; then
+    sed -i "s/^DEFAULT_SPLIT_ROWS = [0-9]*/DEFAULT_SPLIT_ROWS = $N/" dhisparse/kernels/backend.py
+    grep -n '^DEFAULT_SPLIT_ROWS' dhisparse/kernels/backend.py | tee -a "$OUT/mla_split_pick.txt"
+  fi ;; esac
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac

@@ -399,13 +399,14 @@ def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     import json
 
     from bench import mla_tune_bench
+    from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS as n
 
     out = tmp_path / "mla.json"
     assert mla_tune_bench.main(["--quick", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
-    # the shipped default plan (split 128: above the quick k = 40, so unsplit) first, then the sweep
-    assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, 128), (2, 0), (2, 16), (3, 128), (3, 0), (3, 16)]
-    assert [r["vs_default"] for r in runs if r["split_rows"] == 128] == [1.0, 1.0]
+    # the shipped default plan (its split is above the quick k = 40, so unsplit) first, then the sweep
+    assert [(r["tokens"], r["split_rows"]) for r in runs] == [(2, n), (2, 0), (2, 16), (3, n), (3, 0), (3, 16)]
+    assert [r["vs_default"] for r in runs if r["split_rows"] == n] == [1.0, 1.0]
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in runs)
 
 
@@ -978,3 +979,18 @@ def test_step_profile_builds_glm5_faithful_at_overrides(tmp_path):
         assert run["fp8_activations"] == want and run["admitted"] >= 1
     with pytest.raises(SystemExit):
         step_profile.parse(["--model", "glm52-scaled-k512", "--overrides", "{\"n_routed_experts\": 4}"])
+
+
+def test_mla_split_pick_rule():
+    """bench/mla_split_pick.py: the geometric mean over pass sizes decides, a split must beat the
+    default by the margin, and a split not measured at every T is not a candidate."""
+    from bench.mla_split_pick import pick
+
+    def runs(rows):
+        return [{"tokens": t, "split_rows": n, "vs_default": v} for t, n, v in rows]
+
+    sweep = runs([(20, 128, 1.0), (20, 512, 1.2), (20, 256, 0.95), (90, 128, 1.0), (90, 512, 0.5), (90, 256, 0.99),
+                  (90, 64, 0.1)])
+    n, means = pick(sweep, 128, 0.97)
+    assert n == 512 and 64 not in means and abs(means[512] - (1.2 * 0.5) ** 0.5) < 1e-12
+    assert pick(runs([(20, 128, 1.0), (20, 256, 0.98), (90, 128, 1.0), (90, 256, 0.98)]), 128, 0.97)[0] == 128

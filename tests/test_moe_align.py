@@ -4,7 +4,10 @@ bit for bit, over odd, ragged and empty shapes, invalid ids and many chunks (hyp
 interpreter on CPU). tests/test_fp8_gemm.py checks the invariants both must hold against plain Python.
 Breakages caught (mutation runs, session 46): the rank counting a row itself (`<=`), the experts' next
 free slots not advanced between chunks, block_expert counting ends strictly below a block's start
-(`<`), the id E taken as valid, and the torch form's bound doubled. The barrier between the pads' fill
+(`<`), the id E taken as valid, and the torch form's bound doubled; after the histogram form (session
+47): the block loop's running sum not carried between chunks (or not advanced), its histogram
+taking experts past E or a block past its chunk, the counts taking the id E, and the free slots not
+advanced by a chunk's histogram. The barrier between the pads' fill
 and the rows' stores is not checked here: the interpreter runs a program's stores in order (the
 CUDA run of this file and the FP8 MoE files checks the kernel on the GPU)."""
 
@@ -44,6 +47,19 @@ def test_skewed_and_single_expert_loads():
         ids = ids.to(DEV)
         got, want = ma.moe_align(ids, E, 16), ma.moe_align_torch(ids, E, 16)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@settings(max_examples=12, deadline=None)
+@given(E=st.sampled_from([128, 160, 255, 256]), T=st.sampled_from([1, 19, 47, 90]), BM=st.sampled_from([16, 64]),
+       invalid=st.booleans(), seed=st.integers(0, 2**16))
+def test_many_experts(E, T, BM, invalid, seed):
+    """GLM-5's 256 experts (and E just past a power of two): block_expert spans several of the block
+    loop's chunks (its running sum carried between them), most experts empty, ids E and -1 left out."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-1, E + 1) if invalid else (0, E)
+    ids = torch.randint(lo, hi, (T, 8), generator=g).to(DEV)
+    got, want = ma.moe_align(ids, E, BM), ma.moe_align_torch(ids, E, BM)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_large_groupings_take_the_torch_form(monkeypatch):

@@ -14,9 +14,12 @@ The torch form is about 30 torch ops a MoE layer; its stable int64 radix argsort
 call, 2.03 ms of a 72-ms glm5-faithful step over the step's 75 MoE layers (C20, H100,
 bench/results/step_profile_round_faithful_e12_100k_k2048_c20_w8a8_indexer_s46_h100.json), and its
 scans, scatters and searchsorted about 0.7 ms more. The kernel is one program: it counts
-each expert's rows, takes the padded starts by a prefix sum, fills the pads, then places each chunk's
-rows at start + rows of that expert in earlier chunks + rank among equal ids earlier in the chunk
-(the stable order), and writes block_expert as searchsorted(pend, b * BM, right=True) does.
+each expert's rows (a histogram a chunk), takes the padded starts by a prefix sum, fills the pads,
+then places each chunk's rows at start + rows of that expert in earlier chunks (gathered from a [E]
+vector) + rank among equal ids earlier in the chunk (the stable order), and writes block_expert as
+searchsorted(pend, b * BM, right=True) does, as a running sum of the histogram of pend / BM.
+Session 46's form built [CHUNK, E] one-hots instead: 0.11-0.56x of the torch form at E 12 / 24 but
+up to 2.9x slower at GLM-5's 256 experts (bench/results/moe_align_s47_h100.json).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import triton
 import triton.language as tl
 
 KERNEL_MAX_ROWS = 8192  # rows (T * top_k) up to which moe_align launches the kernel (decode, verification, small prefill)
-CHUNK = 128  # rows a step of the kernel's loops: a [CHUNK, CHUNK] rank comparison and a [CHUNK, EP] one-hot
+CHUNK = 128  # rows a step of the kernel's row loops (a [CHUNK, CHUNK] rank comparison) and blocks a step of its block loop
+FILL = 1024  # slots a step of the pads' fill (P reaches M + E * (BM - 1): 3,992 slots at GLM-5's E 256, BM 16, 152 rows)
 
 
 def padded_rows(M: int, E: int, BM: int) -> int:
@@ -67,40 +71,49 @@ def _keys(ids_ptr, i, M, E, EP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "E", "P"])  # a count of 1 would otherwise become a compile-time constant
-def moe_align_kernel(ids_ptr, rows_ptr, blk_ptr, M, E, P, BM: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
-    """One program: rows_ptr [P] and blk_ptr [P // BM] as `moe_align_torch` writes them (module docstring)."""
-    e = tl.arange(0, EP)
+def moe_align_kernel(ids_ptr, rows_ptr, blk_ptr, M, E, P, BM: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr,
+                     FILL: tl.constexpr):
+    """One program: rows_ptr [P] and blk_ptr [P // BM] as `moe_align_torch` writes them (module docstring).
+
+    Per-expert state is a [EP] vector updated by histograms (tl.histogram) and read per row by
+    tl.gather, so no [CH, EP] one-hot is built: the work is O(M + P + E * nb / CH), not O(M * E)."""
     r = tl.arange(0, CH)
     counts = tl.zeros([EP], tl.int32)
     a = M * 0  # loop positions as int32 scalars
     while a < M:  # `while`: the interpreter cannot run `range` to a runtime bound (as fp8_gemm's K walk)
         key = _keys(ids_ptr, a + r, M, E, EP)
-        counts += tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0)
+        counts += tl.histogram(key, EP, mask=key < EP)
         a += CH
     padded = (counts + BM - 1) // BM * BM
     pend = tl.cumsum(padded, axis=0)  # [EP]: end of each expert's padded run (constant past E)
+    f = tl.arange(0, FILL)
     a = M * 0
     while a < P:
-        tl.store(rows_ptr + a + r, M, mask=a + r < P)
-        a += CH
+        tl.store(rows_ptr + a + f, M, mask=a + f < P)
+        a += FILL
     tl.debug_barrier()  # the pads are written before any row lands on them
     placed = pend - padded  # [EP]: next free slot of each expert (its start, plus rows of earlier chunks)
     a = M * 0
     while a < M:
         i = a + r
         key = _keys(ids_ptr, i, M, E, EP)
-        hot = key[:, None] == e[None, :]  # [CH, EP]
-        base = tl.sum(tl.where(hot, placed[None, :], 0), axis=1)
+        ok = key < EP
+        base = tl.gather(placed, tl.where(ok, key, 0), 0)
         rank = tl.sum(((key[:, None] == key[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
-        tl.store(rows_ptr + base + rank, i.to(tl.int32), mask=key < EP)
-        placed += tl.sum(hot.to(tl.int32), axis=0)
+        tl.store(rows_ptr + base + rank, i.to(tl.int32), mask=ok)
+        placed += tl.histogram(key, EP, mask=ok)
         a += CH
+    # block_expert[b] = searchsorted(pend[:E], b * BM, right=True) = #{e < E : pend[e] / BM <= b}: a
+    # running sum over blocks of the histogram of pend / BM (pend is a multiple of BM)
+    q = pend // BM
+    e = tl.arange(0, EP)
     nb = P // BM
+    carry = M * 0
     a = M * 0
     while a < nb:
-        b = a + r
-        below = (pend[None, :] <= (b * BM)[:, None]) & (e[None, :] < E)  # searchsorted(pend[:E], b*BM, right=True)
-        tl.store(blk_ptr + b, tl.sum(below.to(tl.int32), axis=1), mask=b < nb)
+        h = tl.histogram(q - a, CH, mask=(e < E) & (q >= a) & (q < a + CH))
+        tl.store(blk_ptr + a + r, carry + tl.cumsum(h, axis=0), mask=a + r < nb)
+        carry += tl.sum(h, axis=0)
         a += CH
 
 
@@ -119,5 +132,5 @@ def moe_align(expert_ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, 
     block_expert = torch.empty(P // BM, dtype=torch.int32, device=dev)
     ep = max(16, triton.next_power_of_2(E))
     moe_align_kernel[(1,)](expert_ids.reshape(-1).contiguous(), rows, block_expert, M, E, P, BM=BM, EP=ep, CH=CHUNK,
-                           num_warps=4 if ep <= 64 else 8)  # [CHUNK, EP] one-hots: more threads for GLM-5's 256 experts
+                           FILL=FILL, num_warps=4)
     return rows, block_expert
