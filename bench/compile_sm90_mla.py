@@ -1,0 +1,97 @@
+"""Compile the sparse-MLA split kernel and `moe_align` for the H200 (sm_90) on a machine without a GPU.
+
+    python3 bench/compile_sm90_mla.py [--out bench/results/compile_sm90_mla_cpu_sNN.json]
+
+`sparse_mla_split_kernel` (kernels/sparse_mla.py) at glm5-faithful's shape (64 heads, latent 512 + rope 64,
+FP8 656-B rows in 64-row pages, bf16 queries) for the shipped wide tile and its neighbours, each FP8
+scale path (kernels/sparse_mla_rows.py) and bf16 rows; `moe_align_kernel` (kernels/moe_align.py) at 16, 32
+and 256 experts. Each is lowered to PTX and assembled by the ptxas Triton's wheel ships (`ptxas -v`:
+registers and spill bytes, as `bench/compile_sm90.py` does for the resolver). Pointers and the integer
+arguments in DIVISIBLE carry `tt.divisibility` 16, as Triton's JIT specializes a launch whose pointers
+are 16-B aligned and whose integers are multiples of 16 (every stride at glm5-faithful's shape is).
+Static only: nothing runs, so speed and exactness still need the GPU; a spill is local-memory
+traffic in every loop iteration that touches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's jit functions cannot be compiled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bench.compile_sm90 import TARGET, regs  # noqa: E402
+
+os.environ.pop("TRITON_INTERPRET", None)  # bench.compile_sm90's imports may set it on a machine without CUDA
+from bench.resolver_timing import header  # noqa: E402
+from dhisparse.kernels import moe_align as ma  # noqa: E402
+from dhisparse.kernels import sparse_mla as sm  # noqa: E402
+
+MLA_PTRS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "loc_ptr": "*i64"}
+DIVISIBLE = {"sq_t", "sq_h", "sp_t", "sp_h", "sl_t", "H", "K", "S", "CHUNK", "ps0", "rs0", "ps1", "rs1"}
+SCALE_NAMES = {0: "gather", 1: "reshape", 2: "select", 3: "fold"}
+
+
+def _compile(kern, ptrs: dict, consts: dict, num_warps: int, num_stages: int, wide: set[str] = frozenset()):
+    sig, cst, attrs = {}, {}, {}
+    for i, arg in enumerate(kern.arg_names):
+        if arg in consts:
+            sig[arg], cst[(i,)] = "constexpr", consts[arg]
+            continue
+        sig[arg] = ptrs.get(arg, "fp32" if arg == "qk_scale" else ("i64" if arg in wide else "i32"))
+        if arg.endswith("_ptr") or arg in DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=kern, signature=sig, constexprs=cst, attrs=attrs), target=TARGET,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def mla_variants() -> list[tuple[int, int, int, int, bool, int]]:
+    """(block_h, block_k, warps, stages, fp8, scale path): the shipped plan first (plan_sparse_mla at 64 heads)."""
+    p = sm.plan_sparse_mla(64, 512, 64)
+    out = [(p.block_h, p.block_k, p.num_warps, p.num_stages, True, 2)]
+    out += [(64, 64, 8, 1, True, s) for s in (0, 1, 3)] + [(64, 64, 8, 1, False, 0)]
+    out += [(64, 32, 8, 1, True, 2), (32, 64, 8, 1, True, 2), (64, 64, 4, 1, True, 2), (64, 64, 8, 2, True, 2),
+            (16, 32, 8, 2, True, 2)]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t0, records = time.time(), []
+    for bh, bk, nw, st, fp8, sc in mla_variants():
+        rows = "*u8" if fp8 else "*bf16"
+        consts = dict(PER0=64, PER1=64, C=512, R=64, BC=512, BR=64, BLOCK_H=bh, BLOCK_K=bk, TWO=False,
+                      SPACE_BITS=sm.SPACE_BITS, IEEE=False, INTERP=False, FP8=fp8, SO=512 if fp8 else 0,
+                      RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc)
+        k = _compile(sm.sparse_mla_split_kernel, MLA_PTRS | {"r0_ptr": rows, "r1_ptr": rows}, consts, nw, st,
+                     wide={"ps0", "rs0", "ps1", "rs1"})
+        rec = {"kernel": "sparse_mla_split_kernel", "rows": "fp8" if fp8 else "bf16",
+               "scales": SCALE_NAMES[sc] if fp8 else None, "block_h": bh, "block_k": bk, "num_warps": nw,
+               "num_stages": st, "shared_bytes": k.metadata.shared, "ptxas": regs(k), "wgmma": "wgmma" in k.asm["ptx"]}
+        records.append(rec)
+        print(f"sparse_mla_split_kernel {rec['rows']} {rec['scales']} {bh}x{bk} w{nw} s{st}: {rec['ptxas']}, "
+              f"shared {rec['shared_bytes']} B, {'wgmma' if rec['wgmma'] else 'mma.sync'}", flush=True)
+    for ep in (16, 32, 256):
+        consts = dict(BM=16, EP=ep, CH=ma.CHUNK, FILL=ma.FILL)
+        k = _compile(ma.moe_align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_ptr": "*i32"}, consts, 4, 3)
+        records.append({"kernel": "moe_align_kernel", "experts_padded": ep, "num_warps": 4, "ptxas": regs(k)})
+        print(f"moe_align_kernel EP {ep}: {records[-1]['ptxas']}", flush=True)
+    if args.out:
+        doc = header("compile_sm90_mla", "bench/compile_sm90_mla.py", False, t0, target="sm_90 (ptxas -arch=sm_90a)",
+                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
