@@ -61,6 +61,15 @@ def compile_kernel(kern, consts: dict, num_warps: int):
                           options={"num_warps": num_warps})
 
 
+def write_report(path: str | None, kind: str, script: str, t0: float, target: str, records: list) -> None:
+    """Write a static compile report (command, commit, date, records) as JSON to `path` (None: nothing)."""
+    if path:
+        doc = header(kind, script, False, t0, target=target,
+                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
 def regs(k) -> str:
     """ptxas's register and spill report of a compiled kernel's PTX (the ptxas Triton's wheel ships):
     a static check, no GPU; spills are local-memory traffic the CPU interpreter never shows."""
@@ -132,11 +141,7 @@ def main() -> None:
         compile_kernel(gather_rows_kernel, dict(W=W, R=gather_rows_per_prog(in_flight_units(W, 64)), CW=64, VEC=2), 4)
     records += [{"kernel": "direct_pre_kernel"}, {"kernel": "gather_rows_kernel"}]
     print("direct_pre_kernel, gather_rows_kernel: ok")
-    if args.out:
-        doc = header("compile_sm90", "bench/compile_sm90.py", False, t0, target="sm_90 (ptxas -arch=sm_90a for --regs)",
-                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_report(args.out, "compile_sm90", "bench/compile_sm90.py", t0, "sm_90 (ptxas -arch=sm_90a for --regs)", records)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ GEMM here (no vector loads: a pointer a byte), which is not what the GPU runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,8 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bench.compile_sm90 import TARGET, regs  # noqa: E402
-from bench.resolver_timing import header  # noqa: E402
+from bench.compile_sm90 import TARGET, regs, write_report  # noqa: E402
 from dhisparse.kernels import fp8_gemm as fg  # noqa: E402
 from dhisparse.kernels import fp8_w8a8 as fw  # noqa: E402
 
@@ -102,11 +100,7 @@ def main(argv=None) -> int:
         records.append(rec)
         print(f"{label}: ok, {warps} warps, shared {k.metadata.shared} B" + (f", {rec['ptxas']}" if ns.regs else ""),
               flush=True)
-    if ns.out:
-        doc = header("compile_sm90_fp8", "bench/compile_sm90_fp8.py", False, t0, target="sm_90",
-                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
-        with open(ns.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_report(ns.out, "compile_sm90_fp8", "bench/compile_sm90_fp8.py", t0, "sm_90", records)
     return 0
 
 

@@ -16,7 +16,6 @@ traffic in every loop iteration that touches it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,10 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bench.compile_sm90 import TARGET, regs  # noqa: E402
+from bench.compile_sm90 import TARGET, regs, write_report  # noqa: E402
 
 os.environ.pop("TRITON_INTERPRET", None)  # bench.compile_sm90's imports may set it on a machine without CUDA
-from bench.resolver_timing import header  # noqa: E402
 from dhisparse.kernels import moe_align as ma  # noqa: E402
 from dhisparse.kernels import sparse_mla as sm  # noqa: E402
 
@@ -85,11 +83,7 @@ def main(argv=None) -> int:
         k = _compile(ma.moe_align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_ptr": "*i32"}, consts, 4, 3)
         records.append({"kernel": "moe_align_kernel", "experts_padded": ep, "num_warps": 4, "ptxas": regs(k)})
         print(f"moe_align_kernel EP {ep}: {records[-1]['ptxas']}", flush=True)
-    if args.out:
-        doc = header("compile_sm90_mla", "bench/compile_sm90_mla.py", False, t0, target="sm_90 (ptxas -arch=sm_90a)",
-                     note="static: compiled and assembled on the CPU machine, nothing run", records=records)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_report(args.out, "compile_sm90_mla", "bench/compile_sm90_mla.py", t0, "sm_90 (ptxas -arch=sm_90a)", records)
     return 0
 
 
