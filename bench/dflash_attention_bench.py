@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.mla_tune_bench import ints  # noqa: E402
+from bench.mla_tune_bench import Timing, ints, timed  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.spec.dflash_model import attention_mask, fused_grouped, upcast_grouped  # noqa: E402
 
@@ -44,25 +42,6 @@ def parse(argv=None) -> argparse.Namespace:
     return ns
 
 
-def median_ms(fn, reps: int, warmup: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
-
-
 def inputs(ns, n: int, dev: str, g: torch.Generator):
     """(q, ctx_k, ctx_v, k_blk, v_blk, visible) of one layer for n requests in bf16."""
     b, L, hq, kvh, d = ns.block, ns.window, ns.heads, ns.kv_heads, ns.head_dim
@@ -80,23 +59,20 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not ns.quick
     dev = "cuda" if cuda else "cpu"
     g = torch.Generator().manual_seed(0)
-    runs = []
+    tm, runs = Timing(ns.warmup, ns.reps, 0), []  # graph 0: CUDA events around each call
     for n in ints(ns.requests):
         args = inputs(ns, n, dev, g)
         up, fu = upcast_grouped(*args), fused_grouped(*args)
-        row = {"requests": n, "upcast_ms": median_ms(lambda: upcast_grouped(*args), ns.reps, ns.warmup, cuda),
-               "fused_ms": median_ms(lambda: fused_grouped(*args), ns.reps, ns.warmup, cuda),
+        row = {"requests": n, "upcast_ms": timed(lambda: upcast_grouped(*args), tm, cuda),
+               "fused_ms": timed(lambda: fused_grouped(*args), tm, cuda),
                "max_abs_diff": float((fu.float() - up).abs().max())}
         row["fused_over_upcast"] = row["fused_ms"] / row["upcast_ms"]
         runs.append(row)
         print(f"N {n:3d}  upcast {row['upcast_ms']:7.3f} ms  fused {row['fused_ms']:7.3f} ms  "
               f"x{row['fused_over_upcast']:.3f}  max diff {row['max_abs_diff']:.2e}", flush=True)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
-        "device": torch.cuda.get_device_name() if cuda else "cpu"}
     notes = ["one drafter layer's attention; fused_over_upcast < 1: the fused form is faster (same run, same inputs)",
              "a round runs it once per drafter layer (6 at the paper's shape)"]
-    path = R.write_json(R.new_result("dflash_attention", ns.argv, config, runs, notes), ns.out)
-    print(f"[done] {path}")
+    R.write_bench("dflash_attention", ns, runs, notes, device=torch.cuda.get_device_name() if cuda else "cpu")
     return 0
 
 

@@ -229,8 +229,8 @@ def main(argv=None) -> int:
     drafter.use_graphs(CudaGraphRunner() if ns.device.startswith("cuda") else OneOpRunner(), ns.requests)
     modes = [m for m in MODES if m in ns.modes.split(",")]
     runs, summary = summarize(*run_modes(drafter, rounds, ns, modes), modes)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"drafter": shape, "summary": summary}
-    print(f"{summary}\n[done] {R.write_json(R.new_result('drafter_round', ns.argv, config, runs, NOTES), ns.out)}")
+    print(summary)
+    R.write_bench("drafter_round", ns, runs, NOTES, drafter=shape, summary=summary)
     return 0
 
 

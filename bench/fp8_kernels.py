@@ -187,12 +187,10 @@ def indexer_runs(ns, dev, dtype, cuda, g) -> list[dict]:
 def main(argv=None) -> int:
     ns = parse(argv)
     cuda, dev, dtype, g, gpu = device_setup(ns.quick)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"gpu": gpu, "dtype": str(dtype)}
     runs = attention_runs(ns, dev, dtype, cuda, g) + indexer_runs(ns, dev, dtype, cuda, g)
     notes = ["fp8_over_bf16 < 1: the FP8 rows are faster; both formats timed in this run on the same locations",
              "CUDA times: median graph replay / calls per graph; L2 not flushed"]
-    path = R.write_json(R.new_result("fp8_kernels", ns.argv, config, runs, notes), ns.out)
-    print(f"[done] {path}")
+    R.write_bench("fp8_kernels", ns, runs, notes, gpu=gpu, dtype=str(dtype))
     return 0
 
 

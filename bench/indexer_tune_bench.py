@@ -112,14 +112,11 @@ def main(argv=None) -> int:
         print(f"block_s {bs:4d} warps {nw or 4}  decode {row['decode_ms'] * 1e3:8.1f} us "
               f"x{row['decode_over_shipped']:.3f}  round {row['round_ms'] * 1e3:8.1f} us x{row['round_over_shipped']:.3f}  "
               f"round==decode {row['equal_to_decode']}  decode==shipped {row['decode_equal_to_shipped']}", flush=True)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {"gpu": gpu, "dtype": str(dtype),
-                                                                  "key_bytes": fmt.width if fmt else D * 2}
     notes = ["ratios against the shipped configuration (kernels.indexer.BLOCK_S, 4 warps) in the same run",
              "equal_to_decode: the round's scores bit for bit equal to the per-token kernel's at the same "
              "block_s / num_warps (a configuration is usable only where it holds)",
              "CUDA times: median graph replay / calls per graph; L2 not flushed"]
-    path = R.write_json(R.new_result("indexer_tune", ns.argv, config, runs, notes), ns.out)
-    print(f"[done] {path}")
+    R.write_bench("indexer_tune", ns, runs, notes, gpu=gpu, dtype=str(dtype), key_bytes=fmt.width if fmt else D * 2)
     return 0
 
 

@@ -61,7 +61,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 class Timing(NamedTuple):
-    """How `timed` measures: warm-up calls, timed repetitions, calls per captured CUDA graph."""
+    """How `timed` measures: warm-up calls, timed repetitions, calls per captured CUDA graph (0: no
+    graph, CUDA events around each call)."""
 
     warmup: int
     reps: int
@@ -69,7 +70,8 @@ class Timing(NamedTuple):
 
 
 def timed(fn, tm: Timing, cuda: bool) -> float:
-    """Median milliseconds of one `fn()`: on CUDA from replays of a graph of tm.graph calls."""
+    """Median milliseconds of one `fn()`: on CUDA from replays of a graph of tm.graph calls, or with
+    tm.graph 0 from CUDA events around each eager call."""
     for _ in range(tm.warmup):
         fn()
     if not cuda:
@@ -79,20 +81,23 @@ def timed(fn, tm: Timing, cuda: bool) -> float:
             fn()
             out.append((time.perf_counter() - t) * 1e3)
         return statistics.median(out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(tm.graph):
-            fn()
-    graph.replay()
+    run, per = fn, 1
+    if tm.graph:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(tm.graph):
+                fn()
+        graph.replay()
+        run, per = graph.replay, tm.graph
     out = []
     for _ in range(tm.reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        run()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b) / tm.graph)
+        out.append(a.elapsed_time(b) / per)
     return statistics.median(out)
 
 

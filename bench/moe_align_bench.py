@@ -23,7 +23,7 @@ if "--quick" in sys.argv:  # before anything imports triton
 
 import torch  # noqa: E402
 
-from bench.mla_tune_bench import Timing, ints, timed  # noqa: E402
+from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 
 
@@ -48,9 +48,7 @@ def main(argv=None) -> int:
     from dhisparse.kernels.moe_align import moe_align, moe_align_torch
 
     ns = parse(argv)
-    cuda = torch.cuda.is_available() and not ns.quick
-    dev = "cuda" if cuda else "cpu"
-    g = torch.Generator().manual_seed(0)
+    cuda, dev, _, g, device = device_setup(ns.quick)
     tm, runs = Timing(ns.warmup, ns.reps, ns.graph), []
     for E in ints(ns.experts):
         for T in ints(ns.tokens):
@@ -65,12 +63,9 @@ def main(argv=None) -> int:
             runs.append(row)
             print(f"E {E:3d} T {T:4d} rows {row['rows']:5d} BM {bm:3d}  torch {row['torch_us']:7.1f} us  "
                   f"kernel {row['kernel_us']:7.1f} us  x{row['kernel_over_torch']:.3f}  same {row['same']}", flush=True)
-    config = {k: v for k, v in vars(ns).items() if k != "argv"} | {
-        "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     notes = ["kernel_over_torch < 1: the one-program kernel is faster (same run, same ids)",
              "CUDA times: median graph replay / calls per graph; a glm5-faithful step runs 75 groupings"]
-    path = R.write_json(R.new_result("moe_align", ns.argv, config, runs, notes), ns.out)
-    print(f"[done] {path}")
+    R.write_bench("moe_align", ns, runs, notes, device=device)
     return 0
 
 

@@ -161,6 +161,15 @@ def write_json(result: ResultFile, path: str | Path) -> Path:
     return path
 
 
+def write_bench(kind: str, ns, runs: list, notes: list[str], **config) -> Path:
+    """A micro-benchmark's result file at ns.out: its config is ns's attributes (argv aside) then
+    `config`; prints "[done] <path>" and returns the path."""
+    cfg = {k: v for k, v in vars(ns).items() if k != "argv"} | config
+    path = write_json(new_result(kind, ns.argv, cfg, runs, notes), ns.out)
+    print(f"[done] {path}")
+    return path
+
+
 def write_doc(kind: str, ns, path: str | Path, **fields) -> Path:
     """Write a plain benchmark document: kind, date, commit, the command (ns.argv), machine and config
     (ns's other attributes), then `fields`; indented JSON. Returns the path."""
