@@ -28,7 +28,7 @@ import torch
 from dhisparse.core.topk import TOPK_FORMS
 
 BACKENDS = ("auto", "torch", "triton")
-DEFAULT_SPLIT_ROWS = 128
+DEFAULT_SPLIT_ROWS = 512
 
 
 @dataclass(frozen=True)
