@@ -342,13 +342,13 @@ def test_default_plan_is_batch_invariant_at_the_scaled_models_shape(H):
     """The shipped plan (split rows on) at the scaled GLM's shape (16 heads) and glm5-faithful's
     (64: the wide tile) in bf16: a decode pass of 18 tokens and a 72-token verification pass give
     each token bitwise the output it gets alone."""
-    C, R, k = 512, 64, 512
+    C, R, k = 512, 64, 2048  # glm5-faithful's k: four 512-row splits at DEFAULT_SPLIT_ROWS
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(64, 64, C + R, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(72, H, C, generator=g).to(DEV, torch.bfloat16)
     qp = torch.randn(72, H, R, generator=g).to(DEV, torch.bfloat16)
     loc = torch.randint(0, 64 * 64, (72, k), generator=g).to(DEV)
-    loc[5, 300:] = -1
+    loc[5, 700:] = -1  # a ragged token: one full split, one partial, two empty
     plan = plan_sparse_mla(H, C, R)
     assert 0 < plan.split_rows < k
     full = run_sparse_mla(plan, q, qp, rows, loc, C**-0.5)
