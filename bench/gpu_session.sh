@@ -356,14 +356,14 @@ case ",$STEPS," in *,moealign46,*)  # issue 31: a MoE layer's row grouping, the 
   run "MoE row grouping, kernel vs torch" timeout 90 python3 bench/moe_align_bench.py --out "$OUT/moe_align_h200.json"
   run "exactness on CUDA, MoE grouping files" timeout ${EXACT46M_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
       tests/test_moe_align.py tests/test_fp8_gemm.py tests/test_fp8_w8a8.py -rfE --junitxml="$OUT/exact_cuda_moe_align.xml" ;; esac
-case ",$STEPS," in *,mlasplit47,*)  # issue 31: the sparse-MLA split (rows a program walks; 128 since session 10, chosen at 32K with 16 heads) at glm5-faithful's tile (64 heads, k 2,048, FP8 rows) over decode and round pass sizes, then bench/mla_split_pick.py's rule (geometric mean over T below 0.97x of the default) and, with MLASPLIT47_APPLY=1, that split patched in as DEFAULT_SPLIT_ROWS of this call's tree (for an exactall after it in the same call; ~1.5 min)
+case ",$STEPS," in *,mlasplit47,*)  # issue 31: the sparse-MLA split (rows a program walks; 128 from session 10 at 16 heads; the wide tile's 512 since session 48) at glm5-faithful's tile (64 heads, k 2,048, FP8 rows) over decode and round pass sizes, then bench/mla_split_pick.py's rule (geometric mean over T below 0.97x of the default) and, with MLASPLIT47_APPLY=1, that split patched in as WIDE_SPLIT_ROWS of this call's tree (for an exactall after it in the same call; ~1.5 min)
   run "sparse-MLA split sweep, 64 heads, k 2048, FP8 rows" timeout ${MLASPLIT47_TIMEOUT:-240} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
       --kv-cache-dtype fp8_e4m3 --tokens ${MLASPLIT47_TOKENS:-20,47,90,235} --block-h 64 --splits ${MLASPLIT47_SPLITS:-256,512,1024,0} --block-k 64 \
       --warps 8 --stages 1 --out "$OUT/mla_split_h200.json"
   N=$(python3 bench/mla_split_pick.py "$OUT/mla_split_h200.json" 2>>"$LOG"); echo "split picked: $N" | tee "$OUT/mla_split_pick.txt"
   if [ -n "${MLASPLIT47_APPLY:-}" ] && [ -n "$N" ]; then
-    sed -i "s/^DEFAULT_SPLIT_ROWS = [0-9]*/DEFAULT_SPLIT_ROWS = $N/" dhisparse/kernels/backend.py
-    grep -n '^DEFAULT_SPLIT_ROWS' dhisparse/kernels/backend.py | tee -a "$OUT/mla_split_pick.txt"
+    sed -i "s/^WIDE_SPLIT_ROWS = [0-9]*/WIDE_SPLIT_ROWS = $N/" dhisparse/kernels/backend.py
+    grep -n '^WIDE_SPLIT_ROWS' dhisparse/kernels/backend.py | tee -a "$OUT/mla_split_pick.txt"
   fi ;; esac
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \

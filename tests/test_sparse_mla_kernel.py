@@ -342,7 +342,7 @@ def test_default_plan_is_batch_invariant_at_the_scaled_models_shape(H):
     """The shipped plan (split rows on) at the scaled GLM's shape (16 heads) and glm5-faithful's
     (64: the wide tile) in bf16: a decode pass of 18 tokens and a 72-token verification pass give
     each token bitwise the output it gets alone."""
-    C, R, k = 512, 64, 2048  # glm5-faithful's k: four 512-row splits at DEFAULT_SPLIT_ROWS
+    C, R, k = 512, 64, 2048  # glm5-faithful's k: 16 splits of 128 rows on the narrow tile, 4 of 512 on the wide
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(64, 64, C + R, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(72, H, C, generator=g).to(DEV, torch.bfloat16)
@@ -356,6 +356,24 @@ def test_default_plan_is_batch_invariant_at_the_scaled_models_shape(H):
     assert torch.equal(decode, full[::4])
     for t in (0, 5, 71):
         assert torch.equal(run_sparse_mla(plan, q[t : t + 1], qp[t : t + 1], rows, loc[t : t + 1], C**-0.5)[0], full[t])
+
+
+def test_default_split_follows_the_tile_and_a_setting_overrides_it():
+    """No setting: 128 rows on the narrow tile (16 heads, or fp32 queries at 64), 512 on the wide one
+    (64 heads of 16-bit queries); a configured split serves every tile; the split depends on the
+    model's shape only, never on the batch."""
+    from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, WIDE_SPLIT_ROWS
+
+    assert (DEFAULT_SPLIT_ROWS, WIDE_SPLIT_ROWS) == (128, 512)
+    assert plan_sparse_mla(16, 512, 64).split_rows == 128 and not plan_sparse_mla(16, 512, 64).wide
+    assert plan_sparse_mla(64, 512, 64).split_rows == 512 and plan_sparse_mla(64, 512, 64).wide
+    assert plan_sparse_mla(64, 512, 64, dtype=torch.float32).split_rows == 128
+    kernel_backend.configure(KernelSettings(mla_split_rows=256))  # the conftest restores the default
+    assert plan_sparse_mla(16, 512, 64).split_rows == plan_sparse_mla(64, 512, 64).split_rows == 256
+    kernel_backend.configure(KernelSettings(mla_split_rows=0))
+    assert plan_sparse_mla(64, 512, 64).split_rows == 0
+    with pytest.raises(ValueError, match="mla_split_rows"):
+        KernelSettings(mla_split_rows=-1)
 
 
 def test_split_rows_must_not_be_negative():

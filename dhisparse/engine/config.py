@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from dhisparse.core.kvformat import KV_CACHE_DTYPES  # auto, bfloat16, fp8_e4m3
 from dhisparse.core.parallel import ParallelConfig, ParallelConfigError
 from dhisparse.engine.disagg_layout import DisaggConfigError, DisaggLayout
-from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, KernelSettings
+from dhisparse.kernels.backend import KernelSettings
 from dhisparse.kernels.fp8_gemm_ref import FP8_ACTIVATIONS as _KERNEL_ACTIVATIONS  # none, dynamic
 from dhisparse.kernels.resolver import MAX_B  # hot rows a slot the plan kernel ranks
 from dhisparse.kv.build import StoreSettings
@@ -146,7 +146,7 @@ class EngineConfig:
     kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
         tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).
     mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
-        0 = off). indexer_group: grouped indexer scoring of verification rounds.
+        0 = off; None, the default: 128 on the 16-head tile, 512 on the 64-head wide tile). indexer_group: grouped indexer scoring of verification rounds.
     indexer_topk [--indexer-topk]: the form of the indexers' tie-ruled top-k, "stable" (two top-k passes
         and two sorts), "packed" (one top-k over int64 (score, index) keys), "lean" (one sort) or
         "auto" (the default: packed for a decode pass on CUDA, lean for a verification round,
@@ -237,7 +237,7 @@ class EngineConfig:
     replay_reference: bool = False
     resolver: str = "auto"
     kernel_backend: str = "auto"
-    mla_split_rows: int = DEFAULT_SPLIT_ROWS
+    mla_split_rows: int | None = None
     indexer_group: bool = True
     indexer_topk: str = "auto"
     admission_lookahead: int = 8

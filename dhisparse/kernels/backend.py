@@ -3,7 +3,8 @@
 `KernelSettings` is the process's kernel choice: `backend` "auto" runs Triton for CUDA tensors and
 the plain-PyTorch references elsewhere, "torch" the references everywhere, "triton" the kernels on
 CPU too (they then need TRITON_INTERPRET=1: tests and op counts of the GPU path run this way).
-`mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off), `indexer_group`
+`mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off, None = by the plan's tile:
+DEFAULT_SPLIT_ROWS for the narrow tile, WIDE_SPLIT_ROWS for the wide one), `indexer_group`
 turns grouped verification scoring on (`kernels/indexer.py`) and `indexer_topk` is the form of the
 indexers' tie-ruled top-k (`core/topk.py`: stable, packed or lean; the same selections).
 
@@ -28,23 +29,29 @@ import torch
 from dhisparse.core.topk import TOPK_FORMS
 
 BACKENDS = ("auto", "torch", "triton")
-DEFAULT_SPLIT_ROWS = 512
+# Sparse-MLA split rows by tile (a model's heads fix its tile, so its split never depends on the batch):
+# 128 for the narrow tile (16 heads x 32 rows; session 10 at 16 heads, k 512: 0.47x of no split at T 18,
+# bench/results/mla_tune_s10b_h200.json), 512 for the wide one (64 heads x 64 rows; session 48 at 64 heads,
+# k 2,048, FP8 rows: geometric mean 0.67x of 128 over T 20 / 47 / 90 / 235, mla_split_s48_h100.json).
+DEFAULT_SPLIT_ROWS = 128
+WIDE_SPLIT_ROWS = 512
 
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """backend: auto | torch | triton; mla_split_rows >= 0; indexer_group: grouped verification scoring;
+    """backend: auto | torch | triton; mla_split_rows >= 0 or None (by tile); indexer_group: grouped
+    verification scoring;
     indexer_topk: one of core/topk.py's TOPK_FORMS."""
 
     backend: str = "auto"
-    mla_split_rows: int = DEFAULT_SPLIT_ROWS
+    mla_split_rows: int | None = None
     indexer_group: bool = True
     indexer_topk: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-        if self.mla_split_rows < 0:
+        if self.mla_split_rows is not None and self.mla_split_rows < 0:
             raise ValueError(f"mla_split_rows must be >= 0 (0: no split), got {self.mla_split_rows}")
         if self.indexer_topk not in TOPK_FORMS:
             raise ValueError(f"indexer_topk must be one of {', '.join(TOPK_FORMS)}; got {self.indexer_topk!r}")

@@ -26,10 +26,12 @@ kernel merges the S = cdiv(k, n) partials of each token in a fixed order:
     M = max_j m_j      out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j      (0 if no valid row)
 
 S depends on k only, never on the batch, so a token's arithmetic is the same in any pass
-(verification reproduces decoding). On by default with n = 128 (DEFAULT_SPLIT_ROWS; the
-environment variable DHISPARSE_MLA_SPLIT_ROWS sets another n, 0 = no split): on the H200 a 32K
-decode step's attention fell from 6.9 to 2.5 ms (bench/results/step_profile_32k_c18_split128_s10a_h200.json,
-mla_tune_s10b_h200.json). Plan / run:
+(verification reproduces decoding). On by default, n by tile (a model's heads fix it): 128 on the
+narrow tile (DEFAULT_SPLIT_ROWS: on the H200 a 32K decode step's attention at 16 heads fell from 6.9 to
+2.5 ms, bench/results/step_profile_32k_c18_split128_s10a_h200.json, mla_tune_s10b_h200.json) and 512 on
+the wide one (WIDE_SPLIT_ROWS: at 64 heads, k 2,048, FP8 rows, 0.61-0.75x of 128's time over T 20-235 on
+an H100, and the costed round's attention 25.5 -> 18.9 ms, mla_split_s48_h100.json). The environment
+variable DHISPARSE_MLA_SPLIT_ROWS sets one n for every tile (0 = no split). Plan / run:
 
     plan = plan_sparse_mla(H, C, R)                         # block sizes, warps (host only)
     out = run_sparse_mla(plan, q_abs, q_pe, rows, loc, scale)
@@ -47,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from dhisparse.kernels.backend import on_configure, settings, use_triton
+from dhisparse.kernels.backend import DEFAULT_SPLIT_ROWS, WIDE_SPLIT_ROWS, on_configure, settings, use_triton
 from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
 import triton
 import triton.language as tl
@@ -273,8 +275,8 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     every C > 256 plan did before: the wide tile of fp32 queries needs ~280 KB of shared memory,
     over the H200's 227 KB, so pass the query dtype when it may be fp32 (dtype None plans for
     16-bit queries); small C takes up to 64 heads x 16 rows on 4 warps. split_rows
-    (default KernelSettings.mla_split_rows, DEFAULT_SPLIT_ROWS unless configured; 0 = off) is
-    rounded up to a multiple of block_k."""
+    (default KernelSettings.mla_split_rows; when that is None, WIDE_SPLIT_ROWS on the wide tile and
+    DEFAULT_SPLIT_ROWS otherwise; 0 = off) is rounded up to a multiple of block_k."""
     big = C > 256
     bh = _p2(block_h or min(_p2(H), (16 if dtype == torch.float32 else WIDE_HEADS) if big else 64))
     wide = big and bh >= 32
@@ -282,6 +284,8 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     nw = num_warps or (8 if big else 4)
     st = num_stages or (1 if wide else 2)
     n = settings().mla_split_rows if split_rows is None else split_rows
+    if n is None:
+        n = WIDE_SPLIT_ROWS if wide else DEFAULT_SPLIT_ROWS
     if n < 0:
         raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
     return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk, wide)
