@@ -50,15 +50,13 @@ def _compile(kern, ptrs: dict, consts: dict, num_warps: int, num_stages: int, wi
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def mla_variants() -> list[tuple[int, int, int, int, bool, int, int]]:
-    """(block_h, block_k, warps, stages, fp8, scale path, value splits): the shipped plan first
-    (plan_sparse_mla at 64 heads)."""
+def mla_variants() -> list[tuple[int, int, int, int, bool, int]]:
+    """(block_h, block_k, warps, stages, fp8, scale path): the shipped plan first (plan_sparse_mla at 64 heads)."""
     p = sm.plan_sparse_mla(64, 512, 64)
-    out = [(p.block_h, p.block_k, p.num_warps, p.num_stages, True, 2, p.value_splits)]
-    out += [(64, 64, 8, 1, True, s, 1) for s in (0, 1, 3)] + [(64, 64, 8, 1, False, 0, 1)]
-    out += [(64, 32, 8, 1, True, 2, 1), (32, 64, 8, 1, True, 2, 1), (64, 64, 4, 1, True, 2, 1),
-            (64, 64, 8, 2, True, 2, 1), (16, 32, 8, 2, True, 2, 1)]
-    out += [(64, 64, 8, 1, True, 2, 2), (64, 32, 8, 1, True, 2, 2), (64, 64, 8, 1, False, 0, 2)]  # value split
+    out = [(p.block_h, p.block_k, p.num_warps, p.num_stages, True, 2)]
+    out += [(64, 64, 8, 1, True, s) for s in (0, 1, 3)] + [(64, 64, 8, 1, False, 0)]
+    out += [(64, 32, 8, 1, True, 2), (32, 64, 8, 1, True, 2), (64, 64, 4, 1, True, 2), (64, 64, 8, 2, True, 2),
+            (16, 32, 8, 2, True, 2)]
     return out
 
 
@@ -67,18 +65,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t0, records = time.time(), []
-    for bh, bk, nw, st, fp8, sc, vs in mla_variants():
+    for bh, bk, nw, st, fp8, sc in mla_variants():
         rows = "*u8" if fp8 else "*bf16"
         consts = dict(PER0=64, PER1=64, C=512, R=64, BC=512, BR=64, BLOCK_H=bh, BLOCK_K=bk, TWO=False,
                       SPACE_BITS=sm.SPACE_BITS, IEEE=False, INTERP=False, FP8=fp8, SO=512 if fp8 else 0,
-                      RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc, VS=vs)
+                      RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc)
         k = _compile(sm.sparse_mla_split_kernel, MLA_PTRS | {"r0_ptr": rows, "r1_ptr": rows}, consts, nw, st,
                      wide={"ps0", "rs0", "ps1", "rs1"})
         rec = {"kernel": "sparse_mla_split_kernel", "rows": "fp8" if fp8 else "bf16",
                "scales": SCALE_NAMES[sc] if fp8 else None, "block_h": bh, "block_k": bk, "num_warps": nw,
-               "num_stages": st, "value_splits": vs, "shared_bytes": k.metadata.shared, "ptxas": regs(k), "wgmma": "wgmma" in k.asm["ptx"]}
+               "num_stages": st, "shared_bytes": k.metadata.shared, "ptxas": regs(k), "wgmma": "wgmma" in k.asm["ptx"]}
         records.append(rec)
-        print(f"sparse_mla_split_kernel {rec['rows']} {rec['scales']} {bh}x{bk} w{nw} s{st} vs{vs}: {rec['ptxas']}, "
+        print(f"sparse_mla_split_kernel {rec['rows']} {rec['scales']} {bh}x{bk} w{nw} s{st}: {rec['ptxas']}, "
               f"shared {rec['shared_bytes']} B, {'wgmma' if rec['wgmma'] else 'mma.sync'}", flush=True)
     for ep in (16, 32, 256):
         consts = dict(BM=16, EP=ep, CH=ma.CHUNK, FILL=ma.FILL)

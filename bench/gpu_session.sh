@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,mlavs48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -365,11 +365,6 @@ case ",$STEPS," in *,mlasplit47,*)  # issue 31: the sparse-MLA split (rows a pro
     sed -i "s/^WIDE_SPLIT_ROWS = [0-9]*/WIDE_SPLIT_ROWS = $N/" dhisparse/kernels/backend.py
     grep -n '^WIDE_SPLIT_ROWS' dhisparse/kernels/backend.py | tee -a "$OUT/mla_split_pick.txt"
   fi ;; esac
-case ",$STEPS," in *,mlavs48,*)  # issue 31: the sparse-MLA value split (two programs a head block, each accumulating half the 512 value columns: no spills at 64 x 32 on FP8 rows by ptxas) against the shipped wide tile, at glm5-faithful's shape and the 512-row split over decode and round pass sizes; bench/mla_split_pick.py's rule over (value_splits, block_k) (~1.5 min)
-  run "sparse-MLA value split sweep, 64 heads, k 2048, FP8 rows" timeout ${MLAVS48_TIMEOUT:-240} python3 bench/mla_tune_bench.py --heads 64 --topk 2048 \
-      --kv-cache-dtype fp8_e4m3 --tokens ${MLAVS48_TOKENS:-20,47,90,235} --block-h 64 --splits 512 --block-k 32,64 \
-      --warps 8 --stages 1 --value-splits 1,2 --out "$OUT/mla_vs_h200.json"
-  N=$(python3 bench/mla_split_pick.py "$OUT/mla_vs_h200.json" --key value_splits,block_k 2>>"$LOG"); echo "value_splits,block_k picked: $N" | tee "$OUT/mla_vs_pick.txt" ;; esac
 case ",$STEPS," in *,copyorder33,*)  # issue 33: the resolver's copy in host-address order against selection order, pages scattered over a ${COPYORDER33_GIB:-16}-GiB pinned region (~1.5 min)
   run "copy order" timeout ${COPYORDER33_TIMEOUT:-200} python3 bench/copy_order.py --region-gib ${COPYORDER33_GIB:-16} \
       --out "$OUT/copy_order_h200.json" ;; esac

@@ -4,8 +4,8 @@
     python3 bench/mla_tune_bench.py --quick --out /tmp/mla_tune.json    # CPU smoke (interpreter)
 
 For each pass size T (a decode pass has one token per request, a verification pass K per request)
-and each configuration (block_h, split_rows, block_k, num_warps, num_stages, value_splits, and for FP8
-rows the scale path) one layer's attention at the scaled GLM's shape (16 heads, latent 512 + rope 64, k = 512
+and each configuration (block_h, split_rows, block_k, num_warps, num_stages, and for FP8 rows the
+scale path) one layer's attention at the scaled GLM's shape (16 heads, latent 512 + rope 64, k = 512
 random locations in a paged row space; --heads 64 --topk 2048 --kv-cache-dtype fp8_e4m3 is
 glm5-faithful's) is timed. On CUDA, --graph launches are captured in one CUDA graph and replayed (the engine replays
 its steps from graphs, so Python launch cost is not part of the kernel's time); the time is the
@@ -44,7 +44,6 @@ def parse(argv=None) -> argparse.Namespace:
     a("--splits", default="0,64,128", help="split_rows values (0 = one program walks all k)")
     a("--block-k", default="16,32,64"); a("--warps", default="4,8"); a("--stages", default="1,2,3")
     a("--block-h", default="", help="head blocks to sweep (default: the plan's own only)")
-    a("--value-splits", default="1", help="programs a head block's value columns are split between (1, 2)")
     a("--kv-cache-dtype", default="auto", help="auto: plain model-dtype rows; fp8_e4m3: the 656-B FlashMLA rows")
     a("--scales", default="", help="FP8 scale paths to sweep (gather,reshape,select,fold; default: the shipped one)")
     a("--heads", type=int, default=16); a("--latent", type=int, default=512); a("--rope", type=int, default=64)
@@ -103,19 +102,17 @@ def timed(fn, tm: Timing, cuda: bool) -> float:
 
 
 def plans(H: int, C: int, R: int, splits: list[int], block_ks: list[int], warps: list[int], stages: list[int],
-          block_hs: list[int] | None = None, dtype: torch.dtype | None = None, value_splits: list[int] | None = None):
+          block_hs: list[int] | None = None, dtype: torch.dtype | None = None):
     """The default plan for (H, C, R) and query dtype first, then every swept configuration that
-    differs from it (block_hs empty: the default plan's head block only; value_splits empty: 1)."""
+    differs from it (block_hs empty: the default plan's head block only)."""
     from dhisparse.kernels.sparse_mla import plan_sparse_mla
 
     default = plan_sparse_mla(H, C, R, dtype=dtype)
     out = [default]
-    for bh, n, bk, nw, st, vs in itertools.product(block_hs or [default.block_h], splits, block_ks, warps, stages,
-                                                   value_splits or [1]):
+    for bh, n, bk, nw, st in itertools.product(block_hs or [default.block_h], splits, block_ks, warps, stages):
         if n and n % bk:
             continue
-        plan = plan_sparse_mla(H, C, R, block_h=bh, block_k=bk, num_warps=nw, num_stages=st, split_rows=n,
-                               value_splits=vs)
+        plan = plan_sparse_mla(H, C, R, block_h=bh, block_k=bk, num_warps=nw, num_stages=st, split_rows=n)
         if plan not in out:
             out.append(plan)
     return out
@@ -168,7 +165,7 @@ def main(argv=None) -> int:
             else:
                 os.environ["DHISPARSE_FP8_SCALES"] = sc
             for plan in plans(H, C, Rr, ints(ns.splits), ints(ns.block_k), ints(ns.warps), ints(ns.stages),
-                              ints(ns.block_h), dtype, ints(ns.value_splits)):
+                              ints(ns.block_h), dtype):
                 out = torch.empty(T, H, C, device=dev, dtype=dtype)
                 run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, fmt, out=out)
                 ms = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, C**-0.5, fmt, out=out), tm, cuda)
@@ -176,8 +173,7 @@ def main(argv=None) -> int:
                     base_ms, base_out = ms, out.clone()
                 diff = float((out.float() - base_out.float()).abs().max())
                 cfg = {"block_h": plan.block_h, "split_rows": plan.split_rows, "block_k": plan.block_k,
-                       "num_warps": plan.num_warps, "num_stages": plan.num_stages, "value_splits": plan.value_splits,
-                       "scales": sc or "default"}
+                       "num_warps": plan.num_warps, "num_stages": plan.num_stages, "scales": sc or "default"}
                 runs.append({"tokens": T, **cfg, "ms": ms, "vs_default": ms / base_ms, "max_abs_diff_vs_default": diff})
                 print(f"T={T:4d} {cfg}  {ms * 1e3:8.1f} us  x{ms / base_ms:.3f} of default  diff {diff:.2g}", flush=True)
         os.environ.pop("DHISPARSE_FP8_SCALES", None)

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from dhisparse.core.kvformat import RowFormat
 from dhisparse.core.rows import SPACE
-from dhisparse.kernels.sparse_mla_rows import _attend_block_fold, _fp8_args, _fp8_rows, _fp8_values, _online_softmax
+from dhisparse.kernels.sparse_mla_rows import _attend_block_fold, _fp8_args, _fp8_rows, _online_softmax
 
 __all__ = ["SparseMLAPlan", "plan_sparse_mla", "run_sparse_mla", "sparse_mla", "backend"]
 
@@ -66,9 +66,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _row_base(k0, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0, PER1: tl.constexpr, ps1, rs1,
-              BLOCK_K: tl.constexpr, TWO: tl.constexpr, SPACE_BITS: tl.constexpr):
-    """Locations k0 .. k0+BLOCK_K of one token -> (valid [BLOCK_K], each row's first element pointer)."""
+def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
+                  PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
+                  SCALES: tl.constexpr):
+    """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
+    cdt = q.dtype
     kk = k0 + tl.arange(0, BLOCK_K)
     loc = tl.load(loc_ptr + kk, mask=kk < K, other=-1)
     valid = loc >= 0
@@ -80,18 +84,6 @@ def _row_base(k0, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0, PER1
         base = tl.where(space == 0, r0_ptr + off0, r1_ptr + off1)
     else:
         base = r0_ptr + (loc // PER0) * ps0 + (loc % PER0) * rs0
-    return valid, base
-
-
-@triton.jit
-def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0, rs0,
-                  PER1: tl.constexpr, ps1, rs1, qk_scale, cc, rr, cm, rm, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                  TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                  SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                  SCALES: tl.constexpr):
-    """Locations k0 .. k0+BLOCK_K of one token (loc_ptr at its row): gather, score, online-softmax update."""
-    cdt = q.dtype
-    valid, base = _row_base(k0, loc_ptr, r0_ptr, r1_ptr, K, PER0, ps0, rs0, PER1, ps1, rs1, BLOCK_K, TWO, SPACE_BITS)
     cmask = valid[:, None] & cm[None, :]
     rmask = valid[:, None] & rm[None, :]
     if FP8:  # uint8 rows: e4m3 values, fp32 scales at byte SO (one per TILE), bf16 rope at byte RO
@@ -112,95 +104,6 @@ def _attend_block(k0, q, qpe, m_i, l_i, acc, loc_ptr, r0_ptr, r1_ptr, K, PER0: t
     else:
         acc = tl.dot(p.to(cdt), c, acc * alpha[:, None])
     return m_new, l_i, acc
-
-
-@triton.jit
-def _half_values(base, valid, ch, cmh, C0: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, cdt,
-                 FP8: tl.constexpr, SO: tl.constexpr, TILE: tl.constexpr, SCALES: tl.constexpr):
-    """Latent columns C0 .. C0 + HALF - 1 of the block's rows in the query dtype [BLOCK_K, HALF]."""
-    m = valid[:, None] & cmh[None, :]
-    if FP8:
-        return _fp8_values(base, valid, ch, m, C0, HALF, BLOCK_K, SO, TILE, SCALES).to(cdt)
-    return tl.load(base[:, None] + C0 + ch[None, :], mask=m, other=0.0).to(cdt)
-
-
-@triton.jit
-def _attend_block_vs(k0, q_lo, q_hi, qpe, m_i, l_i, acc, v, loc_ptr, r0_ptr, r1_ptr, K, PER0: tl.constexpr, ps0,
-                     rs0, PER1: tl.constexpr, ps1, rs1, qk_scale, ch, rr, cmh, rm, HALF: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TWO: tl.constexpr, SPACE_BITS: tl.constexpr, IEEE: tl.constexpr,
-                     FP8: tl.constexpr, SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                     SCALES: tl.constexpr):
-    """`_attend_block` with the value columns split in two (plan.value_splits 2): the scores over all
-    C = 2 * HALF columns (q_lo . c_lo, then q_hi . c_hi chained into the same accumulator, then the
-    rope), the output accumulated over half v only: acc [BLOCK_H, HALF] (columns v*HALF ..). Two
-    programs share a token's rows and scores, so each holds half the accumulator.
-
-        c [BLOCK_K, C]:  | c_lo (0 .. HALF-1) | c_hi (HALF .. C-1) |   program v adds p . c_v"""
-    cdt = q_lo.dtype
-    valid, base = _row_base(k0, loc_ptr, r0_ptr, r1_ptr, K, PER0, ps0, rs0, PER1, ps1, rs1, BLOCK_K, TWO, SPACE_BITS)
-    c_lo = _half_values(base, valid, ch, cmh, 0, HALF, BLOCK_K, cdt, FP8, SO, TILE, SCALES)
-    c_hi = _half_values(base, valid, ch, cmh, HALF, HALF, BLOCK_K, cdt, FP8, SO, TILE, SCALES)
-    rmask = valid[:, None] & rm[None, :]
-    if FP8:
-        kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask,
-                      other=0.0).to(cdt)
-    else:
-        kpe = tl.load(base[:, None] + 2 * HALF + rr[None, :], mask=rmask, other=0.0).to(cdt)
-    if IEEE:
-        s = tl.dot(q_lo, tl.trans(c_lo), input_precision="ieee")
-        s = tl.dot(q_hi, tl.trans(c_hi), s, input_precision="ieee")
-        s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")
-    else:
-        s = tl.dot(q_lo, tl.trans(c_lo))
-        s = tl.dot(q_hi, tl.trans(c_hi), s)
-        s = tl.dot(qpe, tl.trans(kpe), s)
-    m_new, l_i, alpha, p = _online_softmax(s, valid, qk_scale, m_i, l_i)
-    cv = tl.where(v == 0, c_lo, c_hi)
-    if IEEE:
-        acc = tl.dot(p, cv.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(cdt), cv, acc * alpha[:, None])
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_range_vs(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, lp, r0_ptr, r1_ptr, t, heads, v, lo, hi,
-                     H, PER0: tl.constexpr, ps0, rs0, PER1: tl.constexpr, ps1, rs1, qk_scale,
-                     R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                     SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
-                     SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr, SCALES: tl.constexpr):
-    """`_attend_range` with the value columns split in two (C == BC): acc [BLOCK_H, BC // 2] of
-    columns v * BC/2 .. (`_attend_block_vs`)."""
-    hm = heads < H
-    rr = tl.arange(0, BR)
-    rm = rr < R
-    HALF: tl.constexpr = BC // 2
-    ch = tl.arange(0, HALF)
-    cmh = ch < HALF
-    qrow = q_ptr + t * sq_t + heads[:, None] * sq_h
-    q_lo = tl.load(qrow + ch[None, :], mask=hm[:, None], other=0.0)
-    q_hi = tl.load(qrow + HALF + ch[None, :], mask=hm[:, None], other=0.0)
-    qpe = tl.load(qpe_ptr + t * sp_t + heads[:, None] * sp_h + rr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
-    if IEEE:
-        q_lo, q_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
-    qpe = qpe.to(q_lo.dtype)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HALF], tl.float32)
-    if INTERP:
-        k0 = lo
-        while k0 < hi:
-            m_i, l_i, acc = _attend_block_vs(k0, q_lo, q_hi, qpe, m_i, l_i, acc, v, lp, r0_ptr, r1_ptr, hi, PER0, ps0,
-                                             rs0, PER1, ps1, rs1, qk_scale, ch, rr, cmh, rm, HALF, BLOCK_K, TWO,
-                                             SPACE_BITS, IEEE, FP8, SO, RO, TILE, SCALES)
-            k0 += BLOCK_K
-    else:
-        for k0 in range(lo, hi, BLOCK_K):
-            m_i, l_i, acc = _attend_block_vs(k0, q_lo, q_hi, qpe, m_i, l_i, acc, v, lp, r0_ptr, r1_ptr, hi, PER0, ps0,
-                                             rs0, PER1, ps1, rs1, qk_scale, ch, rr, cmh, rm, HALF, BLOCK_K, TWO,
-                                             SPACE_BITS, IEEE, FP8, SO, RO, TILE, SCALES)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -264,22 +167,14 @@ def sparse_mla_kernel(q_ptr, qpe_ptr, out_ptr, loc_ptr, r0_ptr, r1_ptr,
                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                       SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
                       SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                      SCALES: tl.constexpr, VS: tl.constexpr):
-    """Program (t, hb * VS + v): heads hb*BLOCK_H .. +BLOCK_H of token t, value columns v * BC/VS ..
-    qk_scale = scale * log2(e)."""
+                  SCALES: tl.constexpr):
+    """Program (t, hb): heads hb*BLOCK_H .. +BLOCK_H of token t. qk_scale = scale * log2(e)."""
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1) // VS
-    v = tl.program_id(1) % VS
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    if VS == 2:
-        m_i, l_i, acc = _attend_range_vs(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t,
-                                         heads, v, 0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, R, BC, BR, BLOCK_H,
-                                         BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
-    else:
-        m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t,
-                                      heads, 0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H,
-                                      BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
-    cc = v * (BC // VS) + tl.arange(0, BC // VS)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
+                                  0, K, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H, BLOCK_K,
+                                  TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
+    cc = tl.arange(0, BC)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * so_t + heads[:, None] * so_h + cc[None, :], o.to(out_ptr.dtype.element_ty),
              mask=(heads < H)[:, None] & (cc < C)[None, :])
@@ -293,31 +188,22 @@ def sparse_mla_split_kernel(q_ptr, qpe_ptr, acc_ptr, ml_ptr, loc_ptr, r0_ptr, r1
                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                             SPACE_BITS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, FP8: tl.constexpr,
                             SO: tl.constexpr, RO: tl.constexpr, TILE: tl.constexpr,
-                            SCALES: tl.constexpr, VS: tl.constexpr):
-    """Program (t, hb * VS + v, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token
-    t, heads hb*BLOCK_H .., value columns v * BC/VS ..: acc [T, S, H, C] (unnormalised) and ml
-    [T, S, H, 2] (max, sum) in fp32 (the VS programs compute the same m and l; v = 0 writes them)."""
+                  SCALES: tl.constexpr):
+    """Program (t, hb, j): the partial of locations j*CHUNK .. min(K, j*CHUNK + CHUNK) of token t,
+    heads hb*BLOCK_H ..: acc [T, S, H, C] (unnormalised) and ml [T, S, H, 2] (max, sum) in fp32."""
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1) // VS
-    v = tl.program_id(1) % VS
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.program_id(2)
     lo = j * CHUNK
-    hi = tl.minimum(K, lo + CHUNK)
-    if VS == 2:
-        m_i, l_i, acc = _attend_range_vs(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t,
-                                         heads, v, lo, hi, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, R, BC, BR, BLOCK_H,
-                                         BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
-    else:
-        m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t,
-                                      heads, lo, hi, H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC, BR, BLOCK_H,
-                                      BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
+    m_i, l_i, acc = _attend_range(q_ptr, qpe_ptr, sq_t, sq_h, sp_t, sp_h, loc_ptr + t * sl_t, r0_ptr, r1_ptr, t, heads,
+                                  lo, tl.minimum(K, lo + CHUNK), H, PER0, ps0, rs0, PER1, ps1, rs1, qk_scale, C, R, BC,
+                                  BR, BLOCK_H, BLOCK_K, TWO, SPACE_BITS, IEEE, INTERP, FP8, SO, RO, TILE, SCALES)
     hm = heads < H
-    cc = v * (BC // VS) + tl.arange(0, BC // VS)
+    cc = tl.arange(0, BC)
     row = (t * S + j) * H + heads  # [BLOCK_H] rows of the workspaces
     tl.store(acc_ptr + row[:, None] * C + cc[None, :], acc, mask=hm[:, None] & (cc < C)[None, :])
-    tl.store(ml_ptr + row * 2, m_i, mask=hm & (v == 0))
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm & (v == 0))
+    tl.store(ml_ptr + row * 2, m_i, mask=hm)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
 
 
 @triton.jit
@@ -355,10 +241,7 @@ class SparseMLAPlan:
     split_rows: locations per program when a token's k locations are split (0: one program walks
     all of them; else a multiple of block_k). wide: the tile holds [block_h, C] queries and a
     [block_k, C] row tile at C > 256 with block_h >= 32, which fits in shared memory only with
-    16-bit queries (run_sparse_mla refuses fp32 ones on the GPU). value_splits: programs that share
-    a head block's rows and scores, each accumulating 1 / value_splits of the C value columns (1 or
-    2; 2 halves the accumulator a program holds, for C a power of two, at twice the row reads and
-    score work)."""
+    16-bit queries (run_sparse_mla refuses fp32 ones on the GPU)."""
 
     H: int
     C: int
@@ -369,7 +252,6 @@ class SparseMLAPlan:
     num_stages: int
     split_rows: int = 0
     wide: bool = False
-    value_splits: int = 1
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -381,7 +263,7 @@ WIDE_HEADS = 64  # heads a program takes at C > 256 with 16-bit queries (GLM-5's
 
 def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, split_rows: int | None = None,
-                    dtype: torch.dtype | None = None, value_splits: int = 1) -> SparseMLAPlan:
+                    dtype: torch.dtype | None = None) -> SparseMLAPlan:
     """Pick block sizes (tl.dot needs every dim >= 16; smaller H, C, R are padded and masked).
 
     At C > 256 a program takes up to WIDE_HEADS heads: every head reads the same latent rows, so a
@@ -394,8 +276,7 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
     over the H200's 227 KB, so pass the query dtype when it may be fp32 (dtype None plans for
     16-bit queries); small C takes up to 64 heads x 16 rows on 4 warps. split_rows
     (default KernelSettings.mla_split_rows; when that is None, WIDE_SPLIT_ROWS on the wide tile and
-    DEFAULT_SPLIT_ROWS otherwise; 0 = off) is rounded up to a multiple of block_k. value_splits 2
-    (SparseMLAPlan) needs C a power of two >= 32."""
+    DEFAULT_SPLIT_ROWS otherwise; 0 = off) is rounded up to a multiple of block_k."""
     big = C > 256
     bh = _p2(block_h or min(_p2(H), (16 if dtype == torch.float32 else WIDE_HEADS) if big else 64))
     wide = big and bh >= 32
@@ -407,9 +288,7 @@ def plan_sparse_mla(H: int, C: int, R: int, block_h: int | None = None, block_k:
         n = WIDE_SPLIT_ROWS if wide else DEFAULT_SPLIT_ROWS
     if n < 0:
         raise ValueError(f"split_rows must be >= 0 (0: no split), got {n}")
-    if value_splits not in (1, 2) or (value_splits == 2 and (C < 32 or C != _p2(C))):
-        raise ValueError(f"value_splits must be 1, or 2 with C a power of two >= 32; got {value_splits} at C {C}")
-    return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk, wide, value_splits)
+    return SparseMLAPlan(H, C, R, bh, bk, nw, st, -(-n // bk) * bk, wide)
 
 
 class RowSpace(NamedTuple):
@@ -444,9 +323,6 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     if not 1 <= len(spaces) <= 2:
         raise ValueError(f"the kernel reads one or two row spaces, got {len(spaces)}")
     fp8 = _fp8_args(fmt, C, R, len(spaces) == 2)
-    if plan.value_splits == 2 and fp8[0] and (fp8[4] == 3 or (C // 2) % fp8[3]):
-        # a half reads per-tile scales by select, or per value when a tile straddles the halves (fold: one block)
-        fp8 = fp8[:4] + (0 if (C // 2) % fp8[3] else 2,)
     width = fmt.width if fp8[0] else C + R
     for r in spaces:
         if r.shape[-1] != width or r.dtype != spaces[0].dtype:
@@ -469,14 +345,14 @@ def run_sparse_mla(plan: SparseMLAPlan, q_abs: torch.Tensor, q_pe: torch.Tensor,
     ieee = q_abs.dtype == torch.float32 or _interpreting()
     if plan.split_rows and k > plan.split_rows:
         return _run_split(plan, q_abs, q_pe, spaces[0], r1, s0, s1, loc, k, scale, out, ieee, len(spaces) == 2, fp8)
-    grid = (T, triton.cdiv(H, plan.block_h) * plan.value_splits)
+    grid = (T, triton.cdiv(H, plan.block_h))
     sparse_mla_kernel[grid](
         q_abs, q_pe, out, loc, spaces[0], r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), loc.stride(0),
         H, k, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=len(spaces) == 2,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
-        SCALES=fp8[4], VS=plan.value_splits,
+        SCALES=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return out
@@ -512,14 +388,14 @@ def _split_launch(plan: SparseMLAPlan, q_abs, q_pe, r0, r1, s0, s1, loc, k: int,
     """One token chunk of `_run_split` (q_abs / q_pe / loc / out: that chunk's rows; acc / ml: at least as many)."""
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
-    hb = triton.cdiv(H, plan.block_h) * plan.value_splits
+    hb = triton.cdiv(H, plan.block_h)
     sparse_mla_split_kernel[(T, hb, S)](
         q_abs, q_pe, acc, ml, loc, r0, r1,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), loc.stride(0),
         H, k, S, plan.split_rows, s0.ps, s0.rs, s1.ps, s1.rs, float(scale) * LOG2E, PER0=s0.per, PER1=s1.per,
         C=C, R=R, BC=_p2(C), BR=_p2(R), BLOCK_H=plan.block_h, BLOCK_K=plan.block_k, TWO=two,
         SPACE_BITS=SPACE_BITS, IEEE=ieee, INTERP=_interpreting(), FP8=fp8[0], SO=fp8[1], RO=fp8[2], TILE=fp8[3],
-        SCALES=fp8[4], VS=plan.value_splits,
+        SCALES=fp8[4],
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     bc, bh = min(_p2(C), COMBINE_COLUMNS), min(plan.block_h, COMBINE_HEADS)

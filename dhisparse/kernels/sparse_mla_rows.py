@@ -45,36 +45,25 @@ def _fp8_rows(base, valid, cc, rr, cmask, rmask, C: tl.constexpr, BLOCK_K: tl.co
     """FP8 rows at byte pointers base [BLOCK_K] -> (c [BLOCK_K, BC] fp32, scales applied by path
     SCALES 0-2 of the module docstring; kpe [BLOCK_K, BR] bf16). The caller converts both to the
     query dtype."""
-    cf = _fp8_values(base, valid, cc, cmask, 0, C, BLOCK_K, SO, TILE, SCALES)
-    kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask, other=0.0)
-    return cf, kpe
-
-
-@triton.jit
-def _fp8_values(base, valid, cc, cmask, C0: tl.constexpr, CW: tl.constexpr, BLOCK_K: tl.constexpr,
-                SO: tl.constexpr, TILE: tl.constexpr, SCALES: tl.constexpr):
-    """Latent columns C0 .. C0 + CW - 1 of FP8 rows at byte pointers base [BLOCK_K] (cc: arange of
-    the block's columns, relative to C0) -> c [BLOCK_K, len(cc)] fp32, each value times its tile's
-    scale (paths 0-2; C0 and CW multiples of TILE for 1 and 2). A column's value is the same
-    whichever block of columns it is read in."""
-    c8 = tl.load(base[:, None] + C0 + cc[None, :], mask=cmask, other=0)
+    c8 = tl.load(base[:, None] + cc[None, :], mask=cmask, other=0)
     cf = c8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if SCALES == 1:  # reshape: CW a power of two = NT * TILE, NT too; one scale load per tile, broadcast
-        tt = tl.arange(0, CW // TILE)
-        sc = tl.load((base[:, None] + SO + (C0 // TILE + tt[None, :]) * 4).to(tl.pointer_type(tl.float32)),
+    if SCALES == 1:  # reshape: C a power of two = NT * TILE, NT too; one scale load per tile, broadcast
+        tt = tl.arange(0, C // TILE)
+        sc = tl.load((base[:, None] + SO + tt[None, :] * 4).to(tl.pointer_type(tl.float32)),
                      mask=valid[:, None], other=0.0)
-        cf = tl.reshape(tl.reshape(cf, (BLOCK_K, CW // TILE, TILE)) * sc[:, :, None], (BLOCK_K, CW))
+        cf = tl.reshape(tl.reshape(cf, (BLOCK_K, C // TILE, TILE)) * sc[:, :, None], (BLOCK_K, C))
     elif SCALES == 2:  # select: one scale load per tile, chosen per column (no gather, no layout change)
         tile = cc // TILE
         scale = tl.zeros_like(cf)
-        for t in tl.static_range(CW // TILE):
-            st = tl.load((base + SO + (C0 // TILE + t) * 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        for t in tl.static_range(C // TILE):
+            st = tl.load((base + SO + t * 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
             scale = tl.where(tile[None, :] == t, st[:, None], scale)
         cf = cf * scale
     else:  # gather: each value's scale loaded (any C)
-        cf = cf * tl.load((base[:, None] + SO + ((C0 + cc) // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)),
+        cf = cf * tl.load((base[:, None] + SO + (cc // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)),
                           mask=cmask, other=0.0)
-    return cf
+    kpe = tl.load((base[:, None] + RO + rr[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), mask=rmask, other=0.0)
+    return cf, kpe
 
 
 @triton.jit
