@@ -17,15 +17,12 @@ import math
 import sys
 
 
-def pick(runs: list[dict], default, margin: float, key: str | tuple[str, ...] = "split_rows"):
-    """(choice, {choice: geometric-mean ratio against the default}) from mla_tune_bench's runs; a
-    choice is the run's `key` field, or the tuple of its `key` fields (a field a run lacks reads 1:
-    value_splits before it was swept)."""
-    get = (lambda r: r.get(key, 1)) if isinstance(key, str) else (lambda r: tuple(r.get(f, 1) for f in key))
-    by: dict = {}
+def pick(runs: list[dict], default: int, margin: float) -> tuple[int, dict[int, float]]:
+    """(split, {split: geometric-mean ratio against the default}) from mla_tune_bench's runs."""
+    by: dict[int, list[float]] = {}
     tokens = {r["tokens"] for r in runs}
     for r in runs:
-        by.setdefault(get(r), []).append(r["vs_default"])
+        by.setdefault(r["split_rows"], []).append(r["vs_default"])
     means = {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in by.items() if len(v) == len(tokens)}
     best = min(means, key=means.get)
     return (best if means[best] < margin else default), means
@@ -35,16 +32,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep")
     p.add_argument("--margin", type=float, default=0.97, help="a split must beat the default by this much")
-    p.add_argument("--key", default="split_rows", help="the swept field(s), comma-separated (e.g. value_splits,block_k)")
     ns = p.parse_args(argv)
     d = json.load(open(ns.sweep))
-    fields = tuple(ns.key.split(","))
-    key = fields[0] if len(fields) == 1 else fields
-    first = d["runs"][0]  # the bench puts the default plan first at every T
-    default = first.get(key, 1) if isinstance(key, str) else tuple(first.get(f, 1) for f in key)
-    n, means = pick(d["runs"], default, ns.margin, key)
+    default = d["runs"][0]["split_rows"]  # the bench puts the default plan first at every T
+    n, means = pick(d["runs"], default, ns.margin)
     print(" ".join(f"{k}:{v:.3f}" for k, v in sorted(means.items())), file=sys.stderr)
-    print(n if isinstance(key, str) else ",".join(map(str, n)))
+    print(n)
     return 0
 
 

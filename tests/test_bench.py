@@ -994,10 +994,3 @@ def test_mla_split_pick_rule():
     n, means = pick(sweep, 128, 0.97)
     assert n == 512 and 64 not in means and abs(means[512] - (1.2 * 0.5) ** 0.5) < 1e-12
     assert pick(runs([(20, 128, 1.0), (20, 256, 0.98), (90, 128, 1.0), (90, 256, 0.98)]), 128, 0.97)[0] == 128
-    # a sweep of several fields: (value_splits, block_k), the default's value_splits absent (read as 1)
-    both = [{"tokens": t, "block_k": bk, "vs_default": v} | ({"value_splits": vs} if vs else {})
-            for t, vs, bk, v in [(20, None, 64, 1.0), (20, 2, 32, 0.8), (20, 2, 64, 0.9), (90, None, 64, 1.0),
-                                 (90, 2, 32, 0.9), (90, 2, 64, 0.7)]]
-    choice, means = pick(both, (1, 64), 0.97, ("value_splits", "block_k"))
-    assert choice == (2, 64) and set(means) == {(1, 64), (2, 32), (2, 64)}
-    assert pick(both[:1] + both[3:4], (1, 64), 0.97, ("value_splits", "block_k"))[0] == (1, 64)

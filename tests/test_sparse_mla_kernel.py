@@ -348,7 +348,7 @@ def test_default_plan_is_batch_invariant_at_the_scaled_models_shape(H):
     q = torch.randn(72, H, C, generator=g).to(DEV, torch.bfloat16)
     qp = torch.randn(72, H, R, generator=g).to(DEV, torch.bfloat16)
     loc = torch.randint(0, 64 * 64, (72, k), generator=g).to(DEV)
-    loc[5, 700:] = -1  # a ragged token: one full split, one partial, two empty
+    loc[5, 700:] = -1  # a ragged token: one split ends inside it, the splits after it are empty
     plan = plan_sparse_mla(H, C, R)
     assert 0 < plan.split_rows < k
     full = run_sparse_mla(plan, q, qp, rows, loc, C**-0.5)

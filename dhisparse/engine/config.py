@@ -146,7 +146,8 @@ class EngineConfig:
     kernel_backend [--kernel-backend]: attention / indexer kernels: "auto" (Triton for CUDA
         tensors, the PyTorch references on CPU), "torch" or "triton" (on CPU: TRITON_INTERPRET=1).
     mla_split_rows [--mla-split-rows]: sparse-MLA locations per program (flash-decoding split;
-        0 = off; None, the default: 128 on the 16-head tile, 512 on the 64-head wide tile). indexer_group: grouped indexer scoring of verification rounds.
+        0 = off; None, the default: 128 on the 16-head tile, 512 on the 64-head wide tile).
+    indexer_group: grouped indexer scoring of verification rounds.
     indexer_topk [--indexer-topk]: the form of the indexers' tie-ruled top-k, "stable" (two top-k passes
         and two sorts), "packed" (one top-k over int64 (score, index) keys), "lean" (one sort) or
         "auto" (the default: packed for a decode pass on CUDA, lean for a verification round,

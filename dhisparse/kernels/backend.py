@@ -40,8 +40,7 @@ WIDE_SPLIT_ROWS = 512
 @dataclass(frozen=True)
 class KernelSettings:
     """backend: auto | torch | triton; mla_split_rows >= 0 or None (by tile); indexer_group: grouped
-    verification scoring;
-    indexer_topk: one of core/topk.py's TOPK_FORMS."""
+    verification scoring; indexer_topk: one of core/topk.py's TOPK_FORMS."""
 
     backend: str = "auto"
     mla_split_rows: int | None = None
