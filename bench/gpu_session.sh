@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -415,22 +415,31 @@ case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle 
       --repeats ${COSTED_REPEATS:-1} --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
       --out "$OUT/costed_dflash2_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
-case ",$STEPS," in *,costedsweep31,*)  # issue 31: costedfaithful31's run with hisparse once and adaptive+spec at each of
+case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaithful31's run with hisparse once and adaptive+spec at each of
+  # costedsweep48: the same on an H100 (no H200 lent since session 42), round44's setup: glm5-faithful with 12 routed
+  # experts (51.9 GiB of FP8 weights), a 9.5-GiB pool (30 slots, 19 charged for the drafter), prefill chunks of 2,048,
+  # C18 (60% of 30: the high-load point), one arm a call (COSTED_TPRS, default 2.88), files suffixed _e12
+  if [[ ",$STEPS," == *,costedsweep48,* ]]; then
+    CS_EXTRA='--overrides {"n_routed_experts":12} --kv-pool-gib 9.5'; CS_C=${COSTED_FAITHFUL_C:-18}; CS_TPRS=${COSTED_TPRS:-2.88}
+    CS_MBT=${COSTED_MBT:-2048}; CS_TAG=_e12
+  else
+    CS_EXTRA=""; CS_C=${COSTED_FAITHFUL_C:-20}; CS_TPRS=${COSTED_TPRS:-2.2 2.88}; CS_MBT=${COSTED_MBT:-8192}; CS_TAG=""
+  fi
   # (every preset replays the reference, --replay-reference: s42's unreplayed run left it, 94.7% of proposals off, 1.08
   # tokens a round set to 2.88; COSTED_NO_REPLAY=" " turns it off)
   # COSTED_TPRS (default 2.2 and 2.88 tokens a round; 2.5 in a second call) as arms of one process: the ratios side by side in
   # one run against one shared hisparse window (gpu_serving --arm-presets). Carry the reference (COSTED_REF) to stay in one call.
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
-  ARMS=""; for T in ${COSTED_TPRS:-2.2 2.88}; do ARMS="$ARMS;speculative_oracle_tokens_per_round=$T"; done
-  run "costed DFlash2 oracle on glm5-faithful, arms ${COSTED_TPRS:-2.2 2.88} tokens a round" timeout ${COSTED_TIMEOUT:-540} \
-      python3 bench/gpu_serving.py --model glm5-faithful --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit 3 --host-pool-gib 16 \
-      --kv-cache-dtype fp8_e4m3 --max-batched-tokens 8192 --concurrency ${COSTED_FAITHFUL_C:-20} --presets hisparse,adaptive+spec \
+  ARMS=""; for T in $CS_TPRS; do ARMS="$ARMS;speculative_oracle_tokens_per_round=$T"; done
+  run "costed DFlash2 oracle on glm5-faithful$CS_TAG, arms $CS_TPRS tokens a round" timeout ${COSTED_TIMEOUT:-540} \
+      python3 bench/gpu_serving.py --model glm5-faithful $CS_EXTRA --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit 3 --host-pool-gib 16 \
+      --kv-cache-dtype fp8_e4m3 --max-batched-tokens $CS_MBT --concurrency $CS_C --presets hisparse,adaptive+spec \
       --arms "${ARMS#;}" --arm-presets adaptive+spec --repeats ${COSTED_REPEATS:-1} \
-      --duration 30 --stagger --distinct-suffixes ${COSTED_FAITHFUL_C:-20} --force --charge-spec-memory --spec-width 4 \
+      --duration 30 --stagger --distinct-suffixes $CS_C --force --charge-spec-memory --spec-width 4 \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
-      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" ${COSTED_NO_REPLAY:---replay-reference} \
-      --out "$OUT/costed_sweep_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_h200.json" ;; esac
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful$CS_TAG.json}" ${COSTED_NO_REPLAY:---replay-reference} \
+      --out "$OUT/costed_sweep_faithful${CS_TAG}_100k_k2048_c${CS_C}_h200.json" ;; esac
 case ",$STEPS," in *,drafter34,*)  # issue 31: the DFlash drafter's grouped attention and block-pass CUDA graphs (session 34): CUDA exactness of the drafter files, then a round of the paper's DFlash2 shape on glm5-faithful's hidden / vocabulary at C20 and C47, per_head (the named baseline) / grouped / graph (~5 min cold)
   run "exactness on CUDA, drafter files" timeout ${EXACT34_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_dflash_graphs.py tests/test_dflash_attention.py tests/test_dflash_reference.py tests/test_spec_dflash.py tests/test_drafters_models.py \
