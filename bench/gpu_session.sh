@@ -416,11 +416,13 @@ case ",$STEPS," in *,costedfaithful31,*)  # issue 31: the costed DFlash2 oracle 
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful.json}" \
       --out "$OUT/costed_dflash2_faithful_100k_k2048_c${COSTED_FAITHFUL_C:-20}_tpr${COSTED_TPR:-2.88}_h200.json" ;; esac
 case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaithful31's run with hisparse once and adaptive+spec at each of
-  # costedsweep48: the same on an H100 (no H200 lent since session 42), round44's setup: glm5-faithful with 12 routed
-  # experts (51.9 GiB of FP8 weights), a 9.5-GiB pool (30 slots, 19 charged for the drafter), prefill chunks of 2,048,
-  # C18 (60% of 30: the high-load point), one arm a call (COSTED_TPRS, default 2.88), files suffixed _e12
+  # costedsweep48: the same on an H100 (no H200 lent since session 42): glm5-faithful with 12 routed experts (51.9 GiB
+  # of FP8 weights, round44's build), the H200's pool (--resident-fit 3: 15.6 GiB, 30 slots; 21 when the drafter is
+  # charged), prefill chunks of 2,048 (8,192 ran out of memory in session 44), C18 (60% of 30: the high-load point),
+  # one arm a call (COSTED_TPRS, default 2.88), files suffixed _e12. Should it not fit: COSTED_FIT=2
+  # COSTED_FAITHFUL_C=12 (10.4 GiB, 20 slots; the drafter then leaves ~10)
   if [[ ",$STEPS," == *,costedsweep48,* ]]; then
-    CS_EXTRA='--overrides {"n_routed_experts":12} --kv-pool-gib 9.5'; CS_C=${COSTED_FAITHFUL_C:-18}; CS_TPRS=${COSTED_TPRS:-2.88}
+    CS_EXTRA='--overrides {"n_routed_experts":12}'; CS_C=${COSTED_FAITHFUL_C:-18}; CS_TPRS=${COSTED_TPRS:-2.88}
     CS_MBT=${COSTED_MBT:-2048}; CS_TAG=_e12
   else
     CS_EXTRA=""; CS_C=${COSTED_FAITHFUL_C:-20}; CS_TPRS=${COSTED_TPRS:-2.2 2.88}; CS_MBT=${COSTED_MBT:-8192}; CS_TAG=""
@@ -433,7 +435,7 @@ case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaith
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   ARMS=""; for T in $CS_TPRS; do ARMS="$ARMS;speculative_oracle_tokens_per_round=$T"; done
   run "costed DFlash2 oracle on glm5-faithful$CS_TAG, arms $CS_TPRS tokens a round" timeout ${COSTED_TIMEOUT:-540} \
-      python3 bench/gpu_serving.py --model glm5-faithful $CS_EXTRA --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit 3 --host-pool-gib 16 \
+      python3 bench/gpu_serving.py --model glm5-faithful $CS_EXTRA --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit ${COSTED_FIT:-3} --host-pool-gib 16 \
       --kv-cache-dtype fp8_e4m3 --max-batched-tokens $CS_MBT --concurrency $CS_C --presets hisparse,adaptive+spec \
       --arms "${ARMS#;}" --arm-presets adaptive+spec --repeats ${COSTED_REPEATS:-1} \
       --duration 30 --stagger --distinct-suffixes $CS_C --force --charge-spec-memory --spec-width 4 \

@@ -186,8 +186,8 @@ def test_the_state_hook_keeps_the_first_prompt_only_and_copies_nothing_in_a_capt
 
 
 def test_costedsweep48_is_costedsweep31_on_an_h100(tmp_path):
-    """costedsweep48: the costed sweep with round44's H100 setup (12 routed experts, a 9.5-GiB pool, prefill
-    chunks of 2,048) at C18, one arm (2.88 tokens a round), to _e12 files; costedsweep31 keeps the H200's."""
+    """costedsweep48: the costed sweep on an H100 (12 routed experts, the H200's pool of three resident histories,
+    prefill chunks of 2,048) at C18, one arm (2.88 tokens a round), to _e12 files; costedsweep31 keeps the H200's."""
     from bench import gpu_serving
 
     def serving(steps, sub):
@@ -196,11 +196,11 @@ def test_costedsweep48_is_costedsweep31_on_an_h100(tmp_path):
         return gpu_serving.parse(cmd[1:])
 
     h100, h200 = serving("costedsweep48", "a"), serving("costedsweep31", "b")
-    assert (h100.overrides, h100.kv_pool_gib, h100.concurrency, h100.max_batched_tokens, h100.distinct_suffixes) == (
-        {"n_routed_experts": 12}, 9.5, "18", 2048, 18)
+    assert (h100.overrides, h100.resident_fit, h100.concurrency, h100.max_batched_tokens, h100.distinct_suffixes) == (
+        {"n_routed_experts": 12}, 3, "18", 2048, 18)
     assert h100.arms == "speculative_oracle_tokens_per_round=2.88" and "_e12_" in h100.out
     assert h100.reference_file.endswith("oracle_reference_faithful_e12.json") and h100.replay_reference
-    assert (h200.overrides, h200.kv_pool_gib, h200.concurrency, h200.max_batched_tokens) == (None, None, "20", 8192)
+    assert (h200.overrides, h200.resident_fit, h200.concurrency, h200.max_batched_tokens) == (None, 3, "20", 8192)
     assert h200.arms.count(";") == 1 and "_e12" not in h200.out + h200.reference_file
     for ns in (h100, h200):
         assert ns.model == "glm5-faithful" and ns.charge_spec_memory and ns.presets == "hisparse,adaptive+spec"
