@@ -36,9 +36,10 @@ EXTRA = {"VS": 1}
 
 
 def normalized(ptx: str) -> str:
-    """The PTX's instructions: debug sections, .loc / .file lines, comments and inlining labels dropped."""
+    """The PTX's instructions: debug sections, .loc / .file lines, comments, inlining labels and blank lines dropped."""
     text = re.split(r"\.section\s+\.debug", ptx)[0]
-    return "\n".join(line for line in text.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)", line))
+    return "\n".join(line for line in text.splitlines()
+                     if line.strip() and not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)", line))
 
 
 def main(argv=None) -> int:

@@ -994,3 +994,15 @@ def test_mla_split_pick_rule():
     n, means = pick(sweep, 128, 0.97)
     assert n == 512 and 64 not in means and abs(means[512] - (1.2 * 0.5) ** 0.5) < 1e-12
     assert pick(runs([(20, 128, 1.0), (20, 256, 0.98), (90, 128, 1.0), (90, 256, 0.98)]), 128, 0.97)[0] == 128
+
+
+def test_ptx_fingerprint_drops_only_what_does_not_reach_the_gpu():
+    """bench/ptx_fingerprint.py's normalization: debug sections, .loc / .file lines, comments and the
+    inlining labels go; every instruction and branch label stays."""
+    from bench.ptx_fingerprint import normalized
+
+    ptx = ("\t.file\t1 \"a.py\"\n$L__tmp3:\n\t.loc\t1 20 4\n\tadd.s32 \t%r1, %r2, %r3;\n// a comment\n"
+           "$L__BB0_2:\n\tbra.uni \t$L__BB0_2;\n\t.section\t.debug_info\n\t{ .b8 1 }\n")
+    assert normalized(ptx).split("\n") == ["\tadd.s32 \t%r1, %r2, %r3;", "$L__BB0_2:", "\tbra.uni \t$L__BB0_2;"]
+    moved = ptx.replace("\tadd.s32 \t%r1, %r2, %r3;\n", "").replace("\t.section", "\tadd.s32 \t%r1, %r2, %r3;\n\t.section")
+    assert normalized(moved) != normalized(ptx)  # an instruction that moves changes the hash's input
