@@ -94,7 +94,7 @@ case ",$STEPS," in *,exactall,*)  # the whole tests/ folder on CUDA, 10 workers 
 case ",$STEPS," in *,fp8kernels,*)  # issue 25: sparse-MLA attention and indexer scoring, FP8 vs bf16 rows (~1.5 min)
   run "FP8 vs bf16 rows in the kernels" timeout 240 python3 bench/fp8_kernels.py --out "$OUT/fp8_kernels_h200.json" ;; esac
 case ",$STEPS," in *,fp8test,*)  # issue 25: the FP8 tests on CUDA (~1 min)
-  run "FP8 KV tests on CUDA" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_fp8.py -rfE ;; esac
+  run "FP8 KV tests on CUDA" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_fp8*.py -rfE ;; esac
 case ",$STEPS," in *,fp8serving100k,*)  # issue 25: 100K, k 2048, C48, FP8 rows then bf16 rows in one pool (bf16's) and 64 slots (~8 min)
   for KV in ${SERVE_KVS:-fp8_e4m3 auto}; do  # SERVE_KVS: one format per call where a call cannot hold both
     run "serving at 100K, k 2048, C48, --kv-cache-dtype $KV, pool 27.4 GiB" timeout ${SERVE_TIMEOUT:-290} python3 bench/gpu_serving.py \
@@ -105,7 +105,7 @@ case ",$STEPS," in *,fp8serving100k,*)  # issue 25: 100K, k 2048, C48, FP8 rows 
   done ;; esac
 case ",$STEPS," in *,exactfp8,*)  # issue 25: the CUDA tests of the files the FP8 rows touched (~2.5 min)
   run "exactness on CUDA, FP8-touched files" timeout 200 python3 -m pytest -q -p no:cacheprovider -n 10 --dist loadfile \
-      tests/test_kv_fp8.py tests/test_indexer_kernel.py tests/test_sparse_mla_kernel.py tests/test_hierarchy.py \
+      tests/test_kv_fp8*.py tests/test_indexer_kernel.py tests/test_sparse_mla_kernel.py tests/test_hierarchy.py \
       tests/test_engine.py tests/test_prefix_pages.py tests/test_adaptive.py tests/test_spec_engine.py tests/test_v4_hier.py \
       tests/test_v4_engine.py tests/test_step_graphs.py tests/test_graphs.py tests/test_loads.py tests/test_row_place.py \
       -rfE --junitxml="$OUT/exact_cuda_fp8.xml" ;; esac
@@ -471,7 +471,7 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \
       tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
-      tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8.py tests/test_launch.py \
+      tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8*.py tests/test_launch.py \
       tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py \
       tests/test_resolver_bound.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)

@@ -1,9 +1,10 @@
 """FP8 KV rows (`--kv-cache-dtype fp8_e4m3`, core/kvformat.py): the quantizer bit for bit against a
 plain per-tile reference of the same formula and layout, the e4m3 round-trip bound, no
 re-quantization (encode . decode . encode = encode), the kernels reading FP8 rows against their
-references (odd, ragged and empty shapes), placement exact under FP8 (every preset against
-`resident` under FP8, with the I2 row checker comparing stored bytes), FP8 vs bf16 prefill logits
-measured, bad settings refused, and deliberate breakages caught."""
+references (odd, ragged and empty shapes), bad settings refused, and deliberate breakages caught.
+Serving under FP8 (every preset token-identical) is in test_kv_fp8_serving.py, the HF checkpoints and
+DeepSeek-V4 under FP8 in test_kv_fp8_models.py (three files, so that no one file bounds a parallel run
+on the GPU)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,15 @@ import struct
 import pytest
 import torch
 
-from dhisparse import SamplingParams
 from dhisparse.core.batch import IndexTable
 from dhisparse.core.kvformat import KVFormats, RowFormat, check_device
 from dhisparse.engine.config import ConfigValueError, EngineConfig
-from dhisparse.engine.llm import LLM
 from dhisparse.kernels.indexer import indexer_scores_triton
 from dhisparse.kernels.indexer_torch import indexer_scores_torch
 from dhisparse.kernels import sparse_mla as sm
 from dhisparse.kernels.sparse_mla_ref import sparse_mla_reference
-from kv_check import checked
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
-PROMPTS = [[3 + (7 * i + 5 * j) % 250 for j in range(20 + 23 * i)] for i in range(3)] + [[5, 6, 7, 8, 9] * 8]
 MLA = KVFormats.mla("fp8_e4m3", 576, 64, 128, torch.bfloat16)  # GLM-5 / V3.2 production shape
 V4 = KVFormats.v4("fp8_e4m3", 512, 64, 128, torch.bfloat16)
 
@@ -215,63 +211,6 @@ def test_fp8_index_slots_start_16_byte_aligned_at_glm5_shape(page_size):
             if scales is not None:
                 assert scales.data_ptr() % 4 == 0
 
-# -- placement is exact under FP8 ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fp8_reference() -> list[list[int]]:
-    return [o.token_ids for o in LLM("tiny", kv_cache_dtype="fp8_e4m3", page_size=4).generate(PROMPTS, GREEDY)]
-
-
-PRESETS = [
-    ("hisparse", {}),
-    ("adaptive", {"kv_pool_bytes": 48 * 1024, "admission_reserve_pages": 0, "max_running_requests": 4}),  # reclaims
-    ("resident+spec", {"speculative_algorithm": "dflash"}),
-    ("adaptive+spec", {"speculative_algorithm": "dflash2"}),
-    ("adaptive+spec", {"speculative_algorithm": "dspark"}),
-    ("hisparse", {"speculative_algorithm": "ngram"}),
-    ("adaptive+spec", {"speculative_algorithm": "mtp"}),
-]
-
-
-@pytest.mark.parametrize("preset,kw", PRESETS, ids=[f"{p}-{k.get('speculative_algorithm', '')}" for p, k in PRESETS])
-def test_every_preset_is_token_identical_under_fp8(fp8_reference, preset, kw):
-    llm = checked(LLM("tiny", preset=preset, kv_cache_dtype="fp8_e4m3", page_size=4, hot_cache_rows=16,
-                      debug_checks=True, **kw))
-    assert llm.engine.arena.formats.fp8 and llm.engine.arena.dtype == torch.uint8
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == fp8_reference
-    st = llm.engine.stats().as_dict()
-    if preset == "adaptive":
-        assert st["reclaimed_pages"] > 0 and st["repopulated_pages"] > 0
-    if "spec" in preset or "speculative_algorithm" in kw:
-        assert st["spec_rounds"] > 0
-
-
-@pytest.mark.parametrize("preset", ["resident", "adaptive"])
-def test_prepared_prefix_imports_fp8_pages_exactly(fp8_reference, preset):
-    prefix = PROMPTS[2]
-    reqs = [prefix + [50 + i] for i in range(3)]
-    ref = [o.token_ids for o in LLM("tiny", kv_cache_dtype="fp8_e4m3").generate(reqs, GREEDY)]
-    llm = checked(LLM("tiny", preset=preset, kv_cache_dtype="fp8_e4m3", hot_cache_rows=16, max_num_batched_tokens=9,
-                      page_size=8, debug_checks=True))
-    llm.prepare_prefix(prefix)
-    outs = llm.generate(reqs, GREEDY)
-    assert [o.token_ids for o in outs] == ref
-    assert all(o.metrics.imported_len == len(prefix) for o in outs)
-
-
-@pytest.mark.parametrize("arch", ["glm", "v32"])
-def test_hf_checkpoints_are_exact_under_fp8_and_close_to_bf16(hf_checkpoints, arch):
-    folder, prompts = getattr(hf_checkpoints, arch), [[t % 120 + 3 for t in p] for p in PROMPTS[:3]]  # vocab 128
-    ref = [o.token_ids for o in LLM(folder, kv_cache_dtype="fp8_e4m3", page_size=4).generate(prompts, GREEDY)]
-    for preset, kw in (("hisparse", {}), ("adaptive+spec", {"speculative_algorithm": "dflash"}),
-                       ("adaptive", {"kv_pool_bytes": 48 * 1024, "admission_reserve_pages": 0, "max_running_requests": 3})):
-        llm = checked(LLM(folder, preset=preset, kv_cache_dtype="fp8_e4m3", page_size=4, hot_cache_rows=16,
-                          debug_checks=True, **kw))
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref, preset
-    rel = prefill_error(llm.engine.model, llm.engine.model_config, prompts[2])
-    assert 0 < rel["mean"] < 1.0, rel  # measured, not bounded tightly: tiny random models amplify any KV
-    # perturbation (bf16 rounding alone moves their logits by ~5%; bench/fp8_quality.py reports both)
-
-
 def test_attention_over_fp8_rows_is_close_to_attention_over_the_values():
     fmt, rows, q, qp, loc = _mla_case(128, 16, 4, 8, 48, seed=5)
     vals = torch.randn(rows.shape[0] * rows.shape[1], 144, generator=torch.Generator().manual_seed(5)).to(DEV)
@@ -280,37 +219,6 @@ def test_attention_over_fp8_rows_is_close_to_attention_over_the_values():
     got = sparse_mla_reference(q, qp, rows, loc, 144**-0.5, fmt)
     err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)
     assert float(err[:2].max()) < 0.05, err  # e4m3 with per-128 scales: a few percent (tokens 0, 1 attend)
-
-
-def prefill_error(model, cfg, ids: list[int]) -> dict:
-    """Relative error of prefill logits with FP8 rows against plain rows (DenseKV, same model)."""
-    from dhisparse.core.batch import ForwardBatch
-    from dhisparse.kv.resident.dense import DenseKV
-
-    out = {}
-    for name, formats in (("plain", None), ("fp8", KVFormats.mla("fp8_e4m3", cfg.latent_dim, cfg.qk_rope_head_dim,
-                                                                 cfg.index_head_dim, model.dtype))):
-        kv = DenseKV(cfg, next(model.parameters()).device, model.dtype, formats)
-        batch = ForwardBatch.build([(list(ids), 0)], device=next(model.parameters()).device)
-        out[name] = model.logits(model(batch, kv.begin(batch, [0])).hidden).float()
-    d = (out["fp8"] - out["plain"]).norm(dim=-1) / out["plain"].norm(dim=-1)
-    return {"mean": float(d.mean()), "max": float(d.max())}
-
-
-def test_v4_presets_are_token_identical_under_fp8(monkeypatch):
-    from v4_engine_util import SourceCheck, engine, generate, loaded_v41
-
-    loaded, prompts = loaded_v41(), [[t % 120 + 3 for t in p] for p in PROMPTS[:3]]  # vocab 128
-    ref = generate(engine(loaded, kv_cache_dtype="fp8_e4m3"), prompts, GREEDY)
-    assert engine(loaded, kv_cache_dtype="fp8_e4m3").store.cache.store.row_format("kv").nbytes == 24 + 16 + 1 + 7
-    ck = SourceCheck().install(monkeypatch)
-    for preset, kw in (("hisparse", {}), ("adaptive", {"speculative_algorithm": "ngram"}),
-                       ("adaptive", {"speculative_algorithm": "dspark", "kv_pool_bytes": 80 * 1024,
-                                     "admission_reserve_pages": 0})):
-        eng = engine(loaded, preset=preset, hot_cache_rows=4, kv_cache_dtype="fp8_e4m3", **kw)
-        assert eng.arena.formats.fp8
-        assert generate(eng, prompts, GREEDY) == ref
-    assert ck.located > 0
 
 
 # -- bad settings ----------------------------------------------------------------------------------
@@ -342,13 +250,3 @@ def test_breakages_are_caught(monkeypatch):
         m.setattr(RowFormat, "scales_of", lambda self, v: torch.ones(*v.shape[:-1], self.tiles))
         with pytest.raises(AssertionError):
             test_round_trip_error_is_within_the_e4m3_bound(fmt)
-
-
-def test_a_prefix_is_paged_once_under_fp8():
-    """The hierarchy's shared host pages and its imports use one paged copy of a prefix (a second
-    layout would be a second pinned host copy of every row)."""
-    llm = LLM("tiny", preset="hisparse", kv_cache_dtype="fp8_e4m3", hot_cache_rows=16, page_size=8)
-    llm.prepare_prefix(PROMPTS[2])
-    llm.generate([PROMPTS[2] + [50]], GREEDY)
-    item = llm.engine.prefixes.get(PROMPTS[2])
-    assert list(item._paged) == [llm.engine.store.prefix_layout()]
