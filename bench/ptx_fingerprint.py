@@ -23,8 +23,6 @@ import re
 import sys
 import time
 
-os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's jit functions cannot be compiled
-
 # (tile h x k, warps, stages, fp8, scale path, two row spaces, fp32 math)
 CONFIGS = [(64, 64, 8, 1, True, 2, False, False), (64, 64, 8, 1, False, 0, False, False),
            (16, 32, 8, 2, True, 2, False, False), (16, 32, 8, 2, False, 0, True, False),
@@ -47,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's jit functions cannot be compiled (here, not at
+    # import: a test importing `normalized` must not turn the interpreter off for the tests after it)
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     sys.path[:0] = [os.path.abspath(args.tree), here]  # the tree's dhisparse (and bench helpers, where it has them)
     sm = importlib.import_module("dhisparse.kernels.sparse_mla")
