@@ -175,19 +175,33 @@ def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut):
     assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())
 
 
+@pytest.mark.parametrize("block_h", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [2, 4, 5])
-def test_grouped_scores_equal_the_per_token_kernels_bit_for_bit(K, dtype):
+def test_grouped_scores_equal_the_per_token_kernels_bit_for_bit(K, dtype, block_h):
     """A verification round (grouped) must select what decoding (per token) selects: the two
-    kernels' scores are bitwise equal, in the engine's bf16 on the GPU. (The interpreter's bf16
-    tl.dot is not the GPU's: bf16 runs on CUDA only.)"""
+    kernels' scores are bitwise equal, in the engine's bf16 on the GPU, with the heads padded to 64
+    rows (block_h) too. (The interpreter's bf16 tl.dot is not the GPU's: bf16 runs on CUDA only.)"""
     if dtype == torch.bfloat16 and DEV != "cuda":
         pytest.skip("bf16 kernel arithmetic is checked on the GPU")
     batch, proj = make_pass([(K, s) for s in (0, 37, 90, 5)], dtype)
     table, _ = make_table(batch.seq_lens.tolist(), dtype)
     args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
-    per_token, grouped = indexer_scores_triton(*args), indexer_scores_triton(*args, group=K)
-    assert torch.equal(per_token, grouped)
+    per_token = indexer_scores_triton(*args, block_h=block_h)
+    assert torch.equal(per_token, indexer_scores_triton(*args, group=K, block_h=block_h))
+    if block_h:  # padded rows add nothing: the same scores as the shipped rows, to rounding
+        want, fin = indexer_scores_triton(*args), ~torch.isinf(per_token)
+        assert torch.equal(torch.isinf(want), ~fin)
+        torch.testing.assert_close(per_token[fin], want[fin], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+def test_block_h_is_checked():
+    batch, proj = make_pass([(1, 3)])
+    table, _ = make_table(batch.seq_lens.tolist())
+    args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
+    for bad in (proj.q.shape[1] // 2, 48):
+        with pytest.raises(ValueError, match="block_h"):
+            indexer_scores_triton(*args, block_h=bad)
 
 
 def test_grouped_scoring_rejects_a_ragged_pass():

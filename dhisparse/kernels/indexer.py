@@ -145,13 +145,17 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                           table: IndexTable, block_s: int = BLOCK_S, group: int = 1,
-                          num_warps: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None, block_h: int | None = None) -> torch.Tensor:
     """q [T, iH, iD], w [T, iH], positions / req_idx [T] int64, table -> scores [T, Lmax] fp32.
     group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
-    when G <= MAX_GROUP, the per-token kernel above it). block_s (keys a program) and num_warps
-    (None: Triton's 4) configure both kernels alike: grouped and per-token scores are bitwise
-    equal only at the same configuration."""
+    when G <= MAX_GROUP, the per-token kernel above it). block_s (keys a program), num_warps
+    (None: Triton's 4) and block_h (query rows of a token's product, a power of two >= iH; None:
+    iH rounded up to one, at least 16) configure both kernels alike: grouped and per-token scores
+    are bitwise equal only at the same configuration. block_h 64 pads GLM-5's 32 index heads to
+    the 64 rows sm_90's warpgroup MMA takes (twice the multiply work, zero rows masked)."""
     T, H, D = q.shape
+    if block_h is not None and (block_h < H or block_h != _pow2(block_h, 1)):
+        raise ValueError(f"block_h must be a power of two >= the {H} index heads; got {block_h}")
     rows, locs, lens, fmt, scales = table
     fp8 = fmt is not None and fmt.fp8
     Lmax = locs.shape[1]
@@ -176,14 +180,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=_pow2(H), BD=_pow2(D), BS=block_s,
+            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=max(_pow2(H), block_h or 0), BD=_pow2(D), BS=block_s,
             IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
         q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
         Lmax, H, D, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-        IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
+        IPS=rows.shape[1], BH=max(_pow2(H), block_h or 0), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
     return out
 
 
