@@ -1,4 +1,4 @@
-"""Compile the sparse-MLA split kernel, `moe_align` and the indexer's scoring kernels for the H200 (sm_90) on a machine without a GPU.
+"""Compile the sparse-MLA split kernel, `moe_align` and the indexer's scoring kernels for sm_90 on a CPU machine.
 
     python3 bench/compile_sm90_mla.py [--out bench/results/compile_sm90_mla_cpu_sNN.json]
 
@@ -7,9 +7,9 @@ FP8 656-B rows in 64-row pages, bf16 queries) for the shipped wide tile and its 
 scale path (kernels/sparse_mla_rows.py) and bf16 rows; `moe_align_kernel` (kernels/moe_align.py) at 16, 32
 and 256 experts; the indexer's per-token and grouped scoring kernels (kernels/indexer.py) at GLM-5's 32 index
 heads x 128 over FP8 keys, with the shipped 32 query rows a product and padded to 64 (block_h: whether ptxas
-gets a warpgroup MMA, `wgmma`, or `mma.sync`). Each is lowered to PTX and assembled by the ptxas Triton's wheel ships (`ptxas -v`:
-registers and spill bytes, as `bench/compile_sm90.py` does for the resolver). Pointers and the integer
-arguments in DIVISIBLE carry `tt.divisibility` 16, as Triton's JIT specializes a launch whose pointers
+gets a warpgroup MMA, `wgmma`, or `mma.sync`). Each is lowered to PTX and assembled by the ptxas
+Triton's wheel ships (`ptxas -v`: registers and spill bytes, as `bench/compile_sm90.py` does for the
+resolver). Pointers and the integer arguments in DIVISIBLE carry `tt.divisibility` 16, as Triton's JIT specializes a launch whose pointers
 are 16-B aligned and whose integers are multiples of 16 (every stride at glm5-faithful's shape is).
 Static only: nothing runs, so speed and exactness still need the GPU; a spill is local-memory
 traffic in every loop iteration that touches it.
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
             k = _compile(kern, ptrs, consts, 4, 3, wide={"ks0", "ks1", "ks2", "ss0", "ss1"})
             ptx = k.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
-            records.append({"kernel": kern.fn.__name__, "block_h": bh, "heads": 32, "num_warps": 4, "group": extra.get("QG", 1),
-                            "shared_bytes": k.metadata.shared, "ptxas": regs(k), "mma": mma})
+            records.append({"kernel": kern.fn.__name__, "block_h": bh, "heads": 32, "num_warps": 4,
+                            "group": extra.get("QG", 1), "shared_bytes": k.metadata.shared, "ptxas": regs(k), "mma": mma})
             print(f"{kern.fn.__name__} BH {bh}: {records[-1]['ptxas']}, {mma}", flush=True)
     write_report(args.out, "compile_sm90_mla", "bench/compile_sm90_mla.py", t0, "sm_90 (ptxas -arch=sm_90a)", records)
     return 0

@@ -7,8 +7,9 @@ One full indexer layer of glm5-faithful's shape (32 index heads x 128, FP8 132-B
 page slot, as the engine stores them) scores --index-len keys per request for a decode pass (one
 token for each of --decode-requests) and a verification pass (--width tokens for each of
 --round-requests: the grouped kernel). Each configuration is (block_s keys a program, num_warps,
-block_h query rows a product), applied to both kernels. The shipped configuration (`kernels.indexer.BLOCK_S`, Triton's 4 warps) is
-first and every ratio is against it, measured in the same run. (Session 46 also timed a grouped
+block_h query rows a product), applied to both kernels. The shipped configuration
+(`kernels.indexer.BLOCK_S`, Triton's 4 warps, the heads' own rows) is first and every ratio is
+against it, measured in the same run. (Session 46 also timed a grouped
 kernel with one product for the whole group, since removed: indexer_tune_s46_h100.json.)
 
 Exactness: a verification round must select what decoding selects, so every round configuration

@@ -156,6 +156,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     T, H, D = q.shape
     if block_h is not None and (block_h < H or block_h != _pow2(block_h, 1)):
         raise ValueError(f"block_h must be a power of two >= the {H} index heads; got {block_h}")
+    bh = max(_pow2(H), block_h or 0)
     rows, locs, lens, fmt, scales = table
     fp8 = fmt is not None and fmt.fp8
     Lmax = locs.shape[1]
@@ -180,14 +181,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=max(_pow2(H), block_h or 0), BD=_pow2(D), BS=block_s,
+            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=bh, BD=_pow2(D), BS=block_s,
             IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
         q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
         Lmax, H, D, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-        IPS=rows.shape[1], BH=max(_pow2(H), block_h or 0), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
+        IPS=rows.shape[1], BH=bh, BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
     return out
 
 
