@@ -88,8 +88,8 @@ case ",$STEPS," in *,specprofile100kk,*)  # k 2,048 at 100K C18 (k2048curve's po
       --kv-pool-gib 27.82 --host-pool-gib 16 --cuda-graphs step --out "$OUT/step_profile_100k_k2048_c18_h200.json" ;; esac
 case ",$STEPS," in *,servewarmup,*)  # dhisparse serve with and without the start-up warm-up, each with an empty Triton cache (~3 min; carry .whl: fastapi, uvicorn, pydantic)
   run "server start-up warm-up" timeout 270 python3 bench/serve_warmup.py --out "$OUT/serve_warmup_h200.json" ;; esac
-case ",$STEPS," in *,exactall,*)  # the whole tests/ folder on CUDA, 10 workers (~2.5 min warm; carry .whl: transformers 5.24, fastapi, uvicorn, pydantic, openai, llguidance, jsonschema)
-  run "exactness on CUDA, whole suite" timeout 420 python3 -m pytest -q -p no:cacheprovider -n 10 --dist loadfile tests -rfE \
+case ",$STEPS," in *,exactall,*)  # the whole tests/ folder on CUDA, EXACT_N workers (default 12, as session 41 ran it; 10 until session 48: 279 s wall for 2,363 s of tests, the longest file 220 s, since split) (~4 min warm; carry .whl: transformers 5.24, fastapi, uvicorn, pydantic, openai, llguidance, jsonschema)
+  run "exactness on CUDA, whole suite" timeout 420 python3 -m pytest -q -p no:cacheprovider -n ${EXACT_N:-12} --dist loadfile tests -rfE \
       --junitxml="$OUT/exact_cuda.xml" ;; esac
 case ",$STEPS," in *,fp8kernels,*)  # issue 25: sparse-MLA attention and indexer scoring, FP8 vs bf16 rows (~1.5 min)
   run "FP8 vs bf16 rows in the kernels" timeout 240 python3 bench/fp8_kernels.py --out "$OUT/fp8_kernels_h200.json" ;; esac
