@@ -347,9 +347,9 @@ case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stabl
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
 case ",$STEPS," in *,indexer46,*)  # issue 31: the indexer's scoring launch (block_s, warps, per-token-in-group vs one-product grouped kernel) at glm5-faithful's shape, 100K keys, decode C20 and an 18 x 5 round, with bitwise round == decode checks (~2 min cold)
   run "indexer scoring configurations" timeout ${INDEXER46_TIMEOUT:-240} python3 bench/indexer_tune_bench.py --out "$OUT/indexer_tune_h200.json" ;; esac
-case ",$STEPS," in *,indexer48,*)  # issue 31: the indexer's head rows padded to 64 (block_h: sm_90's warpgroup MMA tile; GLM-5's 32 index heads take mma.sync today) against the shipped 32, at the shipped block_s / warps, glm5-faithful's shape, decode C20 and an 18 x 5 round, round == decode bit for bit, then the indexer's CUDA tests (~2 min cold)
-  run "indexer head-row padding" timeout ${INDEXER48_TIMEOUT:-200} python3 bench/indexer_tune_bench.py --block-s 128 --warps 4 \
-      --block-h 0,64 --out "$OUT/indexer_bh_h200.json"
+case ",$STEPS," in *,indexer48,*)  # issue 31: the indexer's products on sm_90's 64-row warpgroup MMA (GLM-5's 32 index heads take mma.sync today): heads padded to 64 rows (block_h) and two tokens a product (token_pack), against the shipped, at the shipped block_s / warps, glm5-faithful's shape, decode C20 and an 18 x 5 round, round == decode bit for bit, then the indexer's CUDA tests (~2.5 min cold)
+  run "indexer products: padded rows, packed tokens" timeout ${INDEXER48_TIMEOUT:-240} python3 bench/indexer_tune_bench.py --block-s 128 \
+      --warps 4 --block-h 0,64 --token-pack 1,2 --out "$OUT/indexer_bh_h200.json"
   run "exactness on CUDA, indexer files" timeout ${EXACT48I_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
       tests/test_indexer_kernel.py tests/test_topk_ties.py -rfE --junitxml="$OUT/exact_cuda_indexer.xml" ;; esac
 case ",$STEPS," in *,dflashattn46,*)  # issue 31: the DFlash drafter's fused 16-bit attention (session 46): CUDA exactness of the drafter files, then one layer of the paper's DFlash2 shape at C20 / C47, fused against the upcast form (~1.5 min)
