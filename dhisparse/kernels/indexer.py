@@ -163,25 +163,25 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos
     i = tl.arange(0, QG)
     pos = tl.load(pos_ptr + t0 + i, mask=i < G, other=-1)
     lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
-    if j * BS < lim_max and PK > 1:
+    if j * BS < lim_max:
         k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-        uu = tl.arange(0, PK)
-        for pp in tl.static_range((QG + PK - 1) // PK):
-            if pp * PK < G:
-                nt = tl.minimum(G - pp * PK, PK)
-                limv = tl.minimum(n, tl.load(pos_ptr + t0 + pp * PK + uu, mask=uu < nt, other=-1) + 1)
-                sc2 = _packed_scores(q_ptr, w_ptr, t0 + pp * PK, nt, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, PK, BH, BD,
-                                     IEEE)
-                vis = ok[None, :] & (s[None, :] < limv[:, None])
-                tl.store(out_ptr + (t0 + pp * PK + uu)[:, None] * Lmax + s[None, :], tl.where(vis, sc2, float("-inf")),
-                         mask=(uu < nt)[:, None] & (s < Lmax)[None, :])
-    elif j * BS < lim_max:
-        k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-        for u in tl.static_range(QG):
-            if u < G:
-                lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
-                sc = _token_scores(q_ptr, w_ptr, t0 + u, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
-                tl.store(out_ptr + (t0 + u) * Lmax + s, tl.where(ok & (s < lim), sc, float("-inf")), mask=s < Lmax)
+        if PK > 1:
+            uu = tl.arange(0, PK)
+            for pp in tl.static_range((QG + PK - 1) // PK):
+                if pp * PK < G:
+                    nt = tl.minimum(G - pp * PK, PK)
+                    limv = tl.minimum(n, tl.load(pos_ptr + t0 + pp * PK + uu, mask=uu < nt, other=-1) + 1)
+                    sc2 = _packed_scores(q_ptr, w_ptr, t0 + pp * PK, nt, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, PK,
+                                         BH, BD, IEEE)
+                    vis = ok[None, :] & (s[None, :] < limv[:, None])
+                    tl.store(out_ptr + (t0 + pp * PK + uu)[:, None] * Lmax + s[None, :],
+                             tl.where(vis, sc2, float("-inf")), mask=(uu < nt)[:, None] & (s < Lmax)[None, :])
+        else:
+            for u in tl.static_range(QG):
+                if u < G:
+                    lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
+                    sc = _token_scores(q_ptr, w_ptr, t0 + u, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
+                    tl.store(out_ptr + (t0 + u) * Lmax + s, tl.where(ok & (s < lim), sc, float("-inf")), mask=s < Lmax)
     else:
         for u in tl.static_range(QG):
             if u < G:
