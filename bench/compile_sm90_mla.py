@@ -55,6 +55,14 @@ def _compile(kern, ptrs: dict, consts: dict, num_warps: int, num_stages: int, wi
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def mla_consts(bh: int, bk: int, fp8: bool, sc: int, two: bool = False, ieee: bool = False) -> dict:
+    """The sparse-MLA kernels' constexprs at glm5-faithful's shape (C 512, R 64, 64-row pages; FP8 rows
+    of the 656-B layout or bf16 rows) for a tile, scale path, one or two row spaces and fp32 math."""
+    return dict(PER0=64, PER1=64, C=512, R=64, BC=512, BR=64, BLOCK_H=bh, BLOCK_K=bk, TWO=two,
+                SPACE_BITS=sm.SPACE_BITS, IEEE=ieee, INTERP=False, FP8=fp8, SO=512 if fp8 else 0,
+                RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc)
+
+
 def mla_variants() -> list[tuple[int, int, int, int, bool, int]]:
     """(block_h, block_k, warps, stages, fp8, scale path): the shipped plan first (plan_sparse_mla at 64 heads)."""
     p = sm.plan_sparse_mla(64, 512, 64)
@@ -72,11 +80,8 @@ def main(argv=None) -> int:
     t0, records = time.time(), []
     for bh, bk, nw, st, fp8, sc in mla_variants():
         rows = "*u8" if fp8 else "*bf16"
-        consts = dict(PER0=64, PER1=64, C=512, R=64, BC=512, BR=64, BLOCK_H=bh, BLOCK_K=bk, TWO=False,
-                      SPACE_BITS=sm.SPACE_BITS, IEEE=False, INTERP=False, FP8=fp8, SO=512 if fp8 else 0,
-                      RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc)
-        k = _compile(sm.sparse_mla_split_kernel, MLA_PTRS | {"r0_ptr": rows, "r1_ptr": rows}, consts, nw, st,
-                     wide={"ps0", "rs0", "ps1", "rs1"})
+        k = _compile(sm.sparse_mla_split_kernel, MLA_PTRS | {"r0_ptr": rows, "r1_ptr": rows}, mla_consts(bh, bk, fp8, sc),
+                     nw, st, wide={"ps0", "rs0", "ps1", "rs1"})
         rec = {"kernel": "sparse_mla_split_kernel", "rows": "fp8" if fp8 else "bf16",
                "scales": SCALE_NAMES[sc] if fp8 else None, "block_h": bh, "block_k": bk, "num_warps": nw,
                "num_stages": st, "shared_bytes": k.metadata.shared, "ptxas": regs(k), "wgmma": "wgmma" in k.asm["ptx"]}

@@ -7,8 +7,9 @@ lowering, as `bench/compile_sm90_mla.py` does) at the engine's configurations: t
 narrow 16 x 32 tiles, FP8 rows by each shipped scale path and plain bf16 rows, one and two row
 spaces, and fp32 (IEEE) math. The PTX is hashed after dropping what does not reach the GPU's
 instructions: the debug sections, `.loc` / `.file` lines, comments and the `$L__tmpN` labels that
-mark inlined function boundaries. Equal hashes at two commits (--tree: a checkout, e.g. from
-`git archive`) mean the same instructions, so a CUDA exactness run of one covers the other; unequal
+mark inlined function boundaries. Equal hashes at two commits (--tree: a folder holding that commit's
+`dhisparse/` only, `git archive COMMIT dhisparse | tar -x -C DIR`, so this checkout's bench helpers
+compile it) mean the same instructions, so a CUDA exactness run of one covers the other; unequal
 hashes say nothing, and a diff of the PTX shows what moved. A constexpr in EXTRA (one some trees'
 kernels take) is passed only where the kernel names it.
 """
@@ -48,19 +49,16 @@ def main(argv=None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)  # the interpreter's jit functions cannot be compiled (here, not at
     # import: a test importing `normalized` must not turn the interpreter off for the tests after it)
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    sys.path[:0] = [os.path.abspath(args.tree), here]  # the tree's dhisparse (and bench helpers, where it has them)
+    sys.path[:0] = [os.path.abspath(args.tree), here]  # the tree's dhisparse, this checkout's bench helpers
     sm = importlib.import_module("dhisparse.kernels.sparse_mla")
     from bench.compile_sm90 import write_report
-    from bench.compile_sm90_mla import MLA_PTRS, _compile
+    from bench.compile_sm90_mla import MLA_PTRS, _compile, mla_consts
 
     t0, records = time.time(), []
     for kern in (sm.sparse_mla_split_kernel, sm.sparse_mla_kernel):
         for bh, bk, nw, st, fp8, sc, two, ieee in CONFIGS:
             rows = "*u8" if fp8 else "*bf16"
-            consts = dict(PER0=64, PER1=64, C=512, R=64, BC=512, BR=64, BLOCK_H=bh, BLOCK_K=bk, TWO=two,
-                          SPACE_BITS=sm.SPACE_BITS, IEEE=ieee, INTERP=False, FP8=fp8, SO=512 if fp8 else 0,
-                          RO=528 if fp8 else 0, TILE=128 if fp8 else 1, SCALES=sc)
-            consts |= {n: v for n, v in EXTRA.items() if n in kern.arg_names}
+            consts = mla_consts(bh, bk, fp8, sc, two, ieee) | {n: v for n, v in EXTRA.items() if n in kern.arg_names}
             ptrs = MLA_PTRS | {"r0_ptr": rows, "r1_ptr": rows}
             if kern is sm.sparse_mla_kernel:
                 ptrs = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "out_ptr": "*bf16", "loc_ptr": "*i64"} | ptrs
