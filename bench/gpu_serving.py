@@ -119,6 +119,9 @@ def parse(argv=None) -> argparse.Namespace:
            "baseline: e.g. hisparse once beside adaptive+spec at three oracle rates), and each arm's ratio is taken "
            "against that baseline")
     a("--repeats", type=int, default=1, help="windows per (preset, arm, load); repeat r rotates the arm order by r")
+    a("--rotate", type=int, default=0, metavar="R",
+      help="start the rotation at repeat R: separate calls of one repeat each pass 0, 1, 2, ... so that the "
+           "preset order rotates across calls as it does across repeats of one call")
     a("--graph-max-bs-per-load", action="store_true",
       help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
            "step_graph_warmup=true an engine captures only the graphs that load replays, not every bucket up to its slots")
@@ -187,9 +190,10 @@ def schedule(ns) -> list[tuple[int, str, str]]:
         items = [(p, "") for p in ns.preset_list if p not in ns.armed]
         items += [(p, a) for a in ns.arm_list for p in ns.preset_list if p in ns.armed]
         k = len(items)
-        return [(c, *items[(r + i) % k]) for c in ns.concurrencies for r in range(ns.repeats) for i in range(k)]
+        return [(c, *items[(r + i) % k]) for c in ns.concurrencies
+                for r in range(ns.rotate, ns.rotate + ns.repeats) for i in range(k)]
     return [(c, ns.preset_list[(r + j) % m], ns.arm_list[(r + i) % n]) for c in ns.concurrencies
-            for r in range(ns.repeats) for i in range(n) for j in range(m)]
+            for r in range(ns.rotate, ns.rotate + ns.repeats) for i in range(n) for j in range(m)]
 
 
 def label(preset: str, arm: str) -> str:
@@ -534,11 +538,12 @@ def write(ns, sz, est, t0, runs):
     rows, ratios, spread = summarize(runs, ns.concurrencies, ns.arm_list)
     gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
     config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
+              "model": {"name": ns.model, "layers": ns.layers, "overrides": ns.overrides},
               "workload": {"input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.duration,
                            "distinct_suffixes": ns.distinct_suffixes},
               "concurrency": ns.concurrencies, "drafter": ns.drafter, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
               "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "spread": spread, "ratios": ratios,
-              "arms": ns.arm_list, "repeats": ns.repeats}
+              "arms": ns.arm_list, "repeats": ns.repeats, "rotate": ns.rotate}
     result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[spec_note(ns)],
                           commit=R.source_commit())

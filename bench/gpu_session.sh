@@ -442,7 +442,7 @@ case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaith
   run "costed DFlash2 oracle on glm5-faithful$CS_TAG, arms $CS_TPRS tokens a round" timeout ${COSTED_TIMEOUT:-540} \
       python3 bench/gpu_serving.py --model glm5-faithful $CS_EXTRA --input-len 102400 --output-len ${COSTED_OUT:-1024} --resident-fit ${COSTED_FIT:-3} --host-pool-gib 16 \
       --kv-cache-dtype fp8_e4m3 --max-batched-tokens $CS_MBT --concurrency $CS_C --presets hisparse,adaptive+spec \
-      --arms "${ARMS#;}" --arm-presets adaptive+spec --repeats ${COSTED_REPEATS:-1} \
+      --arms "${ARMS#;}" --arm-presets adaptive+spec --repeats ${COSTED_REPEATS:-1} --rotate ${COSTED_ROTATE:-0} \
       --duration 30 --stagger --distinct-suffixes $CS_C --force --charge-spec-memory --spec-width 4 \
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful$CS_TAG.json}" ${COSTED_NO_REPLAY:---replay-reference} \

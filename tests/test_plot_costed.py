@@ -181,3 +181,28 @@ def test_the_title_names_every_measurement_tool_and_a_non_result():
     res["not_a_result"] = "left its reference"
     marked = _title([res], costed_points([res]))
     assert "REPLAYED" in marked and "[NOT A RESULT]" in marked
+    res["config"] |= {"gpu": "NVIDIA H100 80GB HBM3", "model": {"name": "m", "overrides": {"n_routed_experts": 12}}}
+    stand_in = _title([res], costed_points([res]))
+    assert "m (n_routed_experts 12), NVIDIA H100 80GB HBM3" in stand_in  # an H100 stand-in says so
+
+
+def test_repeat_calls_of_one_setup_pool_each_run_over_its_own_calls_baseline():
+    """Separate calls that repeat one setup at one commit (the preset order rotated between them) pool into one
+    point a arm; each run is still divided by its own file's baseline. Another commit, or no commit, stays apart.
+    Breakages tried (each fails here): dividing by the pooled baselines' mean (165: the 2.88 arm's spread would
+    become 0.8-1.73x instead of 1.2-1.3x), pooling files of different commits, pooling files without a commit."""
+    from dhisparse.bench.plot_costed import costed_points, setup_of
+
+    a, b = _costed(), _costed(scale=0.5)
+    a["commit"] = b["commit"] = "abc"
+    assert setup_of(a) == setup_of(b) and setup_of(_costed()) is None
+    pts = costed_points([a, b])
+    assert [(p.source, p.set_tokens_per_round, p.runs, p.files) for p in pts] == [("", 2.2, 2, 2), ("", 2.88, 4, 2)]
+    high = pts[1]
+    assert high.ratio.mean == pytest.approx(1.25) and (high.ratio.lo, high.ratio.hi) == (pytest.approx(1.2), pytest.approx(1.3))
+    assert high.baseline_runs == 4 and high.baseline_tok_s == Spread(165.0, 100.0, 240.0)
+    b["commit"] = "def"
+    assert [(p.source, p.files) for p in costed_points([a, b])] == [("0", 1)] * 2 + [("1", 1)] * 2
+    c = _costed()
+    c["commit"], c["config"]["workload"]["input_len"] = "abc", 32768
+    assert len(costed_points([a, c])) == 4  # another workload: another setup

@@ -6,9 +6,10 @@ Input: bench results of one plain preset and arms of a speculative one at set ac
 --arm-presets adaptive+spec --charge-spec-memory`, e.g. `bench/gpu_session.sh costedsweep31`): a run's preset
 reads `hisparse` or `adaptive+spec@speculative_oracle_tokens_per_round=2.88`. The oracle drafter proposes the
 reference's tokens at a set acceptance: a measurement tool; costed, a drafter network runs every round and holds
-its memory, its drafts discarded. Per (file, arm, offered load), over the arm's repeated runs (mean, min-max):
+its memory, its drafts discarded. Per (setup, arm, offered load), over the arm's repeated runs (mean, min-max);
+a setup is one file, or the files of separate calls that repeat one setup at one commit (`setup_of`), pooled:
 
-  (a) output tok/s over the baseline's (the mean of the baseline's runs at that load in that file) against
+  (a) output tok/s over the baseline's (the mean of the baseline's runs at that load in the run's own file) against
       the tokens a round measured (`spec_tokens_per_round`), and the same for the central half's output
       (`central_output_tok_s`; from the series for results written before it); the paper's 1.45x at 2.88
       tokens a round (GLM-5, 4 GPUs) and the issue's 1.6x marked
@@ -21,6 +22,7 @@ its memory, its drafts discarded. Per (file, arm, offered load), over the arm's 
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,11 +77,13 @@ def is_costed_sweep(results: list[dict]) -> bool:
 
 @dataclass(frozen=True)
 class CostedPoint:
-    """One (file, arm, C) point: the arm's runs against its file's baseline runs at that load. `source`: the
-    file's label where several files hold arms ("" otherwise); `line`: the arm without its tokens a round, the
-    source in brackets; `ratio`: each run's output over the baseline's mean output (central: the same of the
-    central halves); `step_ms`: the round's step without the drafter, `draft_ms`: the drafter's call,
-    `round_ms`: their sum, run by run."""
+    """One (setup, arm, C) point: the arm's runs against the baseline runs at that load. A setup is one file,
+    or the files that repeat one setup at one commit (`setup_of`: separate calls of one repeat each, the preset
+    order rotated between them), pooled. `source`: the setup's label where several setups hold arms ("" otherwise);
+    `line`: the arm without its tokens a round, the source in brackets; `ratio`: each run's output over the mean
+    output of the baseline runs in its own file (paired: a call's windows share a machine start and a model build;
+    central: the same of the central halves); `step_ms`: the round's step without the drafter, `draft_ms`: the
+    drafter's call, `round_ms`: their sum, run by run; `files`: how many files the point pools."""
 
     source: str
     line: str
@@ -98,6 +102,21 @@ class CostedPoint:
     step_ms: Spread | None
     draft_ms: Spread | None
     round_ms: Spread | None
+    files: int = 1
+
+
+SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
+
+
+def setup_of(res: dict) -> str | None:
+    """What makes two result files repeats of one point: the same commit and the same engine, model, workload,
+    drafter, oracle and GPU sections of their config (arms, order and wall times may differ). None for a
+    file without a commit: it pools with no other."""
+    commit = res.get("commit")
+    if not commit:
+        return None
+    cfg = res.get("config") or {}
+    return json.dumps([commit] + [cfg.get(k) for k in SETUP_KEYS], sort_keys=True, default=str)
 
 
 def _step_ms(engine: dict) -> float | None:
@@ -111,43 +130,72 @@ def _step_ms(engine: dict) -> float | None:
     return cost - (engine.get("spec_draft_ms_per_call") or 0.0) if engine.get("spec_cost_with_draft") else cost
 
 
-def _over(values: list, base: Spread | None) -> Spread | None:
+def _over(values: list, base: Spread | None) -> list:
     """Each value over the base's mean (None where a value, or the base, is missing)."""
-    return Spread.of([v / base.mean if v is not None else None for v in values]) if base and base.mean else None
+    ok = base is not None and base.mean
+    return [v / base.mean if ok and v is not None else None for v in values]
 
 
 def _sum(a: list, b: list) -> list:
     return [x + y if x is not None and y is not None else None for x, y in zip(a, b)]
 
 
-def costed_points(results: list[dict]) -> list[CostedPoint]:
-    """Every (file, arm, C) point, by file, load and set tokens a round."""
-    with_arms = sum(1 for res in results if any(not _is_baseline(r["preset"]) for r in res["runs"]))
-    out = []
+def _setups(results: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The files grouped into setups (`setup_of`), in first-seen order, each with its label: the first
+    file's label (or index), "+N" when it pools N more."""
+    groups: dict = {}
     for k, res in enumerate(results):
-        base: dict[int, list[dict]] = defaultdict(list)
-        arms: dict[tuple[int, str], list[dict]] = defaultdict(list)
+        groups.setdefault(setup_of(res) or ("file", k), []).append((k, res))
+    out = []
+    for members in groups.values():
+        k, first = members[0]
+        label = str(first.get("label") or k) + (f" +{len(members) - 1}" if len(members) > 1 else "")
+        out.append((label, [res for _, res in members]))
+    return out
+
+
+def _paired(files: list[dict]) -> tuple[dict, dict]:
+    """Per C, the baseline runs of every file; per (C, arm preset), (run, its file's baseline runs) pairs."""
+    base: dict[int, list[dict]] = defaultdict(list)
+    arms: dict[tuple[int, str], list[tuple[dict, list[dict]]]] = defaultdict(list)
+    for res in files:
+        own: dict[int, list[dict]] = defaultdict(list)
         for r in res["runs"]:
             if _is_baseline(r["preset"]):
-                base[r["concurrency"]].append(r)
-            elif set_tokens_per_round(r["preset"]) is not None:
-                arms[r["concurrency"], r["preset"]].append(r)
-        for (c, preset), runs in sorted(arms.items(), key=lambda kv: (kv[0][0], set_tokens_per_round(kv[0][1]))):
-            b, eng = base[c], [r.get("engine") or {} for r in runs]
-            b_out = Spread.of([r["metrics"]["output_tok_s"] for r in b])
+                own[r["concurrency"]].append(r)
+        for c, rs in own.items():
+            base[c] += rs
+        for r in res["runs"]:
+            if set_tokens_per_round(r["preset"]) is not None:
+                arms[r["concurrency"], r["preset"]].append((r, own[r["concurrency"]]))
+    return base, arms
+
+
+def costed_points(results: list[dict]) -> list[CostedPoint]:
+    """Every (setup, arm, C) point, by setup, load and set tokens a round."""
+    setups = _setups(results)
+    with_arms = sum(1 for _, files in setups if any(not _is_baseline(r["preset"]) for res in files for r in res["runs"]))
+    out = []
+    for label, files in setups:
+        base, arms = _paired(files)
+        for (c, preset), pairs in sorted(arms.items(), key=lambda kv: (kv[0][0], set_tokens_per_round(kv[0][1]))):
+            runs, b = [r for r, _ in pairs], base[c]
+            eng = [r.get("engine") or {} for r in runs]
+            ratio, central = [], []
+            for r, own in pairs:
+                ratio += _over([r["metrics"]["output_tok_s"]], Spread.of([x["metrics"]["output_tok_s"] for x in own]))
+                central += _over([central_of(r)], Spread.of([central_of(x) for x in own]))
             name, rest = _rest(preset)
-            source = str(res.get("label") or k) if with_arms > 1 else ""
+            source = label if with_arms > 1 else ""
             line = name + (f" ({', '.join(f'{n}={v}' for n, v in rest)})" if rest else "") + (f" [{source}]" if source else "")
             step, draft = [_step_ms(e) for e in eng], [e.get("spec_draft_ms_per_call") for e in eng]
             out.append(CostedPoint(
                 source, line, set_tokens_per_round(preset), c, len(runs), b[0]["preset"], len(b),
                 Spread.of([e.get("spec_tokens_per_round") for e in eng]),
-                Spread.of([r["metrics"]["output_tok_s"] for r in runs]),
-                _over([r["metrics"]["output_tok_s"] for r in runs], b_out),
-                _over([central_of(r) for r in runs], Spread.of([central_of(r) for r in b])),
-                b_out, Spread.of([r["metrics"].get("tpot_mean_ms") for r in b]),
+                Spread.of([r["metrics"]["output_tok_s"] for r in runs]), Spread.of(ratio), Spread.of(central),
+                Spread.of([r["metrics"]["output_tok_s"] for r in b]), Spread.of([r["metrics"].get("tpot_mean_ms") for r in b]),
                 Spread.of([r["metrics"].get("tpot_mean_ms") for r in runs]), Spread.of(step), Spread.of(draft),
-                Spread.of(_sum(step, draft))))
+                Spread.of(_sum(step, draft)), len({id(own) for _, own in pairs})))
     return out
 
 
@@ -190,7 +238,7 @@ def _ratio_panel(ax, pts: list[CostedPoint], results: list[dict]) -> None:
     ax.plot(*PAPER, ls="none", marker="*", ms=15, color="k", label="paper (GLM-5, 4 GPUs): 1.45x at 2.88")
     ax.axhline(TARGET, ls=":", color="tab:purple", lw=1.5, label=f"issue's target {TARGET}x")
     ax.set(xlabel="tokens a round (measured, `spec_tokens_per_round`; bars min-max)", ylabel="output over the baseline's mean",
-           title="(a) speculation's output over the baseline (same load, same file)")
+           title="(a) speculation's output over the baseline (same load, each run over its own file's)")
     ax.set_xlim(0.8, max([3.05] + [p.tokens_per_round.hi for p in pts if p.tokens_per_round]) + 0.15)
     ax.set_ylim(min([0.8] + [p.ratio.lo - 0.05 for p in pts]), max([TARGET + 0.25] + [p.ratio.hi + 0.1 for p in pts]))
     ax.grid(True, alpha=0.3)
@@ -245,8 +293,13 @@ def _title(results: list[dict], pts: list[CostedPoint]) -> str:
     if eng.get("replay_reference"):
         how += "; REPLAYED: every preset emits the reference's tokens (measurement tool)"
     runs = max(p.runs for p in pts)
-    spread = f"; mean of up to {runs} runs, bars min-max" if runs > 1 else ""
+    files = max(p.files for p in pts)
+    spread = (f"; mean of up to {runs} runs" + (f" from {files} calls pooled" if files > 1 else "") + ", bars min-max"
+              if runs > 1 else "")
     old = " [SUPERSEDED]" if any(r.get("superseded_by") for r in results) else ""
     old += " [NOT A RESULT]" if any(r.get("not_a_result") for r in results) else ""
-    return (f"Costed sweep{old}: {eng.get('model') or '?'}, {f'{ctx:,}-token context' if ctx else 'context ?'}, "
-            f"{', '.join(f'C{c}' for c in sorted({p.concurrency for p in pts}))}\n{how}{spread}")
+    over = (cfg.get("model") or {}).get("overrides")
+    model = (eng.get("model") or "?") + (f" ({', '.join(f'{k} {v}' for k, v in over.items())})" if over else "")
+    gpu = f", {cfg['gpu']}" if cfg.get("gpu") else ""
+    return (f"Costed sweep{old}: {model}{gpu}, {f'{ctx:,}-token context' if ctx else 'context ?'}, "
+            f"{', '.join(f'C{c}' for c in sorted({p.concurrency for p in pts}))}{spread}\n{how}")
