@@ -6,8 +6,9 @@
 FP8 656-B rows in 64-row pages, bf16 queries) for the shipped wide tile and its neighbours, each FP8
 scale path (kernels/sparse_mla_rows.py) and bf16 rows; `moe_align_kernel` (kernels/moe_align.py) at 16, 32
 and 256 experts; the indexer's per-token and grouped scoring kernels (kernels/indexer.py) at GLM-5's 32 index
-heads x 128 over FP8 keys, with the shipped 32 query rows a product, padded to 64 (block_h) and two tokens a
-product (token_pack): whether ptxas gets a warpgroup MMA, `wgmma`, or `mma.sync`. Each is lowered to PTX and assembled by the ptxas
+heads x 128 over FP8 keys, 32 query rows a product: whether ptxas gets a warpgroup MMA, `wgmma`, or `mma.sync`
+(`mma.sync`: sm_90's `wgmma` takes 64 rows; session 48's ways to 64 rows, padded heads and two tokens a product,
+got `wgmma` and were 1.24-2.23x slower on an H100, `indexer_bh_s49_h100.json`, and were removed). Each is lowered to PTX and assembled by the ptxas
 Triton's wheel ships (`ptxas -v`: registers and spill bytes, as `bench/compile_sm90.py` does for the
 resolver). Pointers and the integer arguments in DIVISIBLE carry `tt.divisibility` 16, as Triton's JIT specializes a launch whose pointers
 are 16-B aligned and whose integers are multiples of 16 (every stride at glm5-faithful's shape is).
@@ -96,14 +97,14 @@ def main(argv=None) -> int:
     ptrs = {"q_ptr": "*bf16", "w_ptr": "*bf16", "k_ptr": "*u8", "s_ptr": "*u8", "loc_ptr": "*i64", "len_ptr": "*i64",
             "pos_ptr": "*i64", "req_ptr": "*i64", "out_ptr": "*fp32"}
     for kern, extra in ((ix.indexer_score_kernel, {}), (ix.indexer_score_group_kernel, {"QG": 8})):
-        for bh, pk in ((32, 1), (64, 1), (32, 2)):
-            consts = dict(IPS=64, BH=bh, BD=128, BS=ix.BLOCK_S, IEEE=False, FP8=True, KDT=tl.bfloat16, PK=pk) | extra
+        for bh in (32,):
+            consts = dict(IPS=64, BH=bh, BD=128, BS=ix.BLOCK_S, IEEE=False, FP8=True, KDT=tl.bfloat16) | extra
             k = _compile(kern, ptrs, consts, 4, 3, wide={"ks0", "ks1", "ks2", "ss0", "ss1"})
             ptx = k.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
-            records.append({"kernel": kern.fn.__name__, "block_h": bh, "token_pack": pk, "heads": 32, "num_warps": 4,
+            records.append({"kernel": kern.fn.__name__, "block_h": bh, "heads": 32, "num_warps": 4,
                             "group": extra.get("QG", 1), "shared_bytes": k.metadata.shared, "ptxas": regs(k), "mma": mma})
-            print(f"{kern.fn.__name__} BH {bh} PK {pk}: {records[-1]['ptxas']}, {mma}", flush=True)
+            print(f"{kern.fn.__name__} BH {bh}: {records[-1]['ptxas']}, {mma}", flush=True)
     write_report(args.out, "compile_sm90_mla", "bench/compile_sm90_mla.py", t0, "sm_90 (ptxas -arch=sm_90a)", records)
     return 0
 

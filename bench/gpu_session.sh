@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,indexer48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -347,11 +347,6 @@ case ",$STEPS," in *,topk31,*)  # issue 31: the indexer's tie-ruled top-k, stabl
   run "indexer top-k: stable, packed, lean" timeout ${TOPK31_TIMEOUT:-150} python3 bench/topk_bench.py --out "$OUT/topk_bench_h200.json" ;; esac
 case ",$STEPS," in *,indexer46,*)  # issue 31: the indexer's scoring launch (block_s, warps, per-token-in-group vs one-product grouped kernel) at glm5-faithful's shape, 100K keys, decode C20 and an 18 x 5 round, with bitwise round == decode checks (~2 min cold)
   run "indexer scoring configurations" timeout ${INDEXER46_TIMEOUT:-240} python3 bench/indexer_tune_bench.py --out "$OUT/indexer_tune_h200.json" ;; esac
-case ",$STEPS," in *,indexer48,*)  # issue 31: the indexer's products on sm_90's 64-row warpgroup MMA (GLM-5's 32 index heads take mma.sync today): heads padded to 64 rows (block_h) and two tokens a product (token_pack), against the shipped, at the shipped block_s / warps, glm5-faithful's shape, decode C20 and an 18 x 5 round, round == decode bit for bit, then the indexer's CUDA tests (~2.5 min cold)
-  run "indexer products: padded rows, packed tokens" timeout ${INDEXER48_TIMEOUT:-240} python3 bench/indexer_tune_bench.py --block-s 128 \
-      --warps 4 --block-h 0,64 --token-pack 1,2 --out "$OUT/indexer_bh_h200.json"
-  run "exactness on CUDA, indexer files" timeout ${EXACT48I_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile \
-      tests/test_indexer_kernel.py tests/test_topk_ties.py -rfE --junitxml="$OUT/exact_cuda_indexer.xml" ;; esac
 case ",$STEPS," in *,dflashattn46,*)  # issue 31: the DFlash drafter's fused 16-bit attention (session 46): CUDA exactness of the drafter files, then one layer of the paper's DFlash2 shape at C20 / C47, fused against the upcast form (~1.5 min)
   run "exactness on CUDA, drafter files" timeout ${EXACT46_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_dflash_attention.py tests/test_dflash_graphs.py tests/test_spec_dflash.py tests/test_drafters_models.py \

@@ -6,10 +6,9 @@
 One full indexer layer of glm5-faithful's shape (32 index heads x 128, FP8 132-B keys in a KVArena
 page slot, as the engine stores them) scores --index-len keys per request for a decode pass (one
 token for each of --decode-requests) and a verification pass (--width tokens for each of
---round-requests: the grouped kernel). Each configuration is (block_s keys a program, num_warps,
-block_h query rows a token, token_pack tokens a product), applied to both kernels. The shipped configuration
-(`kernels.indexer.BLOCK_S`, Triton's 4 warps, the heads' own rows) is first and every ratio is
-against it, measured in the same run. (Session 46 also timed a grouped
+--round-requests: the grouped kernel). Each configuration is (block_s keys a program, num_warps),
+applied to both kernels. The shipped configuration (`kernels.indexer.BLOCK_S`, Triton's 4 warps) is
+first and every ratio is against it, measured in the same run. (Session 46 also timed a grouped
 kernel with one product for the whole group, since removed: indexer_tune_s46_h100.json.)
 
 Exactness: a verification round must select what decoding selects, so every round configuration
@@ -46,9 +45,6 @@ def parse(argv=None) -> argparse.Namespace:
     a("--index-heads", type=int, default=32); a("--index-dim", type=int, default=128)
     a("--index-len", type=int, default=102400, help="keys per request")
     a("--block-s", default="64,128,256"); a("--warps", default="4,8")
-    a("--block-h", default="0", help="query rows of a token's product (0: the shipped, heads rounded up to a power "
-      "of two; 64: GLM-5's 32 heads padded to sm_90's warpgroup MMA tile)")
-    a("--token-pack", default="1", help="tokens a product (1: the shipped; 2: two tokens' 32 heads, 64 rows)")
     a("--key-layout", default="arena", choices=("arena", "contiguous"))
     a("--index-model", default="glm52-scaled", help="the arena's layer layout (--key-layout arena)")
     a("--index-slot", type=int, default=1); a("--page-size", type=int, default=64)
@@ -65,15 +61,14 @@ def parse(argv=None) -> argparse.Namespace:
     return ns
 
 
-def configs(ns) -> list[tuple[int, int, int, int]]:
-    """(block_s, num_warps; 0: Triton's default, 4, block_h; 0: the shipped, token_pack): the
-    shipped configuration first, then every swept one that differs from it."""
+def configs(ns) -> list[tuple[int, int]]:
+    """(block_s, num_warps; 0: Triton's default, 4): the shipped configuration first, then every
+    swept one that differs from it."""
     from dhisparse.kernels.indexer import BLOCK_S
 
-    out = [(BLOCK_S, 0, 0, 1)]
-    for bs, nw, bh, pk in itertools.product(ints(ns.block_s), ints(ns.warps), ints(ns.block_h) or [0],
-                                            ints(ns.token_pack) or [1]):
-        c = (bs, 0 if (bs, nw) == (BLOCK_S, 4) else nw, bh, pk)
+    out = [(BLOCK_S, 0)]
+    for bs, nw in itertools.product(ints(ns.block_s), ints(ns.warps)):
+        c = (bs, 0 if (bs, nw) == (BLOCK_S, 4) else nw)
         if c not in out:
             out.append(c)
     return out
@@ -100,13 +95,13 @@ def main(argv=None) -> int:
         passes[name] = (q, w, pos, req)
     tm, runs, base = Timing(ns.warmup, ns.reps, ns.graph), [], {}
     shipped_decode = indexer_scores_triton(*passes["decode"], table)
-    for bs, nw, bh, pk in configs(ns):
-        opts = {"block_s": bs, "num_warps": nw or None, "block_h": bh or None, "token_pack": pk}
+    for bs, nw in configs(ns):
+        opts = {"block_s": bs, "num_warps": nw or None}
         q, w, pos, req = passes["round"]
         decode_fn = lambda: indexer_scores_triton(*passes["decode"], table, **opts)  # noqa: E731
         round_fn = lambda: indexer_scores_triton(q, w, pos, req, table, group=K, **opts)  # noqa: E731
         per_token = indexer_scores_triton(q, w, pos, req, table, **opts)
-        row = {"block_s": bs, "num_warps": nw or 4, "block_h": bh or None, "token_pack": pk,
+        row = {"block_s": bs, "num_warps": nw or 4,
                "equal_to_decode": bool(torch.equal(round_fn(), per_token)),
                "decode_equal_to_shipped": bool(torch.equal(decode_fn(), shipped_decode)),
                "decode_ms": timed(decode_fn, tm, cuda), "round_ms": timed(round_fn, tm, cuda)}
@@ -114,7 +109,7 @@ def main(argv=None) -> int:
         row |= {"decode_over_shipped": row["decode_ms"] / base["decode_ms"],
                 "round_over_shipped": row["round_ms"] / base["round_ms"]}
         runs.append(row)
-        print(f"block_s {bs:4d} warps {nw or 4} block_h {bh or '-'} pack {pk}  decode {row['decode_ms'] * 1e3:8.1f} us "
+        print(f"block_s {bs:4d} warps {nw or 4}  decode {row['decode_ms'] * 1e3:8.1f} us "
               f"x{row['decode_over_shipped']:.3f}  round {row['round_ms'] * 1e3:8.1f} us x{row['round_over_shipped']:.3f}  "
               f"round==decode {row['equal_to_decode']}  decode==shipped {row['decode_equal_to_shipped']}", flush=True)
     notes = ["ratios against the shipped configuration (kernels.indexer.BLOCK_S, 4 warps) in the same run",

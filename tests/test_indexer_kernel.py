@@ -154,14 +154,12 @@ def test_dense_table_and_dispatch():
     assert torch.equal(indexer_topk(proj, batch, KeysOnly(), LAYER, 8), want)
 
 
-@pytest.mark.parametrize("token_pack", [1, 2, 4])
 @pytest.mark.parametrize("K,starts,lens_cut", [(2, [60, 20, 7], 0), (3, [9, 0, 40], 5), (4, [1, 33], 0),
                                                (5, [0, 12, 70, 3], 2)])
-def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut, token_pack):
+def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut):
     """Grouped scoring (one key read for a request's K queries): same visibility, same scores
     (1e-5), same top-k as the torch path; a padded token (position -1) sees nothing; a request
-    whose keys end before its queries' positions (lens_cut) is cut at its length. token_pack:
-    tokens scored in one product (a group of 3 or 5 ends in a partly empty product)."""
+    whose keys end before its queries' positions (lens_cut) is cut at its length."""
     batch, proj = make_pass([(K, s) for s in starts])
     assert batch.tokens_per_request == K
     lens = [max(1, n - lens_cut) for n in batch.seq_lens.tolist()]
@@ -169,49 +167,27 @@ def test_grouped_scores_match_the_per_token_scores(K, starts, lens_cut, token_pa
     pos = batch.positions.clone()
     pos[K - 1] = -1  # the first request's last token is padding
     args = (proj.q, proj.w, pos, batch.req_idx, table)
-    s_torch, s_grp = indexer_scores_torch(*args), indexer_scores_triton(*args, group=K, token_pack=token_pack)
+    s_torch, s_grp = indexer_scores_torch(*args), indexer_scores_triton(*args, group=K)
     assert torch.isinf(s_grp[K - 1]).all()
     assert torch.equal(torch.isinf(s_torch), torch.isinf(s_grp))
     fin = ~torch.isinf(s_torch)
     torch.testing.assert_close(s_grp[fin], s_torch[fin], rtol=1e-5, atol=1e-5)
-    s_tok = indexer_scores_triton(*args, token_pack=token_pack)
-    assert torch.equal(torch.isinf(s_torch), torch.isinf(s_tok))
-    torch.testing.assert_close(s_tok[fin], s_torch[fin], rtol=1e-5, atol=1e-5)
-    if token_pack == 1:
-        assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())
+    assert torch.equal(indexer_topk_triton(*args, 8, group=K).cpu(), indexer_topk_torch(*args, 8).cpu())
 
 
-@pytest.mark.parametrize("block_h,token_pack", [(None, 1), (64, 1), (None, 2), (None, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [2, 4, 5])
-def test_grouped_scores_equal_the_per_token_kernels_bit_for_bit(K, dtype, block_h, token_pack):
+def test_grouped_scores_equal_the_per_token_kernels_bit_for_bit(K, dtype):
     """A verification round (grouped) must select what decoding (per token) selects: the two
-    kernels' scores are bitwise equal, in the engine's bf16 on the GPU, with the heads padded to 64
-    rows (block_h) or several tokens a product (token_pack) too. (The interpreter's bf16 tl.dot is
-    not the GPU's: bf16 runs on CUDA only.)"""
+    kernels' scores are bitwise equal, in the engine's bf16 on the GPU. (The interpreter's bf16
+    tl.dot is not the GPU's: bf16 runs on CUDA only.)"""
     if dtype == torch.bfloat16 and DEV != "cuda":
         pytest.skip("bf16 kernel arithmetic is checked on the GPU")
     batch, proj = make_pass([(K, s) for s in (0, 37, 90, 5)], dtype)
     table, _ = make_table(batch.seq_lens.tolist(), dtype)
     args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
-    opts = {"block_h": block_h, "token_pack": token_pack}
-    per_token = indexer_scores_triton(*args, **opts)
-    assert torch.equal(per_token, indexer_scores_triton(*args, group=K, **opts))
-    if block_h or token_pack > 1:  # padded or packed rows add nothing: the shipped scores, to rounding
-        want, fin = indexer_scores_triton(*args), ~torch.isinf(per_token)
-        assert torch.equal(torch.isinf(want), ~fin)
-        torch.testing.assert_close(per_token[fin], want[fin], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
-
-
-def test_block_h_and_token_pack_are_checked():
-    batch, proj = make_pass([(1, 3)])
-    table, _ = make_table(batch.seq_lens.tolist())
-    args = (proj.q, proj.w, batch.positions, batch.req_idx, table)
-    for bad in (proj.q.shape[1] // 2, 48):
-        with pytest.raises(ValueError, match="block_h"):
-            indexer_scores_triton(*args, block_h=bad)
-    with pytest.raises(ValueError, match="token_pack"):
-        indexer_scores_triton(*args, token_pack=3)
+    per_token, grouped = indexer_scores_triton(*args), indexer_scores_triton(*args, group=K)
+    assert torch.equal(per_token, grouped)
 
 
 def test_grouped_scoring_rejects_a_ragged_pass():

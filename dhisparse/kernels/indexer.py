@@ -90,70 +90,33 @@ def _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
 
 
 @triton.jit
-def _packed_scores(q_ptr, w_ptr, t0, n_tok, k, H, D, qs0, qs1, qs2, ws0, ws1, scale,
-                   PK: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
-    """`_token_scores` of tokens t0 .. t0+PK-1 in one product (the first n_tok real, the others zero
-    rows) -> [PK, BS] fp32. Row u*BH + h of the [PK*BH, BD] query tile is token t0+u's head h:
-
-        rows | token t0: heads 0 .. BH-1 | token t0+1: heads 0 .. BH-1 | ...   (PK slots)
-
-    A row's product does not depend on the other rows, and every slot sums its own BH rows the same
-    way, so a token's scores are the same in whichever slot it sits (grouped == per token)."""
-    rr = tl.arange(0, PK * BH)
-    u = rr // BH
-    h = rr % BH
-    d = tl.arange(0, BD)
-    rm = (h < H) & (u < n_tok)
-    q = tl.load(q_ptr + (t0 + u)[:, None] * qs0 + h[:, None] * qs1 + d[None, :] * qs2,
-                mask=rm[:, None] & (d < D)[None, :], other=0.0)
-    if IEEE:
-        logit = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")  # [PK * BH, BS]
-    else:
-        logit = tl.dot(q, k)
-    logit = tl.maximum(logit * scale, 0.0)
-    wv = tl.load(w_ptr + (t0 + u) * ws0 + h * ws1, mask=rm, other=0.0).to(tl.float32)
-    return tl.sum(tl.reshape(logit * wv[:, None], (PK, BH, logit.shape[1])), axis=1)
-
-
-@triton.jit
 def indexer_score_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
                          Lmax, H, D, ks0, ks1, ks2, ss0, ss1, qs0, qs1, qs2, ws0, ws1, scale,
                          IPS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, KDT: tl.constexpr, PK: tl.constexpr):
-    """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax]).
-    PK > 1: token t takes slot 0 of a `_packed_scores` product, the other slots zero rows."""
+                         FP8: tl.constexpr, KDT: tl.constexpr):
+    """Program (t, j) writes out[t, j*BS : (j+1)*BS] (row t of the chunk's scores [T, Lmax])."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     s = j * BS + tl.arange(0, BS)
     r = tl.load(req_ptr + t).to(tl.int64)
     lim = tl.minimum(tl.load(len_ptr + r), tl.load(pos_ptr + t) + 1)  # visible positions
-    if PK == 1:
-        res = tl.full([BS], float("-inf"), tl.float32)
-        if j * BS < lim:
-            k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-            sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
-            res = tl.where(ok, sc, float("-inf"))
-        tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
-    else:
-        uu = tl.arange(0, PK)
-        res2 = tl.full([PK, BS], float("-inf"), tl.float32)
-        if j * BS < lim:
-            k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-            sc2 = _packed_scores(q_ptr, w_ptr, t, 1, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, PK, BH, BD, IEEE)
-            res2 = tl.where(ok[None, :], sc2, float("-inf"))
-        tl.store(out_ptr + (t + uu)[:, None] * Lmax + s[None, :], res2, mask=(uu == 0)[:, None] & (s < Lmax)[None, :])
+    res = tl.full([BS], float("-inf"), tl.float32)
+    if j * BS < lim:
+        k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
+        sc = _token_scores(q_ptr, w_ptr, t, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
+        res = tl.where(ok, sc, float("-inf"))
+    tl.store(out_ptr + t * Lmax + s, res, mask=s < Lmax)
 
 
 @triton.jit
 def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos_ptr, req_ptr, out_ptr,
                                Lmax, H, D, G, ks0, ks1, ks2, ss0, ss1, qs0, qs1, qs2, ws0, ws1, scale,
                                IPS: tl.constexpr, QG: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                               IEEE: tl.constexpr, FP8: tl.constexpr, KDT: tl.constexpr, PK: tl.constexpr):
+                               IEEE: tl.constexpr, FP8: tl.constexpr, KDT: tl.constexpr):
     """Program (g, j) writes out[g*G + u, j*BS : (j+1)*BS] for u < G: the G tokens of one request
     (QG = G rounded up to a power of two). The key block is loaded once, up to the furthest of
     the G tokens' limits; each token is then scored by `_token_scores`, as in the per-token kernel
-    (a key column's score does not depend on the other columns loaded with it), or PK > 1 tokens
-    at a time by `_packed_scores`, as the per-token kernel scores its one token at the same PK."""
+    (a key column's score does not depend on the other columns loaded with it)."""
     g = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     s = j * BS + tl.arange(0, BS)
@@ -165,23 +128,11 @@ def indexer_score_group_kernel(q_ptr, w_ptr, k_ptr, s_ptr, loc_ptr, len_ptr, pos
     lim_max = tl.max(tl.where(i < G, tl.minimum(n, pos + 1), 0), 0)
     if j * BS < lim_max:
         k, ok = _key_block(k_ptr, s_ptr, loc_ptr + r * Lmax, s, lim_max, D, IPS, ks0, ks1, ks2, ss0, ss1, BD, FP8, KDT)
-        if PK > 1:
-            uu = tl.arange(0, PK)
-            for pp in tl.static_range((QG + PK - 1) // PK):
-                if pp * PK < G:
-                    nt = tl.minimum(G - pp * PK, PK)
-                    limv = tl.minimum(n, tl.load(pos_ptr + t0 + pp * PK + uu, mask=uu < nt, other=-1) + 1)
-                    sc2 = _packed_scores(q_ptr, w_ptr, t0 + pp * PK, nt, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, PK,
-                                         BH, BD, IEEE)
-                    vis = ok[None, :] & (s[None, :] < limv[:, None])
-                    tl.store(out_ptr + (t0 + pp * PK + uu)[:, None] * Lmax + s[None, :],
-                             tl.where(vis, sc2, float("-inf")), mask=(uu < nt)[:, None] & (s < Lmax)[None, :])
-        else:
-            for u in tl.static_range(QG):
-                if u < G:
-                    lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
-                    sc = _token_scores(q_ptr, w_ptr, t0 + u, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
-                    tl.store(out_ptr + (t0 + u) * Lmax + s, tl.where(ok & (s < lim), sc, float("-inf")), mask=s < Lmax)
+        for u in tl.static_range(QG):
+            if u < G:
+                lim = tl.minimum(n, tl.load(pos_ptr + t0 + u) + 1)
+                sc = _token_scores(q_ptr, w_ptr, t0 + u, k, H, D, qs0, qs1, qs2, ws0, ws1, scale, BH, BD, IEEE)
+                tl.store(out_ptr + (t0 + u) * Lmax + s, tl.where(ok & (s < lim), sc, float("-inf")), mask=s < Lmax)
     else:
         for u in tl.static_range(QG):
             if u < G:
@@ -194,22 +145,13 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
                           table: IndexTable, block_s: int = BLOCK_S, group: int = 1,
-                          num_warps: int | None = None, block_h: int | None = None, token_pack: int = 1) -> torch.Tensor:
+                          num_warps: int | None = None) -> torch.Tensor:
     """q [T, iH, iD], w [T, iH], positions / req_idx [T] int64, table -> scores [T, Lmax] fp32.
     group G > 1: tokens g*G .. g*G+G-1 belong to one request (T a multiple of G; the grouped kernel
-    when G <= MAX_GROUP, the per-token kernel above it). block_s (keys a program), num_warps
-    (None: Triton's 4) and block_h (query rows of a token's product, a power of two >= iH; None:
-    iH rounded up to one, at least 16) configure both kernels alike: grouped and per-token scores
-    are bitwise equal only at the same configuration. block_h 64 pads GLM-5's 32 index heads to
-    the 64 rows sm_90's warpgroup MMA takes (twice the multiply work, zero rows masked). token_pack
-    (1, 2 or 4) puts that many tokens' heads in one product (`_packed_scores`): two of GLM-5's 32
-    make the 64 rows without padding in a verification round; a decode token fills one slot."""
+    when G <= MAX_GROUP, the per-token kernel above it). block_s (keys a program) and num_warps
+    (None: Triton's 4) configure both kernels alike: grouped and per-token scores are bitwise
+    equal only at the same configuration."""
     T, H, D = q.shape
-    if block_h is not None and (block_h < H or block_h != _pow2(block_h, 1)):
-        raise ValueError(f"block_h must be a power of two >= the {H} index heads; got {block_h}")
-    bh = max(_pow2(H), block_h or 0)
-    if token_pack not in (1, 2, 4):
-        raise ValueError(f"token_pack must be 1, 2 or 4; got {token_pack}")
     rows, locs, lens, fmt, scales = table
     fp8 = fmt is not None and fmt.fp8
     Lmax = locs.shape[1]
@@ -234,14 +176,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, positions: torch.Ten
         indexer_score_group_kernel[(T // group, triton.cdiv(Lmax, block_s))](
             q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
             Lmax, H, D, group, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=bh, BD=_pow2(D), BS=block_s,
-            IEEE=ieee, FP8=fp8, KDT=kdt, PK=token_pack, **launch)
+            IPS=rows.shape[1], QG=triton.next_power_of_2(group), BH=_pow2(H), BD=_pow2(D), BS=block_s,
+            IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
         return out
     grid = (T, triton.cdiv(Lmax, block_s))
     indexer_score_kernel[grid](
         q, w, rows, sc, locs, lens.contiguous(), positions.contiguous(), req_idx.contiguous(), out,
         Lmax, H, D, *rows.stride(), *sstr, *q.stride(), *w.stride(), D**-0.5,
-        IPS=rows.shape[1], BH=bh, BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, PK=token_pack, **launch)
+        IPS=rows.shape[1], BH=_pow2(H), BD=_pow2(D), BS=block_s, IEEE=ieee, FP8=fp8, KDT=kdt, **launch)
     return out
 
 
