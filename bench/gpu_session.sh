@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -491,6 +491,10 @@ case ",$STEPS," in *,w8a843,*)  # issue 31: FP8 activations (--fp8-activations d
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
+case ",$STEPS," in *,peerlive33,*)  # issue 33: ours against SGLang 0.5.23's HiSparse kernel run here, side by side on the issue's 36 cases (the peer built from its wheel on the CPU first: python3 bench/peer/build.py; carry [".whl", ".peer"]; ~4 min cold)
+  [ -f .peer/libhisparse_peer.so ] || { echo "peerlive33: .peer/libhisparse_peer.so missing (bench/peer/build.py, carry .peer)"; exit 2; }
+  run "resolver vs the peer's kernel, side by side" timeout ${PEERLIVE33_TIMEOUT:-480} python3 bench/resolver_peer_live.py \
+      --out "$OUT/resolver_peer_live_h200.json" ;; esac
 case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, and across num_warps (~3 min cold)
   run "resolver plan probe" timeout ${PROBE33_TIMEOUT:-240} python3 bench/resolver_probe.py \
       --out "$OUT/resolver_probe_h200.json" ;; esac

@@ -1,0 +1,210 @@
+"""Issue 33 side by side: our resolver against SGLang's HiSparse kernel, both run here on the same inputs.
+
+    python3 bench/peer/build.py                                   # CPU: builds .peer/ from the sglang wheel
+    python3 bench/resolver_peer_live.py --out $OUT/resolver_peer_live.json   # GPU; carry [".whl", ".peer"]
+    python3 bench/resolver_peer_live.py --quick --out /tmp/live.json         # CPU: the translation checks only
+
+The issue's 36 cases (bench/resolver_peer.py's `build`: top-k 2,048, one query per request, hot cache H 4,096 /
+8,192, batch 8 / 32 / 100, rows of 656 / 1,152 B, 0.1% / 20% / all of each selection missing). Per case, on
+one GPU in one process, each call after a 256-MiB L2 flush and its state restored (untimed), 20 timed calls,
+median, device time with the GPU spinning while the CPU enqueues (bench/resolver_timing.py):
+
+    ours: plan + copy (`plan_triton(defer=True, workspace=...)` + `launch_copies`, the engine's default),
+          the fused plan + copy (`copy=`, `--resolver-copy fused`), the plan alone
+    peer: `load_cache_to_device_buffer_kernel` (plan + copy in one launch), and its SkipIO instantiation
+          (the same kernel with the row copies compiled out: its plan alone)
+
+and the ratios ours / peer. The peer is SGLang 0.5.23's kernel, compiled unmodified from its wheel
+(bench/peer/build.py: provenance in .peer/build.json, copied into the result). Its state is our case's,
+translated by bench/peer/hisparse_peer.py (same hot slots and rows, recency from our stamps).
+
+Checks, every case: the peer's locations equal its contract (`peer_expected`), the rows it copied equal
+their host rows, its miss count equals our plan's host count, and its victim slots are ours as a set (the
+pairing of misses to victims differs by design: ours by host address). Our plan is checked bit for bit
+against `plan_reference` on the first batch of each (H, row size, level), as bench/resolver_peer.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.peer.hisparse_peer import PeerKernel, peer_expected, peer_state  # noqa: E402
+from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
+from bench.resolver_peer import MISS, PEER_US, Flush, build, precompile, shapes  # noqa: E402
+from bench.resolver_timing import header, stats, timeit  # noqa: E402
+from dhisparse.kernels.gather import row_copy  # noqa: E402
+from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver_ref import plan_reference  # noqa: E402
+
+
+def translation_check(case: Case, now: int) -> tuple[dict, torch.Tensor]:
+    """The peer's contract on the translated state against our `plan_reference` on the same case: the same
+    hit locations, the same victims (as sets of device rows) and the miss count; and the contract's
+    locations [N, k] int32 (what the peer's own call must return)."""
+    ps = peer_state(case.state, case.history)
+    top_k = case.sel[:, 0].to(torch.int32)
+    exp, _ = peer_expected(_cpu(ps), top_k.cpu())
+    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), _cpu_state(case), now)
+    loc = ref.loc[:, 0]
+    hot = case.state.hot_pos.cpu()
+    same_hits, same_victims, misses = True, True, 0
+    for n in range(top_k.shape[0]):
+        hit = torch.isin(case.sel[n, 0].cpu(), hot[n])
+        same_hits &= bool(torch.equal(exp[n][hit].long(), loc[n][hit]))
+        same_victims &= bool(torch.equal(torch.sort(exp[n][~hit].long()).values, torch.sort(loc[n][~hit]).values))
+        misses += int((~hit).sum())
+    return {"case": case.name, "hits": same_hits, "victims": same_victims, "misses": misses,
+            "ours_host_rows": int(ref.counters.host)}, exp
+
+
+def _cpu(ps):
+    return type(ps)(*(getattr(ps, f).to("cpu", copy=True) for f in ps.__dataclass_fields__))
+
+
+def _cpu_state(case: Case):
+    """A CPU copy of the case's state (plan_reference updates the state it is given)."""
+    import dataclasses
+
+    st = case.state
+    return type(st)(**{f.name: (v.to("cpu", copy=True) if torch.is_tensor(v) else v)
+                       for f in dataclasses.fields(st) for v in [getattr(st, f.name)]})
+
+
+def peer_check(peer: PeerKernel, rig: Rig, case: Case, exp: torch.Tensor) -> dict:
+    """One peer call on a copy of the translated state: its locations against the contract, and the rows
+    it copied (every miss) against their host rows."""
+    ps = peer_state(case.state, case.history)
+    top_k = case.sel[:, 0].to(torch.int32).contiguous()
+    out = torch.empty_like(top_k)
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows).clone()
+    peer.run(ps, top_k, out, host, dev, case.rb)
+    torch.cuda.synchronize()
+    hot = case.state.hot_pos
+    miss = ~torch.stack([torch.isin(case.sel[n, 0], hot[n]) for n in range(top_k.shape[0])])
+    hf, df = host.reshape(-1, host.shape[-1]), dev.reshape(-1, dev.shape[-1])
+    src = torch.gather(peer_state(case.state, case.history).host_locs, 1, case.sel[:, 0])[miss]
+    rows = bool(torch.equal(df[out[miss].long()].view(torch.uint8), hf[src].view(torch.uint8)))
+    return {"locations": bool(torch.equal(out.cpu(), exp)), "rows": rows, "copies": int(miss.sum())}
+
+
+def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, flush: Flush, iters: int, warmup: int) -> dict:
+    """Ours (plan + copy, fused, plan alone) and the peer's (full, plan alone) on one case."""
+    st = case.state
+    now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
+    host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
+    snap = [(t, t.clone()) for t in (st.hot_pos, st.hot_stamp)]
+    ps0 = peer_state(st, case.history)
+    ps = ps0.clone()
+
+    def restore() -> None:
+        for t, v in snap:
+            t.copy_(v)
+        ps.tokens.copy_(ps0.tokens)
+        ps.lru.copy_(ps0.lru)
+        flush()
+
+    ws = PlanWorkspace(rig.dev)
+    plan = lambda: plan_triton(case.sel, case.slots, st, now, defer=True, workspace=ws, distinct=True)  # noqa: E731
+    fused = row_copy(host, dev)
+    rec = {"ours_plan_copy": stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup)),
+           "ours_fused": stats(timeit(rig, lambda: plan_triton(case.sel, case.slots, st, now, defer=True, workspace=ws,
+                                                                distinct=True, copy=fused), restore, iters, warmup)),
+           "ours_plan": stats(timeit(rig, plan, restore, iters, warmup))}
+    if peer is not None:
+        top_k = case.sel[:, 0].to(torch.int32).contiguous()
+        out = torch.empty_like(top_k)
+        for key, skip in (("peer", False), ("peer_plan", True)):
+            rec[key] = stats(timeit(rig, lambda s=skip: peer.run(ps, top_k, out, host, dev, case.rb, skip_io=s),
+                                    restore, iters, warmup))
+        us = lambda k: rec[k]["time_ms"] * 1e3  # noqa: E731
+        rec["ratios"] = {"plan_copy_over_peer": us("ours_plan_copy") / us("peer"),
+                         "fused_over_peer": us("ours_fused") / us("peer"),
+                         "best_over_peer": min(us("ours_plan_copy"), us("ours_fused")) / us("peer"),
+                         "plan_over_peer_plan": us("ours_plan") / us("peer_plan")}
+    restore()
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: the translation checks only")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.phases = False
+    t0, sh = time.time(), shapes(args.quick)
+    cuda = torch.cuda.is_available()
+    peer = PeerKernel() if cuda and not args.quick else None
+    workers = precompile(args, sh)
+    rig = Rig(quick=args.quick)
+    flush = Flush(rig.dev, args.quick)
+    for rb in sh["row_bytes"]:
+        rig.fill(rb)
+    for w in workers:
+        w.wait()
+    records, checks = [], []
+    for H in sh["Hs"]:
+        for N in sh["batches"]:
+            for rb in sh["row_bytes"]:
+                for level in MISS:
+                    case = build(rig, sh, H, N, rb, level)
+                    now = int(case.state.hot_stamp.max()) + 1
+                    chk, exp = translation_check(case, now)
+                    if N == sh["batches"][0]:
+                        chk["ours_vs_reference"] = all(v for k, v in check_case(rig, case, distinct=True).items()
+                                                       if k not in ("case", "copies"))
+                    if peer is not None:
+                        chk["peer"] = peer_check(peer, rig, case, exp)
+                    checks.append(chk)
+                    rec = {"case": case.name, "H": H, "batch": N, "row_bytes": rb, "miss_level": level,
+                           "misses": chk["misses"], **time_pair(rig, peer, case, flush, 2 if args.quick else args.iters,
+                                                               0 if args.quick else args.warmup)}
+                    key = (level, N, rb)
+                    if H == 4096 and key in PEER_US:
+                        rec["issue_figures_us"] = {"peer_h200": PEER_US[key][0], "ours_at_filing_h200": PEER_US[key][1]}
+                    records.append(rec)
+                    r = rec.get("ratios", {})
+                    print(f"[{time.time() - t0:6.1f}s] {case.name}: ours {rec['ours_plan_copy']['time_ms'] * 1e3:7.1f} us"
+                          f" (fused {rec['ours_fused']['time_ms'] * 1e3:7.1f}, plan {rec['ours_plan']['time_ms'] * 1e3:6.1f})"
+                          + (f"  peer {rec['peer']['time_ms'] * 1e3:7.1f} us (plan {rec['peer_plan']['time_ms'] * 1e3:6.1f})"
+                             f"  best/peer {r['best_over_peer']:.2f}  plan/peer {r['plan_over_peer_plan']:.2f}" if r else "")
+                          + f"  checks {chk}", flush=True)
+                    write(args.out, rig, sh, args, peer, checks, records, t0)
+    ok = write(args.out, rig, sh, args, peer, checks, records, t0)
+    print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")
+    return 0 if ok else 1
+
+
+def _ok(c: dict) -> bool:
+    peer = c.get("peer") or {}
+    return c["hits"] and c["victims"] and c["misses"] == c["ours_host_rows"] and c.get("ours_vs_reference", True) and all(
+        v for k, v in peer.items() if k != "copies")
+
+
+def write(out: str, rig: Rig, sh: dict, args, peer: PeerKernel | None, checks: list, records: list, t0: float) -> bool:
+    """The JSON so far (rewritten after every case)."""
+    ok = all(_ok(c) for c in checks)
+    doc = header("resolver_peer_live", "bench/resolver_peer_live.py", rig.cuda, t0, shapes=sh, iters=args.iters,
+                 peer_build=peer.build if peer else None, peer_ran=peer is not None, checks_pass=ok, checks=checks,
+                 records=records)
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return ok
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Issue 33's side-by-side harness (bench/peer/, bench/resolver_peer_live.py), on the CPU: the translation of our
+resolver state into SGLang's HiSparse tables and the peer's contract that its GPU output is checked against.
+
+The peer's kernel itself only runs on a GPU (bench/resolver_peer_live.py checks its output against
+`peer_expected` there). Breakages tried: the LRU order reversed (newest first: the victims differ, caught below
+in-test), misses paired with victims from the MRU end, the newest token not routed to slot H, host rows without
+the page size (each caught by the contract tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import zipfile
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.peer.hisparse_peer import PeerKernel, PeerState, host_rows_of, lru_order, peer_expected, peer_state  # noqa: E402
+from dhisparse.kernels.resolver_ref import ResolverState  # noqa: E402
+
+
+def _state(N=1, H=4, L=12, ps=4) -> ResolverState:
+    i64 = dict(dtype=torch.int64)
+    table = torch.tensor([[2, 0, 1]] * N, **i64)
+    return ResolverState(torch.full((N, H), -1, **i64), torch.zeros((N, H), **i64),
+                         (torch.arange(N * H, **i64).view(N, H) + 100), torch.full((N,), L, **i64),
+                         torch.arange(N * 2, **i64).view(N, 2) + 500, table, ps)
+
+
+def test_host_rows_follow_the_page_table_and_lru_is_oldest_first_ties_by_slot():
+    st = _state()
+    assert host_rows_of(st, 12).tolist() == [[8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert lru_order(torch.tensor([[5, 1, 5, 0]])).tolist() == [[3, 1, 0, 2]]
+    assert lru_order(torch.tensor([[5, 1, 5, 0]])).dtype == torch.int16
+
+
+def test_the_peer_contract_hits_newest_and_misses_in_order():
+    """Slots hold 3, 7, 9, -1 (stamps 4, 1, 9, 0: LRU order 3, 1, 0, 2); selecting 9 (hit, slot 2), 5 (miss),
+    12 (the newest: slot H), 7 (hit, slot 1), 2 (miss): the misses take the stale slots oldest first, 3 then 0."""
+    st = _state()
+    st.hot_pos[0] = torch.tensor([3, 7, 9, -1])
+    st.hot_stamp[0] = torch.tensor([4, 1, 9, 0])
+    ps = peer_state(st, 12)
+    ps.seq[0] = 13  # the newest token is 12 (our tail's first position)
+    out, victims = peer_expected(ps, torch.tensor([[9, 5, 12, 7, 2]], dtype=torch.int32))
+    assert out.tolist() == [[102, 103, 500, 101, 100]]
+    assert victims[0].tolist() == [3, 0]
+    assert ps.tokens[0].tolist() == [3, 7, 9, -1, 12] and ps.locs[0, 4] == 500
+    assert ps.host_locs.shape == (1, 13) and ps.lru.tolist() == [[3, 1, 0, 2]]
+
+
+def test_peer_state_refuses_a_tail_that_a_selection_could_reach():
+    st = _state()
+    st.tail_start[0] = 10
+    with pytest.raises(ValueError, match="tail"):
+        peer_state(st, 12)
+
+
+def test_the_translation_gives_our_hits_and_victims_and_a_reversed_lru_does_not():
+    """On the benchmark's own quick cases (bench/resolver_peer.py `build`), the peer's contract on the
+    translated state has our `plan_reference`'s hit locations, victims (as a set) and miss count. The same
+    check fails with the LRU order reversed."""
+    from bench import resolver_peer_live as live
+    from bench.resolver_cases import Rig
+    from bench.resolver_peer import build, shapes
+
+    rig = Rig(quick=True)
+    sh = shapes(True)
+    for level in ("20%", "all"):
+        case = build(rig, sh, 32, 3, 656, level)
+        now = int(case.state.hot_stamp.max()) + 1
+        chk, exp = live.translation_check(case, now)
+        assert chk["hits"] and chk["victims"] and chk["misses"] == chk["ours_host_rows"] > 0, chk
+        assert exp.shape == case.sel[:, 0].shape and exp.dtype == torch.int32
+    real = live.peer_state
+    try:  # the breakage: newest first
+        live.peer_state = lambda st, L: dataclasses.replace(real(st, L), lru=real(st, L).lru.flip(1))
+        chk, _ = live.translation_check(case, now)
+    finally:
+        live.peer_state = real
+    assert chk["hits"] and not chk["victims"]
+
+
+def test_peer_kernel_names_the_build_when_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="bench/peer/build.py"):
+        PeerKernel(tmp_path / "libhisparse_peer.so")
+
+
+def test_build_extracts_only_the_named_members(tmp_path):
+    from bench.peer.build import extract
+
+    whl = tmp_path / "w.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name in ("a/include/x.h", "a/include/sub/y.h", "a/other.py", "b/k.cuh"):
+            z.writestr(name, "//")
+    assert extract(whl, ("a/include/", "b/k.cuh"), tmp_path / "out") == 3
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file()) == [
+        "a/include/sub/y.h", "a/include/x.h", "b/k.cuh"]
+
+
+def test_peer_state_clone_is_deep():
+    ps = peer_state(_state(), 12)
+    c = ps.clone()
+    c.lru.fill_(0)
+    assert isinstance(c, PeerState) and not torch.equal(c.lru, ps.lru)
