@@ -496,6 +496,20 @@ def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[d
     return rows, ratios, spread
 
 
+def eq13(runs) -> list[dict]:
+    """Eq. 13's prediction beside the measured ratio for every speculative (label, C) against hisparse at
+    that load (dhisparse.bench.eq13): means over the runs of each series, slots from the engine's counters."""
+    from dhisparse.bench.eq13 import Series, eq13_dicts
+
+    by: dict = {}
+    for r in runs:
+        by.setdefault((r.preset, r.concurrency), []).append(r)
+    mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
+    series = [Series(p, c, mean([r.metrics.output_tok_s for r in rs]), mean([r.metrics.tpot_mean_ms for r in rs]),
+                     rs[0].engine.get("slots_total")) for (p, c), rs in by.items()]
+    return eq13_dicts(series)
+
+
 def _ratios(by: dict, concurrencies, arms) -> dict:
     """Ratios of the mean rates `by` {(label, C): tok/s} (see `summarize`)."""
     ratios = {}
@@ -543,7 +557,7 @@ def write(ns, sz, est, t0, runs):
                            "distinct_suffixes": ns.distinct_suffixes},
               "concurrency": ns.concurrencies, "drafter": ns.drafter, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
               "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "spread": spread, "ratios": ratios,
-              "arms": ns.arm_list, "repeats": ns.repeats, "rotate": ns.rotate}
+              "arms": ns.arm_list, "repeats": ns.repeats, "rotate": ns.rotate, "eq13": eq13(runs)}
     result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[spec_note(ns)],
                           commit=R.source_commit())
@@ -597,6 +611,10 @@ def main(argv=None) -> int:
         path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")
+    for e in eq13(runs):
+        print(f"[eq13] {e['label']}/{e['baseline']}@C{e['concurrency']}: predicted {e['predicted']:.3f} "
+              f"(slots {e['slots_spec']}/{e['slots_base']}, TPOT {e['tpot_base_ms']:.1f}/{e['tpot_spec_ms']:.1f} ms), "
+              f"measured {e['measured']:.3f}")
     print(f"[done] {path} in {time.perf_counter() - t0:.0f} s")
     return 0
 
