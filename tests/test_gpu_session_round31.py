@@ -204,3 +204,21 @@ def test_costedsweep48_is_costedsweep31_on_an_h100(tmp_path):
     assert h200.arms.count(";") == 1 and "_e12" not in h200.out + h200.reference_file
     for ns in (h100, h200):
         assert ns.model == "glm5-faithful" and ns.charge_spec_memory and ns.presets == "hisparse,adaptive+spec"
+
+
+def test_lowload31_runs_resident_adaptive_and_hisparse_at_low_load_rotated(tmp_path):
+    """lowload31: the three non-speculative presets side by side at C2 on glm5-faithful at 100K in the costed
+    sweep's pool (3 resident histories), one repeat a call, the order rotated by LOWLOAD_ROTATE; on a card
+    under 100 GiB (or none, as here) the 12-expert build."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    (cmd,) = [c for c in session_commands(tmp_path, "lowload31", {"LOWLOAD_ROTATE": "1"}) if c[0] == "bench/gpu_serving.py"]
+    ns = gs.parse(cmd[1:])
+    assert (ns.model, ns.overrides, ns.input_len, ns.kv_cache_dtype, ns.resident_fit) == (
+        "glm5-faithful", {"n_routed_experts": 12}, 102400, "fp8_e4m3", 3)
+    assert ns.concurrencies == [2] and ns.distinct_suffixes == 2 and "_e12_" in ns.out and "_r1_" in ns.out
+    assert [p for _, p, _ in gs.schedule(ns)] == ["adaptive", "hisparse", "resident"]  # rotated by one
