@@ -351,12 +351,14 @@ def oracle_reference(ns, sz, loaded, prefixes) -> dict:
     """Greedy non-speculative outputs of every distinct prompt (prompt ids -> output ids): those of
     `--reference-file` when it holds this run's (dhisparse.bench.reference), else decoded here and
     written there. How varied they are (`output_diversity`) is printed and kept in sz (the JSON's sizing)."""
-    from dhisparse.bench.reference import check_diversity, load_reference, output_diversity, reference_key, save_reference
+    from dhisparse.bench.reference import (check_diversity, load_reference, output_diversity, prompts_digest,
+                                           reference_key, save_reference)
 
-    key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     tok = loaded.tokenizer
     prefix = prefix_ids(tok, ns.input_len, loaded.config.vocab_size)
     prompts = [tuple(prefix + tok.encode(suffix_text(i))) for i in range(ns.distinct_suffixes)]
+    key = reference_key(model_key(ns), ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len,
+                        ns.distinct_suffixes) | {"prompts": prompts_digest(prompts)}
     t = time.perf_counter()
     outputs = load_reference(ns.reference_file, key) if ns.reference_file else None
     if outputs is not None:

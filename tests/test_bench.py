@@ -742,6 +742,10 @@ def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run
     key = reference_key(ns.model, ns.dtype, ns.kv_cache_dtype, ns.input_len, ns.output_len, ns.distinct_suffixes)
     with pytest.raises(ReferenceMismatch, match="output_len: file 12, run 13"):
         load_reference(path, dict(key, output_len=13))
+    monkeypatch.setattr(gs, "suffix_text", lambda i: f"another prompt {i}")  # built outside the decoding code
+    with pytest.raises(ReferenceMismatch, match="prompts: file '[0-9a-f]{32}', run '[0-9a-f]{32}'"):
+        gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
+    monkeypatch.undo()
     monkeypatch.setattr(ref_mod, "code_digest", lambda root=None: "other package files")
     with pytest.raises(ReferenceMismatch, match="code: file '[0-9a-f]{32}', run 'other package files'"):
         gs.oracle_reference(ns, sz, loaded, PrefixStore(pin=False))
@@ -905,7 +909,32 @@ def test_code_digest_follows_every_file_and_skips_caches(tmp_path):
     assert digest("edited") != base
     files["a.py"], files["m/c.json"] = "x = 1\n", files.pop("m/b.json")
     assert digest("renamed") != base
+    renamed = digest("renamed2")
+    files["bench/p.py"] = "y"  # an explicit root skips nothing (only the package's default does)
+    assert digest("bench") != renamed
     assert len(code_digest()) == 32 and code_digest() == code_digest()
+
+
+def test_the_package_digest_skips_the_subpackages_no_decode_runs(tmp_path, monkeypatch):
+    """The default root (the package) leaves out bench/, cli/, server/ and train/ (a plot or server change
+    keeps a carried reference) and follows every other file, a top-level module named like them included."""
+    import dhisparse.bench.reference as ref_mod
+
+    def digest(files):
+        monkeypatch.setattr(ref_mod, "_PACKAGE", tmp_path / str(len(list(tmp_path.iterdir()))))
+        monkeypatch.setattr(ref_mod, "_DIGESTS", {})
+        for name, text in files.items():
+            (ref_mod._PACKAGE / name).parent.mkdir(parents=True, exist_ok=True)
+            (ref_mod._PACKAGE / name).write_text(text)
+        return ref_mod.code_digest()
+
+    files = {"engine/step.py": "a", "bench/plot.py": "b", "server/app.py": "c", "bench.py": "d"}
+    base = digest(files)
+    for name in ("bench/plot.py", "server/app.py"):
+        assert digest(files | {name: "changed"}) == base, name
+    assert digest(files | {"train/new.py": "x", "cli/new.py": "y"}) == base
+    for name in ("engine/step.py", "bench.py"):
+        assert digest(files | {name: "changed"}) != base, name
 
 
 def test_gpu_serving_run_records_its_engine_build_and_loop_time():

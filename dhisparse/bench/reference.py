@@ -5,14 +5,17 @@ speculation (`gpu_serving.oracle_reference`): at glm5-faithful's 100K, C20 and 1
 that is ~100 s of a 600-s device call. The outputs depend only on the model, the prompts, the row
 format and the code, so a later call on the same code can read them back instead:
 
-    {"key": {model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, code},
+    {"key": {model, dtype, kv_cache_dtype, input_len, output_len, distinct_suffixes, code[, prompts]},
      "commit": the commit it was made at (information only),
      "outputs": {"0": [token ids of suffix 0's greedy output], ...}}
 
-`code` is `code_digest()`: a hash of every file of the dhisparse package (the models, their seeded
-weights, kernels, tokenizer and the prompt builders all live there). A commit that changes only
-docs, tests or bench/ scripts keeps it, so a carried reference stays valid across such commits; any
-change to the package's files refuses it.
+`code` is `code_digest()`: a hash of every file of the dhisparse subpackages a greedy decode runs (the
+models and their seeded weights, the tokenizer, kernels, layers, stores, engine, speculation, core), that is
+every file but those of `bench/`, `cli/`, `server/` and `train/` (`NOT_DECODED`: none of the others imports
+them). A commit that changes only docs, tests, bench scripts, plots or the server keeps it, so a carried
+reference stays valid across such commits (a device session keeps the ~150-s decode of its first call);
+any change to the decoding code refuses it. The prompt builders live in `bench/`, so the caller adds
+`prompts`, `prompts_digest` of the prompts themselves: a changed prompt refuses the file whatever built it.
 
 Prompts are not stored (100K ids each): suffix i's prompt is the prepared prefix followed by
 `suffix_text(i)`, rebuilt by the caller. A file whose key differs from the run's is refused with
@@ -37,6 +40,7 @@ from pathlib import Path
 KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "input_len", "output_len", "distinct_suffixes", "code")
 _PACKAGE = Path(__file__).resolve().parent.parent  # dhisparse/
 _DIGESTS: dict[Path, str] = {}
+NOT_DECODED = ("bench", "cli", "server", "train")  # subpackages no greedy decode runs (code_digest skips them)
 
 
 class ReferenceMismatch(ValueError):
@@ -44,14 +48,15 @@ class ReferenceMismatch(ValueError):
 
 
 def code_digest(root: Path | None = None) -> str:
-    """blake2b (16 bytes, hex) of every file under root (default: the dhisparse package), each as its
-    relative path and bytes in sorted order; __pycache__ and .pyc files are skipped. Computed once a
-    process per root (~0.1 s for the package)."""
+    """blake2b (16 bytes, hex) of every file under root, each as its relative path and bytes in sorted
+    order; __pycache__ and .pyc files are skipped. Default root: the dhisparse package without its
+    `NOT_DECODED` subpackages (module docstring). Computed once a process per root (~0.1 s)."""
+    skip = NOT_DECODED if root is None else ()
     root = Path(root) if root is not None else _PACKAGE
     if root not in _DIGESTS:
         h = hashlib.blake2b(digest_size=16)
         for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                        and p.suffix != ".pyc"):
+                        and p.suffix != ".pyc" and p.relative_to(root).parts[0] not in skip):
             rel = f.relative_to(root).as_posix().encode()
             h.update(len(rel).to_bytes(4, "little") + rel)
             data = f.read_bytes()
@@ -70,6 +75,14 @@ def reference_key(model: str, dtype: str, kv_cache_dtype: str, input_len: int, o
 def prompt_digest(ids) -> str:
     """A prompt's key in a reference file's `prompts` (its ids as int64, hashed)."""
     return hashlib.blake2b(array.array("q", [int(t) for t in ids]).tobytes(), digest_size=16).hexdigest()
+
+
+def prompts_digest(prompts) -> str:
+    """A reference key's `prompts`: the prompts (suffix i's ids at i) in order, hashed."""
+    h = hashlib.blake2b(digest_size=16)
+    for ids in prompts:
+        h.update(prompt_digest(ids).encode())
+    return h.hexdigest()
 
 
 def save_reference(path: str | Path, key: dict, outputs: dict[int, list[int]], prompts: list | None = None,
