@@ -254,6 +254,29 @@ def plan_bench_start(args) -> tuple[float, dict, int]:
     return time.time(), shapes(args.quick), args.iters or (2 if args.quick else 20)
 
 
+def start_rig(args, sh: dict, t0: float) -> tuple[Rig, Flush]:
+    """The rig (pinned region filled for every row size) and the L2 flush, with the plan kernel's
+    specializations compiled meanwhile by worker processes (`precompile`)."""
+    workers = precompile(args, sh)
+    rig = Rig(quick=args.quick)
+    flush = Flush(rig.dev, args.quick)
+    for rb in sh["row_bytes"]:
+        rig.fill(rb)
+    for w in workers:
+        w.wait()
+    print(f"[{time.time() - t0:6.1f}s] {len(workers)} precompile workers done", flush=True)
+    return rig, flush
+
+
+def case_grid(sh: dict):
+    """(H, batch, row bytes, miss level) of every case, in run order."""
+    for H in sh["Hs"]:
+        for N in sh["batches"]:
+            for rb in sh["row_bytes"]:
+                for level in MISS:
+                    yield H, N, rb, level
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     plan_bench_args(ap)
@@ -263,42 +286,32 @@ def main() -> None:
     if args.precompile:
         return precompile_worker(args.precompile)
     t0, sh, iters = plan_bench_start(args)
-    workers = precompile(args, sh)
-    rig = Rig(quick=args.quick)
-    flush = Flush(rig.dev, args.quick)
-    for rb in sh["row_bytes"]:
-        rig.fill(rb)
-    for w in workers:
-        w.wait()
-    print(f"[{time.time() - t0:6.1f}s] {len(workers)} precompile workers done", flush=True)
+    rig, flush = start_rig(args, sh, t0)
     records, checks = [], []
-    for H in sh["Hs"]:
-        for N in sh["batches"]:
-            for rb in sh["row_bytes"]:
-                for level in MISS:
-                    case = build(rig, sh, H, N, rb, level)
-                    icase = index_case(case)  # the same inputs, hits looked up through hot_entry
-                    if N == sh["batches"][0]:
-                        checks += [check_case(rig, case, distinct=True), check_case(rig, icase, distinct=True)]
-                    upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
-                    rec = time_case(rig, case, flush, iters, args.warmup, upto)
-                    irec = time_case(rig, icase, flush, iters, args.warmup, upto)
-                    rec["index"] = {k: irec[k] for k in ("plan_copy", "plan_copy_fused", "plan_only", "phases",
-                                                         "host_split_us", "counters")}
-                    rec["vs_peer"] = compare(rec)
-                    records.append(rec)
-                    print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
-                          f"  fused {rec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
-                          f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
-                          f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
-                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items())
-                          + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items())
-                          + f"\n        index: plan+copy {irec['plan_copy']['time_ms'] * 1e3:7.1f} us"
-                          f"  fused {irec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
-                          f"  plan {irec['plan_only']['time_ms'] * 1e3:6.1f} us"
-                          + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in irec["phases"].items()), flush=True)
-                    del case, icase
-                    write(args.out, rig, sh, iters, checks, records, t0)
+    for H, N, rb, level in case_grid(sh):
+        case = build(rig, sh, H, N, rb, level)
+        icase = index_case(case)  # the same inputs, hits looked up through hot_entry
+        if N == sh["batches"][0]:
+            checks += [check_case(rig, case, distinct=True), check_case(rig, icase, distinct=True)]
+        upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
+        rec = time_case(rig, case, flush, iters, args.warmup, upto)
+        irec = time_case(rig, icase, flush, iters, args.warmup, upto)
+        rec["index"] = {k: irec[k] for k in ("plan_copy", "plan_copy_fused", "plan_only", "phases",
+                                             "host_split_us", "counters")}
+        rec["vs_peer"] = compare(rec)
+        records.append(rec)
+        print(f"[{time.time() - t0:6.1f}s] {case.name}: plan+copy {rec['plan_copy']['time_ms'] * 1e3:7.1f} us"
+              f"  fused {rec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
+              f"  plan {rec['plan_only']['time_ms'] * 1e3:6.1f} us  host {rec['plan_only']['host_enqueue_ms'] * 1e3:5.0f} us"
+              f" (no ws {rec['plan_only_no_workspace']['time_ms'] * 1e3:.1f} / {rec['plan_only_no_workspace']['host_enqueue_ms'] * 1e3:.0f})"
+              + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in rec["phases"].items())
+              + "  host split " + " / ".join(f"{k} {v:.0f}" for k, v in rec["host_split_us"].items())
+              + f"\n        index: plan+copy {irec['plan_copy']['time_ms'] * 1e3:7.1f} us"
+              f"  fused {irec['plan_copy_fused']['time_ms'] * 1e3:7.1f} us"
+              f"  plan {irec['plan_only']['time_ms'] * 1e3:6.1f} us"
+              + "".join(f"  {p[:2]} {v['time_ms'] * 1e3:.1f}" for p, v in irec["phases"].items()), flush=True)
+        del case, icase
+        write(args.out, rig, sh, iters, checks, records, t0)
     ok = write(args.out, rig, sh, iters, checks, records, t0)
     print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")
 

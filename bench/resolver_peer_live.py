@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.peer.hisparse_peer import PeerKernel, peer_expected, peer_state  # noqa: E402
 from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
-from bench.resolver_peer import MISS, PEER_US, Flush, build, precompile, shapes  # noqa: E402
+from bench.resolver_peer import (PEER_US, Flush, build, case_grid, plan_bench_args, plan_bench_start,  # noqa: E402
+                                 precompile_worker, start_rig)
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
@@ -138,52 +139,40 @@ def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, flush: Flush, iters
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: the translation checks only")
-    ap.add_argument("--iters", type=int, default=20)
+    plan_bench_args(ap)  # --out, --quick (tiny shapes on the CPU: the translation checks only), --iters
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--precompile", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.precompile:
+        return precompile_worker(args.precompile)
     args.phases = False
-    t0, sh = time.time(), shapes(args.quick)
-    cuda = torch.cuda.is_available()
-    peer = PeerKernel() if cuda and not args.quick else None
-    workers = precompile(args, sh)
-    rig = Rig(quick=args.quick)
-    flush = Flush(rig.dev, args.quick)
-    for rb in sh["row_bytes"]:
-        rig.fill(rb)
-    for w in workers:
-        w.wait()
+    t0, sh, iters = plan_bench_start(args)
+    peer = PeerKernel() if torch.cuda.is_available() and not args.quick else None
+    rig, flush = start_rig(args, sh, t0)
     records, checks = [], []
-    for H in sh["Hs"]:
-        for N in sh["batches"]:
-            for rb in sh["row_bytes"]:
-                for level in MISS:
-                    case = build(rig, sh, H, N, rb, level)
-                    now = int(case.state.hot_stamp.max()) + 1
-                    chk, exp = translation_check(case, now)
-                    if N == sh["batches"][0]:
-                        chk["ours_vs_reference"] = all(v for k, v in check_case(rig, case, distinct=True).items()
-                                                       if k not in ("case", "copies"))
-                    if peer is not None:
-                        chk["peer"] = peer_check(peer, rig, case, exp)
-                    checks.append(chk)
-                    rec = {"case": case.name, "H": H, "batch": N, "row_bytes": rb, "miss_level": level,
-                           "misses": chk["misses"], **time_pair(rig, peer, case, flush, 2 if args.quick else args.iters,
-                                                               0 if args.quick else args.warmup)}
-                    key = (level, N, rb)
-                    if H == 4096 and key in PEER_US:
-                        rec["issue_figures_us"] = {"peer_h200": PEER_US[key][0], "ours_at_filing_h200": PEER_US[key][1]}
-                    records.append(rec)
-                    r = rec.get("ratios", {})
-                    print(f"[{time.time() - t0:6.1f}s] {case.name}: ours {rec['ours_plan_copy']['time_ms'] * 1e3:7.1f} us"
-                          f" (fused {rec['ours_fused']['time_ms'] * 1e3:7.1f}, plan {rec['ours_plan']['time_ms'] * 1e3:6.1f})"
-                          + (f"  peer {rec['peer']['time_ms'] * 1e3:7.1f} us (plan {rec['peer_plan']['time_ms'] * 1e3:6.1f})"
-                             f"  best/peer {r['best_over_peer']:.2f}  plan/peer {r['plan_over_peer_plan']:.2f}" if r else "")
-                          + f"  checks {chk}", flush=True)
-                    write(args.out, rig, sh, args, peer, checks, records, t0)
-    ok = write(args.out, rig, sh, args, peer, checks, records, t0)
+    for H, N, rb, level in case_grid(sh):
+        case = build(rig, sh, H, N, rb, level)
+        now = int(case.state.hot_stamp.max()) + 1
+        chk, exp = translation_check(case, now)
+        if N == sh["batches"][0]:
+            chk["ours_vs_reference"] = all(v for k, v in check_case(rig, case, distinct=True).items()
+                                           if k not in ("case", "copies"))
+        if peer is not None:
+            chk["peer"] = peer_check(peer, rig, case, exp)
+        checks.append(chk)
+        rec = {"case": case.name, "H": H, "batch": N, "row_bytes": rb, "miss_level": level,
+               "misses": chk["misses"], **time_pair(rig, peer, case, flush, iters, 0 if args.quick else args.warmup)}
+        key = (level, N, rb)
+        if H == 4096 and key in PEER_US:
+            rec["issue_figures_us"] = {"peer_h200": PEER_US[key][0], "ours_at_filing_h200": PEER_US[key][1]}
+        records.append(rec)
+        r = rec.get("ratios", {})
+        print(f"[{time.time() - t0:6.1f}s] {case.name}: ours {rec['ours_plan_copy']['time_ms'] * 1e3:7.1f} us"
+              f" (fused {rec['ours_fused']['time_ms'] * 1e3:7.1f}, plan {rec['ours_plan']['time_ms'] * 1e3:6.1f})"
+              + (f"  peer {rec['peer']['time_ms'] * 1e3:7.1f} us (plan {rec['peer_plan']['time_ms'] * 1e3:6.1f})"
+                 f"  best/peer {r['best_over_peer']:.2f}  plan/peer {r['plan_over_peer_plan']:.2f}" if r else "")
+              + f"  checks {chk}", flush=True)
+        write(args.out, rig, sh, iters, peer, checks, records, t0)
+    ok = write(args.out, rig, sh, iters, peer, checks, records, t0)
     print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")
     return 0 if ok else 1
 
@@ -194,10 +183,10 @@ def _ok(c: dict) -> bool:
         v for k, v in peer.items() if k != "copies")
 
 
-def write(out: str, rig: Rig, sh: dict, args, peer: PeerKernel | None, checks: list, records: list, t0: float) -> bool:
+def write(out: str, rig: Rig, sh: dict, iters: int, peer: PeerKernel | None, checks: list, records: list, t0: float) -> bool:
     """The JSON so far (rewritten after every case)."""
     ok = all(_ok(c) for c in checks)
-    doc = header("resolver_peer_live", "bench/resolver_peer_live.py", rig.cuda, t0, shapes=sh, iters=args.iters,
+    doc = header("resolver_peer_live", "bench/resolver_peer_live.py", rig.cuda, t0, shapes=sh, iters=iters,
                  peer_build=peer.build if peer else None, peer_ran=peer is not None, checks_pass=ok, checks=checks,
                  records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
