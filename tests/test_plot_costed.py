@@ -100,6 +100,7 @@ def test_costed_points_divide_each_run_by_the_baselines_mean_at_its_load():
     assert high.step_ms == Spread(172.0, 170.0, 174.0) and high.draft_ms == Spread(13.0, 12.0, 14.0)
     assert high.round_ms == Spread(185.0, 182.0, 188.0)  # step + drafter, run by run
     assert high.tpot_ms == Spread(82.0, 80.0, 84.0) and high.baseline_tpot_ms == Spread(92.0, 90.0, 94.0)
+    assert high.eq13 is None  # no slots in these runs: no prediction
     no_central = costed_points([_costed(central=False)])
     assert no_central[1].ratio == high.ratio and no_central[1].central_ratio is None
 
@@ -206,3 +207,19 @@ def test_repeat_calls_of_one_setup_pool_each_run_over_its_own_calls_baseline():
     c = _costed()
     c["commit"], c["config"]["workload"]["input_len"] = "abc", 32768
     assert len(costed_points([a, c])) == 4  # another workload: another setup
+
+
+def test_eq13_is_predicted_run_by_run_from_the_slots_and_tpots():
+    """With the engines' slots, each arm run's eq. 13 prediction is min(C, b_s) / min(C, b_0) x the baseline's
+    mean TPOT over the run's own (below the slot bound at C20 with 21 / 30 slots: the TPOT ratio)."""
+    from dhisparse.bench.plot_costed import costed_points
+
+    res = _costed()
+    for r in res["runs"]:
+        r["engine"] = {**r["engine"], "slots_total": 30 if r["preset"] == "hisparse" else 21}
+    high = costed_points([res])[1]
+    assert high.eq13.lo == pytest.approx(92.0 / 84.0) and high.eq13.hi == pytest.approx(92.0 / 80.0)
+    for r in res["runs"]:
+        r["concurrency"] = 40  # above both slot counts: the memory term 21 / 30 enters
+    high = costed_points([res])[1]
+    assert high.eq13.hi == pytest.approx(0.7 * 92.0 / 80.0)

@@ -12,7 +12,8 @@ a setup is one file, or the files of separate calls that repeat one setup at one
   (a) output tok/s over the baseline's (the mean of the baseline's runs at that load in the run's own file) against
       the tokens a round measured (`spec_tokens_per_round`), and the same for the central half's output
       (`central_output_tok_s`; from the series for results written before it); the paper's 1.45x at 2.88
-      tokens a round (GLM-5, 4 GPUs) and the issue's 1.6x marked
+      tokens a round (GLM-5, 4 GPUs) and the issue's 1.6x marked, and eq. 13's prediction from the same runs'
+      slots and TPOTs (dotted, x; bench/eq13.py)
   (b) milliseconds: the baseline's TPOT (a band, min-max) beside each arm's round, its step
       (`spec_cost_ms_width{K}`, the median of the last decode-only rounds at the arm's width, less the drafter's
       call where `spec_cost_with_draft` says the round was timed with it: session 42 on; before, the engine timed
@@ -32,6 +33,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dhisparse.bench.eq13 import predicted_ratio  # noqa: E402
 from dhisparse.bench.plot_widths import arm_of  # noqa: E402
 from dhisparse.bench.plots import Spread, save_figure  # noqa: E402
 from dhisparse.bench.records import central_of  # noqa: E402
@@ -103,6 +105,7 @@ class CostedPoint:
     draft_ms: Spread | None
     round_ms: Spread | None
     files: int = 1
+    eq13: Spread | None = None  # eq. 13's prediction, run by run against its own file's baseline (bench/eq13.py)
 
 
 SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
@@ -181,10 +184,11 @@ def costed_points(results: list[dict]) -> list[CostedPoint]:
         for (c, preset), pairs in sorted(arms.items(), key=lambda kv: (kv[0][0], set_tokens_per_round(kv[0][1]))):
             runs, b = [r for r, _ in pairs], base[c]
             eng = [r.get("engine") or {} for r in runs]
-            ratio, central = [], []
+            ratio, central, eq13 = [], [], []
             for r, own in pairs:
                 ratio += _over([r["metrics"]["output_tok_s"]], Spread.of([x["metrics"]["output_tok_s"] for x in own]))
                 central += _over([central_of(r)], Spread.of([central_of(x) for x in own]))
+                eq13.append(_eq13(c, r, own))
             name, rest = _rest(preset)
             source = label if with_arms > 1 else ""
             line = name + (f" ({', '.join(f'{n}={v}' for n, v in rest)})" if rest else "") + (f" [{source}]" if source else "")
@@ -195,8 +199,18 @@ def costed_points(results: list[dict]) -> list[CostedPoint]:
                 Spread.of([r["metrics"]["output_tok_s"] for r in runs]), Spread.of(ratio), Spread.of(central),
                 Spread.of([r["metrics"]["output_tok_s"] for r in b]), Spread.of([r["metrics"].get("tpot_mean_ms") for r in b]),
                 Spread.of([r["metrics"].get("tpot_mean_ms") for r in runs]), Spread.of(step), Spread.of(draft),
-                Spread.of(_sum(step, draft)), len({id(own) for _, own in pairs})))
+                Spread.of(_sum(step, draft)), len({id(own) for _, own in pairs}), Spread.of(eq13)))
     return out
+
+
+def _eq13(c: int, run: dict, base: list[dict]) -> float | None:
+    """Eq. 13's Q_s / Q_0 for one run against its file's baseline runs at load c: slots from the engines'
+    `slots_total`, TPOTs the run's and the baselines' mean; None where one is missing."""
+    b_s, b_0 = (run.get("engine") or {}).get("slots_total"), (base[0].get("engine") or {}).get("slots_total")
+    tpot_s, tpot_0 = run["metrics"].get("tpot_mean_ms"), Spread.of([x["metrics"].get("tpot_mean_ms") for x in base])
+    if not (b_s and b_0 and tpot_s and tpot_0):
+        return None
+    return predicted_ratio(c, b_s, b_0, tpot_0.mean, tpot_s)
 
 
 def plot_costed(results: list[dict], path: str | Path) -> Path:
@@ -231,6 +245,11 @@ def _ratio_panel(ax, pts: list[CostedPoint], results: list[dict]) -> None:
             for x, y in have:
                 ax.annotate(f"{y.mean:.3f}x", (x.mean, y.mean), textcoords="offset points", fontsize=8, color=color,
                             xytext=(8, -10) if key == "ratio" else (-8, 4), ha="left" if key == "ratio" else "right")
+        pred = [(x, p.eq13) for x, p in zip(xs, mine) if p.eq13 is not None]
+        if pred:
+            ax.errorbar([x.mean for x, _ in pred], [y.mean for _, y in pred],
+                        yerr=[[y.bar()[j] for _, y in pred] for j in (0, 1)], color=color, ls=":", marker="x", ms=8,
+                        capsize=3, label=f"{name}: eq. 13 predicted (slots, TPOT)")
         b = mine[0].baseline_tok_s
         ax.errorbar([1.0], [1.0], yerr=[[b.bar()[j] / b.mean] for j in (0, 1)], color="0.4", marker="D", capsize=3,
                     label=f"{mine[0].baseline}: {mine[0].baseline_runs} runs over their mean" if i == 0 else None)
