@@ -12,7 +12,8 @@ got `wgmma` and were 1.24-2.23x slower on an H100, `indexer_bh_s49_h100.json`, a
 Triton's wheel ships (`ptxas -v`: registers and spill bytes, as `bench/compile_sm90.py` does for the
 resolver). Pointers and the integer arguments in DIVISIBLE carry `tt.divisibility` 16, as Triton's JIT specializes a launch whose pointers
 are 16-B aligned and whose integers are multiples of 16 (every stride at glm5-faithful's shape is).
-Static only: nothing runs, so speed and exactness still need the GPU; a spill is local-memory
+The verification round's overflow staging (`stage_overflow_kernel`, kernels/stage_overflow.py) at widths 5
+and 8. Static only: nothing runs, so speed and exactness still need the GPU; a spill is local-memory
 traffic in every loop iteration that touches it.
 """
 
@@ -37,6 +38,7 @@ import triton.language as tl  # noqa: E402
 from dhisparse.kernels import indexer as ix  # noqa: E402
 from dhisparse.kernels import moe_align as ma  # noqa: E402
 from dhisparse.kernels import sparse_mla as sm  # noqa: E402
+from dhisparse.kernels import stage_overflow as so  # noqa: E402
 
 MLA_PTRS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "loc_ptr": "*i64"}
 DIVISIBLE = {"sq_t", "sq_h", "sp_t", "sp_h", "sl_t", "H", "K", "S", "CHUNK", "ps0", "rs0", "ps1", "rs1"}
@@ -105,6 +107,13 @@ def main(argv=None) -> int:
             records.append({"kernel": kern.fn.__name__, "block_h": bh, "heads": 32, "num_warps": 4,
                             "group": extra.get("QG", 1), "shared_bytes": k.metadata.shared, "ptxas": regs(k), "mma": mma})
             print(f"{kern.fn.__name__} BH {bh}: {records[-1]['ptxas']}, {mma}", flush=True)
+    ptrs = {f"{n}_ptr": "*i64" for n in ("sel", "loc", "slots", "sl", "ht", "src", "dst", "cnt")}
+    ptrs |= {f"{n}_ptr": "*i32" for n in ("bits", "pre", "cn")}
+    for kk in (2048 * 5, 2048 * 8):  # a round's K x k at widths 5 and 8, 100K positions of 64-row pages
+        consts = dict(KK=kk, W=-(-1601 * 64 // 32), SPACE_=so.SPACE, BLOCK=1024, WB=1024)
+        k = _compile(so.stage_overflow_kernel, ptrs, consts, 4, 3, wide={"sl_s0", "ht_s0", "host_ps"})
+        records.append({"kernel": "stage_overflow_kernel", "KK": kk, "num_warps": 4, "ptxas": regs(k)})
+        print(f"stage_overflow_kernel KK {kk}: {records[-1]['ptxas']}", flush=True)
     write_report(args.out, "compile_sm90_mla", "bench/compile_sm90_mla.py", t0, "sm_90 (ptxas -arch=sm_90a)", records)
     return 0
 

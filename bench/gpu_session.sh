@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,stage49,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -442,6 +442,14 @@ case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaith
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful$CS_TAG.json}" ${COSTED_NO_REPLAY:---replay-reference} \
       --out "$OUT/costed_sweep_faithful${CS_TAG}_100k_k2048_c${CS_C}_h200.json" ;; esac
+case ",$STEPS," in *,stage49,*)  # issue 31: a round's overflow staging in one launch (kernels/stage_overflow.py under DHISPARSE_STAGE_KERNEL=1, an experiment until this runs): the staging, spec, graph and hierarchy files on CUDA with the kernel on, then the kernel against the torch form at glm5-faithful's round shape in CUDA graphs (~4 min cold); if it pays, `DHISPARSE_STAGE_KERNEL=1 ROUND44_ACTS=auto ROUND44_TAG=_stage round44` times the round with it beside the last round44 (same call: ROUND44_ACTS=auto without the variable first)
+  run "exactness on CUDA, staging through the kernel" env DHISPARSE_STAGE_KERNEL=1 timeout ${STAGE49_TIMEOUT:-330} \
+      python3 -m pytest -q -p no:cacheprovider -n ${EXACT_N:-12} --dist loadfile tests/test_stage_overflow_kernel.py \
+      tests/test_staging_dedup.py tests/test_staging_paper.py tests/test_spec_engine.py tests/test_v4_resolver_step.py \
+      tests/test_step_graphs.py tests/test_graphs.py tests/test_hierarchy.py tests/test_request_isolation.py \
+      tests/test_resolver_hot_entry.py tests/test_v4_sources.py tests/test_v4_prefix.py tests/test_prefetch.py \
+      -rfE --junitxml="$OUT/exact_cuda_stage.xml"
+  run "overflow staging, kernel vs torch" timeout 150 python3 bench/stage_overflow_bench.py --out "$OUT/stage_overflow_h200.json" ;; esac
 case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resident >= 0.98x and the host-fetched share with residency on (adaptive) vs off (hisparse) >= 10x lower; glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), C${LOWLOAD_C:-2}, one repeat a call with the preset order rotated by LOWLOAD_ROTATE (0, 1, 2: three calls); on a card under 100 GiB the 12-expert build (an H100 stand-in, files _e12) (~4 min)
   GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "${GB:-0}" -lt 100000 ]; then LL_EXTRA='--overrides {"n_routed_experts":12}'; LL_TAG=_e12; LL_MBT=2048; else LL_EXTRA=""; LL_TAG=""; LL_MBT=8192; fi

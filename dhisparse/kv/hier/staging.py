@@ -7,18 +7,21 @@ distinct row copied from host once, its location given to every query that selec
 rows are not cached, so the hot cache keeps its LRU order.
 
   stage_overflow           host-side (reference resolver): per request, torch.unique of the misses
-  stage_overflow_deferred  device-side (Triton resolver, no sync): sort the misses per request,
-                           rank the distinct rows, scatter locations back; same rows, same order
+  stage_overflow_deferred  device-side (Triton resolver, no sync): rank each request's distinct
+                           missing rows by position, write locations back; same rows, same order
+                           (kernels/stage_overflow.py)
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from dhisparse.core.rows import SPACE
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
+from dhisparse.kernels.stage_overflow import stage_overflow_torch, stage_overflow_triton
 
 
 @dataclass
@@ -95,32 +98,8 @@ class StagePlan:
 def stage_overflow_deferred(plan, sel: torch.Tensor, slots: torch.Tensor, kv) -> StagePlan:
     """Device-side `stage_overflow` for a deferred Triton plan: rewrites plan.loc for the misses
     that found no victim (staging locations, SPACE-encoded) and returns their copy plan. No op
-    waits for the device. sel [N, K, k] positions (-1 padding); slots [N] int64 (device).
-
-        per request (sorted):  pos  3  3  7  9  9  9 | BIG ...      BIG = no staged entry
-                               first 1  0  1  1  0  0
-                               rank  0  0  1  2  2  2  -> staging row stage_loc[slot, rank]
-    """
-    N, K, k = sel.shape
-    KK = K * k
-    big = torch.iinfo(torch.int64).max
-    missing = (sel >= 0) & (plan.loc < 0)
-    skey, order = torch.where(missing, sel, big).reshape(N, KK).sort(dim=1)
-    valid = skey != big
-    first = valid.clone()
-    first[:, 1:] &= skey[:, 1:] != skey[:, :-1]
-    rank = (first.cumsum(1) - 1).clamp(min=0)
-    s = slots.to(sel.device)[:, None]
-    stage_row = kv.stage_loc[s, rank]  # [N, KK] SPACE + staging-arena row
-    loc = plan.loc.reshape(N, KK)
-    loc.scatter_(1, order, torch.where(valid, stage_row, loc.gather(1, order)))
-    hps = kv.host.page_size
-    pos = torch.where(valid, skey, 0)
-    src = kv.host_table[s, pos // hps] * hps + pos % hps
-    slot_of = torch.where(first, rank, KK)  # non-first entries land in a trash column
-    src_pad = torch.zeros((N, KK + 1), dtype=torch.int64, device=sel.device).scatter_(1, slot_of, src)[:, :KK].contiguous()
-    dst_pad = torch.zeros((N, KK + 1), dtype=torch.int64, device=sel.device).scatter_(1, slot_of, stage_row - SPACE)[:, :KK].contiguous()
-    copy_n = first.sum(1)
-    zero = torch.zeros((), dtype=torch.int64, device=sel.device)
-    counts = torch.stack([zero, zero, zero, copy_n.sum(), valid.sum(), zero])
-    return StagePlan(src_pad, dst_pad, copy_n.to(torch.int32), counts)
+    waits for the device. sel [N, K, k] positions (-1 padding); slots [N] int64 (device). The work is
+    kernels/stage_overflow.py's: its plain-PyTorch form, or with DHISPARSE_STAGE_KERNEL=1 (an experiment
+    until it has run on CUDA) its one-launch Triton form; the same outputs bit for bit."""
+    fn = stage_overflow_triton if os.environ.get("DHISPARSE_STAGE_KERNEL") == "1" else stage_overflow_torch
+    return StagePlan(*fn(sel, plan.loc, slots.to(sel.device), kv.stage_loc, kv.host_table, kv.host.page_size))
