@@ -76,7 +76,9 @@ def stage_overflow_kernel(sel_ptr, loc_ptr, slots_ptr, sl_ptr, sl_s0, ht_ptr, ht
                           src_ptr, dst_ptr, cn_ptr, cnt_ptr, host_ps, KK: tl.constexpr, W: tl.constexpr,
                           SPACE_: tl.constexpr, BLOCK: tl.constexpr, WB: tl.constexpr):
     """Program n stages request n's overflow (module docstring). bits / pre: [N, W] int32 scratch. KK (a
-    round's K * k) and W (the host table's reach in 32-position words) are fixed for a store: constexpr."""
+    round's K * k) and W (the host table's reach in 32-position words) are fixed for a store: constexpr.
+    The phases share scratch through global memory: a barrier between them, and the bitmap (set by atomics,
+    which L2 performs) and the prefix read back at L2 (`.cg`), never from a stale L1 line."""
     n = tl.program_id(0).to(tl.int64)
     s = tl.load(slots_ptr + n).to(tl.int64)
     row0, wrow = n * KK, n * W
@@ -96,7 +98,7 @@ def stage_overflow_kernel(sel_ptr, loc_ptr, slots_ptr, sl_ptr, sl_s0, ht_ptr, ht
     total = tl.zeros((), tl.int32)
     for w0 in range(0, W, WB):  # 3. exclusive prefix of the words' popcounts
         w = w0 + tl.arange(0, WB)
-        c = _popc(tl.load(bits_ptr + wrow + w, mask=w < W, other=0).to(tl.uint32, bitcast=True)).to(tl.int32)
+        c = _popc(tl.load(bits_ptr + wrow + w, mask=w < W, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)).to(tl.int32)
         tl.store(pre_ptr + wrow + w, total + tl.cumsum(c, 0) - c, mask=w < W)
         total += tl.sum(c, 0)
     tl.debug_barrier()
@@ -108,9 +110,10 @@ def stage_overflow_kernel(sel_ptr, loc_ptr, slots_ptr, sl_ptr, sl_s0, ht_ptr, ht
         p = tl.load(sel_ptr + row0 + i, mask=i < KK, other=-1)
         miss = (p >= 0) & (tl.load(loc_ptr + row0 + i, mask=i < KK, other=0) < 0)
         q = tl.where(miss, p, 0)
-        word = tl.load(bits_ptr + wrow + (q >> 5), mask=miss, other=0).to(tl.uint32, bitcast=True)
+        word = tl.load(bits_ptr + wrow + (q >> 5), mask=miss, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
         below = (tl.full((BLOCK,), 1, tl.uint32) << (q & 31).to(tl.uint32)) - 1
-        rank = (tl.load(pre_ptr + wrow + (q >> 5), mask=miss, other=0) + _popc(word & below).to(tl.int32)).to(tl.int64)
+        rank = (tl.load(pre_ptr + wrow + (q >> 5), mask=miss, other=0, cache_modifier=".cg")
+                + _popc(word & below).to(tl.int32)).to(tl.int64)
         row = tl.load(sl_ptr + s * sl_s0 + rank, mask=miss, other=0)
         tl.store(loc_ptr + row0 + i, row, mask=miss)
         src = tl.load(ht_ptr + s * ht_s0 + q // host_ps, mask=miss, other=0) * host_ps + q % host_ps
