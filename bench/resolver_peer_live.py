@@ -94,8 +94,8 @@ def peer_check(peer: PeerKernel, rig: Rig, case: Case, exp: torch.Tensor) -> dic
     hot = case.state.hot_pos
     miss = ~torch.stack([torch.isin(case.sel[n, 0], hot[n]) for n in range(top_k.shape[0])])
     hf, df = host.reshape(-1, host.shape[-1]), dev.reshape(-1, dev.shape[-1])
-    src = torch.gather(peer_state(case.state, case.history).host_locs, 1, case.sel[:, 0])[miss]
-    rows = bool(torch.equal(df[out[miss].long()].view(torch.uint8), hf[src].view(torch.uint8)))
+    src = torch.gather(ps.host_locs, 1, case.sel[:, 0])[miss].cpu()  # host rows live in (pinned) CPU memory
+    rows = bool(torch.equal(df[out[miss].long()].cpu().view(torch.uint8), hf[src].view(torch.uint8)))
     return {"locations": bool(torch.equal(out.cpu(), exp)), "rows": rows, "copies": int(miss.sum())}
 
 

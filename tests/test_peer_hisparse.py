@@ -106,3 +106,46 @@ def test_peer_state_clone_is_deep():
     c = ps.clone()
     c.lru.fill_(0)
     assert isinstance(c, PeerState) and not torch.equal(c.lru, ps.lru)
+
+
+def test_peer_check_reads_the_peers_locations_and_copied_rows():
+    """bench/resolver_peer_live.py's `peer_check` against a stand-in peer that keeps the contract (its
+    locations, its misses' rows copied): both checks pass; a stand-in that skips one row's copy fails `rows`,
+    one that returns another victim fails `locations`."""
+    from bench import resolver_peer_live as live
+    from bench.resolver_cases import Rig
+    from bench.resolver_peer import build, shapes
+
+    rig = Rig(quick=True)
+    case = build(rig, shapes(True), 32, 2, 656, "20%")
+    now = int(case.state.hot_stamp.max()) + 1
+    _, exp = live.translation_check(case, now)
+
+    class Stand:
+        def __init__(self, skip_row=False, swap=False):
+            self.skip_row, self.swap = skip_row, swap
+
+        def run(self, ps, top_k, out, host, dev, item_bytes, skip_io=False):
+            got, _ = peer_expected(ps, top_k)
+            hf, df = host.reshape(-1, host.shape[-1]), dev.reshape(-1, dev.shape[-1])
+            hot = case.state.hot_pos
+            for n in range(top_k.shape[0]):
+                for i, t in enumerate(top_k[n].tolist()):
+                    if t not in hot[n].tolist():
+                        if not (self.skip_row and n == 0):
+                            df[got[n, i]] = hf[ps.host_locs[n, t]]
+                        if self.swap and n == 1:
+                            got[n, i] = got[n, i] + 1
+            out.copy_(got)
+
+    cuda_sync = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a: None  # the stand-in runs on the CPU
+    try:
+        ok = live.peer_check(Stand(), rig, case, exp)
+        bad_row = live.peer_check(Stand(skip_row=True), rig, case, exp)
+        bad_loc = live.peer_check(Stand(swap=True), rig, case, exp)
+    finally:
+        torch.cuda.synchronize = cuda_sync
+    assert ok["locations"] and ok["rows"] and ok["copies"] > 0
+    assert bad_row["locations"] and not bad_row["rows"]
+    assert not bad_loc["locations"]
