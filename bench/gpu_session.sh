@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,stage49,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -442,6 +442,34 @@ case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaith
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful$CS_TAG.json}" ${COSTED_NO_REPLAY:---replay-reference} \
       --out "$OUT/costed_sweep_faithful${CS_TAG}_100k_k2048_c${CS_C}_h200.json" ;; esac
+faithful_build() {  # the glm5-faithful build a card holds: the full one from 100 GiB, else 12 routed experts (an H100 stand-in, files _e12)
+  local gb; gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "${gb:-0}" -lt 100000 ]; then FB_EXTRA='--overrides {"n_routed_experts":12}'; FB_TAG=_e12; FB_MBT=2048
+  else FB_EXTRA=""; FB_TAG=""; FB_MBT=8192; fi
+}
+case ",$STEPS," in *,budget31,*)  # issue 31's Fig. 9 at the paper's setting: glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool, hot-cache budget B = BUDGET31_B (one a call: 2048 4096 8192 16384, k ... 8k) at low and high load (C2, C18), hisparse and adaptive: output and host-fetched share; `dhisparse plot` draws budget.png from the four files (~5 min a B)
+  faithful_build
+  run "Fig. 9, glm5-faithful$FB_TAG, B ${BUDGET31_B:-4096}, C${BUDGET31_C:-2,18}" timeout ${BUDGET31_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
+      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${BUDGET31_C:-2,18} \
+      --presets hisparse,adaptive --hot-cache-rows ${BUDGET31_B:-4096} --duration 30 --stagger --distinct-suffixes 18 --force \
+      --out "$OUT/budget_faithful${FB_TAG}_100k_k2048_B${BUDGET31_B:-4096}_h200.json" ;; esac
+case ",$STEPS," in *,widths31,*)  # issue 31's Fig. 7 at the paper's setting: adaptive+spec on glm5-faithful at 100K with the costed DFlash2 oracle and speculation charged, fixed widths 4 / 6 / 8 and eq. 13's online policy (K_max 8) as arms of one process at one load a call (WIDTHS31_C: 2, 9 or 18), acceptance calibrated to 2.88 tokens a round at width 4 (as specpolicy); the arms a call runs: WIDTHS31_ORDER (default all four; two calls a load fit: "online:8 fixed:4", then "fixed:6 fixed:8" with COSTED_REF carrying the first call's reference); every preset replays the reference (~9 min for two arms with the reference decode)
+  faithful_build
+  run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
+      --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
+  tpr() { python3 -c "import dhisparse.spec.oracle as o; c = o.corrupt_rate_for_tokens_per_round(2.88, 4); print(round(o.expected_tokens_per_round(1 - c, $1), 4))"; }
+  W_ARMS=""; for POL in ${WIDTHS31_ORDER:-online:8 fixed:4 fixed:6 fixed:8}; do
+    W_ARMS="$W_ARMS;speculative_policy=${POL%%:*},speculative_num_draft_tokens=${POL##*:},speculative_oracle_tokens_per_round=$(tpr ${POL##*:})"
+  done
+  run "Fig. 7, glm5-faithful$FB_TAG, widths at C${WIDTHS31_C:-9}" timeout ${WIDTHS31_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
+      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${WIDTHS31_C:-9} \
+      --presets adaptive+spec --arms "${W_ARMS#;}" --spec-width 8 --charge-spec-memory --duration 30 --stagger \
+      --distinct-suffixes ${WIDTHS31_C:-9} --force --engine-arg speculative_oracle_drafter=dflash2 \
+      --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful --replay-reference \
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful${FB_TAG}_c${WIDTHS31_C:-9}.json}" \
+      --out "$OUT/widths_faithful${FB_TAG}_100k_k2048_c${WIDTHS31_C:-9}_h200.json" ;; esac
 case ",$STEPS," in *,stage49,*)  # issue 31: a round's overflow staging in one launch (kernels/stage_overflow.py under DHISPARSE_STAGE_KERNEL=1, an experiment until this runs): the staging, spec, graph and hierarchy files on CUDA with the kernel on, then the kernel against the torch form at glm5-faithful's round shape in CUDA graphs (~4 min cold); if it pays, `DHISPARSE_STAGE_KERNEL=1 ROUND44_ACTS=auto ROUND44_TAG=_stage round44` times the round with it beside the last round44 (same call: ROUND44_ACTS=auto without the variable first)
   run "exactness on CUDA, staging through the kernel" env DHISPARSE_STAGE_KERNEL=1 timeout ${STAGE49_TIMEOUT:-330} \
       python3 -m pytest -q -p no:cacheprovider -n ${EXACT_N:-12} --dist loadfile tests/test_stage_overflow_kernel.py \
@@ -451,13 +479,12 @@ case ",$STEPS," in *,stage49,*)  # issue 31: a round's overflow staging in one l
       -rfE --junitxml="$OUT/exact_cuda_stage.xml"
   run "overflow staging, kernel vs torch" timeout 150 python3 bench/stage_overflow_bench.py --out "$OUT/stage_overflow_h200.json" ;; esac
 case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resident >= 0.98x and the host-fetched share with residency on (adaptive) vs off (hisparse) >= 10x lower; glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), C${LOWLOAD_C:-2}, one repeat a call with the preset order rotated by LOWLOAD_ROTATE (0, 1, 2: three calls); on a card under 100 GiB the 12-expert build (an H100 stand-in, files _e12) (~4 min)
-  GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "${GB:-0}" -lt 100000 ]; then LL_EXTRA='--overrides {"n_routed_experts":12}'; LL_TAG=_e12; LL_MBT=2048; else LL_EXTRA=""; LL_TAG=""; LL_MBT=8192; fi
-  run "low load, glm5-faithful$LL_TAG, C${LOWLOAD_C:-2}, rotation ${LOWLOAD_ROTATE:-0}" timeout ${LOWLOAD_TIMEOUT:-540} \
-      python3 bench/gpu_serving.py --model glm5-faithful $LL_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
-      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $LL_MBT --concurrency ${LOWLOAD_C:-2} \
+  faithful_build
+  run "low load, glm5-faithful$FB_TAG, C${LOWLOAD_C:-2}, rotation ${LOWLOAD_ROTATE:-0}" timeout ${LOWLOAD_TIMEOUT:-540} \
+      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
+      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${LOWLOAD_C:-2} \
       --presets resident,adaptive,hisparse --repeats 1 --rotate ${LOWLOAD_ROTATE:-0} --duration 30 --stagger \
-      --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${LL_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
+      --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${FB_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
 case ",$STEPS," in *,drafter34,*)  # issue 31: the DFlash drafter's grouped attention and block-pass CUDA graphs (session 34): CUDA exactness of the drafter files, then a round of the paper's DFlash2 shape on glm5-faithful's hidden / vocabulary at C20 and C47, per_head (the named baseline) / grouped / graph (~5 min cold)
   run "exactness on CUDA, drafter files" timeout ${EXACT34_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_dflash_graphs.py tests/test_dflash_attention.py tests/test_dflash_reference.py tests/test_spec_dflash.py tests/test_drafters_models.py \

@@ -222,3 +222,31 @@ def test_lowload31_runs_resident_adaptive_and_hisparse_at_low_load_rotated(tmp_p
         "glm5-faithful", {"n_routed_experts": 12}, 102400, "fp8_e4m3", 3)
     assert ns.concurrencies == [2] and ns.distinct_suffixes == 2 and "_e12_" in ns.out and "_r1_" in ns.out
     assert [p for _, p, _ in gs.schedule(ns)] == ["adaptive", "hisparse", "resident"]  # rotated by one
+
+
+def test_budget31_sweeps_the_hot_cache_at_low_and_high_load(tmp_path):
+    """budget31 (Fig. 9): hisparse and adaptive at C2 and C18 on glm5-faithful at 100K, one hot-cache budget a
+    call (BUDGET31_B), the file named by it; the 12-expert build without a card of 100 GiB."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    (cmd,) = [c for c in session_commands(tmp_path, "budget31", {"BUDGET31_B": "8192"}) if c[0] == "bench/gpu_serving.py"]
+    ns = gs.parse(cmd[1:])
+    assert (ns.model, ns.overrides, ns.input_len, ns.hot_cache_rows) == ("glm5-faithful", {"n_routed_experts": 12}, 102400, 8192)
+    assert ns.concurrencies == [2, 18] and ns.preset_list == ["hisparse", "adaptive"] and "_B8192_" in ns.out
+    assert gs.engine_config(ns, gs.sizing(ns, gs.model_config(ns.model, ns.layers, ns.overrides)), "adaptive").hot_cache_rows == 8192
+
+
+def test_widths31_runs_the_widths_and_the_online_policy_as_arms(tmp_path):
+    """widths31 (Fig. 7): adaptive+spec with the costed oracle, charged for width 8, the arms WIDTHS31_ORDER names
+    (policy and width; each arm's tokens a round comes from dhisparse.spec.oracle on the device), one load a call."""
+    (cmd,) = [c for c in session_commands(tmp_path, "widths31", {"WIDTHS31_ORDER": "online:8 fixed:6", "WIDTHS31_C": "18"})
+              if c[0] == "bench/gpu_serving.py"]
+    arms = cmd[cmd.index("--arms") + 1].split(";")
+    assert [a.split(",")[:2] for a in arms] == [["speculative_policy=online", "speculative_num_draft_tokens=8"],
+                                                ["speculative_policy=fixed", "speculative_num_draft_tokens=6"]]
+    assert cmd[cmd.index("--spec-width") + 1] == "8" and "--charge-spec-memory" in cmd and "--replay-reference" in cmd
+    assert cmd[cmd.index("--concurrency") + 1] == "18" and cmd[cmd.index("--presets") + 1] == "adaptive+spec"
