@@ -196,13 +196,18 @@ def index_case(case: Case) -> Case:
     return dataclasses.replace(case, state=with_hot_entry(copy.deepcopy(case.state)), name=case.name + "_index")
 
 
+def cpu_copy(st: ResolverState) -> ResolverState:
+    """A copy of st on the CPU (a copy there too: `plan_reference` updates the state it is given)."""
+    cpu = lambda v: v.to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
+    return ResolverState(**{f.name: cpu(getattr(st, f.name)) for f in dataclasses.fields(st)})
+
+
 def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
     """plan_triton (with `distinct` as the timed calls pass it) vs plan_reference (on CPU copies) bit
     for bit, then every copied row's bytes; `fused`: the plan with its copy fused (`copy=`) gives the
     same locations, state and device rows as plan + `launch_copies`."""
     st_t = copy.deepcopy(case.state)
-    cpu = lambda v: v.to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731 (a copy on CPU too)
-    st_r = ResolverState(**{f.name: cpu(getattr(case.state, f.name)) for f in dataclasses.fields(case.state)})
+    st_r = cpu_copy(case.state)
     now = int(case.state.hot_stamp.max()) + 1
     ref = plan_reference(case.sel.cpu(), case.slots.cpu(), st_r, now)
     got = plan_triton(case.sel, case.slots, st_t, now, distinct=distinct)

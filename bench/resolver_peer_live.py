@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.peer.hisparse_peer import PeerKernel, peer_expected, peer_state  # noqa: E402
-from bench.resolver_cases import Case, Rig, check_case  # noqa: E402
+from bench.resolver_cases import Case, Rig, check_case, cpu_copy  # noqa: E402
 from bench.resolver_peer import (PEER_US, Flush, build, case_grid, plan_bench_args, plan_bench_start,  # noqa: E402
                                  precompile_worker, start_rig)
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
@@ -55,8 +55,8 @@ def translation_check(case: Case, now: int) -> tuple[dict, torch.Tensor]:
     locations [N, k] int32 (what the peer's own call must return)."""
     ps = peer_state(case.state, case.history)
     top_k = case.sel[:, 0].to(torch.int32)
-    exp, _ = peer_expected(_cpu(ps), top_k.cpu())
-    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), _cpu_state(case), now)
+    exp, _ = peer_expected(ps.copy("cpu"), top_k.cpu())
+    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), cpu_copy(case.state), now)
     loc = ref.loc[:, 0]
     hot = case.state.hot_pos.cpu()
     same_hits, same_victims, misses = True, True, 0
@@ -67,19 +67,6 @@ def translation_check(case: Case, now: int) -> tuple[dict, torch.Tensor]:
         misses += int((~hit).sum())
     return {"case": case.name, "hits": same_hits, "victims": same_victims, "misses": misses,
             "ours_host_rows": int(ref.counters.host)}, exp
-
-
-def _cpu(ps):
-    return type(ps)(*(getattr(ps, f).to("cpu", copy=True) for f in ps.__dataclass_fields__))
-
-
-def _cpu_state(case: Case):
-    """A CPU copy of the case's state (plan_reference updates the state it is given)."""
-    import dataclasses
-
-    st = case.state
-    return type(st)(**{f.name: (v.to("cpu", copy=True) if torch.is_tensor(v) else v)
-                       for f in dataclasses.fields(st) for v in [getattr(st, f.name)]})
 
 
 def peer_check(peer: PeerKernel, rig: Rig, case: Case, exp: torch.Tensor) -> dict:
@@ -106,7 +93,7 @@ def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, flush: Flush, iters
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
     snap = [(t, t.clone()) for t in (st.hot_pos, st.hot_stamp)]
     ps0 = peer_state(st, case.history)
-    ps = ps0.clone()
+    ps = ps0.copy()
 
     def restore() -> None:
         for t, v in snap:

@@ -101,11 +101,11 @@ def test_build_extracts_only_the_named_members(tmp_path):
         "a/include/sub/y.h", "a/include/x.h", "b/k.cuh"]
 
 
-def test_peer_state_clone_is_deep():
+def test_peer_state_copy_is_deep():
     ps = peer_state(_state(), 12)
-    c = ps.clone()
-    c.lru.fill_(0)
-    assert isinstance(c, PeerState) and not torch.equal(c.lru, ps.lru)
+    for c in (ps.copy(), ps.copy("cpu")):
+        c.lru.fill_(0)
+        assert isinstance(c, PeerState) and not torch.equal(c.lru, ps.lru)
 
 
 def test_peer_check_reads_the_peers_locations_and_copied_rows():

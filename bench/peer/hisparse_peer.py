@@ -51,8 +51,10 @@ class PeerState:
     seq: torch.Tensor  # [N] int64
     num_real: torch.Tensor  # [1] int32
 
-    def clone(self) -> "PeerState":
-        return PeerState(*(getattr(self, f).clone() for f in self.__dataclass_fields__))
+    def copy(self, device: str | torch.device | None = None) -> "PeerState":
+        """A copy of every table, on `device` (default: where they are)."""
+        return PeerState(*(getattr(self, f).to(device or getattr(self, f).device, copy=True)
+                           for f in self.__dataclass_fields__))
 
 
 def host_rows_of(st: ResolverState, L: int) -> torch.Tensor:
