@@ -31,7 +31,7 @@ from dhisparse.core.rows import SPACE
 def stage_overflow_torch(sel: torch.Tensor, loc: torch.Tensor, slots: torch.Tensor, stage_loc: torch.Tensor,
                          host_table: torch.Tensor, host_ps: int):
     """sel / loc [N, K, k] int64 (loc rewritten in place), slots [N] int64, stage_loc [S, >= K*k] (SPACE +
-    staging rows), host_table [S, HP] host pages. Returns (src_pad, dst_pad [N, K*k] int64, copy_n [N] int32,
+    staging rows), host_table [S, HP] host pages; all on one device (the caller moves slots there). Returns (src_pad, dst_pad [N, K*k] int64, copy_n [N] int32,
     counts [6] int64) as the module docstring says.
 
         per request (sorted):  pos  3  3  7  9  9  9 | BIG ...      BIG = no staged entry
@@ -47,7 +47,7 @@ def stage_overflow_torch(sel: torch.Tensor, loc: torch.Tensor, slots: torch.Tens
     first = valid.clone()
     first[:, 1:] &= skey[:, 1:] != skey[:, :-1]
     rank = (first.cumsum(1) - 1).clamp(min=0)
-    s = slots.to(sel.device)[:, None]
+    s = slots[:, None]
     stage_row = stage_loc[s, rank]  # [N, KK] SPACE + staging-arena row
     flat = loc.reshape(N, KK)
     flat.scatter_(1, order, torch.where(valid, stage_row, flat.gather(1, order)))
