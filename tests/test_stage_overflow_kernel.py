@@ -1,7 +1,8 @@
 """kernels/stage_overflow.py: the one-launch Triton staging of a deferred plan's overflow against its plain-PyTorch
 form, bit for bit (loc rewritten in place, src_pad / dst_pad with their zero tails, copy_n, counts), on odd, ragged
 and empty shapes, duplicates across a round's queries and positions at bitmap word edges; then a served round
-with the kernel switched on (DHISPARSE_STAGE_KERNEL=1) gives the same tokens and staged copies.
+stages through the kernel by default (through the PyTorch form under DHISPARSE_STAGE_KERNEL=0), and both give
+the reference's tokens.
 
 Breakages tried (each fails here): the rank without the bits below the position in its word, an inclusive
 instead of exclusive prefix, the zero tail starting at the entry count instead of copy_n, the missing test
@@ -95,19 +96,26 @@ def test_any_round_stages_the_same(N, K, k, HP, ps, miss, dup, seed):
     _assert_same(ref, got)
 
 
-def test_a_served_round_with_the_kernel_gives_the_same_tokens(monkeypatch):
-    """The engine's Triton resolver path with DHISPARSE_STAGE_KERNEL=1: a round whose unions overflow a
-    16-row hot cache stages through the kernel, and the greedy tokens equal the reference's."""
+@pytest.mark.parametrize("env", [None, "0"])
+def test_a_served_round_stages_through_the_chosen_form_and_gives_the_same_tokens(monkeypatch, env):
+    """The engine's Triton resolver path: a round whose unions overflow a 16-row hot cache stages through
+    the kernel by default (None) and through the PyTorch form under DHISPARSE_STAGE_KERNEL=0, only that
+    one, and the greedy tokens equal the reference's either way."""
     from dhisparse import SamplingParams
     from dhisparse.engine.config import EngineConfig
     from dhisparse.engine.engine import Engine
     from dhisparse.engine.llm import LLM
     from dhisparse.kv.hier import staging
 
-    calls = []
-    real = staging.stage_overflow_triton
-    monkeypatch.setattr(staging, "stage_overflow_triton", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("DHISPARSE_STAGE_KERNEL", "1")
+    calls = {"triton": 0, "torch": 0}
+    for name in calls:
+        real = getattr(staging, f"stage_overflow_{name}")
+        monkeypatch.setattr(staging, f"stage_overflow_{name}",
+                            lambda *a, _n=name, _f=real: calls.__setitem__(_n, calls[_n] + 1) or _f(*a))
+    if env is None:
+        monkeypatch.delenv("DHISPARSE_STAGE_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("DHISPARSE_STAGE_KERNEL", env)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     ps = [[3 + (7 * i + 5 * j) % 120 for j in range(60 + 23 * i)] for i in range(3)]
     ref = {tuple(p): o.token_ids for p, o in zip(ps, LLM("tiny").generate(ps, sp))}
@@ -117,7 +125,8 @@ def test_a_served_round_with_the_kernel_gives_the_same_tokens(monkeypatch):
                                      speculative_num_draft_tokens=4, speculative_oracle_tokens_per_round=3.0),
                         oracle_reference=ref)
     assert [o.token_ids for o in llm.generate(ps, sp)] == [ref[tuple(p)] for p in ps]
-    assert calls  # the rounds staged through the kernel
+    used, unused = ("triton", "torch") if env is None else ("torch", "triton")
+    assert calls[used] and not calls[unused]  # the rounds staged through the chosen form only
 
 
 def test_the_bench_compares_both_forms_on_one_input(tmp_path):

@@ -99,7 +99,8 @@ def stage_overflow_deferred(plan, sel: torch.Tensor, slots: torch.Tensor, kv) ->
     """Device-side `stage_overflow` for a deferred Triton plan: rewrites plan.loc for the misses
     that found no victim (staging locations, SPACE-encoded) and returns their copy plan. No op
     waits for the device. sel [N, K, k] positions (-1 padding); slots [N] int64 (device). The work is
-    kernels/stage_overflow.py's: its plain-PyTorch form, or with DHISPARSE_STAGE_KERNEL=1 (an experiment
-    until it has run on CUDA) its one-launch Triton form; the same outputs bit for bit."""
-    fn = stage_overflow_triton if os.environ.get("DHISPARSE_STAGE_KERNEL") == "1" else stage_overflow_torch
+    kernels/stage_overflow.py's one-launch Triton form (3.3-5.5x faster than its plain-PyTorch form at a
+    glm5-faithful round's shape on an H100, bench/results/stage_overflow_s50_h100.json), or with
+    DHISPARSE_STAGE_KERNEL=0 the PyTorch form; the same outputs bit for bit."""
+    fn = stage_overflow_torch if os.environ.get("DHISPARSE_STAGE_KERNEL") == "0" else stage_overflow_triton
     return StagePlan(*fn(sel, plan.loc, slots.to(sel.device), kv.stage_loc, kv.host_table, kv.host.page_size))
