@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.peer.hisparse_peer import PeerKernel, PeerState, host_rows_of, lru_order, peer_expected, peer_state  # noqa: E402
+from bench.peer.hisparse_peer import (PeerKernel, PeerState, check_args, host_rows_of, lru_order,  # noqa: E402
+                                      peer_expected, peer_state)
 from dhisparse.kernels.resolver_ref import ResolverState  # noqa: E402
 
 
@@ -57,6 +58,34 @@ def test_peer_state_refuses_a_tail_that_a_selection_could_reach():
     st.tail_start[0] = 10
     with pytest.raises(ValueError, match="tail"):
         peer_state(st, 12)
+
+
+def test_peer_state_refuses_a_history_the_peer_would_take_its_short_path_for():
+    with pytest.raises(ValueError, match="short|fast path"):
+        peer_state(_state(H=4, L=3), 3)
+
+
+def _args(N=1, H=4, L=12, rb=32):
+    ps = peer_state(_state(N=N, H=H, L=L), L)
+    top_k = torch.zeros((N, 5), dtype=torch.int32)
+    rows = lambda: torch.zeros((8, rb // 2), dtype=torch.int16)  # noqa: E731 - rows of rb bytes
+    return ps, top_k, torch.empty_like(top_k), rows(), rows(), rb
+
+
+def test_check_args_names_what_the_peer_kernel_cannot_take():
+    """The launch's checks read shapes, dtypes, devices and strides only. On the CPU every tensor is off the
+    GPU, which it says; a wrong table dtype, a locs width unlike tokens', rows of another width and an item
+    size the 16-B vector copies cannot move are named too."""
+    ps, top_k, out, host, dev, rb = _args()
+    with pytest.raises(ValueError) as e:
+        check_args(ps, top_k, out, host, dev, rb)
+    msg = str(e.value)
+    assert "top_k on cpu" in msg and "pageable" in msg and "lru" not in msg and "item_bytes" not in msg
+    bad = dataclasses.replace(ps, lru=ps.lru.to(torch.int32), locs=ps.locs[:, :-1])
+    with pytest.raises(ValueError) as e:
+        check_args(bad, top_k, out, host, dev, 24)
+    msg = str(e.value)
+    assert "lru torch.int32" in msg and "locs" in msg and "not linear rows of 24 B" in msg and "item_bytes 24" in msg
 
 
 def test_the_translation_gives_our_hits_and_victims_and_a_reversed_lru_does_not():
