@@ -188,6 +188,25 @@ def test_pieces_of_one_sweep_join_into_one_line_per_preset():
     assert "hisparse [hi]" in _lines([lo, other])
 
 
+def test_repeat_calls_of_one_setup_pool_into_one_line_with_spread():
+    """Files of separate calls that repeat one setup at one commit (`setup_of`) join: a point measured in each
+    is one point of their runs (mean, min-max). Another commit, or a file without one, keeps its own line."""
+    from dhisparse.bench.plots import _lines, serving_points
+
+    full = dict(_bench_result(["hisparse", "adaptive"]), commit="abc1234")
+    again = dict(full, label="again", runs=[dict(r, metrics=dict(r["metrics"], output_tok_s=2 * r["metrics"]["output_tok_s"]))
+                                            for r in full["runs"]])
+    pooled = _lines([full, again])
+    assert sorted(pooled) == ["adaptive", "hisparse"]
+    pt = serving_points(pooled["hisparse"])[0]
+    first = min(r["metrics"]["output_tok_s"] for r in full["runs"] if r["preset"] == "hisparse" and r["concurrency"] == pt.concurrency)
+    assert pt.runs == 2 * sum(1 for r in full["runs"] if r["preset"] == "hisparse" and r["concurrency"] == pt.concurrency)
+    assert pt.tok_s.lo == pytest.approx(first) and pt.tok_s.hi > pt.tok_s.mean > pt.tok_s.lo
+    assert len(_lines([full, dict(again, commit="def5678")])) == 4
+    assert len(_lines([full, dict(again, commit=None)])) == 4
+    assert len(_lines([dict(full, commit=None), dict(again, commit=None)])) == 4  # no commit: no setup to share
+
+
 def test_series_plot_needs_a_series_and_draws_one_column_per_concurrency(tmp_path):
     from dhisparse.bench.plot_series import has_series, plot_series
 

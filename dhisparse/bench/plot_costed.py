@@ -23,7 +23,6 @@ a setup is one file, or the files of separate calls that repeat one setup at one
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dhisparse.bench.eq13 import predicted_ratio  # noqa: E402
 from dhisparse.bench.plot_widths import arm_of  # noqa: E402
-from dhisparse.bench.plots import Spread, save_figure  # noqa: E402
+from dhisparse.bench.plots import Spread, save_figure, setup_of  # noqa: E402
 from dhisparse.bench.records import central_of  # noqa: E402
 
 TPR = "speculative_oracle_tokens_per_round"
@@ -106,20 +105,6 @@ class CostedPoint:
     round_ms: Spread | None
     files: int = 1
     eq13: Spread | None = None  # eq. 13's prediction, run by run against its own file's baseline (bench/eq13.py)
-
-
-SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
-
-
-def setup_of(res: dict) -> str | None:
-    """What makes two result files repeats of one point: the same commit and the same engine, model, workload,
-    drafter, oracle and GPU sections of their config (arms, order and wall times may differ). None for a
-    file without a commit: it pools with no other."""
-    commit = res.get("commit")
-    if not commit:
-        return None
-    cfg = res.get("config") or {}
-    return json.dumps([commit] + [cfg.get(k) for k in SETUP_KEYS], sort_keys=True, default=str)
 
 
 def _step_ms(engine: dict) -> float | None:

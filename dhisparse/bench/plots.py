@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,15 +45,31 @@ def _color(name: str, i: int) -> str:
     return STYLE.get(name.split(" ")[0], f"C{i % 10}")
 
 
+SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
+
+
+def setup_of(res: dict) -> str | None:
+    """What makes two result files repeats of one point: the same commit and the same engine, model, workload,
+    drafter, oracle and GPU sections of their config (arms, order and wall times may differ). None for a
+    file without a commit: it pools with no other."""
+    commit = res.get("commit")
+    if not commit:
+        return None
+    cfg = res.get("config") or {}
+    return json.dumps([commit] + [cfg.get(k) for k in SETUP_KEYS], sort_keys=True, default=str)
+
+
 def _one_curve(results: list[dict]) -> bool:
     """Whether several result files are pieces of one sweep: same model and workload (the window
-    may differ), and no (preset, concurrency) point measured twice. Their runs then join into one
-    line per preset."""
+    may differ), and either no (preset, concurrency) point measured twice or every file a repeat
+    call of one setup (`setup_of`: one commit, one configuration). Their runs then join into one
+    line per preset, repeats of a point pooled (`serving_points`)."""
     keys = {(res.get("config", {}).get("engine", {}).get("model"),
              tuple(sorted((k, v) for k, v in res.get("config", {}).get("workload", {}).items()
                           if k != "duration_s"))) for res in results}
     points = [(r["preset"], r["concurrency"]) for res in results for r in res["runs"]]
-    return len(keys) == 1 and len(points) == len(set(points))
+    setups = {setup_of(res) for res in results}
+    return len(keys) == 1 and (len(points) == len(set(points)) or (len(setups) == 1 and None not in setups))
 
 
 def _lines(results: list[dict]) -> dict[str, list[dict]]:
