@@ -207,6 +207,15 @@ def test_repeat_calls_of_one_setup_pool_into_one_line_with_spread():
     assert len(_lines([dict(full, commit=None), dict(again, commit=None)])) == 4  # no commit: no setup to share
 
 
+def test_the_serving_title_names_the_model_overrides_and_the_gpu():
+    from dhisparse.bench.plots import _serving_title
+
+    res = _bench_result(["hisparse"])
+    res["config"] = dict(res["config"], model={"overrides": {"n_routed_experts": 12}}, gpu="NVIDIA H100 80GB HBM3")
+    t = _serving_title([res])
+    assert "(n_routed_experts 12)" in t and "NVIDIA H100 80GB HBM3" in t
+
+
 def test_series_plot_needs_a_series_and_draws_one_column_per_concurrency(tmp_path):
     from dhisparse.bench.plot_series import has_series, plot_series
 

@@ -197,8 +197,12 @@ def _serving_title(results: list[dict]) -> str:
     res = results[0]
     w = (res.get("config") or {}).get("workload") or {}
     eng = (res.get("config") or {}).get("engine") or {}
-    model = eng.get("model") or eng.get("url") or "?"
-    return f"closed loop: {model}, input {w.get('input_len', '?')}, output cap {w.get('output_len', '?')}"
+    over = ((res.get("config") or {}).get("model") or {}).get("overrides")
+    model = (eng.get("model") or eng.get("url") or "?") + (f" ({', '.join(f'{k} {v}' for k, v in over.items())})"
+                                                           if over else "")
+    gpu = (res.get("config") or {}).get("gpu")
+    return (f"closed loop: {model}{', ' + gpu if gpu else ''}, input {w.get('input_len', '?')}, "
+            f"output cap {w.get('output_len', '?')}")
 
 
 def _phase_spans(run: dict) -> list[tuple[float, float, str]]:
