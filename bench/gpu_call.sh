@@ -4,7 +4,8 @@
 # .whl/ comes from bench/device_wheels.sh (every dependency the device image lacks); to run the committed
 # tree while the working tree is being edited, wrap the call with bench/clean_tree.sh's .clean/run.sh.
 # Carry budget (64 MiB in all): the tree is 53 MB (session 39: bench/results 28 MB, the tiny-code
-# checkpoints 21 MB), so .whl holds transformers slimmed by bench/slim_wheel.py (3.1 MB, the model folders
+# checkpoints 21 MB; session 50: 56.4 MB, so a call carrying .whl and .peer first runs `bash bench/carry_room.sh out`
+# and `... in` after it), so .whl holds transformers slimmed by bench/slim_wheel.py (3.1 MB, the model folders
 # the tests import) and is built --lean (no OpenAI client: 11 MB), and .tcache fits only beside .whlb.
 # Triton compiles each kernel shape once (~30-50 s for the resolver); the cache tarball carried
 # between calls keeps later calls from paying that again. It comes back only under the device
