@@ -21,7 +21,9 @@ reference (a short non-speculative greedy run of those prompts) covers every req
 calibrated to --spec-tokens-per-round at width --spec-width (a MEASUREMENT TOOL: label it oracle).
 The closed loop itself is dhisparse.bench.inproc.InProcessLoop (only `_prompt` is overridden).
 `--model v41-faithful --layers N --overrides JSON` builds a smaller geometry through v41-faithful's
-own builder (`--quick --model v41-faithful`: QUICK_V4's, on CPU).
+own builder (`--quick --model v41-faithful`: QUICK_V4's, on CPU). `--load-step C_LOW,C_HIGH` runs Fig. 6's load
+step (C_LOW -> C_HIGH -> C_LOW) in place of constant loads, with the same model, pools and charging; its file is
+a loadstep result (`dhisparse plot`: loadstep.png; `dhisparse table`: Table A1).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.bench.inproc import InProcessLoop  # noqa: E402
+from dhisparse.bench.loadstep import phase_summary, step_phases  # noqa: E402
 from dhisparse.bench.workload import Phases, Workload, prefix_ids, suffix_text  # noqa: E402
 from dhisparse.engine.config import EngineConfig  # noqa: E402
 from dhisparse.engine.memory import release_memory  # noqa: E402
@@ -125,6 +128,12 @@ def parse(argv=None) -> argparse.Namespace:
     a("--graph-max-bs-per-load", action="store_true",
       help="each run's cuda_graph_max_bs is its load C (its C clients never hold more requests): with "
            "step_graph_warmup=true an engine captures only the graphs that load replays, not every bucket up to its slots")
+    a("--load-step", default=None, metavar="C_LOW,C_HIGH",
+      help="Fig. 6's load step instead of constant loads: each (preset, arm) runs once through C_LOW -> C_HIGH -> C_LOW "
+           "clients (phases of --load-step-s seconds; --concurrency and --duration are then ignored), in-flight "
+           "requests draining when the load falls; the file is a loadstep result (per-phase statistics, Table A1; "
+           "`dhisparse plot` draws loadstep.png)")
+    a("--load-step-s", default="30,60,60", metavar="LOW,HIGH,AFTER", help="the load step's phase lengths in seconds")
     a("--stagger", action="store_true", help="staggered starts (Workload.stagger): client k's first request is capped "
       "at output_len * (k + 1) / C tokens, so a window sees completions and re-admissions from its start")
     a("--prewarm", action="store_true",
@@ -145,6 +154,7 @@ def parse(argv=None) -> argparse.Namespace:
     check_geometry(p, ns)
     ns.argv = ["bench/gpu_serving.py"] + list(sys.argv[1:] if argv is None else argv)
     ns.concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
+    ns.phases = load_step_phases(p, ns)
     ns.preset_list = [s.strip() for s in ns.presets.split(",") if s.strip()]
     ns.arm_list = [a.strip() for a in ns.arms.split(";") if a.strip()] or [""]
     ns.armed = [x.strip() for x in ns.arm_presets.split(",") if x.strip()]
@@ -155,6 +165,23 @@ def parse(argv=None) -> argparse.Namespace:
     for arm in ns.arm_list:
         engine_overrides(arm_pairs(arm))  # a bad arm fails here, before the model is built
     return ns
+
+
+def load_step_phases(p: argparse.ArgumentParser, ns: argparse.Namespace) -> "Phases | None":
+    """--load-step / --load-step-s -> the step's Phases (None without --load-step); the run's load is then C_HIGH
+    (ns.concurrencies) and its window the phases' total (ns.duration). Bad values fail through `p.error`."""
+    if not ns.load_step:
+        return None
+    try:
+        c_low, c_high = (int(x) for x in ns.load_step.split(","))
+        low, high, after = (float(x) for x in ns.load_step_s.split(","))
+    except ValueError:
+        p.error(f"--load-step {ns.load_step!r} / --load-step-s {ns.load_step_s!r}: expected C_LOW,C_HIGH and LOW,HIGH,AFTER")
+    if not (1 <= c_low <= c_high) or min(low, high, after) <= 0:
+        p.error(f"--load-step {ns.load_step!r}: needs 1 <= C_LOW <= C_HIGH; --load-step-s {ns.load_step_s!r}: positive")
+    phases = step_phases(c_low, c_high, low, high, after)
+    ns.concurrencies, ns.duration = [c_high], phases.total_s
+    return phases
 
 
 def geometry_args(a) -> None:
@@ -430,7 +457,8 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str =
     build_s = time.perf_counter() - t
     workload = Workload(input_len=ns.input_len, output_len=ns.output_len, duration_s=ns.duration,
                         timeout_s=ns.duration + 600, stagger=ns.stagger)
-    loop = CyclingLoop(engine, workload, Phases.constant(c, ns.duration))
+    phases = ns.phases or Phases.constant(c, ns.duration)
+    loop = CyclingLoop(engine, workload, phases)
     loop.distinct = ns.distinct_suffixes
     trace = loop.run()
     # where a run's wall time goes beyond its window (a first window pays compiles and graph captures)
@@ -439,7 +467,7 @@ def one_run(ns, sz, loaded, prefixes, preset: str, c: int, reference, arm: str =
         trace.engine.update(device_memory(loaded, trace.engine))
     del loop, engine  # the last references: the pools go now, before the next engine sizes its own
     release_memory()
-    return R.run_result(label(preset, arm), c, "in-process", trace)
+    return R.run_result(label(preset, arm), c, "in-process", trace, phase_summary(trace, phases) if ns.phases else None)
 
 
 def device_memory(loaded, counters: dict) -> dict:
@@ -560,7 +588,9 @@ def write(ns, sz, est, t0, runs):
               "concurrency": ns.concurrencies, "drafter": ns.drafter, "oracle": {"tokens_per_round": ns.spec_tokens_per_round, "width": ns.spec_width},
               "estimated_s": est, "wall_s": time.perf_counter() - t0, "summary": rows, "spread": spread, "ratios": ratios,
               "arms": ns.arm_list, "repeats": ns.repeats, "rotate": ns.rotate, "eq13": eq13(runs)}
-    result = R.ResultFile("bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
+    if ns.phases:  # a load step (Fig. 6): its phases, and the runs' per-phase statistics (Table A1)
+        config["phases"] = [ph._asdict() for ph in ns.phases.phases]
+    result = R.ResultFile("loadstep" if ns.phases else "bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[spec_note(ns)],
                           commit=R.source_commit())
     return R.write_json(result, ns.out), ratios

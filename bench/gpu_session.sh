@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,loadstep31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -485,6 +485,14 @@ case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resid
       --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${LOWLOAD_C:-2} \
       --presets resident,adaptive,hisparse --repeats 1 --rotate ${LOWLOAD_ROTATE:-0} --duration 30 --stagger \
       --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${FB_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
+case ",$STEPS," in *,loadstep31,*)  # issue 31's Fig. 6 / Table A1 at the paper's setting: the load step C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18} -> C${LOADSTEP31_LOW:-2} (phases ${LOADSTEP31_S:-30,60,60} s) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), residency on (adaptive) and off (hisparse), one repeat a call with the order rotated by LOADSTEP31_ROTATE (0, 1, 2); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` draws loadstep.png, `dhisparse table` the per-phase statistics (~6 min)
+  faithful_build
+  run "Fig. 6 load step, glm5-faithful$FB_TAG, C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18}, rotation ${LOADSTEP31_ROTATE:-0}" \
+      timeout ${LOADSTEP31_TIMEOUT:-570} python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 \
+      --output-len 1024 --resident-fit 3 --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT \
+      --load-step ${LOADSTEP31_LOW:-2},${LOADSTEP31_HIGH:-18} --load-step-s ${LOADSTEP31_S:-30,60,60} \
+      --presets adaptive,hisparse --repeats 1 --rotate ${LOADSTEP31_ROTATE:-0} --distinct-suffixes ${LOADSTEP31_HIGH:-18} \
+      --force --out "$OUT/loadstep_faithful${FB_TAG}_100k_k2048_r${LOADSTEP31_ROTATE:-0}_h200.json" ;; esac
 case ",$STEPS," in *,drafter34,*)  # issue 31: the DFlash drafter's grouped attention and block-pass CUDA graphs (session 34): CUDA exactness of the drafter files, then a round of the paper's DFlash2 shape on glm5-faithful's hidden / vocabulary at C20 and C47, per_head (the named baseline) / grouped / graph (~5 min cold)
   run "exactness on CUDA, drafter files" timeout ${EXACT34_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_dflash_graphs.py tests/test_dflash_attention.py tests/test_dflash_reference.py tests/test_spec_dflash.py tests/test_drafters_models.py \

@@ -780,6 +780,31 @@ def test_oracle_reference_is_read_back_from_its_file_and_refused_for_another_run
     assert load_reference(tmp_path / "none.json", key) is None
 
 
+def test_gpu_serving_load_step_writes_a_loadstep_result_with_its_phases(tmp_path):
+    """gpu_serving --load-step C_LOW,C_HIGH: each preset runs once through the step's three phases (the load C_HIGH,
+    the window their total); the file is a loadstep result with the phases and each run's per-phase statistics,
+    which `dhisparse plot` draws as loadstep.png. Bad steps fail naming the flag."""
+    from dhisparse.bench.plots import plot_results
+
+    gs = _bench_script("gpu_serving")
+    out = tmp_path / "ls.json"
+    assert gs.main(["--quick", "--presets", "adaptive", "--load-step", "1,2", "--load-step-s", "0.6,1,0.6",
+                    "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "loadstep" and [p["concurrency"] for p in res["config"]["phases"]] == [1, 2, 1]
+    (run,) = res["runs"]
+    assert run["concurrency"] == 2 and [p["name"] for p in run["phases"]] == ["C1 before", "C2", "C1 after"]
+    assert run["phases"][1]["slots_max"] == 2 and run["phases"][0]["slots_max"] == 1
+    assert [p.name for p in plot_results([res], tmp_path / "fig")] == ["loadstep.png"]
+    assert main(["table", str(out), "--out", str(tmp_path / "a1.json")]) == 0  # Table A1: a row a phase
+    a1 = json.loads((tmp_path / "a1.json").read_text())["table_a1"]
+    assert [(r["arm"], r["name"]) for r in a1] == [("adaptive", "C1 before"), ("adaptive", "C2"), ("adaptive", "C1 after")]
+    for bad in (["--load-step", "3,2"], ["--load-step", "2"], ["--load-step", "1,2", "--load-step-s", "1,0,1"]):
+        with pytest.raises(SystemExit):
+            gs.parse(["--quick", *bad])
+    assert gs.parse(["--quick"]).phases is None
+
+
 def test_gpu_serving_reports_device_bytes_outside_the_pool(monkeypatch):
     """A run's device memory: the peak less the target's weights, the KV pool and speculation's
     accounted bytes is what nothing charges (activations, graph pools, metadata)."""

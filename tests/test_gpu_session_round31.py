@@ -250,3 +250,18 @@ def test_widths31_runs_the_widths_and_the_online_policy_as_arms(tmp_path):
                                                 ["speculative_policy=fixed", "speculative_num_draft_tokens=6"]]
     assert cmd[cmd.index("--spec-width") + 1] == "8" and "--charge-spec-memory" in cmd and "--replay-reference" in cmd
     assert cmd[cmd.index("--concurrency") + 1] == "18" and cmd[cmd.index("--presets") + 1] == "adaptive+spec"
+
+
+def test_loadstep31_runs_the_load_step_at_100k_rotated(tmp_path):
+    """loadstep31 (Fig. 6 / Table A1): adaptive and hisparse through C2 -> C18 -> C2 on glm5-faithful at 100K in the
+    costed sweep's pool, one repeat a call rotated by LOADSTEP31_ROTATE; the run's load is C_HIGH, its window the
+    phases' total; the 12-expert build without a card of 100 GiB."""
+    from bench import gpu_serving as gs
+
+    (cmd,) = [c for c in session_commands(tmp_path, "loadstep31", {"LOADSTEP31_ROTATE": "1"}) if c[0] == "bench/gpu_serving.py"]
+    ns = gs.parse(cmd[1:])
+    assert (ns.model, ns.overrides, ns.input_len, ns.kv_cache_dtype, ns.resident_fit) == (
+        "glm5-faithful", {"n_routed_experts": 12}, 102400, "fp8_e4m3", 3)
+    assert [(p.concurrency, p.duration_s) for p in ns.phases.phases] == [(2, 30.0), (18, 60.0), (2, 60.0)]
+    assert ns.concurrencies == [18] and ns.duration == 150.0 and ns.distinct_suffixes == 18
+    assert [p for _, p, _ in gs.schedule(ns)] == ["hisparse", "adaptive"] and "_r1_" in ns.out and "_e12_" in ns.out

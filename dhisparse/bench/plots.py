@@ -226,7 +226,8 @@ def plot_loadstep(result: dict, out: str | Path, title: str | None = None) -> Pa
     axes[-1].set_xlabel("time (s)")
     unavailable = (result.get("config") or {}).get("unavailable_arms") or []
     sub = f" (unavailable arms: {', '.join(unavailable)})" if unavailable else ""
-    fig.suptitle((title or "load step: residency under changing load") + sub)
+    fig.suptitle((title or "load step: residency under changing load\n"
+                  + _serving_title([result]).removeprefix("closed loop: ")) + sub)
     return save_figure(fig, out)
 
 

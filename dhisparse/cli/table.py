@@ -1,5 +1,6 @@
 """`dhisparse table RESULT.json... [--baseline hisparse] [--ttft-bound-s 10 --tpot-bound-ms 40] [--out
-tables.json]`: the paper's Table 2, Tables A2 / A3 and the capacity under latency bounds, from bench results."""
+tables.json]`: the paper's Table 2, Tables A2 / A3 and the capacity under latency bounds, from bench results, and Table
+A1 (per-phase statistics) from load-step results."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dhisparse.cli.args import HelpFormatter
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("table", help="Tables 2, A2, A3 and the capacity under latency bounds, from bench result JSON",
+    p = sub.add_parser("table", help="Tables 2, A2, A3 and the capacity under latency bounds, from bench result JSON; Table A1 "
+                       "from loadstep result JSON",
                        formatter_class=HelpFormatter,
                        description="Table 2: output (mean, min-max over repeats) and its ratio to the baseline "
                                    "preset's at the same load, the same over each window's central half (the steady "
@@ -21,7 +23,8 @@ def add_parser(sub) -> None:
                                    "(preset, C), means over repeated runs; capacity: the highest C each preset sustains "
                                    "under the bounds, and its output. Bounds are yours to state: the paper's are 10 s "
                                    "post-wave p99 TTFT and 40 ms mean TPOT at its step times.")
-    p.add_argument("results", nargs="+", help="bench result JSON files (runs with per-request records)")
+    p.add_argument("results", nargs="+", help="bench result JSON files (runs with per-request records), or loadstep "
+                   "results (Table A1)")
     p.add_argument("--baseline", default="hisparse", help="Table 2's ratio is each preset's output over this one's")
     p.add_argument("--ttft-bound-s", type=float, default=10.0, help="post-wave p99 TTFT bound, seconds")
     p.add_argument("--tpot-bound-ms", type=float, default=40.0, help="mean TPOT bound, ms")
@@ -73,12 +76,17 @@ def run(ns: argparse.Namespace) -> int:
     if ns.ttft_bound_s <= 0 or ns.tpot_bound_ms <= 0:
         raise ValueError("--ttft-bound-s and --tpot-bound-ms must be > 0")
     results = [read_json(p) for p in ns.results]
-    if not any(r.get("kind") == "bench" and r.get("runs") for r in results):
-        raise ValueError("none of the files is a bench result with runs; nothing to tabulate")
-    results = [r for r in results if r.get("kind") == "bench"]
+    steps = [r for r in results if r.get("kind") == "loadstep" and r.get("runs")]
+    results = [r for r in results if r.get("kind") == "bench" and r.get("runs")]
+    if not results and not steps:
+        raise ValueError("none of the files is a bench or loadstep result with runs; nothing to tabulate")
+    out = console()
+    a1 = table_a1(steps, out)
+    if not results:
+        _write(ns, {"sources": ns.results, "table_a1": a1})
+        return 0
     t2, a2, a3 = table2_rows(results, ns.baseline), split_rows(results), latency_rows(results)
     cap = capacity(a3, 1e3 * ns.ttft_bound_s, ns.tpot_bound_ms)
-    out = console()
     out.print(_table2(t2, ns.baseline))
     notes = source_notes(results)
     for n in notes:  # the measurement tools a table's runs used, and what they leave out
@@ -107,9 +115,27 @@ def run(ns: argparse.Namespace) -> int:
     for r in cap:
         t.add_row(r["source"], r["preset"], "-" if r["C"] is None else str(r["C"]), _ms(r["output_tok_s"]))
     out.print(t)
+    _write(ns, {"sources": ns.results, "notes": notes, "table_2": t2, "table_a2": a2, "table_a3": a3, "capacity": cap,
+                **({"table_a1": a1} if a1 else {})})
+    return 0
+
+
+def table_a1(steps: list[dict], out) -> list[dict]:
+    """Table A1 of each load-step result (`dhisparse loadstep`, `bench/gpu_serving.py --load-step`), printed: per
+    arm and phase, the requests that start and finish inside it, output, latency, slots, coverage, host-fetched
+    share. Returns its rows (one a run and phase, with the result's model and input length as `source`)."""
+    from dhisparse.bench.report import phase_table
+    from dhisparse.bench.tables import source
+
+    rows = []
+    for res in steps:
+        out.print(phase_table(res, f"Table A1: the load step, per phase ({source(res)})"))
+        rows += [{"source": source(res), "arm": r["preset"], **p} for r in res["runs"] for p in r["phases"]]
+    return rows
+
+
+def _write(ns: argparse.Namespace, tables: dict) -> None:
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps({"sources": ns.results, "notes": notes, "table_2": t2, "table_a2": a2,
-                                            "table_a3": a3, "capacity": cap}, indent=1) + "\n")
+        Path(ns.out).write_text(json.dumps(tables, indent=1) + "\n")
         print(ns.out)
-    return 0
