@@ -496,8 +496,8 @@ def prewarm(ns, sz, loaded, prefixes, reference) -> None:
 
 def summarize(runs, concurrencies, arms=("",)) -> tuple[list[dict], dict, list[dict]]:
     """(one row a run, ratios of mean throughputs, spread: mean / min / max tok/s per (label, C), and
-    the same of the central-half rate where every run has one). Ratios: each preset against hisparse
-    and adaptive against resident at one load, and with several arms each arm's mean against the
+    the same of the central-half rate where every run has one). Ratios: each preset against hisparse,
+    and adaptive and resident+spec against resident, at one load, and with several arms each arm's mean against the
     first arm's (same preset, same load); the central-half rates' ratios under "central:" keys."""
     rows, tok, cen = [], {}, {}
     for r in runs:
@@ -545,7 +545,8 @@ def _ratios(by: dict, concurrencies, arms) -> dict:
     ratios = {}
     for c in concurrencies:
         for arm in arms:
-            for p, base in [(p, "hisparse") for p in ("adaptive", "adaptive+spec", "resident")] + [("adaptive", "resident")]:
+            for p, base in ([(p, "hisparse") for p in ("adaptive", "adaptive+spec", "resident", "resident+spec")]
+                            + [("adaptive", "resident"), ("resident+spec", "resident")]):
                 b = label(base, arm) if (label(base, arm), c) in by else base  # --arm-presets: a shared baseline
                 num, den = by.get((label(p, arm), c)), by.get((b, c))
                 if num is not None and den:

@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,loadstep31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,loadstep31,fig4_31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -485,6 +485,19 @@ case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resid
       --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${LOWLOAD_C:-2} \
       --presets resident,adaptive,hisparse --repeats 1 --rotate ${LOWLOAD_ROTATE:-0} --duration 30 --stagger \
       --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${FB_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
+case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's setting: all five presets side by side at one load a call (FIG4_C: 2, 9, 18, 30 = the slot-bound point) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool, +spec presets with the costed DFlash2 oracle at 2.88 tokens a round and charged for their memory, every preset replaying the reference; one repeat a call with the order rotated by FIG4_ROTATE (0, 1, 2); a later call at the same load carries the first's reference (COSTED_REF); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` / `dhisparse table` draw Fig. 4 and Tables 2, A2, A3 from the files (~8 min at C30 with the reference decode)
+  faithful_build
+  run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
+      --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
+  run "Fig. 4, glm5-faithful$FB_TAG, five presets at C${FIG4_C:-9}, rotation ${FIG4_ROTATE:-0}" timeout ${FIG4_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
+      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${FIG4_C:-9} \
+      --presets ${FIG4_PRESETS:-resident,hisparse,adaptive,resident+spec,adaptive+spec} --repeats 1 --rotate ${FIG4_ROTATE:-0} \
+      --duration 30 --stagger --distinct-suffixes ${FIG4_C:-9} --force --charge-spec-memory --spec-width 4 \
+      --spec-tokens-per-round 2.88 --engine-arg speculative_oracle_drafter=dflash2 \
+      --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful --replay-reference \
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful${FB_TAG}_c${FIG4_C:-9}.json}" \
+      --out "$OUT/fig4_faithful${FB_TAG}_100k_k2048_c${FIG4_C:-9}_r${FIG4_ROTATE:-0}_h200.json" ;; esac
 case ",$STEPS," in *,loadstep31,*)  # issue 31's Fig. 6 / Table A1 at the paper's setting: the load step C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18} -> C${LOADSTEP31_LOW:-2} (phases ${LOADSTEP31_S:-30,60,60} s) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), residency on (adaptive) and off (hisparse), one repeat a call with the order rotated by LOADSTEP31_ROTATE (0, 1, 2); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` draws loadstep.png, `dhisparse table` the per-phase statistics (~6 min)
   faithful_build
   run "Fig. 6 load step, glm5-faithful$FB_TAG, C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18}, rotation ${LOADSTEP31_ROTATE:-0}" \

@@ -91,3 +91,16 @@ def test_gpu_serving_central_ratios():
     sp = {d["preset"]: d for d in spread}["adaptive+spec"]
     assert (sp["central_mean_tok_s"], sp["central_min_tok_s"], sp["central_max_tok_s"]) == (28.0, 26.0, 30.0)
     assert rows[1]["central_output_tok_s"] == 26.0
+
+
+def test_gpu_serving_ratios_cover_every_preset_of_fig4():
+    """Fig. 4's five presets at one load: each against hisparse, and adaptive and resident+spec against resident."""
+    spec = importlib.util.spec_from_file_location("gpu_serving", pathlib.Path(__file__).parents[1] / "bench" / "gpu_serving.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    by = {("hisparse", 4): 10.0, ("adaptive", 4): 11.0, ("adaptive+spec", 4): 15.0, ("resident", 4): 5.0,
+          ("resident+spec", 4): 6.0}
+    r = gs._ratios(by, [4], [""])
+    assert r == pytest.approx({"adaptive/hisparse@C4": 1.1, "adaptive+spec/hisparse@C4": 1.5, "resident/hisparse@C4": 0.5,
+                               "resident+spec/hisparse@C4": 0.6, "adaptive/resident@C4": 2.2,
+                               "resident+spec/resident@C4": 1.2})

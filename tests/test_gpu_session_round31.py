@@ -265,3 +265,25 @@ def test_loadstep31_runs_the_load_step_at_100k_rotated(tmp_path):
     assert [(p.concurrency, p.duration_s) for p in ns.phases.phases] == [(2, 30.0), (18, 60.0), (2, 60.0)]
     assert ns.concurrencies == [18] and ns.duration == 150.0 and ns.distinct_suffixes == 18
     assert [p for _, p, _ in gs.schedule(ns)] == ["hisparse", "adaptive"] and "_r1_" in ns.out and "_e12_" in ns.out
+
+
+def test_fig4_31_runs_all_five_presets_at_one_load_costed_and_charged(tmp_path):
+    """fig4_31 (Fig. 4 / Table 2): the five presets at one load a call (FIG4_C), the +spec ones with the costed
+    DFlash2 oracle at 2.88 tokens a round and charged for their memory, every preset replaying the reference,
+    rotated by FIG4_ROTATE; the reference named by the load (or carried as COSTED_REF)."""
+    from bench import gpu_serving as gs
+
+    env = {"FIG4_C": "30", "FIG4_ROTATE": "2"}
+    (cmd,) = [c for c in session_commands(tmp_path, "fig4_31", env) if c[0] == "bench/gpu_serving.py"]
+    ns = gs.parse(cmd[1:])
+    assert (ns.model, ns.overrides, ns.input_len, ns.kv_cache_dtype, ns.resident_fit) == (
+        "glm5-faithful", {"n_routed_experts": 12}, 102400, "fp8_e4m3", 3)
+    assert ns.preset_list == ["resident", "hisparse", "adaptive", "resident+spec", "adaptive+spec"]
+    assert ns.concurrencies == [30] and ns.distinct_suffixes == 30 and ns.charge_spec_memory and ns.replay_reference
+    assert ns.spec_tokens_per_round == 2.88 and ns.spec_width == 4
+    assert "speculative_oracle_drafter=dflash2" in ns.engine_arg
+    assert [p for _, p, _ in gs.schedule(ns)][0] == "adaptive" and "_c30_r2_" in ns.out and "_e12_" in ns.out
+    assert ns.reference_file.endswith("oracle_reference_faithful_e12_c30.json")
+    (cmd,) = [c for c in session_commands(tmp_path / "b", "fig4_31", dict(env, COSTED_REF="/ref.json"))
+              if c[0] == "bench/gpu_serving.py"]
+    assert gs.parse(cmd[1:]).reference_file == "/ref.json"
