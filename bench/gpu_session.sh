@@ -8,7 +8,7 @@
 #        specprofile32kfast,specprofile8kfast,attnreplay32k,exactplain,serving32kload,serving32k2k,serving32k2ks,
 #        sweep32khi,sweep32klo,serving100k,serving100klo,serving100k2k,serving100kmid,k2048hi,k2048curve,k2048lo,k2048mid,specprofile100kk,servewarmup,
 #        exactall,draftercost,retest15,decodepages,mtptest,fp8kernels,fp8test,fp8serving100k,exactfp8,fp8spec100k,fp8profile100k,prefetch100k,train29model,train29draft,decodepagesrot,hostfirst27,
-#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,loadstep31,fig4_31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
+#        train29drafter,tinyspec,exactint,exactfiles,specpolicy,staging26,world1,costed31,fp8w31,faithful31,faithful41,mla64,costedfaithful31,costedsweep31,round31,round44,topk31,exact42,exact44,exact45,locality31,gemm43,w8a843,diversity31,settle31,settle41,exact33,exact33r,probe33,prims33,ncu33,peer33,peerlive33,multi33,lowload31,loadstep31,fig4_31,fig10_31,stage49,budget31,widths31,step33,copyorder33,indexer46,dflashattn46,moealign46,mlasplit47,costedsweep48,
 #        fig5v41a,fig5v41b,fig5v41c,fig5v41d,fig5v41e,fig5v41f,fig5v41g,drafter34
 # (default: kernels,profile,serving).
 # Budget the steps to one call (<= 10 min): kernels ~1.5 min with a warm Triton cache, exact ~4 min,
@@ -498,6 +498,15 @@ case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's se
       --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful --replay-reference \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful${FB_TAG}_c${FIG4_C:-9}.json}" \
       --out "$OUT/fig4_faithful${FB_TAG}_100k_k2048_c${FIG4_C:-9}_r${FIG4_ROTATE:-0}_h200.json" ;; esac
+case ",$STEPS," in *,fig10_31,*)  # issue 31's Fig. 10 at the paper's setting: adaptive's decode step at high load (C${FIG10_C:-18}) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (15.6 GiB), profiled at each hot-cache budget of FIG10_B (default 4096; 2048 4096 8192 16384 = k ... 8k over two or more calls, one process a budget); `dhisparse plot` draws cache_work.png (Fig. 10a: resolver + follower-copy kernel ms per step and per session against B) from the files and step_profile.png (Fig. 10b) from each; the 12-expert build on a card under 100 GiB (~3 min a budget)
+  faithful_build
+  for B in ${FIG10_B:-4096}; do
+    run "Fig. 10, glm5-faithful$FB_TAG, adaptive C${FIG10_C:-18}, B $B" timeout ${FIG10_TIMEOUT:-300} python3 bench/step_profile.py \
+        --model glm5-faithful $FB_EXTRA --input-len 102400 --concurrency ${FIG10_C:-18} --steps 6 --warmup 3 --top 40 \
+        --presets ${FIG10_PRESETS:-adaptive} --kv-cache-dtype fp8_e4m3 --kv-pool-gib 15.6 --host-pool-gib 16 \
+        --max-batched-tokens $FB_MBT --cuda-graphs step --hot-cache-rows $B \
+        --out "$OUT/fig10_faithful${FB_TAG}_100k_k2048_c${FIG10_C:-18}_B${B}_h200.json"
+  done ;; esac
 case ",$STEPS," in *,loadstep31,*)  # issue 31's Fig. 6 / Table A1 at the paper's setting: the load step C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18} -> C${LOADSTEP31_LOW:-2} (phases ${LOADSTEP31_S:-30,60,60} s) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), residency on (adaptive) and off (hisparse), one repeat a call with the order rotated by LOADSTEP31_ROTATE (0, 1, 2); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` draws loadstep.png, `dhisparse table` the per-phase statistics (~6 min)
   faithful_build
   run "Fig. 6 load step, glm5-faithful$FB_TAG, C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18}, rotation ${LOADSTEP31_ROTATE:-0}" \

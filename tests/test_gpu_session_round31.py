@@ -287,3 +287,17 @@ def test_fig4_31_runs_all_five_presets_at_one_load_costed_and_charged(tmp_path):
     (cmd,) = [c for c in session_commands(tmp_path / "b", "fig4_31", dict(env, COSTED_REF="/ref.json"))
               if c[0] == "bench/gpu_serving.py"]
     assert gs.parse(cmd[1:]).reference_file == "/ref.json"
+
+
+def test_fig10_31_profiles_adaptive_at_each_budget(tmp_path):
+    """fig10_31 (Fig. 10): adaptive's decode step at C18 on glm5-faithful at 100K in the costed sweep's pool, one
+    step_profile process a budget of FIG10_B, each file named by its budget."""
+    from bench import step_profile
+
+    cmds = [c for c in session_commands(tmp_path, "fig10_31", {"FIG10_B": "2048 8192"}) if c[0] == "bench/step_profile.py"]
+    nss = [step_profile.parse(c[1:]) for c in cmds]
+    assert [ns.hot_cache_rows for ns in nss] == [2048, 8192] and ["_B2048_" in nss[0].out, "_B8192_" in nss[1].out] == [True, True]
+    for ns in nss:
+        assert (ns.model, ns.overrides, ns.input_len, ns.concurrency, ns.kv_pool_gib, ns.kv_cache_dtype) == (
+            "glm5-faithful", {"n_routed_experts": 12}, 102400, 18, 15.6, "fp8_e4m3")
+        assert ns.presets == "adaptive" and ns.cuda_graphs == "step"

@@ -12,6 +12,8 @@
 * `plot_context` (`plot_context.py`): output against context length and over resident's, with
   the context where the hierarchy overtakes resident (section 4.2, Fig. 5's question).
 * `plot_profile` (`plot_profile.py`): Fig. 10 - where a decode step goes, by kernel family.
+* `plot_cache_work` (`plot_cachework.py`): Fig. 10a - the cache's kernel time per step (resolver and
+  follower-layer copies), in all and per session, against the hot-cache budget B.
 * `plot_widths` (`plot_widths.py`): Fig. 7 - tokens per round and output of static verification
   widths and eq. 13's online policy at each load, and the widths the policy chose.
 * `plot_costed` (`plot_costed.py`): the costed sweep - speculation's output over the baseline against
@@ -382,8 +384,10 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
     sweep; at different context lengths with resident among the presets, the context crossover; arms of
     verification widths, Fig. 7; a baseline and arms of set tokens a round, the costed sweep), one over-time
     figure per bench result with per-interval series, one load-step figure per loadstep result, one step-profile figure (Fig. 10) per step_profile result with kernel
-    data, one resolver figure per resolver file."""
+    data (and, over step profiles at two or more hot-cache budgets, Fig. 10a's cache_work.png), one resolver figure
+    per resolver file."""
     from dhisparse.bench.plot_budget import is_budget_sweep, plot_budget
+    from dhisparse.bench.plot_cachework import is_cache_work_sweep, plot_cache_work
     from dhisparse.bench.plot_context import is_context_sweep, plot_context
     from dhisparse.bench.plot_costed import is_costed_sweep, plot_costed
     from dhisparse.bench.plot_profile import plot_profile, step_bars
@@ -409,6 +413,8 @@ def plot_results(results: list[dict], out_dir: str | Path) -> list[Path]:
         written.append(plot_loadstep(r, out_dir / f"loadstep{'' if k == 0 else k}.png"))
     for k, r in enumerate(x for x in results if x.get("kind") == "step_profile" and step_bars(x)):
         written.append(plot_profile(r, out_dir / f"step_profile{'' if k == 0 else k}.png"))
+    if is_cache_work_sweep(results):
+        written.append(plot_cache_work(results, out_dir / "cache_work.png", STYLE))
     for k, r in enumerate(x for x in results if "records" in x):
         if r["records"]:
             written.append(plot_resolver(r["records"], out_dir / f"resolver{'' if k == 0 else k}.png"))
