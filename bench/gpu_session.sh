@@ -485,19 +485,21 @@ case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resid
       --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${LOWLOAD_C:-2} \
       --presets resident,adaptive,hisparse --repeats 1 --rotate ${LOWLOAD_ROTATE:-0} --duration 30 --stagger \
       --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${FB_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
-case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's setting: all five presets side by side at one load a call (FIG4_C: 2, 9, 18, 30 = the slot-bound point) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool, +spec presets with the costed DFlash2 oracle at 2.88 tokens a round and charged for their memory, every preset replaying the reference; one repeat a call with the order rotated by FIG4_ROTATE (0, 1, 2); a later call at the same load carries the first's reference (COSTED_REF); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` / `dhisparse table` draw Fig. 4 and Tables 2, A2, A3 from the files (~8 min at C30 with the reference decode)
+case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's setting: all five presets side by side at one load a call (FIG4_C: 2, 9, 18, 30 = the slot-bound point) on glm5-faithful at FIG4_IN (102400) in / FIG4_OUT (1024) out, k 2,048, FP8 rows, the costed sweep's pool (three resident 100K histories; FIG4_POOL GiB instead), +spec presets with the costed DFlash2 oracle at 2.88 tokens a round and charged for their memory, every preset replaying the reference; one repeat a call with the order rotated by FIG4_ROTATE (0, 1, 2); a later call at the same load carries the first's reference (COSTED_REF); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` / `dhisparse table` draw Fig. 4 and Tables 2, A2, A3 from the files (~8 min at C30 with the reference decode). Fig. 1 is the same at 32K in / 8K out in the same pool: FIG4_IN=32768 FIG4_OUT=8192 FIG4_POOL=15.6 FIG4_PRESETS=hisparse,adaptive+spec,resident+spec (its first call at a load decodes the 8K-token reference, ~7 min: the file comes back though the windows may not fit)
   faithful_build
+  F4="in${FIG4_IN:-102400}_out${FIG4_OUT:-1024}_c${FIG4_C:-9}"
   run "DFlash2 checkpoint (random, paper shape, hidden 6144)" python3 bench/drafter_checkpoint.py --model glm5-faithful --kind dflash2 \
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
-  run "Fig. 4, glm5-faithful$FB_TAG, five presets at C${FIG4_C:-9}, rotation ${FIG4_ROTATE:-0}" timeout ${FIG4_TIMEOUT:-570} \
-      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
+  run "Fig. 4, glm5-faithful$FB_TAG, $F4, rotation ${FIG4_ROTATE:-0}" timeout ${FIG4_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len ${FIG4_IN:-102400} --output-len ${FIG4_OUT:-1024} \
+      ${FIG4_POOL:+--kv-pool-gib $FIG4_POOL} --resident-fit 3 \
       --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${FIG4_C:-9} \
       --presets ${FIG4_PRESETS:-resident,hisparse,adaptive,resident+spec,adaptive+spec} --repeats 1 --rotate ${FIG4_ROTATE:-0} \
       --duration 30 --stagger --distinct-suffixes ${FIG4_C:-9} --force --charge-spec-memory --spec-width 4 \
       --spec-tokens-per-round 2.88 --engine-arg speculative_oracle_drafter=dflash2 \
       --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful --replay-reference \
-      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful${FB_TAG}_c${FIG4_C:-9}.json}" \
-      --out "$OUT/fig4_faithful${FB_TAG}_100k_k2048_c${FIG4_C:-9}_r${FIG4_ROTATE:-0}_h200.json" ;; esac
+      --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful${FB_TAG}_$F4.json}" \
+      --out "$OUT/fig4_faithful${FB_TAG}_k2048_${F4}_r${FIG4_ROTATE:-0}_h200.json" ;; esac
 case ",$STEPS," in *,fig10_31,*)  # issue 31's Fig. 10 at the paper's setting: adaptive's decode step at high load (C${FIG10_C:-18}) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (15.6 GiB), profiled at each hot-cache budget of FIG10_B (default 4096; 2048 4096 8192 16384 = k ... 8k over two or more calls, one process a budget); `dhisparse plot` draws cache_work.png (Fig. 10a: resolver + follower-copy kernel ms per step and per session against B) from the files and step_profile.png (Fig. 10b) from each; the 12-expert build on a card under 100 GiB (~3 min a budget)
   faithful_build
   for B in ${FIG10_B:-4096}; do

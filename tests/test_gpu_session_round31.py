@@ -282,11 +282,17 @@ def test_fig4_31_runs_all_five_presets_at_one_load_costed_and_charged(tmp_path):
     assert ns.concurrencies == [30] and ns.distinct_suffixes == 30 and ns.charge_spec_memory and ns.replay_reference
     assert ns.spec_tokens_per_round == 2.88 and ns.spec_width == 4
     assert "speculative_oracle_drafter=dflash2" in ns.engine_arg
-    assert [p for _, p, _ in gs.schedule(ns)][0] == "adaptive" and "_c30_r2_" in ns.out and "_e12_" in ns.out
-    assert ns.reference_file.endswith("oracle_reference_faithful_e12_c30.json")
+    assert [p for _, p, _ in gs.schedule(ns)][0] == "adaptive" and "_in102400_out1024_c30_r2_" in ns.out and "_e12_" in ns.out
+    assert ns.reference_file.endswith("oracle_reference_faithful_e12_in102400_out1024_c30.json") and ns.kv_pool_gib is None
     (cmd,) = [c for c in session_commands(tmp_path / "b", "fig4_31", dict(env, COSTED_REF="/ref.json"))
               if c[0] == "bench/gpu_serving.py"]
     assert gs.parse(cmd[1:]).reference_file == "/ref.json"
+    # Fig. 1: 32K in, 8K out, in the same pool's bytes, three presets
+    fig1 = dict(FIG4_IN="32768", FIG4_OUT="8192", FIG4_POOL="15.6", FIG4_PRESETS="hisparse,adaptive+spec,resident+spec")
+    (cmd,) = [c for c in session_commands(tmp_path / "c", "fig4_31", fig1) if c[0] == "bench/gpu_serving.py"]
+    ns = gs.parse(cmd[1:])
+    assert (ns.input_len, ns.output_len, ns.kv_pool_gib) == (32768, 8192, 15.6) and "_in32768_out8192_c9_r0_" in ns.out
+    assert ns.preset_list == ["hisparse", "adaptive+spec", "resident+spec"]
 
 
 def test_fig10_31_profiles_adaptive_at_each_budget(tmp_path):
