@@ -120,8 +120,9 @@ def host_split(rig: Rig, plan, restore, ws: PlanWorkspace, n: int = 30) -> dict:
     launches after the first call, as a store's repeat calls); its Python alone (the compiled launcher
     replaced by a no-op: kernels/launch.py `_run`); one plan-kernel launch through the held compiled
     handle's launcher (`_run`: the raw launcher on the call's values) and through the JIT's dispatch,
-    with the same arguments; and the whole call without the bound launches (each call marshals every
-    argument through `CompiledLaunch`, as before session 37)."""
+    with the same arguments; the whole call without the bound launches (each call marshals every
+    argument through `CompiledLaunch`, as before session 37); and the whole call and its Python with the
+    workspace's kept output blocks (`PlanWorkspace.reuse_outputs`: no output allocation or views)."""
     import dhisparse.kernels.launch as kl
 
     def med(fn) -> float:
@@ -171,6 +172,14 @@ def host_split(rig: Rig, plan, restore, ws: PlanWorkspace, n: int = 30) -> dict:
     finally:
         kr.CompiledLaunch.bind = unbound
         bound.update(saved)
+    was, ws.reuse_outputs = ws.reuse_outputs, True  # kept output blocks (DHISPARSE_PLAN_OUTPUT_REUSE's experiment)
+    try:
+        plan()  # makes the block the timed calls reuse (each call's plan is dropped before the next)
+        out["call_reuse"] = med(plan)
+        kl._run = lambda k, grid, stream, vals: None
+        out["python_reuse"] = med(plan)
+    finally:
+        kl._run, ws.reuse_outputs = real_run, was
     if rig.cuda:
         torch.cuda.synchronize()
     return out

@@ -642,7 +642,7 @@ def test_resolver_peer_cases_phases_and_comparison():
     assert all(v for k, v in check_case(rig, case, distinct=True).items() if k not in ("case", "copies"))
     rec = rp.time_case(rig, case, rp.Flush(rig.dev, True), 1, 0, upto=(10, 45), host_n=1)
     assert rec["miss_rows"] == 2 * round(0.2 * sh["k"]) and list(rec["phases"]) == [rp.PHASES[10], rp.PHASES[45]]
-    parts = {"call", "python", "launch_jit", "call_unbound"} | ({"launch_compiled"} if rig.cuda else set())
+    parts = {"call", "python", "launch_jit", "call_unbound", "call_reuse", "python_reuse"} | ({"launch_compiled"} if rig.cuda else set())
     assert set(rec["host_split_us"]) == parts
     cmp_ = rp.compare({**rec, "H": 4096, "batch": 8, "row_bytes": 656, "miss_level": "0.1%"})
     assert cmp_["peer_us"] == 17.7 and cmp_["ours_over_peer"] == pytest.approx(cmp_["ours_us"] / 17.7)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -157,17 +158,79 @@ def _state_args(st: ResolverState) -> _StateArgs:
     return args
 
 
-def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
-    """(loc [N, K, k] contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N]) carved from one
-    int64 allocation (loc separately when the selection is not int64)."""
+def _output_block(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
+    """(the tensors owning the outputs' storage: the int64 block, and loc when it is its own, (loc [N, K, k]
+    contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N])), the outputs carved from one int64
+    allocation (loc separately when the selection is not int64). The owners are returned because a view's
+    `_base` is None under inference mode."""
     N, K, k = shape
     wide = sel_dtype == torch.int64
     lk = N * K * k if wide else 0
     blk = torch.empty(lk + N * (2 * C + 7), dtype=torch.int64, device=dev)
     o = lk + 2 * N * C
     loc = torch.as_strided(blk, shape, (K * k, k, 1), 0) if wide else torch.empty(shape, dtype=sel_dtype, device=dev)
-    return (loc, torch.as_strided(blk, (N, C), (C, 1), lk), torch.as_strided(blk, (N, C), (C, 1), lk + N * C),
-            torch.as_strided(blk, (N, 6), (6, 1), o), torch.as_strided(blk, (N,), (1,), o + 6 * N))
+    return (blk,) if wide else (blk, loc), (
+        loc, torch.as_strided(blk, (N, C), (C, 1), lk), torch.as_strided(blk, (N, C), (C, 1), lk + N * C),
+        torch.as_strided(blk, (N, 6), (6, 1), o), torch.as_strided(blk, (N,), (1,), o + 6 * N))
+
+
+def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
+    """(loc [N, K, k] contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N]) (`_output_block`)."""
+    return _output_block(shape, C, sel_dtype, dev)[1]
+
+
+_OUT_POOL = 4  # output blocks kept per shape in a workspace (plans of one shape alive at once, e.g. a step's groups)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private: without it no block is ever reused
+
+
+def _refs(views: tuple) -> tuple:
+    """Python references to each view (the same count at creation and at the check: one helper)."""
+    return tuple(map(sys.getrefcount, views))
+
+
+def _uses(ts: tuple) -> tuple:
+    """Tensors (TensorImpls) sharing each tensor's storage: views derived from a plan's outputs count."""
+    return tuple(_USE_COUNT(t.untyped_storage()._cdata) for t in ts)
+
+
+@dataclass(eq=False)
+class _OutBlock:
+    """One call's output tensors (`_outputs`), kept in a workspace for a later call of the same shape. Free when
+    nothing outside holds them: each view's Python references and each storage's tensor count are what they
+    were when the block was made (no plan, no view derived from one). Reusing a free block is as safe as the
+    caching allocator's reuse of a freed one: calls are stream-ordered (`PlanWorkspace`), and no capture takes
+    one (a graph would bake its addresses while eager calls keep writing them)."""
+
+    views: tuple  # (loc, src_pad, dst_pad, cnt, copy_n)
+    bases: tuple  # the storages' owners: the int64 block (and loc when it is not a view of it)
+    refs0: tuple = ()
+    uses0: tuple = ()
+
+    def free(self) -> bool:
+        return _USE_COUNT is not None and _refs(self.views) == self.refs0 and _uses(self.bases) == self.uses0
+
+
+def _capturing(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype,
+                    dev: torch.device) -> tuple:
+    """`_outputs` through the workspace's kept blocks (`_OutBlock`) when it reuses outputs: a free block of this
+    shape, else a new one kept (at most _OUT_POOL a shape); plain `_outputs` otherwise and inside a capture."""
+    if ws is None or not ws.reuse_outputs or _USE_COUNT is None or _capturing(dev):
+        return _outputs(shape, C, sel_dtype, dev)
+    pool = ws.outputs.setdefault((shape, C, sel_dtype), [])
+    for blk in pool:
+        if blk.free():
+            ws.outputs_reused += 1
+            return blk.views
+    bases, views = _output_block(shape, C, sel_dtype, dev)
+    if len(pool) < _OUT_POOL:
+        blk = _OutBlock(views, bases)
+        blk.refs0, blk.uses0 = _refs(blk.views), _uses(blk.bases)
+        pool.append(blk)
+    return views
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
@@ -182,7 +245,9 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     upto_phase < 50 (one of PHASE_STOPS) is for phase profiling only (bench/resolver_peer.py): the kernel
     stops after that phase (resolver_kernel.py's P1-P5) and the plan is incomplete.
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
-    zero-fill launch per call; None allocates per call.
+    zero-fill launch per call; None allocates per call. With `workspace.reuse_outputs` (an experiment:
+    DHISPARSE_PLAN_OUTPUT_REUSE=1) the outputs come from a block an earlier call of this shape made, once
+    nothing holds that call's plan or a view of it (`_OutBlock.free`): no allocation and no views made.
     distinct: the caller guarantees that no request's K*k entries hold a position twice (one top-k
     query a request, K == 1, as the engine's decode step): the kernel then skips deduplication (the
     claims' read-back, one dependent round of K*k scattered loads) when K*k <= 2,048. A duplicate
@@ -220,7 +285,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
         sel = sel.contiguous()
     if slots.dtype != torch.int64 or slots.device != dev or not slots.is_contiguous():
         slots = slots.to(device=dev, dtype=torch.int64).contiguous()
-    loc, src, dst, cnt, copy_n = _outputs(sel.shape, C, sel.dtype, dev)
+    loc, src, dst, cnt, copy_n = _reused_outputs(workspace, tuple(sel.shape), C, sel.dtype, dev)
     rc = copy if copy is None or isinstance(copy, RowCopy) else row_copy(*copy)
     plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt, copied=rc is not None and upto_phase >= 50)
     # a (host_rows, dev_rows) pair makes a new RowCopy each call: nothing to hold a launch against

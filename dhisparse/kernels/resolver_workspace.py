@@ -37,6 +37,8 @@ them first). Calls must be stream-ordered, as a store's are.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = ["PlanWorkspace"]
@@ -52,6 +54,11 @@ class PlanWorkspace:
         self._views: dict[tuple, tuple] = {}  # scratch() results by shape, dropped when a buffer grows
         self.generation = 0  # bumped when a buffer grows (the views, and launches bound to them, change)
         self.launches: dict = {}  # plan_triton's held launches (kernels/resolver.py `_Bound`), by call
+        # plan_triton's output blocks kept for reuse (kernels/resolver.py `_OutBlock`), by output shape: an
+        # experiment (DHISPARSE_PLAN_OUTPUT_REUSE=1) until a CUDA run has checked it
+        self.reuse_outputs = os.environ.get("DHISPARSE_PLAN_OUTPUT_REUSE") == "1"
+        self.outputs: dict[tuple, list] = {}
+        self.outputs_reused = 0  # calls that took a kept block
 
     def _get(self, name: str, numel: int, dtype: torch.dtype, fill: int | None) -> torch.Tensor:
         buf = self._bufs.get(name)
