@@ -198,8 +198,9 @@ class _OutBlock:
     """One call's output tensors (`_outputs`), kept in a workspace for a later call of the same shape. Free when
     nothing outside holds them: each view's Python references and each storage's tensor count are what they
     were when the block was made (no plan, no view derived from one). Reusing a free block is as safe as the
-    caching allocator's reuse of a freed one: calls are stream-ordered (`PlanWorkspace`), and no capture takes
-    one (a graph would bake its addresses while eager calls keep writing them)."""
+    caching allocator's reuse of a freed one: blocks are kept per stream and calls on a stream are ordered
+    (`PlanWorkspace`), and no capture takes one (a graph would bake its addresses while eager calls keep writing
+    them)."""
 
     views: tuple  # (loc, src_pad, dst_pad, cnt, copy_n)
     bases: tuple  # the storages' owners: the int64 block (and loc when it is not a view of it)
@@ -220,7 +221,9 @@ def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: in
     shape, else a new one kept (at most _OUT_POOL a shape); plain `_outputs` otherwise and inside a capture."""
     if ws is None or not ws.reuse_outputs or _USE_COUNT is None or _capturing(dev):
         return _outputs(shape, C, sel_dtype, dev)
-    pool = ws.outputs.setdefault((shape, C, sel_dtype), [])
+    # per stream, as the caching allocator keeps its blocks: a block is reused only on the stream it was made on
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    pool = ws.outputs.setdefault((shape, C, sel_dtype, stream), [])
     for blk in pool:
         if blk.free():
             ws.outputs_reused += 1
