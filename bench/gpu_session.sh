@@ -541,14 +541,15 @@ case ",$STEPS," in *,exact44,*)  # session 44's changes on CUDA: read_rows to ho
       tests/test_prefix_pages.py tests/test_disagg.py tests/test_disagg_v4.py tests/test_disagg_ep.py tests/test_v4_prefix.py \
       tests/test_engine.py tests/test_hierarchy.py tests/test_fp8_w8a8.py tests/test_faithful_model.py tests/test_v41_faithful.py \
       tests/test_adaptive.py --junitxml="$OUT/exact44_cuda.xml" ;; esac
-case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm)
-  run "exactness on CUDA, resolver files" timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the resolver plan / workspace reaches (~2 min warm); EXACT33_REUSE=1: with the plans' output blocks kept (DHISPARSE_PLAN_OUTPUT_REUSE=1, session 50's experiment; tests/test_resolver_outputs.py too)
+  run "exactness on CUDA, resolver files${EXACT33_REUSE:+, output blocks kept}" env DHISPARSE_PLAN_OUTPUT_REUSE=${EXACT33_REUSE:-0} \
+      timeout ${EXACT33_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_step_graphs.py \
       tests/test_prefetch.py tests/test_staging_paper.py tests/test_v4_resolver_step.py tests/test_v4_sources.py \
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8*.py tests/test_launch.py \
       tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py \
-      tests/test_resolver_bound.py --junitxml="$OUT/exact33_cuda.xml" ;; esac
+      tests/test_resolver_bound.py tests/test_resolver_outputs.py --junitxml="$OUT/exact33${EXACT33_REUSE:+_reuse}_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
   run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_launch.py \
