@@ -12,6 +12,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as hs
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -135,3 +137,43 @@ def test_a_served_run_reuses_the_outputs_and_gives_the_reference_tokens(monkeypa
     if not spec:  # decode steps repeat their shape; a step's plans are dropped before the next step's (21 calls: 18 reuse)
         assert ws.outputs_reused > 0
 
+
+
+@settings(max_examples=60, deadline=None)
+@example(ops=[("plan", 0), ("drop", 0), ("plan", 0), ("plan", 0)], wide=True)  # a reused block, held, then asked again
+@example(ops=[("plan", 0), ("plan", 0), ("plan", 0)], wide=False)  # held blocks with a separate loc
+@given(ops=hs.lists(hs.tuples(hs.sampled_from(["plan", "drop", "view", "unview"]), hs.integers(0, 7)), max_size=24),
+       wide=hs.booleans())
+def test_no_held_output_is_ever_written_by_a_later_call(ops, wide):
+    """A state machine over `_reused_outputs` (the kernel stood in by filling every output with the call's number):
+    plans are made, dropped, viewed (a slice of loc kept) and unviewed in any order; every output still held --
+    by a plan or by a view of one -- keeps the number of the call that made it, and a shape's pool stays bounded."""
+    ws, shape, dtype = _ws(), (2, 1, 5), torch.int64 if wide else torch.int32
+    plans, views, n = {}, {}, 0
+    for op, i in ops:
+        if op == "plan":
+            n += 1
+            plans[n] = kr._reused_outputs(ws, shape, 3, dtype, torch.device(DEV))
+            _fill(plans[n], n)
+        elif op == "drop" and plans:
+            plans.pop(sorted(plans)[i % len(plans)])
+        elif op == "view" and plans:
+            k = sorted(plans)[i % len(plans)]
+            views[k] = plans[k][0][i % 2]  # a row of loc: a view of the plan's storage
+        elif op == "unview" and views:
+            views.pop(sorted(views)[i % len(views)])
+        _check_held(plans, views, op)  # in a function: its loop variables hold no output past the check
+        assert all(len(p) <= kr._OUT_POOL for p in ws.outputs.values())
+
+
+def _fill(out: tuple, n: int) -> None:
+    """The kernel's stand-in: every output of call n set to n."""
+    for t in out:
+        t.fill_(n)
+
+
+def _check_held(plans: dict, views: dict, op: str) -> None:
+    for k, out in plans.items():
+        assert all(bool((t == k).all()) for t in out), (op, k)
+    for k, v in views.items():
+        assert bool((v == k).all()), (op, k)

@@ -224,16 +224,18 @@ def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: in
     # per stream, as the caching allocator keeps its blocks: a block is reused only on the stream it was made on
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
     pool = ws.outputs.setdefault((shape, C, sel_dtype, stream), [])
+    # a new tuple each call: a caller holding it holds the tensors, which the references then count (the
+    # block's own tuple would hide them)
     for blk in pool:
         if blk.free():
             ws.outputs_reused += 1
-            return blk.views
+            return (*blk.views,)
     bases, views = _output_block(shape, C, sel_dtype, dev)
     if len(pool) < _OUT_POOL:
         blk = _OutBlock(views, bases)
         blk.refs0, blk.uses0 = _refs(blk.views), _uses(blk.bases)
         pool.append(blk)
-    return views
+    return (*views,)
 
 
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
