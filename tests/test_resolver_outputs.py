@@ -142,6 +142,7 @@ def test_a_served_run_reuses_the_outputs_and_gives_the_reference_tokens(monkeypa
 @settings(max_examples=60, deadline=None)
 @example(ops=[("plan", 0), ("drop", 0), ("plan", 0), ("plan", 0)], wide=True)  # a reused block, held, then asked again
 @example(ops=[("plan", 0), ("plan", 0), ("plan", 0)], wide=False)  # held blocks with a separate loc
+@example(ops=[("plan", 0), ("view", 0), ("drop", 0), ("plan", 0)], wide=True)  # a view outlives its plan
 @given(ops=hs.lists(hs.tuples(hs.sampled_from(["plan", "drop", "view", "unview"]), hs.integers(0, 7)), max_size=24),
        wide=hs.booleans())
 def test_no_held_output_is_ever_written_by_a_later_call(ops, wide):
