@@ -559,12 +559,13 @@ def _ratios(by: dict, concurrencies, arms) -> dict:
     return ratios
 
 
-def spec_note(ns) -> str:
+def spec_note(ns) -> str | None:
     """What the +spec presets' drafting costs and leaves out (every table that uses the oracle says so), and
-    whether every preset was replayed."""
-    replay = ("; REPLAYED (measurement tool): every preset emits the reference's tokens, the model running on them, "
+    whether every preset was replayed; None for a run with neither (no +spec preset, no replay)."""
+    replay = ("REPLAYED (measurement tool): every preset emits the reference's tokens, the model running on them, "
               "so outputs are not the target's own (replay_agreement: its own tokens' agreement)") if ns.replay_reference else ""
-    return _drafting_note(ns) + replay
+    drafting = _drafting_note(ns) if any(p.endswith("+spec") for p in ns.preset_list) else ""
+    return "; ".join(x for x in (drafting, replay) if x) or None
 
 
 def _drafting_note(ns) -> str:
@@ -592,7 +593,7 @@ def write(ns, sz, est, t0, runs):
     if ns.phases:  # a load step (Fig. 6): its phases, and the runs' per-phase statistics (Table A1)
         config["phases"] = [ph._asdict() for ph in ns.phases.phases]
     result = R.ResultFile("loadstep" if ns.phases else "bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
-                          notes=[spec_note(ns)],
+                          notes=[n for n in (spec_note(ns),) if n],
                           commit=R.source_commit())
     return R.write_json(result, ns.out), ratios
 

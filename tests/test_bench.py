@@ -861,10 +861,13 @@ def test_appendix_tables_split_ttft_average_repeats_and_find_the_capacity(tmp_pa
     path.write_text(json.dumps(a | {"notes": ["+spec presets use the ORACLE drafter"], "not_a_result": "left its reference"}))
     assert main(["table", str(path), "--out", str(tmp_path / "t.json")]) == 0
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert {"table_a2", "table_a3", "capacity"} <= set(saved)
+    assert {"table_a2", "table_a3", "capacity", "command", "date", "commit", "machine"} <= set(saved)
+    assert saved["kind"] == "tables" and "table" in saved["command"]
     assert saved["notes"] == [{"source": "m 100/8", "notes": ["NOT A RESULT: left its reference",
                                                               "+spec presets use the ORACLE drafter"]}]
     assert "[m 100/8] +spec presets use the ORACLE drafter" in capsys.readouterr().out  # the tool is named under the table
+    assert main(["table", str(path), str(path), "--out", str(tmp_path / "t2.json")]) == 0  # a repeat call's file
+    assert json.loads((tmp_path / "t2.json").read_text())["notes"] == saved["notes"]  # its notes once
     bad = tmp_path / "l.json"
     bad.write_text(json.dumps({"kind": "loadstep", "runs": []}))
     assert main(["table", str(bad)]) == 2
@@ -1025,6 +1028,9 @@ def test_gpu_serving_replays_the_reference_for_every_preset():
     assert run.engine["replay_forced_tokens"] > 0 and run.engine["replay_judged"] > 0
     assert run.engine["replay_agreement"] > 0.5  # the same model on the CPU: its own tokens are the reference's
     assert "REPLAYED" in gs.spec_note(ns) and "REPLAYED" not in gs.spec_note(gs.parse(["--quick"]))
+    assert "ORACLE" not in gs.spec_note(ns)  # no +spec preset ran: no drafting to describe
+    assert gs.spec_note(gs.parse(["--quick", "--presets", "resident,hisparse"])) is None  # nothing to label
+    assert "ORACLE" in gs.spec_note(gs.parse(["--quick", "--presets", "hisparse,adaptive+spec"]))
 
 
 def test_gpu_serving_warns_when_a_measurement_tool_misleads():

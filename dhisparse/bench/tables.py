@@ -62,7 +62,8 @@ def source(result: dict) -> str:
 def source_notes(results: list[dict]) -> list[dict]:
     """What each result's runs are, for the tables' caption: its notes (the measurement tools it used and
     what they leave out: the oracle drafter, a costed network, reference replay), and whether it is not a
-    result or was superseded. One {"source", "notes"} a result that has any."""
+    result or was superseded. One {"source", "notes"} a result that has any, each once (repeat calls of one
+    setup carry the same notes)."""
     out = []
     for res in results:
         notes = list(res.get("notes") or [])
@@ -70,8 +71,9 @@ def source_notes(results: list[dict]) -> list[dict]:
             notes.insert(0, f"NOT A RESULT: {res['not_a_result']}")
         if res.get("superseded_by"):
             notes.insert(0, f"SUPERSEDED by {res['superseded_by']}")
-        if notes:
-            out.append({"source": source(res), "notes": notes})
+        entry = {"source": source(res), "notes": notes}
+        if notes and entry not in out:
+            out.append(entry)
     return out
 
 

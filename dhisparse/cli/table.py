@@ -135,7 +135,12 @@ def table_a1(steps: list[dict], out) -> list[dict]:
 
 
 def _write(ns: argparse.Namespace, tables: dict) -> None:
+    """The tables as JSON at --out, with what made them (command, date, commit, machine) first."""
     if ns.out:
+        from dhisparse.bench import results as R
+
+        made = {"kind": "tables", "command": R.command_line(getattr(ns, "argv", None)), "date": R.now_iso(),
+                "commit": R.source_commit(), "machine": R.machine_info()}
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps(tables, indent=1) + "\n")
+        Path(ns.out).write_text(json.dumps(made | tables, indent=1) + "\n")
         print(ns.out)
