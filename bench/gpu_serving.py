@@ -580,7 +580,7 @@ def _drafting_note(ns) -> str:
 
 
 def write(ns, sz, est, t0, runs):
-    """The result file of the runs so far; returns (path, ratios)."""
+    """The result file of the runs so far; returns (path, ratios, eq. 13's rows)."""
     rows, ratios, spread = summarize(runs, ns.concurrencies, ns.arm_list)
     gpu = torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu"
     config = {"engine": R.to_jsonable(engine_config(ns, sz, ns.preset_list[0])), "sizing": sz, "gpu": gpu,
@@ -595,7 +595,7 @@ def write(ns, sz, est, t0, runs):
     result = R.ResultFile("loadstep" if ns.phases else "bench", R.now_iso(), R.command_line(ns.argv), R.machine_info(), config, ns.preset_list, [], runs,
                           notes=[n for n in (spec_note(ns),) if n],
                           commit=R.source_commit())
-    return R.write_json(result, ns.out), ratios
+    return R.write_json(result, ns.out), ratios, config["eq13"]
 
 
 def main(argv=None) -> int:
@@ -642,10 +642,10 @@ def main(argv=None) -> int:
               f"{runs[-1].engine['engine_build_s']:.0f}, loop {runs[-1].engine['loop_s']:.0f})", flush=True)
         for w in run_warnings(runs[-1].engine):
             print(f"[run] WARNING: {w}", flush=True)
-        path, ratios = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
+        path, ratios, rows13 = write(ns, sz, est, t0, runs)  # after every run: a cut-off call keeps what ran
     for k, v in ratios.items():
         print(f"[ratio] {k} = {v:.3f}")
-    for e in eq13(runs):
+    for e in rows13:
         print(f"[eq13] {e['label']}/{e['baseline']}@C{e['concurrency']}: predicted {e['predicted']:.3f} "
               f"(slots {e['slots_spec']}/{e['slots_base']}, TPOT {e['tpot_base_ms']:.1f}/{e['tpot_spec_ms']:.1f} ms), "
               f"measured {e['measured']:.3f}")
