@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.peer.hisparse_peer import PeerKernel, peer_expected, peer_state  # noqa: E402
+from bench.peer.hisparse_peer import PeerKernel, PeerState, peer_expected, peer_state  # noqa: E402
 from bench.resolver_cases import Case, Rig, check_case, cpu_copy  # noqa: E402
 from bench.resolver_peer import (PEER_US, Flush, build, case_grid, plan_bench_args, plan_bench_start,  # noqa: E402
                                  precompile_worker, start_rig)
@@ -49,13 +49,12 @@ from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton
 from dhisparse.kernels.resolver_ref import plan_reference  # noqa: E402
 
 
-def translation_check(case: Case, now: int) -> tuple[dict, torch.Tensor]:
-    """The peer's contract on the translated state against our `plan_reference` on the same case: the same
-    hit locations, the same victims (as sets of device rows) and the miss count; and the contract's
-    locations [N, k] int32 (what the peer's own call must return)."""
-    ps = peer_state(case.state, case.history)
+def translation_check(case: Case, now: int, ps0: PeerState) -> tuple[dict, torch.Tensor]:
+    """The peer's contract on the translated state ps0 (`peer_state` of the case; not changed) against our
+    `plan_reference` on the same case: the same hit locations, the same victims (as sets of device rows) and
+    the miss count; and the contract's locations [N, k] int32 (what the peer's own call must return)."""
     top_k = case.sel[:, 0].to(torch.int32)
-    exp, _ = peer_expected(ps.copy("cpu"), top_k.cpu())
+    exp, _ = peer_expected(ps0.copy("cpu"), top_k.cpu())
     ref = plan_reference(case.sel.cpu(), case.slots.cpu(), cpu_copy(case.state), now)
     loc = ref.loc[:, 0]
     hot = case.state.hot_pos.cpu()
@@ -69,10 +68,10 @@ def translation_check(case: Case, now: int) -> tuple[dict, torch.Tensor]:
             "ours_host_rows": int(ref.counters.host)}, exp
 
 
-def peer_check(peer: PeerKernel, rig: Rig, case: Case, exp: torch.Tensor) -> dict:
-    """One peer call on a copy of the translated state: its locations against the contract, and the rows
+def peer_check(peer: PeerKernel, rig: Rig, case: Case, ps0: PeerState, exp: torch.Tensor) -> dict:
+    """One peer call on a copy of the translated state ps0: its locations against the contract, and the rows
     it copied (every miss) against their host rows."""
-    ps = peer_state(case.state, case.history)
+    ps = ps0.copy()
     top_k = case.sel[:, 0].to(torch.int32).contiguous()
     out = torch.empty_like(top_k)
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows).clone()
@@ -86,13 +85,14 @@ def peer_check(peer: PeerKernel, rig: Rig, case: Case, exp: torch.Tensor) -> dic
     return {"locations": bool(torch.equal(out.cpu(), exp)), "rows": rows, "copies": int(miss.sum())}
 
 
-def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, flush: Flush, iters: int, warmup: int) -> dict:
-    """Ours (plan + copy, fused, plan alone) and the peer's (full, plan alone) on one case."""
+def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, ps0: PeerState, flush: Flush, iters: int,
+              warmup: int) -> dict:
+    """Ours (plan + copy, fused, plan alone) and the peer's (full, plan alone, on a copy of the translated
+    state ps0, restored before each call) on one case."""
     st = case.state
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
     snap = [(t, t.clone()) for t in (st.hot_pos, st.hot_stamp)]
-    ps0 = peer_state(st, case.history)
     ps = ps0.copy()
 
     def restore() -> None:
@@ -139,15 +139,16 @@ def main(argv=None) -> int:
     for H, N, rb, level in case_grid(sh):
         case = build(rig, sh, H, N, rb, level)
         now = int(case.state.hot_stamp.max()) + 1
-        chk, exp = translation_check(case, now)
+        ps0 = peer_state(case.state, case.history)  # the translation, built once a case; every use copies it
+        chk, exp = translation_check(case, now, ps0)
         if N == sh["batches"][0]:
             chk["ours_vs_reference"] = all(v for k, v in check_case(rig, case, distinct=True).items()
                                            if k not in ("case", "copies"))
         if peer is not None:
-            chk["peer"] = peer_check(peer, rig, case, exp)
+            chk["peer"] = peer_check(peer, rig, case, ps0, exp)
         checks.append(chk)
         rec = {"case": case.name, "H": H, "batch": N, "row_bytes": rb, "miss_level": level,
-               "misses": chk["misses"], **time_pair(rig, peer, case, flush, iters, 0 if args.quick else args.warmup)}
+               "misses": chk["misses"], **time_pair(rig, peer, case, ps0, flush, iters, 0 if args.quick else args.warmup)}
         key = (level, N, rb)
         if H == 4096 and key in PEER_US:
             rec["issue_figures_us"] = {"peer_h200": PEER_US[key][0], "ours_at_filing_h200": PEER_US[key][1]}

@@ -101,15 +101,11 @@ def test_the_translation_gives_our_hits_and_victims_and_a_reversed_lru_does_not(
     for level in ("20%", "all"):
         case = build(rig, sh, 32, 3, 656, level)
         now = int(case.state.hot_stamp.max()) + 1
-        chk, exp = live.translation_check(case, now)
+        chk, exp = live.translation_check(case, now, peer_state(case.state, case.history))
         assert chk["hits"] and chk["victims"] and chk["misses"] == chk["ours_host_rows"] > 0, chk
         assert exp.shape == case.sel[:, 0].shape and exp.dtype == torch.int32
-    real = live.peer_state
-    try:  # the breakage: newest first
-        live.peer_state = lambda st, L: dataclasses.replace(real(st, L), lru=real(st, L).lru.flip(1))
-        chk, _ = live.translation_check(case, now)
-    finally:
-        live.peer_state = real
+    ps = peer_state(case.state, case.history)  # the breakage: newest first
+    chk, _ = live.translation_check(case, now, dataclasses.replace(ps, lru=ps.lru.flip(1)))
     assert chk["hits"] and not chk["victims"]
 
 
@@ -148,7 +144,8 @@ def test_peer_check_reads_the_peers_locations_and_copied_rows():
     rig = Rig(quick=True)
     case = build(rig, shapes(True), 32, 2, 656, "20%")
     now = int(case.state.hot_stamp.max()) + 1
-    _, exp = live.translation_check(case, now)
+    ps0 = peer_state(case.state, case.history)
+    _, exp = live.translation_check(case, now, ps0)
 
     class Stand:
         def __init__(self, skip_row=False, swap=False):
@@ -170,9 +167,9 @@ def test_peer_check_reads_the_peers_locations_and_copied_rows():
     cuda_sync = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *a: None  # the stand-in runs on the CPU
     try:
-        ok = live.peer_check(Stand(), rig, case, exp)
-        bad_row = live.peer_check(Stand(skip_row=True), rig, case, exp)
-        bad_loc = live.peer_check(Stand(swap=True), rig, case, exp)
+        ok = live.peer_check(Stand(), rig, case, ps0, exp)
+        bad_row = live.peer_check(Stand(skip_row=True), rig, case, ps0, exp)
+        bad_loc = live.peer_check(Stand(swap=True), rig, case, ps0, exp)
     finally:
         torch.cuda.synchronize = cuda_sync
     assert ok["locations"] and ok["rows"] and ok["copies"] > 0
