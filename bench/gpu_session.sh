@@ -446,12 +446,15 @@ faithful_build() {  # the glm5-faithful build a card holds: the full one from 10
   local gb; gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [ "${gb:-0}" -lt 100000 ]; then FB_EXTRA='--overrides {"n_routed_experts":12}'; FB_TAG=_e12; FB_MBT=2048
   else FB_EXTRA=""; FB_TAG=""; FB_MBT=8192; fi
+  # gpu_serving's arguments for it in the costed sweep's pool (three resident 100K histories, FP8 rows), and
+  # those at the sweep's 100K in / 1,024 out
+  FB_POOL="--resident-fit 3 --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT"
+  FB_100K="--model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 $FB_POOL"
 }
 case ",$STEPS," in *,budget31,*)  # issue 31's Fig. 9 at the paper's setting: glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool, hot-cache budget B = BUDGET31_B (one a call: 2048 4096 8192 16384, k ... 8k) at low and high load (C2, C18), hisparse and adaptive: output and host-fetched share; `dhisparse plot` draws budget.png from the four files (~5 min a B)
   faithful_build
   run "Fig. 9, glm5-faithful$FB_TAG, B ${BUDGET31_B:-4096}, C${BUDGET31_C:-2,18}" timeout ${BUDGET31_TIMEOUT:-570} \
-      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
-      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${BUDGET31_C:-2,18} \
+      python3 bench/gpu_serving.py $FB_100K --concurrency ${BUDGET31_C:-2,18} \
       --presets hisparse,adaptive --hot-cache-rows ${BUDGET31_B:-4096} --duration 30 --stagger --distinct-suffixes 18 --force \
       --out "$OUT/budget_faithful${FB_TAG}_100k_k2048_B${BUDGET31_B:-4096}_h200.json" ;; esac
 case ",$STEPS," in *,widths31,*)  # issue 31's Fig. 7 at the paper's setting: adaptive+spec on glm5-faithful at 100K with the costed DFlash2 oracle and speculation charged, fixed widths 4 / 6 / 8 and eq. 13's online policy (K_max 8) as arms of one process at one load a call (WIDTHS31_C: 2, 9 or 18), acceptance calibrated to 2.88 tokens a round at width 4 (as specpolicy); the arms a call runs: WIDTHS31_ORDER (default all four; two calls a load fit: "online:8 fixed:4", then "fixed:6 fixed:8" with COSTED_REF carrying the first call's reference); every preset replays the reference (~9 min for two arms with the reference decode)
@@ -463,8 +466,7 @@ case ",$STEPS," in *,widths31,*)  # issue 31's Fig. 7 at the paper's setting: ad
     W_ARMS="$W_ARMS;speculative_policy=${POL%%:*},speculative_num_draft_tokens=${POL##*:},speculative_oracle_tokens_per_round=$(tpr ${POL##*:})"
   done
   run "Fig. 7, glm5-faithful$FB_TAG, widths at C${WIDTHS31_C:-9}" timeout ${WIDTHS31_TIMEOUT:-570} \
-      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
-      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${WIDTHS31_C:-9} \
+      python3 bench/gpu_serving.py $FB_100K --concurrency ${WIDTHS31_C:-9} \
       --presets adaptive+spec --arms "${W_ARMS#;}" --spec-width 8 --charge-spec-memory --duration 30 --stagger \
       --distinct-suffixes ${WIDTHS31_C:-9} --force --engine-arg speculative_oracle_drafter=dflash2 \
       --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful --replay-reference \
@@ -481,8 +483,7 @@ case ",$STEPS," in *,stage49,*)  # issue 31: a round's overflow staging in one l
 case ",$STEPS," in *,lowload31,*)  # issue 31's low-load point: adaptive / resident >= 0.98x and the host-fetched share with residency on (adaptive) vs off (hisparse) >= 10x lower; glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), C${LOWLOAD_C:-2}, one repeat a call with the preset order rotated by LOWLOAD_ROTATE (0, 1, 2: three calls); on a card under 100 GiB the 12-expert build (an H100 stand-in, files _e12) (~4 min)
   faithful_build
   run "low load, glm5-faithful$FB_TAG, C${LOWLOAD_C:-2}, rotation ${LOWLOAD_ROTATE:-0}" timeout ${LOWLOAD_TIMEOUT:-540} \
-      python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 --output-len 1024 --resident-fit 3 \
-      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${LOWLOAD_C:-2} \
+      python3 bench/gpu_serving.py $FB_100K --concurrency ${LOWLOAD_C:-2} \
       --presets resident,adaptive,hisparse --repeats 1 --rotate ${LOWLOAD_ROTATE:-0} --duration 30 --stagger \
       --distinct-suffixes ${LOWLOAD_C:-2} --force --out "$OUT/lowload_faithful${FB_TAG}_100k_k2048_c${LOWLOAD_C:-2}_r${LOWLOAD_ROTATE:-0}_h200.json" ;; esac
 case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's setting: all five presets side by side at one load a call (FIG4_C: 2, 9, 18, 30 = the slot-bound point) on glm5-faithful at FIG4_IN (102400) in / FIG4_OUT (1024) out, k 2,048, FP8 rows, the costed sweep's pool (three resident 100K histories; FIG4_POOL GiB instead), +spec presets with the costed DFlash2 oracle at 2.88 tokens a round and charged for their memory, every preset replaying the reference; one repeat a call with the order rotated by FIG4_ROTATE (0, 1, 2); a later call at the same load carries the first's reference (COSTED_REF); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` / `dhisparse table` draw Fig. 4 and Tables 2, A2, A3 from the files (~8 min at C30 with the reference decode). Fig. 1 is the same at 32K in / 8K out in the same pool: FIG4_IN=32768 FIG4_OUT=8192 FIG4_POOL=15.6 FIG4_PRESETS=hisparse,adaptive+spec,resident+spec (its first call at a load decodes the 8K-token reference, ~7 min: the file comes back though the windows may not fit)
@@ -492,8 +493,7 @@ case ",$STEPS," in *,fig4_31,*)  # issue 31's Fig. 4 / Table 2 at the paper's se
       --layers 6 --block 8 --shape paper-glm5 --out /tmp/dflash2_6l_faithful
   run "Fig. 4, glm5-faithful$FB_TAG, $F4, rotation ${FIG4_ROTATE:-0}" timeout ${FIG4_TIMEOUT:-570} \
       python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len ${FIG4_IN:-102400} --output-len ${FIG4_OUT:-1024} \
-      ${FIG4_POOL:+--kv-pool-gib $FIG4_POOL} --resident-fit 3 \
-      --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT --concurrency ${FIG4_C:-9} \
+      ${FIG4_POOL:+--kv-pool-gib $FIG4_POOL} $FB_POOL --concurrency ${FIG4_C:-9} \
       --presets ${FIG4_PRESETS:-resident,hisparse,adaptive,resident+spec,adaptive+spec} --repeats 1 --rotate ${FIG4_ROTATE:-0} \
       --duration 30 --stagger --distinct-suffixes ${FIG4_C:-9} --force --charge-spec-memory --spec-width 4 \
       --spec-tokens-per-round 2.88 --engine-arg speculative_oracle_drafter=dflash2 \
@@ -512,8 +512,7 @@ case ",$STEPS," in *,fig10_31,*)  # issue 31's Fig. 10 at the paper's setting: a
 case ",$STEPS," in *,loadstep31,*)  # issue 31's Fig. 6 / Table A1 at the paper's setting: the load step C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18} -> C${LOADSTEP31_LOW:-2} (phases ${LOADSTEP31_S:-30,60,60} s) on glm5-faithful at 100K, k 2,048, FP8 rows, the costed sweep's pool (3 resident histories), residency on (adaptive) and off (hisparse), one repeat a call with the order rotated by LOADSTEP31_ROTATE (0, 1, 2); on a card under 100 GiB the 12-expert build (files _e12); `dhisparse plot` draws loadstep.png, `dhisparse table` the per-phase statistics (~6 min)
   faithful_build
   run "Fig. 6 load step, glm5-faithful$FB_TAG, C${LOADSTEP31_LOW:-2} -> C${LOADSTEP31_HIGH:-18}, rotation ${LOADSTEP31_ROTATE:-0}" \
-      timeout ${LOADSTEP31_TIMEOUT:-570} python3 bench/gpu_serving.py --model glm5-faithful $FB_EXTRA --input-len 102400 \
-      --output-len 1024 --resident-fit 3 --host-pool-gib 16 --kv-cache-dtype fp8_e4m3 --max-batched-tokens $FB_MBT \
+      timeout ${LOADSTEP31_TIMEOUT:-570} python3 bench/gpu_serving.py $FB_100K \
       --load-step ${LOADSTEP31_LOW:-2},${LOADSTEP31_HIGH:-18} --load-step-s ${LOADSTEP31_S:-30,60,60} \
       --presets adaptive,hisparse --repeats 1 --rotate ${LOADSTEP31_ROTATE:-0} --distinct-suffixes ${LOADSTEP31_HIGH:-18} \
       --force --out "$OUT/loadstep_faithful${FB_TAG}_100k_k2048_r${LOADSTEP31_ROTATE:-0}_h200.json" ;; esac
