@@ -62,12 +62,14 @@ def hf_checkpoints(tmp_path_factory) -> HFCheckpoints:
 @pytest.fixture(autouse=True)
 def _default_kernel_settings():
     """Engines configure the process's kernel choice at build (kernels/backend.py); each test
-    starts from the default and leaves it so."""
+    starts from the default with the documented environment overrides applied, as an engine build
+    applies them (so an exactness run under e.g. DHISPARSE_PLAN_OUTPUT_REUSE=1 reaches the kernels a
+    test calls directly too; none is set in CI), and leaves it so."""
     from dhisparse.kernels import backend
 
-    backend.configure(backend.KernelSettings())
+    backend.configure(backend.KernelSettings().with_env())
     yield
-    backend.configure(backend.KernelSettings())
+    backend.configure(backend.KernelSettings().with_env())
 
 
 @pytest.fixture(autouse=True)

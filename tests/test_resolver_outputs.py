@@ -92,6 +92,9 @@ def test_a_held_plan_or_a_view_of_one_is_never_overwritten():
 def test_reuse_is_off_by_default_in_a_capture_without_the_count_and_past_the_pool(monkeypatch):
     st = make_state(S=3, B=6, L=40, TT=4)
     sel = _sels(1, seed=2)[0]
+    from dhisparse.kernels import backend
+
+    backend.configure(backend.KernelSettings())  # the defaults, whatever the environment (the fixture restores it)
     assert not PlanWorkspace(DEV).reuse_outputs  # the experiment is opt-in
     ws = _ws(reuse=False)
     _plan(st, ws, sel, 0)

@@ -5,8 +5,11 @@ the plain-PyTorch references elsewhere, "torch" the references everywhere, "trit
 CPU too (they then need TRITON_INTERPRET=1: tests and op counts of the GPU path run this way).
 `mla_split_rows` is the sparse-MLA split (`kernels/sparse_mla.py`, 0 = off, None = by the plan's tile:
 DEFAULT_SPLIT_ROWS for the narrow tile, WIDE_SPLIT_ROWS for the wide one), `indexer_group`
-turns grouped verification scoring on (`kernels/indexer.py`) and `indexer_topk` is the form of the
-indexers' tie-ruled top-k (`core/topk.py`: stable, packed or lean; the same selections).
+turns grouped verification scoring on (`kernels/indexer.py`), `indexer_topk` is the form of the
+indexers' tie-ruled top-k (`core/topk.py`: stable, packed or lean; the same selections), `stage_kernel`
+stages a verification round's overflow in one Triton launch (`kernels/stage_overflow.py`; off: its PyTorch
+form, the same outputs) and `plan_output_reuse` lets a resolver plan workspace hand an earlier call's output
+block to a later one (`kernels/resolver.py` `_OutBlock`; an experiment until a CUDA run has checked it).
 
 The engine calls `configure(EngineConfig.kernel_settings())` at build. Nothing is read from the
 environment at import; the documented environment overrides are applied by
@@ -17,6 +20,8 @@ environment at import; the documented environment overrides are applied by
   DHISPARSE_MLA_SPLIT_ROWS=n   mla_split_rows n
   DHISPARSE_INDEXER_GROUP=0|1  indexer_group
   DHISPARSE_INDEXER_TOPK=form  indexer_topk
+  DHISPARSE_STAGE_KERNEL=0|1   stage_kernel
+  DHISPARSE_PLAN_OUTPUT_REUSE=0|1  plan_output_reuse
 """
 
 from __future__ import annotations
@@ -40,12 +45,15 @@ WIDE_SPLIT_ROWS = 512
 @dataclass(frozen=True)
 class KernelSettings:
     """backend: auto | torch | triton; mla_split_rows >= 0 or None (by tile); indexer_group: grouped
-    verification scoring; indexer_topk: one of core/topk.py's TOPK_FORMS."""
+    verification scoring; indexer_topk: one of core/topk.py's TOPK_FORMS; stage_kernel: the one-launch
+    overflow staging; plan_output_reuse: kept plan output blocks (module docstring)."""
 
     backend: str = "auto"
     mla_split_rows: int | None = None
     indexer_group: bool = True
     indexer_topk: str = "auto"
+    stage_kernel: bool = True
+    plan_output_reuse: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -68,6 +76,10 @@ class KernelSettings:
             s = replace(s, indexer_group=env["DHISPARSE_INDEXER_GROUP"] == "1")
         if "DHISPARSE_INDEXER_TOPK" in env:
             s = replace(s, indexer_topk=env["DHISPARSE_INDEXER_TOPK"])
+        if "DHISPARSE_STAGE_KERNEL" in env:
+            s = replace(s, stage_kernel=env["DHISPARSE_STAGE_KERNEL"] == "1")
+        if "DHISPARSE_PLAN_OUTPUT_REUSE" in env:
+            s = replace(s, plan_output_reuse=env["DHISPARSE_PLAN_OUTPUT_REUSE"] == "1")
         return s
 
 

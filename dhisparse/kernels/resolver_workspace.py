@@ -37,9 +37,9 @@ them first). Calls must be stream-ordered, as a store's are.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from dhisparse.kernels import backend
 
 __all__ = ["PlanWorkspace"]
 
@@ -55,8 +55,9 @@ class PlanWorkspace:
         self.generation = 0  # bumped when a buffer grows (the views, and launches bound to them, change)
         self.launches: dict = {}  # plan_triton's held launches (kernels/resolver.py `_Bound`), by call
         # plan_triton's output blocks kept for reuse (kernels/resolver.py `_OutBlock`), by output shape: an
-        # experiment (DHISPARSE_PLAN_OUTPUT_REUSE=1) until a CUDA run has checked it
-        self.reuse_outputs = os.environ.get("DHISPARSE_PLAN_OUTPUT_REUSE") == "1"
+        # experiment (the kernel settings' plan_output_reuse, DHISPARSE_PLAN_OUTPUT_REUSE=1) until a CUDA run
+        # has checked it
+        self.reuse_outputs = backend.settings().plan_output_reuse
         self.outputs: dict[tuple, list] = {}
         self.outputs_reused = 0  # calls that took a kept block
 

@@ -14,12 +14,12 @@ rows are not cached, so the hot cache keeps its LRU order.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dhisparse.core.rows import SPACE
+from dhisparse.kernels import backend as kernel_backend
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan
 from dhisparse.kernels.stage_overflow import stage_overflow_torch, stage_overflow_triton
 
@@ -100,7 +100,8 @@ def stage_overflow_deferred(plan, sel: torch.Tensor, slots: torch.Tensor, kv) ->
     that found no victim (staging locations, SPACE-encoded) and returns their copy plan. No op
     waits for the device. sel [N, K, k] positions (-1 padding); slots [N] int64 (device). The work is
     kernels/stage_overflow.py's one-launch Triton form (3.3-5.5x faster than its plain-PyTorch form at a
-    glm5-faithful round's shape on an H100, bench/results/stage_overflow_s50_h100.json), or with
-    DHISPARSE_STAGE_KERNEL=0 the PyTorch form; the same outputs bit for bit."""
-    fn = stage_overflow_torch if os.environ.get("DHISPARSE_STAGE_KERNEL") == "0" else stage_overflow_triton
+    glm5-faithful round's shape on an H100, bench/results/stage_overflow_s50_h100.json), or, with the kernel
+    settings' `stage_kernel` off (DHISPARSE_STAGE_KERNEL=0 at engine build), the PyTorch form; the same
+    outputs bit for bit."""
+    fn = stage_overflow_triton if kernel_backend.settings().stage_kernel else stage_overflow_torch
     return StagePlan(*fn(sel, plan.loc, slots.to(sel.device), kv.stage_loc, kv.host_table, kv.host.page_size))
