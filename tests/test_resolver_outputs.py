@@ -103,7 +103,7 @@ def test_reuse_is_off_by_default_in_a_capture_without_the_count_and_past_the_poo
     held = [_plan(st, ws, sel, n) for n in range(kr._OUT_POOL + 2)]  # all held: a block each, the pool bounded
     assert len({h.loc.data_ptr() for h in held}) == len(held) and len(ws.outputs[next(iter(ws.outputs))]) == kr._OUT_POOL
     del held
-    monkeypatch.setattr(kr, "_capturing", lambda dev: True)  # a capture takes a fresh block, keeps none
+    monkeypatch.setattr(kr, "capturing", lambda dev: True)  # a capture takes a fresh block, keeps none
     ws = _ws()
     _plan(st, ws, sel, 0)
     assert not ws.outputs

@@ -34,7 +34,7 @@ from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
 from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState, position_bound
-from dhisparse.kernels.resolver_workspace import PlanWorkspace
+from dhisparse.kernels.resolver_workspace import PlanWorkspace, capturing
 
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "launch_copies_into",
            "COUNTER_NAMES"]
@@ -211,15 +211,11 @@ class _OutBlock:
         return _USE_COUNT is not None and _refs(self.views) == self.refs0 and _uses(self.bases) == self.uses0
 
 
-def _capturing(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype,
                     dev: torch.device) -> tuple:
     """`_outputs` through the workspace's kept blocks (`_OutBlock`) when it reuses outputs: a free block of this
     shape, else a new one kept (at most _OUT_POOL a shape); plain `_outputs` otherwise and inside a capture."""
-    if ws is None or not ws.reuse_outputs or _USE_COUNT is None or _capturing(dev):
+    if ws is None or not ws.reuse_outputs or _USE_COUNT is None or capturing(dev):
         return _outputs(shape, C, sel_dtype, dev)
     # per stream, as the caching allocator keeps its blocks: a block is reused only on the stream it was made on
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0

@@ -41,7 +41,12 @@ import torch
 
 from dhisparse.kernels import backend
 
-__all__ = ["PlanWorkspace"]
+__all__ = ["PlanWorkspace", "capturing"]
+
+
+def capturing(dev: torch.device) -> bool:
+    """Whether the current stream of `dev` is capturing a CUDA graph (never on the CPU)."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class PlanWorkspace:
@@ -64,7 +69,7 @@ class PlanWorkspace:
     def _get(self, name: str, numel: int, dtype: torch.dtype, fill: int | None) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < numel:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing(self.device):
                 # a buffer made inside a capture is filled only when the graph replays: eager calls
                 # would read it unfilled. Graph runners warm up eagerly first, so this grows there;
                 # a capture that gets here fails and its passes run eagerly (engine/step_graphs.py)
