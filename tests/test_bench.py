@@ -1094,3 +1094,37 @@ def test_ptx_fingerprint_drops_only_what_does_not_reach_the_gpu():
     assert normalized(ptx).split("\n") == ["\tadd.s32 \t%r1, %r2, %r3;", "$L__BB0_2:", "\tbra.uni \t$L__BB0_2;"]
     moved = ptx.replace("\tadd.s32 \t%r1, %r2, %r3;\n", "").replace("\t.section", "\tadd.s32 \t%r1, %r2, %r3;\n\t.section")
     assert normalized(moved) != normalized(ptx)  # an instruction that moves changes the hash's input
+
+
+def test_capacity_bounds_scale_to_each_sources_low_load_latency(tmp_path, capsys):
+    """--scale-bounds-to: each source's bounds are the paper's times its baseline's post-wave p99 TTFT and mean TPOT
+    at that source's lowest load over the paper's HiSparse at C4 (0.95 s, 19.4 ms), so a slower setup is held to
+    proportionally looser bounds; a source without the baseline is refused by name. Breakages caught: the highest
+    load as the anchor, the per-source bounds ignored, the TPOT ratio inverted."""
+    from dhisparse.bench.tables import PAPER_ANCHOR, Bounds, capacity, latency_rows, scaled_bounds
+
+    cfg = {"engine": {"model": "m"}, "workload": {"input_len": 100, "output_len": 8}}
+    a = {"kind": "bench", "config": cfg, "runs": [  # this setup's steps are 2x the paper's at its lowest load
+        _served("hisparse", 8, 150.0, 2 * 950.0, 45.0, []), _served("hisparse", 2, 40.0, 2 * 950.0, 2 * 19.4, []),
+        _served("hisparse", 16, 200.0, 3e3, 90.0, []), _served("adaptive+spec", 16, 400.0, 21e3, 60.0, []),
+        _served("adaptive+spec", 8, 300.0, 19e3, 50.0, [])]}
+    other = {"kind": "bench", "config": dict(cfg, engine={"model": "n"}), "runs": [_served("hisparse", 4, 1.0, 950.0, 19.4, [])]}
+    rows = latency_rows([a, other])
+    got = scaled_bounds(rows, "hisparse", Bounds(10e3, 40.0))
+    assert got["m 100/8"] == Bounds(pytest.approx(20e3), pytest.approx(80.0), "hisparse@C2")  # the lowest load, not C8
+    assert got["n 100/8"] == Bounds(pytest.approx(10e3), pytest.approx(40.0), "hisparse@C4")  # the paper's own steps
+    assert PAPER_ANCHOR == {"post_wave_ttft_p99_ms": 950.0, "tpot_mean_ms": 19.4}
+    cap = {(c["source"], c["preset"]): c for c in capacity(rows, 10e3, 40.0, got)}
+    assert cap[("m 100/8", "hisparse")]["C"] == 8  # C16's 90 ms is over 80
+    assert cap[("m 100/8", "adaptive+spec")]["C"] == 8  # C16's 21 s is over 20
+    assert cap[("m 100/8", "hisparse")]["bounds"]["scaled_from"] == "hisparse@C2"
+    plain = {(c["source"], c["preset"]): c for c in capacity(rows, 10e3, 40.0)}
+    assert plain[("m 100/8", "hisparse")]["C"] == 2 and "scaled_from" not in plain[("m 100/8", "hisparse")]["bounds"]
+    with pytest.raises(ValueError, match="'m 100/8' has no adaptive run"):
+        scaled_bounds(rows, "adaptive", Bounds(10e3, 40.0))
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(a))
+    assert main(["table", str(path), "--scale-bounds-to", "hisparse", "--out", str(tmp_path / "t.json")]) == 0
+    (h,) = [c for c in json.loads((tmp_path / "t.json").read_text())["capacity"] if c["preset"] == "hisparse"]
+    assert h["C"] == 8 and h["bounds"]["tpot_mean_ms"] == pytest.approx(80.0)
+    assert "scaled to hisparse" in capsys.readouterr().out
