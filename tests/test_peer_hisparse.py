@@ -175,3 +175,35 @@ def test_peer_check_reads_the_peers_locations_and_copied_rows():
     assert ok["locations"] and ok["rows"] and ok["copies"] > 0
     assert bad_row["locations"] and not bad_row["rows"]
     assert not bad_loc["locations"]
+
+
+def test_live_times_ours_on_both_states_and_restores_each():
+    """bench/resolver_peer_live.py's `time_pair` with the index case: ours on the scan state (plan + copy, fused,
+    plan alone) and on the hot_entry index state (plan + copy, fused), each call on restored states, and every
+    state (hot_entry included) back as it was after. Breakage caught: hot_entry left out of the restore."""
+    from bench import resolver_peer_live as live
+    from bench.resolver_cases import Rig, index_case
+    from bench.resolver_peer import build, shapes
+
+    rig = Rig(quick=True)
+    case = build(rig, shapes(True), 32, 2, 656, "20%")
+    icase = index_case(case)
+    before = [t.clone() for s in (case.state, icase.state) for t in (s.hot_pos, s.hot_stamp, s.hot_entry) if t is not None]
+    rec = live.time_pair(rig, None, case, peer_state(case.state, case.history), lambda: None, 1, 1, icase)
+    assert set(live.FORMS) | {"ours_plan"} <= set(rec) and "ratios" not in rec
+    after = [t for s in (case.state, icase.state) for t in (s.hot_pos, s.hot_stamp, s.hot_entry) if t is not None]
+    assert len(after) == 5 and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_live_ratios_name_the_fastest_form():
+    """`ratios`: every timed form over the peer, `best_over_peer` over the scan state's two forms only (as session
+    51's file has it), `best4_*` over all four."""
+    from bench import resolver_peer_live as live
+
+    t = lambda us: {"time_ms": us / 1e3}  # noqa: E731
+    rec = {"ours_plan_copy": t(30.0), "ours_fused": t(25.0), "ours_index_plan_copy": t(28.0), "ours_index_fused": t(20.0),
+           "ours_plan": t(18.0), "peer": t(24.0), "peer_plan": t(20.0)}
+    r = live.ratios(rec)
+    assert r["best_over_peer"] == pytest.approx(25 / 24) and r["best4_over_peer"] == pytest.approx(20 / 24)
+    assert r["best4_form"] == "index, fused" and r["index_fused_over_peer"] == pytest.approx(20 / 24)
+    assert r["plan_copy_over_peer"] == pytest.approx(30 / 24) and r["plan_over_peer_plan"] == pytest.approx(0.9)
