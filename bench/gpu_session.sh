@@ -566,7 +566,7 @@ case ",$STEPS," in *,w8a843,*)  # issue 31: FP8 activations (--fp8-activations d
 case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's figures, with the phase profile (~1 min warm)
   run "resolver vs the peer's figures" timeout ${PEER33_TIMEOUT:-240} python3 bench/resolver_peer.py --phases \
       --out "$OUT/resolver_peer_h200.json" ;; esac
-case ",$STEPS," in *,peerlive33,*)  # issue 33: ours against SGLang 0.5.23's HiSparse kernel run here, side by side on the issue's 36 cases (the peer built from its wheel on the CPU first: python3 bench/peer/build.py; carry [".whl", ".peer"]; ~4 min cold)
+case ",$STEPS," in *,peerlive33,*)  # issue 33: ours (scan and hot_entry index states, plan + copy and fused) against SGLang 0.5.23's HiSparse kernel run here, side by side on the issue's 36 cases (the peer built from its wheel on the CPU first: python3 bench/peer/build.py; carry [".whl", ".peer"]; ~4 min cold; session 51's two-form run took 53 s warm)
   [ -f .peer/libhisparse_peer.so ] || { echo "peerlive33: .peer/libhisparse_peer.so missing (bench/peer/build.py, carry .peer)"; exit 2; }
   run "resolver vs the peer's kernel, side by side" timeout ${PEERLIVE33_TIMEOUT:-480} python3 bench/resolver_peer_live.py \
       --out "$OUT/resolver_peer_live_h200.json" ;; esac
