@@ -69,14 +69,17 @@ class Timing(NamedTuple):
     graph: int
 
 
-def timed(fn, tm: Timing, cuda: bool) -> float:
+def timed(fn, tm: Timing, cuda: bool, reset=None) -> float:
     """Median milliseconds of one `fn()`: on CUDA from replays of a graph of tm.graph calls, or with
-    tm.graph 0 from CUDA events around each eager call."""
+    tm.graph 0 from CUDA events around each eager call; on the CPU, wall time. `reset()` (untimed) runs
+    before each timed call or replay: for an fn that changes its own input (bench/stage_overflow_bench.py)."""
     for _ in range(tm.warmup):
         fn()
+    reset = reset or (lambda: None)
     if not cuda:
         out = []
         for _ in range(tm.reps):
+            reset()
             t = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t) * 1e3)
@@ -92,6 +95,7 @@ def timed(fn, tm: Timing, cuda: bool) -> float:
         run, per = graph.replay, tm.graph
     out = []
     for _ in range(tm.reps):
+        reset()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         run()

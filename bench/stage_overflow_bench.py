@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -23,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.mla_tune_bench import Timing, timed  # noqa: E402
 from dhisparse.bench.results import write_doc  # noqa: E402
 from dhisparse.core.rows import SPACE  # noqa: E402
 from dhisparse.kernels.stage_overflow import stage_overflow_torch, stage_overflow_triton  # noqa: E402
@@ -38,38 +38,6 @@ def case(N: int, K: int, k: int, L: int, ps: int, miss: float, shared: float, de
     stage_loc = SPACE + torch.arange(N * K * k).view(N, K * k)
     table = torch.stack([torch.randperm(HP, generator=g) for _ in range(N)])
     return [t.to(dev) for t in (sel, loc, torch.arange(N), stage_loc, table)] + [ps]
-
-
-def timed(fn, args, reps: int, cuda: bool) -> float:
-    """Median ms of fn(*args) replayed from a CUDA graph (CPU: wall time of direct calls)."""
-    loc0 = args[1].clone()
-    if not cuda:
-        ts = []
-        for _ in range(reps):
-            args[1].copy_(loc0)
-            t = time.perf_counter()
-            fn(*args)
-            ts.append((time.perf_counter() - t) * 1e3)
-        return sorted(ts)[len(ts) // 2]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    ts = []
-    for _ in range(reps):
-        args[1].copy_(loc0)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(argv=None) -> int:
@@ -94,8 +62,10 @@ def main(argv=None) -> int:
             ref = stage_overflow_torch(args[0], la, *args[2:])
             got = stage_overflow_triton(args[0], lb, *args[2:])
             same = torch.equal(la, lb) and all(torch.equal(x, y) for x, y in zip(ref, got))
-            t_torch = timed(stage_overflow_torch, args, 3 if ns.quick else ns.reps, cuda)
-            t_triton = timed(stage_overflow_triton, args, 3 if ns.quick else ns.reps, cuda)
+            tm, loc0 = Timing(warmup=3, reps=3 if ns.quick else ns.reps, graph=1), args[1].clone()
+            reset = lambda: args[1].copy_(loc0)  # noqa: E731  (each call stages from the same locations)
+            t_torch = timed(lambda: stage_overflow_torch(*args), tm, cuda, reset)
+            t_triton = timed(lambda: stage_overflow_triton(*args), tm, cuda, reset)
             runs.append({"requests": N, "width": K, "k": k, "positions": L, "staged_rows": int(ref[2].sum()),
                          "equal": bool(same), "torch_ms": t_torch, "triton_ms": t_triton,
                          "triton_over_torch": t_triton / t_torch})

@@ -422,6 +422,25 @@ def test_phase_clock_splits_a_step_and_removes_its_wrappers():
     assert (torch.Tensor.tolist, torch.Tensor.item) == before
 
 
+def test_bench_timing_resets_an_input_before_each_timed_call():
+    """bench/mla_tune_bench.py's `timed` (shared by bench/stage_overflow_bench.py): warm-up calls, then reps timed
+    calls, each after `reset()`; so a call that changes its own input is timed on the same input every time."""
+    from bench.mla_tune_bench import Timing, timed
+
+    x, seen = torch.zeros(1), []
+
+    def fn():
+        seen.append(float(x))
+        x.add_(1)
+
+    assert timed(fn, Timing(warmup=2, reps=3, graph=0), False, reset=lambda: x.zero_()) >= 0
+    assert seen == [0.0, 1.0, 0.0, 0.0, 0.0]
+    seen.clear()
+    x.zero_()
+    timed(fn, Timing(warmup=0, reps=2, graph=0), False)  # no reset: the input runs on
+    assert seen == [0.0, 1.0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test of the bench script under the Triton interpreter; on a GPU the bench itself runs")
 def test_mla_tune_bench_quick_reports_ratios_against_the_default_plan(tmp_path):
     import json
