@@ -149,6 +149,26 @@ def test_plots_on_synthetic_data(tmp_path):
     assert_png(plot_loadstep({"kind": "loadstep", "runs": [run, off]}, tmp_path / "l.png"))
 
 
+def test_many_lines_share_one_legend_below_the_panels(tmp_path, monkeypatch):
+    """Up to LEGEND_IN_PANELS lines: a legend in each panel; more (files that are not one sweep, labelled per file):
+    one figure legend with every line, and none in the panels."""
+    from dhisparse.bench import plots
+
+    seen = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, out: seen.append(fig) or out)
+    plot_serving([_bench_result(["hisparse", "adaptive", "adaptive+spec"])], tmp_path / "few.png")
+    many = [dict(_bench_result([f"p{i}" for i in range(4)]), label=f"file{j}", commit=f"c{j}") for j in range(3)]
+    plot_serving(many, tmp_path / "many.png")
+    few, lots = seen
+    assert all(ax.get_legend() is not None for ax in few.axes) and not few.legends
+    assert all(ax.get_legend() is None for ax in lots.axes)
+    (leg,) = lots.legends
+    assert len(leg.get_texts()) == 12 and {t.get_text() for t in leg.get_texts()} >= {"p0 [file0]", "p3 [file2]"}
+    # a line that is no preset (an arm) never takes a preset's color, whatever its index
+    assert {plots._color(f"adaptive+spec@w=4 [f{i}]", i) for i in range(12)}.isdisjoint(plots.STYLE.values())
+    assert plots._color("hisparse [f3]", 7) == plots.STYLE["hisparse"]
+
+
 def test_repeated_runs_of_a_point_plot_as_their_mean_and_spread(tmp_path):
     """Three rotated runs a (preset, C) point: one point at the mean, bars from min to max; a run
     without a TTFT (nothing finished in its window) is left out of that metric only."""

@@ -43,8 +43,13 @@ STYLE = {"resident": "tab:gray", "hisparse": "tab:blue", "adaptive": "tab:green"
          "resident+spec": "tab:purple", "adaptive+spec": "tab:red"}
 
 
+OTHER_COLORS = ("tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # none of STYLE's
+
+
 def _color(name: str, i: int) -> str:
-    return STYLE.get(name.split(" ")[0], f"C{i % 10}")
+    """A preset's own color (STYLE); any other line (an arm such as `adaptive+spec@...`, an unknown preset) one of
+    OTHER_COLORS by its index, so it never takes a preset's color."""
+    return STYLE.get(name.split(" ")[0], OTHER_COLORS[i % len(OTHER_COLORS)])
 
 
 SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
@@ -148,6 +153,7 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
             if label == widest:
                 _label_points(ax, [(p.tok_s.mean, getattr(p, key).mean, p.concurrency) for p in have])
     _decorate_serving(axes, cs)
+    _serving_legend(fig, axes, len(lines))
     note = f" (mean of up to {repeats} runs a point, bars min-max)" if repeats > 1 else ""
     fig.suptitle((title or _serving_title(results)) + note)
     return save_figure(fig, out)
@@ -168,7 +174,6 @@ def _decorate_serving(axes, cs: list[int]) -> None:
     for ax in axes:
         ax.margins(x=0.08, y=0.12)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
     a.set_xscale("log", base=2)
     a.xaxis.set_major_locator(FixedLocator(cs))
     a.xaxis.set_minor_locator(NullLocator())
@@ -179,6 +184,20 @@ def _decorate_serving(axes, cs: list[int]) -> None:
     for ax in (a, c):
         ax.set_ylim(0, ax.get_ylim()[1])
     _plain_log_y(b)
+
+
+LEGEND_IN_PANELS = 6  # lines a panel's own legend holds; more (files that are not one sweep) share one below
+
+
+def _serving_legend(fig, axes, n_lines: int) -> None:
+    """A legend in each panel for a few lines; for more, one legend under the three panels (the same handles
+    in every panel), so the labels do not cover the data."""
+    if n_lines <= LEGEND_IN_PANELS:
+        for ax in axes:
+            ax.legend(fontsize=8)
+        return
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=2 if n_lines <= 24 else 3, fontsize=7)
 
 
 def _plain_log_y(ax) -> None:
