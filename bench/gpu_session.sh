@@ -622,7 +622,7 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
       --repeats ${SPECPOLICY_REPEATS:-1} --out "$OUT/spec_policy_8k_c${SPEC_C:-2,6,11}_h200.json" ;; esac
 # Fig. 5 on v41-faithful (issue 31): output against context at one concurrency, resident vs the hierarchy, FP8 rows;
 # one context a call: fig5v41a 32K, b 64K, c 128K, d 256K, e 512K, and 1M in two halves (f: resident + hisparse,
-# g: adaptive + adaptive+spec). The KV pool is FIG5_POOL_GIB (16) at every context (--kv-pool-gib: --resident-fit
+# g: adaptive + adaptive+spec). The KV pool is FIG5_POOL_GIB (16; 12 on a card under 100 GB: `fig5_pool`) at every context (--kv-pool-gib: --resident-fit
 # becomes the histories it holds), so resident holds 350 / 210 / 131 / 75 / 38 / 20 sessions at 32K ... 1M and the
 # hierarchy 643 / 504 / 349 / 217 / 119 / 65 (dhisparse/bench/sizing.py on the meta device): at C${FIG5_C:-64} resident
 # queues from 512K while the hierarchy holds every client. The host pools stay under 1 GiB (the prefix's row pages
@@ -633,12 +633,20 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
 # hidden 4,096: 0.70 GiB, 68 MiB of ring a slot), as bench/drafter_checkpoint.py cannot write a V4-shaped checkpoint
 # (its builtin_config is GLM-only). UNTRIED: v41-faithful has not run on the GPU; gpu_serving's estimate guesses its
 # build and prefill (V4_BUILD_S, V4_PREFILL_TOK_S), 230-450 s a step. Draw: dhisparse plot $OUT/fig5_v41_*.json --out fig5/
+fig5_pool() {  # Fig. 5's KV pool, GiB: FIG5_POOL_GIB, else 16 on a card from 100 GB and 12 below it (an H100: the
+  # 57.3-GiB weights, 16 GiB and a 1M prefill's workspace would leave almost none of its ~79 GiB; 12 is a margin, not
+  # measured); a pool other than 16 tags the files _poolN
+  local gb; gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  F5_POOL=${FIG5_POOL_GIB:-$([ "${gb:-0}" -lt 100000 ] && echo 12 || echo 16)}
+  F5_TAG=$([ "$F5_POOL" = 16 ] || echo "_pool$F5_POOL")
+}
 fig5v41() {  # $1 input length, $2 presets, $3 file tag
-  run "Fig. 5, v41-faithful, $1 tokens, C${FIG5_C:-64}, ${FIG5_POOL_GIB:-16}-GiB pool, fp8 rows, $2" timeout ${FIG5_TIMEOUT:-570} \
-      python3 bench/gpu_serving.py --model v41-faithful --input-len $1 --output-len 256 --kv-pool-gib ${FIG5_POOL_GIB:-16} \
+  fig5_pool
+  run "Fig. 5, v41-faithful, $1 tokens, C${FIG5_C:-64}, ${F5_POOL}-GiB pool, fp8 rows, $2" timeout ${FIG5_TIMEOUT:-570} \
+      python3 bench/gpu_serving.py --model v41-faithful --input-len $1 --output-len 256 --kv-pool-gib $F5_POOL \
       --concurrency ${FIG5_C:-64} --presets $2 --duration ${FIG5_DURATION:-20} --distinct-suffixes 8 --kv-cache-dtype fp8_e4m3 \
       --max-batched-tokens 8192 --charge-spec-memory --spec-width 4 --engine-arg speculative_oracle_drafter=dspark \
-      --reference-file "$OUT/oracle_reference_v41_$1.json" --force --out "$OUT/fig5_v41_faithful_$1_c${FIG5_C:-64}_fp8${3:-}_h200.json"
+      --reference-file "$OUT/oracle_reference_v41_$1.json" --force --out "$OUT/fig5_v41_faithful_$1_c${FIG5_C:-64}_fp8$F5_TAG${3:-}_h200.json"
 }
 FIG5_ALL=resident,hisparse,adaptive,adaptive+spec
 case ",$STEPS," in *,fig5v41a,*) fig5v41 32768 $FIG5_ALL ;; esac

@@ -216,3 +216,13 @@ def test_quick_v4_smoke_run(tmp_path):
     assert {r["preset"] for r in data["runs"]} == {"hisparse", "adaptive", "adaptive+spec", "resident"}
     assert all(r["metrics"]["output_tok_s"] > 0 for r in data["runs"])
     assert data["config"]["sizing"]["model_family"] == "deepseek_v4" and data["config"]["wall_s"] < 120
+
+
+def test_fig5_pool_follows_the_card_and_tags_its_files(tmp_path):
+    """fig5v41's pool: FIG5_POOL_GIB when set; else 12 GiB on a card under 100 GB (here no nvidia-smi answers, as
+    on an H100's smaller memory) and 16 from 100 GB; a pool other than 16 tags every file _poolN."""
+    small = fig5_commands(tmp_path / "a")
+    assert {gs.parse(a).kv_pool_gib for a in small} == {12.0}
+    assert all("_fp8_pool12" in Path(gs.parse(a).out).name for a in small)
+    set16 = fig5_commands(tmp_path / "b", {"FIG5_POOL_GIB": "16"})
+    assert {gs.parse(a).kv_pool_gib for a in set16} == {16.0} and not any("_pool" in Path(gs.parse(a).out).name for a in set16)
