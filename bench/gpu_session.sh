@@ -442,9 +442,12 @@ case ",$STEPS," in *,costedsweep31,*|*,costedsweep48,*)  # issue 31: costedfaith
       --engine-arg speculative_oracle_drafter=dflash2 --engine-arg speculative_draft_model_path=/tmp/dflash2_6l_faithful \
       --reference-file "${COSTED_REF:-$OUT/oracle_reference_faithful$CS_TAG.json}" ${COSTED_NO_REPLAY:---replay-reference} \
       --out "$OUT/costed_sweep_faithful${CS_TAG}_100k_k2048_c${CS_C}_h200.json" ;; esac
-faithful_build() {  # the glm5-faithful build a card holds: the full one from 100 GiB, else 12 routed experts (an H100 stand-in, files _e12)
+small_card() {  # true on a card under 100 GB (an H100), or where nvidia-smi answers nothing (the CPU tests)
   local gb; gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  if [ "${gb:-0}" -lt 100000 ]; then FB_EXTRA='--overrides {"n_routed_experts":12}'; FB_TAG=_e12; FB_MBT=2048
+  [ "${gb:-0}" -lt 100000 ]
+}
+faithful_build() {  # the glm5-faithful build a card holds: the full one from 100 GiB, else 12 routed experts (an H100 stand-in, files _e12)
+  if small_card; then FB_EXTRA='--overrides {"n_routed_experts":12}'; FB_TAG=_e12; FB_MBT=2048
   else FB_EXTRA=""; FB_TAG=""; FB_MBT=8192; fi
   # gpu_serving's arguments for it in the costed sweep's pool (three resident 100K histories, FP8 rows), and
   # those at the sweep's 100K in / 1,024 out
@@ -631,13 +634,12 @@ case ",$STEPS," in *,specpolicy,*)  # issue 26 item 6: eq. 13's online width pol
 # network (a MEASUREMENT TOOL: 2.88 tokens a round at width 4; the drafter runs every round and holds its memory,
 # charged out of the pool by --charge-spec-memory): the factory's seeded random DSpark for the target (2 layers at
 # hidden 4,096: 0.70 GiB, 68 MiB of ring a slot), as bench/drafter_checkpoint.py cannot write a V4-shaped checkpoint
-# (its builtin_config is GLM-only). UNTRIED: v41-faithful has not run on the GPU; gpu_serving's estimate guesses its
+# (its builtin_config is GLM-only). UNTRIED: v41-faithful has not been served on a GPU (its greedy decoding and locality ran on an H100, session 38); gpu_serving's estimate guesses its
 # build and prefill (V4_BUILD_S, V4_PREFILL_TOK_S), 230-450 s a step. Draw: dhisparse plot $OUT/fig5_v41_*.json --out fig5/
 fig5_pool() {  # Fig. 5's KV pool, GiB: FIG5_POOL_GIB, else 16 on a card from 100 GB and 12 below it (an H100: the
   # 57.3-GiB weights, 16 GiB and a 1M prefill's workspace would leave almost none of its ~79 GiB; 12 is a margin, not
   # measured); a pool other than 16 tags the files _poolN
-  local gb; gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  F5_POOL=${FIG5_POOL_GIB:-$([ "${gb:-0}" -lt 100000 ] && echo 12 || echo 16)}
+  F5_POOL=${FIG5_POOL_GIB:-$(small_card && echo 12 || echo 16)}
   F5_TAG=$([ "$F5_POOL" = 16 ] || echo "_pool$F5_POOL")
 }
 fig5v41() {  # $1 input length, $2 presets, $3 file tag
