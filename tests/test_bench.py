@@ -165,8 +165,8 @@ def test_many_lines_share_one_legend_below_the_panels(tmp_path, monkeypatch):
     (leg,) = lots.legends
     assert len(leg.get_texts()) == 12 and {t.get_text() for t in leg.get_texts()} >= {"p0 [file0]", "p3 [file2]"}
     # a line that is no preset (an arm) never takes a preset's color, whatever its index
-    assert {plots._color(f"adaptive+spec@w=4 [f{i}]", i) for i in range(12)}.isdisjoint(plots.STYLE.values())
-    assert plots._color("hisparse [f3]", 7) == plots.STYLE["hisparse"]
+    assert {plots.color_of(f"adaptive+spec@w=4 [f{i}]", i) for i in range(12)}.isdisjoint(plots.STYLE.values())
+    assert plots.color_of("hisparse [f3]", 7) == plots.STYLE["hisparse"]
 
 
 def test_repeated_runs_of_a_point_plot_as_their_mean_and_spread(tmp_path):

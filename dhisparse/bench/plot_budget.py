@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dhisparse.bench.plots import Spread, errorbar_points, save_figure  # noqa: E402
+from dhisparse.bench.plots import Spread, color_of, errorbar_points, save_figure  # noqa: E402
 
 
 def budget_of(result: dict) -> int | None:
@@ -56,7 +56,7 @@ def plot_budget(results: list[dict], out: str | Path, colors: dict[str, str]) ->
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), constrained_layout=True)
     for i, (label, pts) in enumerate(lines.items()):
         load = loads.index(int(label.rsplit(" C", 1)[1])) if len(loads) > 1 else 0
-        kw = dict(color=colors.get(label.split(" ")[0], f"C{i}"), marker="o", label=label,
+        kw = dict(color=color_of(label, i, colors), marker="o", label=label,
                   ls=("-", "--", ":", "-.")[load % 4])  # a preset's color, a line style per load
         errorbar_points(axes[0], [p[0] for p in pts], [p[1] for p in pts], **kw)
         errorbar_points(axes[1], [p[0] for p in pts], [p[2] for p in pts], **kw)

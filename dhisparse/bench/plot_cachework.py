@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dhisparse.bench.plots import Spread, errorbar_points, save_figure  # noqa: E402
+from dhisparse.bench.plots import Spread, color_of, errorbar_points, save_figure  # noqa: E402
 
 CACHE_FAMILIES = ("resolver", "cache copy")  # bench/step_profile.py's kernel families of the cache
 
@@ -81,7 +81,7 @@ def plot_cache_work(results: list[dict], out: str | Path, colors: dict[str, str]
     lines = cache_points(results)
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2), constrained_layout=True)
     for i, (label, pts) in enumerate(lines.items()):
-        color = colors.get(label.split(" ")[0], f"C{i}")
+        color = color_of(label, i, colors)
         bs = [p.budget for p in pts]
         errorbar_points(axes[0], bs, [p.total_ms for p in pts], color=color, marker="o", label=f"{label}: resolver + copies")
         errorbar_points(axes[0], bs, [p.copy_ms for p in pts], color=color, marker="x", ls="--", label=f"{label}: copies")

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dhisparse.bench.plots import Spread, errorbar_points, save_figure  # noqa: E402
+from dhisparse.bench.plots import Spread, color_of, errorbar_points, save_figure  # noqa: E402
 
 BASE = "resident"
 
@@ -67,7 +67,7 @@ def plot_context(results: list[dict], out: str | Path, colors: dict[str, str]) -
     points = context_points(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for i, (preset, pts) in enumerate(points.items()):
-        color = colors.get(preset, f"C{i}")
+        color = color_of(preset, i, colors)
         errorbar_points(axes[0], [c for c, _ in pts], [sp for _, sp in pts], color=color, marker="o", label=preset)
         if preset == BASE:
             continue

@@ -46,10 +46,11 @@ STYLE = {"resident": "tab:gray", "hisparse": "tab:blue", "adaptive": "tab:green"
 OTHER_COLORS = ("tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # none of STYLE's
 
 
-def _color(name: str, i: int) -> str:
-    """A preset's own color (STYLE); any other line (an arm such as `adaptive+spec@...`, an unknown preset) one of
-    OTHER_COLORS by its index, so it never takes a preset's color."""
-    return STYLE.get(name.split(" ")[0], OTHER_COLORS[i % len(OTHER_COLORS)])
+def color_of(name: str, i: int, style: dict[str, str] = STYLE) -> str:
+    """The color of line i named `name` ("preset [...]"): its preset's in `style`; any other line (an arm such as
+    `adaptive+spec@...`, an unknown preset) one of OTHER_COLORS by its index, so it never takes a preset's color.
+    Every figure's lines take their colors here."""
+    return style.get(name.split(" ")[0], OTHER_COLORS[i % len(OTHER_COLORS)])
 
 
 SETUP_KEYS = ("engine", "model", "workload", "drafter", "oracle", "gpu")  # config sections two repeat calls share
@@ -144,7 +145,7 @@ def plot_serving(results: list[dict], out: str | Path, title: str | None = None)
     widest = max(lines, key=lambda k: max(p.tok_s.mean for p in lines[k]), default=None)
     repeats = max((p.runs for pts in lines.values() for p in pts), default=1)
     for i, (label, pts) in enumerate(lines.items()):
-        kw = dict(color=_color(label, i), marker="o", label=label)
+        kw = dict(color=color_of(label, i), marker="o", label=label)
         errorbar_points(axes[0], [p.concurrency for p in pts], [p.tok_s for p in pts], **kw)
         for ax, key in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
             have = [p for p in pts if getattr(p, key) is not None]
@@ -259,7 +260,7 @@ def _loadstep_panel(ax, runs: list[dict], keys: tuple[str, ...], share: bool) ->
         if key is None:
             continue
         t, v = column(r["series"], key)
-        ax.step(t, v, where="post", color=_color(r["preset"], i), ls=("-", "--", ":", "-.")[i % 4],
+        ax.step(t, v, where="post", color=color_of(r["preset"], i), ls=("-", "--", ":", "-.")[i % 4],
                 lw=2.2 - 0.4 * (i % 3), label=f"{r['preset']} ({key})")
         top = max(top, max(v))
     if top == 0.0 and not ax.lines:
