@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.kernels.resolver import launch_copies, plan_triton
-from dhisparse.kernels.resolver_ref import ResolverState, plan_reference, with_hot_entry
+from dhisparse.kernels.resolver_ref import ResolverState, miss_order_for, plan_reference, with_hot_entry
 
 _DTYPE = {656: torch.float16, 1152: torch.bfloat16}
 
@@ -202,15 +202,21 @@ def cpu_copy(st: ResolverState) -> ResolverState:
     return ResolverState(**{f.name: cpu(getattr(st, f.name)) for f in dataclasses.fields(st)})
 
 
-def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
-    """plan_triton (with `distinct` as the timed calls pass it) vs plan_reference (on CPU copies) bit
-    for bit, then every copied row's bytes; `fused`: the plan with its copy fused (`copy=`) gives the
+def case_order(case: Case) -> str:
+    """The miss order the engine's resolver step plans a call of this shape in, for one top-k query a
+    request (distinct): `resolver_ref.miss_order_for`."""
+    return miss_order_for(case.sel.shape[0], case.sel.shape[1] * case.sel.shape[2], True)
+
+
+def check_case(rig: Rig, case: Case, distinct: bool = False, miss_order: str = "host") -> dict:
+    """plan_triton (with `distinct` and `miss_order` as the timed calls pass them) vs plan_reference (on CPU
+    copies) bit for bit, then every copied row's bytes; `fused`: the plan with its copy fused (`copy=`) gives the
     same locations, state and device rows as plan + `launch_copies`."""
     st_t = copy.deepcopy(case.state)
     st_r = cpu_copy(case.state)
     now = int(case.state.hot_stamp.max()) + 1
-    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), st_r, now)
-    got = plan_triton(case.sel, case.slots, st_t, now, distinct=distinct)
+    ref = plan_reference(case.sel.cpu(), case.slots.cpu(), st_r, now, miss_order=miss_order)
+    got = plan_triton(case.sel, case.slots, st_t, now, distinct=distinct, miss_order=miss_order)
     same = {"loc": torch.equal(ref.loc, got.loc.cpu()), "copy_src": torch.equal(ref.copy_src, got.copy_src.cpu()),
             "copy_dst": torch.equal(ref.copy_dst, got.copy_dst.cpu()), "counters": ref.counters == got.counters,
             "hot_pos": torch.equal(st_r.hot_pos, st_t.hot_pos.cpu()),
@@ -219,7 +225,7 @@ def check_case(rig: Rig, case: Case, distinct: bool = False) -> dict:
         same["hot_entry"] = torch.equal(st_r.hot_entry, st_t.hot_entry.cpu())
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
     dev_f, st_f = dev.clone(), copy.deepcopy(case.state)  # the fused plan + copy (one launch) on the same input
-    fused = plan_triton(case.sel, case.slots, st_f, now, distinct=distinct, copy=(host, dev_f))
+    fused = plan_triton(case.sel, case.slots, st_f, now, distinct=distinct, copy=(host, dev_f), miss_order=miss_order)
     launch_copies(got, host, dev)
     same["fused"] = bool(torch.equal(fused.loc, got.loc) and torch.equal(st_f.hot_pos, st_t.hot_pos)
                          and torch.equal(dev_f.view(torch.uint8), dev.view(torch.uint8)))

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.resolver_cases import Rig, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_peer import MISS, build, shapes  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver_ref import miss_order_for  # noqa: E402
 from dhisparse.kv.hier.context import RESOLVER_LOOKUPS  # noqa: E402
 
 
@@ -47,14 +48,17 @@ def main(argv=None) -> int:
     rig.fill(656)
     case = build(rig, sh, H, N, 656, args.level)
     case = index_case(case) if args.lookup == "index" else case
-    ok = all(v for k, v in check_case(rig, case, distinct=bool(args.distinct)).items() if k not in ("case", "copies"))
+    order = miss_order_for(case.sel.shape[0], case.sel.shape[1] * case.sel.shape[2], bool(args.distinct))
+    ok = all(v for k, v in check_case(rig, case, distinct=bool(args.distinct), miss_order=order).items()
+             if k not in ("case", "copies"))
     st = case.state
     restore = state_restorer(st)
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
     ws = PlanWorkspace(rig.dev)
     for _ in range(args.warmup + args.calls):
         restore()
-        plan = plan_triton(case.sel, case.slots, st, now, defer=True, workspace=ws, distinct=bool(args.distinct))
+        plan = plan_triton(case.sel, case.slots, st, now, defer=True, workspace=ws, distinct=bool(args.distinct),
+                           miss_order=order)
     c = plan.materialize().counters
     print(f"{case.name}: checks {'pass' if ok else 'FAIL'}; {args.warmup} warm-up + {args.calls} calls; counters {c}")
     return 0 if ok else 1

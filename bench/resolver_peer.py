@@ -43,11 +43,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.resolver_cases import Case, Rig, check_case, index_case, state_restorer  # noqa: E402
+from bench.resolver_cases import Case, Rig, case_order, check_case, index_case, state_restorer  # noqa: E402
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 import dhisparse.kernels.resolver as kr  # noqa: E402
 from dhisparse.kernels.resolver import PHASE_STOPS, PlanWorkspace, launch_copies, plan_triton  # noqa: E402
+from dhisparse.kernels.resolver_ref import MISS_ORDERS  # noqa: E402
 
 # issue 33's table (H 4,096): (miss level, batch, row bytes) -> (peer us, ours us at filing)
 PEER_US = {("0.1%", 8, 656): (17.7, 50.2), ("0.1%", 32, 656): (18.7, 51.8), ("0.1%", 100, 656): (20.1, 60.1),
@@ -94,18 +95,22 @@ def time_case(rig: Rig, case: Case, flush: Flush, iters: int, warmup: int, upto:
     restore = state_restorer(st, flush)
     ws = PlanWorkspace(rig.dev)  # the engine's path: a store's persistent scratch
 
+    order = case_order(case)  # the engine's miss order for the shape
+
     def plan(u: int = 50, workspace: PlanWorkspace | None = ws):
         return plan_triton(case.sel, case.slots, st, now, defer=True, upto_phase=u, workspace=workspace,
-                           distinct=True)
+                           distinct=True, miss_order=order)
 
     restore()
     c = plan().materialize().counters
     rec = {"case": case.name, "row_bytes": case.rb, "N": case.sel.shape[0], "k": case.sel.shape[2],
-           "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(), **case.meta}
+           "H": st.hot_pos.shape[1], "history": case.history, "miss_rows": c.host, "counters": c._asdict(),
+           "miss_order": order, **case.meta}
     rec["plan_copy"] = stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup))
     fused = row_copy(host, dev)  # prepared once, as a store's producer target is
     rec["plan_copy_fused"] = stats(timeit(rig, lambda: plan_triton(case.sel, case.slots, st, now, defer=True,
-                                                                   workspace=ws, distinct=True, copy=fused),
+                                                                   workspace=ws, distinct=True, copy=fused,
+                                                                   miss_order=order),
                                           restore, iters, warmup))
     rec["plan_only"] = stats(timeit(rig, plan, restore, iters, warmup))
     rec["plan_only_no_workspace"] = stats(timeit(rig, lambda: plan(50, None), restore, iters, warmup))
@@ -239,13 +244,14 @@ def precompile_worker(spec: str) -> None:
     sh = shapes(False) | {"L": 2048}
     case = build(rig, sh, H, 2, 656, "20%")
     case = index_case(case) if index else case
-    plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u, distinct=True)
-    launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True, distinct=True), rig.host_rows(656),
-                  rig.dev_rows(656, case.dev_rows))
-    if u == 50:  # the fused plan + copy of each row size (its own specializations)
-        for i, rb in enumerate(sh["row_bytes"]):
-            plan_triton(case.sel, case.slots, case.state, 1002 + i, defer=True, distinct=True,
-                        copy=(rig.host_rows(rb), rig.dev_rows(rb, case.dev_rows)))
+    for o in MISS_ORDERS:  # batch 8 plans in selection order, larger batches in host order (`case_order`)
+        plan_triton(case.sel, case.slots, case.state, 1000, defer=True, upto_phase=u, distinct=True, miss_order=o)
+        launch_copies(plan_triton(case.sel, case.slots, case.state, 1001, defer=True, distinct=True, miss_order=o),
+                      rig.host_rows(656), rig.dev_rows(656, case.dev_rows))
+        if u == 50:  # the fused plan + copy of each row size (its own specializations)
+            for i, rb in enumerate(sh["row_bytes"]):
+                plan_triton(case.sel, case.slots, case.state, 1002 + i, defer=True, distinct=True, miss_order=o,
+                            copy=(rig.host_rows(rb), rig.dev_rows(rb, case.dev_rows)))
     torch.cuda.synchronize()
 
 
@@ -301,7 +307,7 @@ def main() -> None:
         case = build(rig, sh, H, N, rb, level)
         icase = index_case(case)  # the same inputs, hits looked up through hot_entry
         if N == sh["batches"][0]:
-            checks += [check_case(rig, case, distinct=True), check_case(rig, icase, distinct=True)]
+            checks += [check_case(rig, c, distinct=True, miss_order=case_order(c)) for c in (case, icase)]
         upto = tuple(PHASES) if args.phases and H == sh["Hs"][0] and rb == 656 else ()
         rec = time_case(rig, case, flush, iters, args.warmup, upto)
         irec = time_case(rig, icase, flush, iters, args.warmup, upto)

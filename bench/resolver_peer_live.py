@@ -11,7 +11,9 @@ median, device time with the GPU spinning while the CPU enqueues (bench/resolver
 
     ours: plan + copy (`plan_triton(defer=True, workspace=...)` + `launch_copies`, the engine's default),
           the fused plan + copy (`copy=`, `--resolver-copy fused`), the plan alone; and the first two again on
-          the same case with the hot_entry index (`--resolver-lookup index`, `index_case`)
+          the same case with the hot_entry index (`--resolver-lookup index`, `index_case`); each in the miss
+          order the engine's resolver step picks for the shape (`miss_order_for`: selection order at batch 8,
+          host order above), and where that is selection order the fused forms in host order too (`*_fused_host`)
     peer: `load_cache_to_device_buffer_kernel` (plan + copy in one launch), and its SkipIO instantiation
           (the same kernel with the row copies compiled out: its plan alone)
 
@@ -22,7 +24,7 @@ translated by bench/peer/hisparse_peer.py (same hot slots and rows, recency from
 
 Checks, every case: the peer's locations equal its contract (`peer_expected`), the rows it copied equal
 their host rows, its miss count equals our plan's host count, and its victim slots are ours as a set (the
-pairing of misses to victims differs by design: ours by host address). Our plan is checked bit for bit
+pairing of misses to victims differs by design: ours by host address or by entry). Our plan is checked bit for bit
 against `plan_reference` on the first batch of each (H, row size, level), on the scan state and the index state,
 as bench/resolver_peer.py does.
 """
@@ -42,7 +44,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.peer.hisparse_peer import PeerKernel, PeerState, peer_expected, peer_state  # noqa: E402
-from bench.resolver_cases import Case, Rig, check_case, cpu_copy, index_case  # noqa: E402
+from bench.resolver_cases import Case, Rig, case_order, check_case, cpu_copy, index_case  # noqa: E402
 from bench.resolver_peer import (PEER_US, Flush, build, case_grid, plan_bench_args, plan_bench_start,  # noqa: E402
                                  precompile_worker, start_rig)
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
@@ -92,15 +94,23 @@ FORMS = {"ours_plan_copy": "scan, plan + copy", "ours_fused": "scan, fused",
 
 
 def _ours(rig: Rig, case: Case, now: torch.Tensor, host, dev, restore, iters: int, warmup: int, tag: str = "") -> dict:
-    """Ours on one case (its state: scan or index): plan + copy and the fused plan + copy, as ours{tag}_plan_copy /
-    ours{tag}_fused."""
+    """Ours on one case (its state: scan or index), in the miss order the engine picks for its shape
+    (`miss_order_for`): plan + copy and the fused plan + copy, as ours{tag}_plan_copy / ours{tag}_fused; where
+    that order is "selection", the fused form in host order too (ours{tag}_fused_host: the plan before it)."""
     ws = PlanWorkspace(rig.dev)
-    plan = lambda **kw: plan_triton(case.sel, case.slots, case.state, now, defer=True, workspace=ws,  # noqa: E731
-                                    distinct=True, **kw)
+    order = case_order(case)
+    plan = lambda order=order, **kw: plan_triton(case.sel, case.slots, case.state, now, defer=True,  # noqa: E731
+                                                 workspace=ws, distinct=True, miss_order=order, **kw)
     fused = row_copy(host, dev)
-    return {f"ours{tag}_plan_copy": stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup)),
-            f"ours{tag}_fused": stats(timeit(rig, lambda: plan(copy=fused), restore, iters, warmup)),
-            **({"ours_plan": stats(timeit(rig, plan, restore, iters, warmup))} if not tag else {})}
+    rec = {f"ours{tag}_plan_copy": stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup)),
+           f"ours{tag}_fused": stats(timeit(rig, lambda: plan(copy=fused), restore, iters, warmup))}
+    if order != "host":
+        rec[f"ours{tag}_fused_host"] = stats(timeit(rig, lambda: plan("host", copy=fused), restore, iters, warmup))
+    if not tag:
+        rec["ours_plan"] = stats(timeit(rig, plan, restore, iters, warmup))
+        rec["miss_order"] = order
+    return rec
+
 
 
 def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, ps0: PeerState, flush: Flush, iters: int,
@@ -142,7 +152,8 @@ def ratios(rec: dict) -> dict:
     us = lambda k: rec[k]["time_ms"] * 1e3  # noqa: E731
     forms = [k for k in FORMS if k in rec]
     best = min(forms, key=us)
-    return {**{f"{k[5:]}_over_peer": us(k) / us("peer") for k in forms},
+    extra = [k for k in rec if k.endswith("_fused_host")]  # the host-order plan, where the engine's is selection
+    return {**{f"{k[5:]}_over_peer": us(k) / us("peer") for k in forms + extra},
             "best_over_peer": min(us("ours_plan_copy"), us("ours_fused")) / us("peer"),
             "best4_over_peer": us(best) / us("peer"), "best4_form": FORMS[best],
             "plan_over_peer_plan": us("ours_plan") / us("peer_plan")}
@@ -167,7 +178,8 @@ def main(argv=None) -> int:
         chk, exp = translation_check(case, now, ps0)
         icase = index_case(case)  # the same inputs, hits looked up through hot_entry
         if N == sh["batches"][0]:
-            chk["ours_vs_reference"] = all(v for c in (case, icase) for k, v in check_case(rig, c, distinct=True).items()
+            chk["ours_vs_reference"] = all(v for c in (case, icase)
+                                           for k, v in check_case(rig, c, distinct=True, miss_order=case_order(c)).items()
                                            if k not in ("case", "copies"))
         if peer is not None:
             chk["peer"] = peer_check(peer, rig, case, ps0, exp)

@@ -107,7 +107,7 @@ def test_all_direct_calls_skip_the_resolver():
     store = llm.engine.store
     calls = []
     plan = store.plan_fn
-    store.plan_fn = lambda *a: calls.append(1) or plan(*a)
+    store.plan_fn = lambda *a, **k: calls.append(1) or plan(*a, **k)
     prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(64)] for i in range(2)]  # 4 full pages each
     sp = SamplingParams(max_tokens=8, ignore_eos=True)  # decoded rows stay in the tail page
     ref = [o.token_ids for o in LLM("tiny").generate(prompts, sp)]

@@ -41,10 +41,11 @@ class Pair:
             st = with_hot_entry(st)
         self.ref, self.dev = clone_state(st), clone_state(st, DEV)
 
-    def step(self, sel, slots, now, defer=False, ws=None, distinct=False):
+    def step(self, sel, slots, now, defer=False, ws=None, distinct=False, miss_order="host"):
         slots = torch.as_tensor(slots)
-        want = plan_reference(sel, slots, self.ref, now)
-        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer, workspace=ws, distinct=distinct)
+        want = plan_reference(sel, slots, self.ref, now, miss_order=miss_order)
+        got = plan_triton(sel.to(DEV), slots.to(DEV), self.dev, now, defer=defer, workspace=ws, distinct=distinct,
+                          miss_order=miss_order)
         if defer:
             assert got.counters is None
             got.materialize()

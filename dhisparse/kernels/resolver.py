@@ -33,7 +33,8 @@ from dhisparse.kernels.gather import RowCopy, gather_rows, gather_rows_padded, r
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
-from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState, position_bound
+from dhisparse.kernels.resolver_ref import (ResolveCounters, ResolvePlan, ResolverState, check_miss_order,
+                                            position_bound)
 from dhisparse.kernels.resolver_workspace import PlanWorkspace, capturing
 
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "launch_copies_into",
@@ -53,7 +54,7 @@ class TritonResolvePlan(ResolvePlan):
     """ResolvePlan plus the kernel's padded per-request copy plan.
 
     src_pad, dst_pad [N, C] int64: row r < copy_n[n] of request n is (host location, device location),
-    sorted by host location within the request (C = min(K*k, B)); copy_n [N] int64;
+    in the plan's miss order within the request (C = min(K*k, B)); copy_n [N] int64;
     cnt [N, 6] int64 per-request device counters in `ResolveCounters` order; `counts` [6] their sum
     (a device tensor, computed once on first use).
     copy_src [M], copy_dst [M], counters: None while deferred, filled by `materialize()`.
@@ -79,7 +80,7 @@ class TritonResolvePlan(ResolvePlan):
         return self.counters is None
 
     def materialize(self) -> "TritonResolvePlan":
-        """Compact the copy plan to [M] (request order, host order within) and read the counters.
+        """Compact the copy plan to [M] (request order, miss order within) and read the counters.
         Synchronises with the device once. Idempotent."""
         if self.counters is None:
             keep = torch.arange(self.src_pad.shape[1], device=self.src_pad.device)[None, :] < self.copy_n[:, None]
@@ -237,7 +238,8 @@ def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: in
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
                 defer: bool = False, num_warps: int | None = None, upto_phase: int = 50,
                 workspace: PlanWorkspace | None = None, distinct: bool = False,
-                copy: "tuple[torch.Tensor, torch.Tensor] | RowCopy | None" = None) -> TritonResolvePlan:
+                copy: "tuple[torch.Tensor, torch.Tensor] | RowCopy | None" = None,
+                miss_order: str = "host") -> TritonResolvePlan:
     """Fused resolver plan. sel [N, K, k] positions (-1 padding); slots [N] distinct request slots.
 
     now: the LRU stamp, an int or an int64 device tensor (its first element is read by the kernel,
@@ -257,6 +259,10 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     `RowCopy` of them: the plan kernel copies each request's planned rows itself after planning them
     (P6): one launch plans and copies, as `plan` + `launch_copies` into that pair would, and the plan
     comes back with `copied` set (its copy plan is still there for other layers' row spaces).
+    miss_order: "host" (misses sorted by host location before they take victims) or "selection" (in
+    the order of their entries: no sort; needs distinct=True, since a repeated position's representative
+    is whichever entry won its claim), as `plan_reference` takes it; `resolver_ref.miss_order_for`
+    picks one for a call's shape.
     Host cost: a handful of tensor ops (one output allocation and its views) and one or two kernel
     launches through their held compiled handles (kernels/launch.py); with a workspace, a repeat of
     an earlier call's state, shape, options and copy target (a `RowCopy`, as a store keeps them)
@@ -265,6 +271,10 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     """
     if sel.dim() != 3:
         raise ValueError(f"sel must be [N, K, k], got {tuple(sel.shape)}")
+    check_miss_order(miss_order)
+    if miss_order == "selection" and not distinct:
+        raise ValueError("miss_order='selection' needs distinct=True (a repeated position's representative is not its "
+                         "first entry)")
     dev = st.hot_pos.device
     N, K, k = sel.shape
     KK = K * k
@@ -291,7 +301,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt, copied=rc is not None and upto_phase >= 50)
     # a (host_rows, dev_rows) pair makes a new RowCopy each call: nothing to hold a launch against
     _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto_phase, workspace, distinct, rc,
-            bind=copy is None or copy is rc)
+            bind=copy is None or copy is rc, host_order=miss_order == "host")
     return plan if defer else plan.materialize()
 
 
@@ -371,7 +381,8 @@ class _Bound:
 _BOUND_MAX = 256  # held launches per workspace (a store makes one per group, shape and option set)
 
 
-def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None, bind=True):
+def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None, distinct=False, rc=None, bind=True,
+            host_order=True):
     """Both kernels' launches for sel [N, K, k] (contiguous: read as [N, K*k]) into `plan`; with a
     RowCopy `rc`, the plan kernel copies the planned rows into it (P6). With a workspace, a call
     whose state tensors, workspace buffers, copy target, shape and options were seen before launches
@@ -380,14 +391,15 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
     now_t = now if isinstance(now, torch.Tensor) else torch.full((1,), int(now), dtype=torch.int64, device=st.hot_pos.device)
     key = None
     if ws is not None and bind:
-        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, sel.dtype, slots.dtype, now_t.dtype)
+        key = (id(st), id(rc), N, KK, B, C, num_warps, upto, distinct, host_order, sel.dtype, slots.dtype, now_t.dtype)
         b = ws.launches.get(key)
         if b is not None and b.valid(st, rc, ws.generation):
             if b.pre is not None:
                 b.pre(b.pre_grid, sel, slots, st.tail_start, plan.loc)
             b.plan((N,), sel, slots, st.tail_start, now_t, plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt)
             return
-    pre, main = _calls(sel, slots, st, _state_args(st), now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc)
+    pre, main = _calls(sel, slots, st, _state_args(st), now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc,
+                       host_order)
     if pre is not None:
         _PRE(*pre)
     _PLAN(*main)
@@ -401,7 +413,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
                                       pre[0] if pre is not None else (), bpre, bp)
 
 
-def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc):
+def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc, host_order=True):
     """(P0's launch or None, the plan kernel's launch), each (grid, args, consts, num_warps)."""
     s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap = a.strides
     hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap, hmap = _state_tensors(st)
@@ -438,7 +450,7 @@ def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, dis
         hmap if hmap is not None else hot_pos, s_hmap, hitf),
         {"MAP": hmap is not None, "PS": ps, "KKP": KKP, "PRE": pre is not None, "BP": BP, "CH": min(KKP, 2048),
          "CHB": min(BP, 2048), "SA": SA, "SB": SB, "SC": SC, "SD": SD, "UPTO": upto, "DISTINCT": bool(distinct),
-         **cconsts},
+         "HOSTORD": bool(host_order), **cconsts},
         warps)
 
 

@@ -1,7 +1,9 @@
 """Miss / victim phases of the fused resolver plan kernel (see resolver_kernel.py).
 
-Misses are keyed (host location, uid) and sorted in scratch with the smallest of four power-of-two
-size classes; the victims (the LRU-oldest unprotected slots) are found by a threshold stamp and
+Misses are keyed (host location, uid), compacted in uid order, and (HOSTORD: the plan's miss order
+"host") sorted in scratch with the smallest of four power-of-two size classes; in "selection" order
+(distinct selections: the uid is the entry) the compaction's order is already the miss order and
+nothing is sorted. The victims (the LRU-oldest unprotected slots) are found by a threshold stamp and
 listed in slot order, unsorted, and the r-th miss is paired with the r-th victim exactly as the
 PyTorch reference does.
 """
@@ -202,18 +204,20 @@ def _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, h
                  hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row, hmap_ptr, s_hmap,
                  KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr,
                  SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr,
-                 UPTO: tl.constexpr, DISTINCT: tl.constexpr, MAP: tl.constexpr):
-    """P4b-d, after the nmiss miss keys are compacted into mk: victims (the oldest nhost of the slots
-    in range bm not hit, by their stamps hs as read before P3), the nhost smallest keys sorted, and
-    miss r paired with victim r. UPTO 41 / 43 (profiling): stop after P4b / P4c."""
+                 UPTO: tl.constexpr, DISTINCT: tl.constexpr, MAP: tl.constexpr, HOSTORD: tl.constexpr):
+    """P4b-d, after the nmiss miss keys are compacted into mk in uid order: victims (the oldest nhost
+    of the slots in range bm not hit, by their stamps hs as read before P3), HOSTORD: the nhost
+    smallest keys sorted (else the first nhost in uid order, as compacted), and miss r paired with
+    victim r. UPTO 41 / 43 (profiling): stop after P4b / P4c."""
     _victims(bm & (~hit), hs, vk, nhost, BP, VSTEPS)
     tl.debug_barrier()
     if UPTO >= 43:
-        nsort = nmiss
-        if nmiss > SD:
-            _keep_smallest(mk, nmiss, nhost, KKP, CH)
-            nsort = nhost
-        _sort_keys(mk, nsort, SA, SB, SC, SD)
+        if HOSTORD:
+            nsort = nmiss
+            if nmiss > SD:
+                _keep_smallest(mk, nmiss, nhost, KKP, CH)
+                nsort = nhost
+            _sort_keys(mk, nsort, SA, SB, SC, SD)
         if UPTO >= 45:
             _assign(sel_ptr, KK, n, out, hflag, mk, vk, s, C, nhost, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr,
                     s_pos, s_stamp, s_loc, src_ptr, dst_ptr, now, loc_row, hmap_ptr, s_hmap, KKP, BP, CHB,

@@ -20,7 +20,7 @@ I1 bounds them by the host table's reach plus the tail) are their own representa
               speculatively in selection order; counts of valid / not-direct / direct rows
   P3 hot      every hot slot looks its position up in pv (checked against sel); a hit on a
               not-direct row sets out[uid] = hot_loc, protects the slot and refreshes its stamp
-  P4 misses   keys (host location, uid) compacted and sorted; victims = the LRU-oldest unprotected
+  P4 misses   keys (host location, uid) compacted in uid order and (miss order "host") sorted; victims = the LRU-oldest unprotected
               slots by (stamp, slot id), listed in slot order; the r-th miss takes the r-th victim
               (copy plan row r)  [resolver_evict]
   P5 output   loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
@@ -218,10 +218,11 @@ def resolve_plan_kernel(
     CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr,
     VSTEPS: tl.constexpr = 4, UPTO: tl.constexpr = 50, DISTINCT: tl.constexpr = 0,
     COPY: tl.constexpr = 0, CPW: tl.constexpr = 1, CCW: tl.constexpr = 1, CVEC: tl.constexpr = 1,
-    CR: tl.constexpr = 1, MAP: tl.constexpr = 0,
+    CR: tl.constexpr = 1, MAP: tl.constexpr = 0, HOSTORD: tl.constexpr = 1,
 ):
     """Grid (N, 1). sel [N, KK]; state rows indexed by slots[n]; loc [N, KK]; src/dst [N, C] copy plan
-    rows (host location, device location) sorted by host location; copy_n [N]; cnt [N, 6]
+    rows (host location, device location) in the miss order (HOSTORD: by host location; 0: by entry,
+    for distinct selections only, see `resolver_ref.miss_order_for`); copy_n [N]; cnt [N, 6]
     (selected, direct, hot, host, host_selected, overflow). scr64 [N, 2*KKP + BP] int64,
     scr32 [N, 2*KKP] int32, pv [N, LCAP] int16 / int32: any contents at entry (P1's claims);
     pre [N, 3] int32 (with PRE): P0's counts, zeros at entry and left so.
@@ -250,7 +251,7 @@ def resolve_plan_kernel(
                       has_map, now_ptr, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, cnt_ptr, C, scr64_ptr, scr32_ptr,
                       pv_ptr, LCAP, pre_ptr, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1, cdp, cds0, cdsl, cds1, n,
                       hmap_ptr, s_hmap, hitf_ptr, KKP, PRE, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT,
-                      COPY, CPW, CCW, CVEC, CR, MAP)
+                      COPY, CPW, CCW, CVEC, CR, MAP, HOSTORD)
 
 
 @triton.jit
@@ -262,7 +263,7 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   CH: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
                   SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr, DISTINCT: tl.constexpr,
                   COPY: tl.constexpr, CPW: tl.constexpr, CCW: tl.constexpr, CVEC: tl.constexpr, CR: tl.constexpr,
-                  MAP: tl.constexpr):
+                  MAP: tl.constexpr, HOSTORD: tl.constexpr):
     """Request n's plan (program (n, 0)): P0's exit or P1-P5, then (COPY) P6's copy of its planned rows."""
     s = tl.load(slots_ptr + n).to(tl.int64)
     now = tl.load(now_ptr).to(tl.int64)  # a device scalar: a captured step graph replays with the current step
@@ -293,13 +294,13 @@ def _plan_request(sel_ptr, slots_ptr, KK, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                       tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap, LMAX,
                       has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP,
                       hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT,
-                      MAP)
+                      MAP, HOSTORD)
         else:
             nhost = _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, B,
                           tail_start_ptr, tail_loc_ptr, s_tail, TT, table_ptr, s_table, HPW, ps, dmap_ptr, s_dmap,
                           LMAX, has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv,
                           LCAP, hmap_ptr, s_hmap, hitf_ptr + n * BP, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO,
-                          MAP)
+                          MAP, HOSTORD)
     if COPY:
         if UPTO >= 50:
             _copy_planned(src_ptr + n * C, dst_ptr + n * C, nhost, crs_ptr, crd_ptr, CG, chp, chs0, chsl, chs1,
@@ -312,7 +313,7 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
                   has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, rep, hflag, pv, LCAP,
                   hmap_ptr, s_hmap, hrow, KKP: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr, CHB: tl.constexpr,
                   SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr,
-                  UPTO: tl.constexpr, MAP: tl.constexpr):
+                  UPTO: tl.constexpr, MAP: tl.constexpr, HOSTORD: tl.constexpr):
     """P1-P5 of request n (slot s) over chunks of CH entries through the scratch rows (K*k > CH).
     MAP: hits are looked up in P1 (`_entries`) and protected through the hit row hrow [BP] int8 instead of
     P3's scan. Returns the rows it planned to copy (copy_n[n])."""
@@ -341,7 +342,8 @@ def _plan_chunked(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_pt
             _compact_misses(sel_ptr, KK, n, rep, out, mk, s, table_ptr, s_table, HPW, ps, KKP, CH)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
                          hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now,
-                         loc_ptr + n * KK, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0, MAP)
+                         loc_ptr + n * KK, hmap_ptr, s_hmap, KKP, BP, CH, CHB, SA, SB, SC, SD, VSTEPS, UPTO, 0, MAP,
+                         HOSTORD)
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost * 0
         if UPTO >= 50:

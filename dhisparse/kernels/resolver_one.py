@@ -157,7 +157,7 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
               has_map, loc_ptr, src_ptr, dst_ptr, copy_n_ptr, c, C, out, mk, vk, hflag, pv, LCAP, hmap_ptr, s_hmap,
               hrow, KKP: tl.constexpr, BP: tl.constexpr, CHB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
               SC: tl.constexpr, SD: tl.constexpr, VSTEPS: tl.constexpr, UPTO: tl.constexpr,
-              DISTINCT: tl.constexpr, MAP: tl.constexpr):
+              DISTINCT: tl.constexpr, MAP: tl.constexpr, HOSTORD: tl.constexpr):
     """P1-P5 of request n (slot s) in registers; the scratch rows out / mk / vk / hflag, the claim
     row pv and (MAP) the hit row hrow [BP] int8 are request n's. Returns the rows it planned to copy
     (copy_n[n])."""
@@ -199,7 +199,8 @@ def _plan_one(sel_ptr, KK, n, s, now, hot_pos_ptr, hot_stamp_ptr, hot_loc_ptr, s
             _compact_one(mk, miss, p, hpg, ps, KKP)
             _pair_misses(sel_ptr, KK, n, out, hflag, mk, vk, s, nmiss, nhost, bm, hit, hs, hot_pos_ptr,
                          hot_stamp_ptr, hot_loc_ptr, s_pos, s_stamp, s_loc, src_ptr, dst_ptr, C, now, loc_row,
-                         hmap_ptr, s_hmap, KKP, BP, KKP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, MAP)
+                         hmap_ptr, s_hmap, KKP, BP, KKP, CHB, SA, SB, SC, SD, VSTEPS, UPTO, DISTINCT, MAP,
+                         HOSTORD)
         tl.store(copy_n_ptr + n, nhost)
         hsel = nhost
         if (UPTO >= 50) & (not DISTINCT):  # DISTINCT: loc is final and every copied row one entry

@@ -8,10 +8,12 @@ copies for one layer's bytes. Follower layers of a shared selection (GLM `shared
 Per request, over the union U of its K queries' selections (each distinct row handled once):
   1. direct:  positions in the tail (>= tail_start) or in the ready optional map (direct_loc >= 0)
   2. hot:     positions held by a hot-cache slot (hits; their LRU stamps are refreshed)
-  3. host:    the rest; sorted by host location, the i-th miss takes the i-th victim. The victims are
-              the first m unselected slots in LRU order (empty slots first, then oldest stamp, then
-              slot id), paired in slot order: which slots are evicted is LRU, how misses pair with
-              them is free, and slot order needs no sort of the victims (issue 33)
+  3. host:    the rest, in the plan's miss order (`MISS_ORDERS`): by host location ("host"), or by
+              first entry in the selection ("selection"); the i-th miss takes the i-th victim. The
+              victims are the first m unselected slots in LRU order (empty slots first, then oldest
+              stamp, then slot id), paired in slot order: which slots are evicted is LRU, how misses
+              pair with them is free, and slot order needs no sort of the victims (issue 33). When
+              misses outnumber victims, the first m in miss order take them (the rest overflow).
 Locations come back in selection order, [N, K, k], -1 where the selection is -1.
 
 State (one group g = one selection producer; all layers of a group share the slot state):
@@ -37,6 +39,27 @@ from typing import ClassVar, NamedTuple
 import torch
 
 
+MISS_ORDERS = ("host", "selection")
+# Whole-call selection entries (N * K * k) below which a one-query call fetches in selection order: the copy's
+# host reads ran as fast unsorted there (bench/results/copy_order_s38_h100.json: 0.98-1.02x at batch 8, up to
+# 16,384 rows; 1.03-1.52x slower from batch 32), so the plan kernel skips sorting the misses (issue 33).
+SELECTION_ORDER_ENTRIES = 32768
+
+
+def miss_order_for(n: int, kk: int, distinct: bool) -> str:
+    """The miss order a call of n requests of kk = K*k entries each should plan in: "selection" for a
+    distinct (one top-k query a request) call of fewer than `SELECTION_ORDER_ENTRIES` entries, where the
+    copy is small enough that host-address order does not pay for its sort; "host" otherwise. (With
+    repeated positions the Triton plan's representative of a row is whichever entry won its claim, not
+    the first, so selection order needs distinct selections.)"""
+    return "selection" if distinct and n * kk < SELECTION_ORDER_ENTRIES else "host"
+
+
+def check_miss_order(miss_order: str) -> None:
+    if miss_order not in MISS_ORDERS:
+        raise ValueError(f"miss_order must be one of {MISS_ORDERS}, got {miss_order!r}")
+
+
 class ResolveCounters(NamedTuple):
     """selected: valid selection entries; direct/hot/host: distinct rows by where they resolved;
     host_selected: selection entries whose row came from host; overflow: misses with no victim."""
@@ -52,7 +75,7 @@ class ResolveCounters(NamedTuple):
 @dataclass
 class ResolvePlan:
     """loc [N, K, k] device locations; copy_src [M] host locations, copy_dst [M] device locations
-    (sorted by host location within each request). deferred: the plan's copy plan and counters
+    (request by request, each in the plan's miss order: by host location, or by selection). deferred: the plan's copy plan and counters
     are still on the device (a `TritonResolvePlan` from `plan_triton(defer=True)`); a reference
     plan never is."""
 
@@ -114,8 +137,18 @@ def _host_loc(st: ResolverState, s: int, pos: torch.Tensor) -> torch.Tensor:
     return st.host_table[s, pos // ps] * ps + pos % ps
 
 
-def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: int) -> ResolvePlan:
-    """Plain-PyTorch resolver plan. sel [N, K, k] int64; slots [N] request slot ids."""
+def _first_entry(flat: torch.Tensor, valid: torch.Tensor, inv: torch.Tensor, u: int) -> torch.Tensor:
+    """[u] the flattened-selection index of each distinct row's first entry (inv: its valid entries' rows)."""
+    idx = valid.nonzero().squeeze(1)
+    return torch.full((u,), flat.numel(), dtype=torch.int64, device=flat.device).scatter_reduce_(0, inv, idx, "amin")
+
+
+def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: int, *,
+                   miss_order: str = "host") -> ResolvePlan:
+    """Plain-PyTorch resolver plan. sel [N, K, k] int64; slots [N] request slot ids. miss_order (one of
+    `MISS_ORDERS`): the order misses take victims and are copied in, by host location or by their
+    first entry in the request's flattened selection."""
+    check_miss_order(miss_order)
     N = sel.shape[0]
     loc = torch.full_like(sel, -1)
     srcs, dsts = [], []
@@ -143,11 +176,11 @@ def plan_reference(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, no
         out[rest[hit]] = st.hot_loc[s, hit_slot[hit]]
         st.hot_stamp[s, hit_slot[hit]] = now
         c[2] += int(hit.sum())
-        # 3. misses -> LRU victims, fetched in host-address order
+        # 3. misses -> LRU victims, fetched in the miss order
         miss = rest[~hit]
         if miss.numel():
             hloc = _host_loc(st, s, uniq[miss])
-            order = torch.argsort(hloc)
+            order = torch.argsort(hloc if miss_order == "host" else _first_entry(flat, valid, inv, uniq.numel())[miss])
             miss, hloc = miss[order], hloc[order]
             protected = torch.zeros(st.hot_pos.shape[1], dtype=torch.bool, device=st.hot_pos.device)
             protected[hit_slot[hit]] = True

@@ -16,7 +16,8 @@ the layer and fetched from host again when selected again. Under `paper`:
            higher (staged rows by rank descending paired with touched slots by rank ascending: the
            pairs that promote are a prefix). The hot cache then ends the round holding the union's
            highest-ranked rows. The resolver kernel still picks which misses take victims in
-           host-address order; promotion corrects the end state with a device-to-device copy.
+           host-address order (a union of several queries always plans in that miss order);
+           promotion corrects the end state with a device-to-device copy.
   flush    the promoted rows' bytes (every layer of the group, from its staging arena) and their
            hot-cache state land together once the group's last layer has run: before the next
            group's locate, or at `HierContext.finish()` (the model calls it after its last layer,

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from dhisparse.core.rows import SPACE, row_bytes
-from dhisparse.kernels.resolver_ref import ResolvePlan
+from dhisparse.kernels.resolver_ref import ResolvePlan, miss_order_for
 from dhisparse.kv.hier.promotion import Promotion, copy_layered_torch, flush, plan_promotion, rank_stamps
 from dhisparse.kv.hier.staging import DirectPlan, StagePlan, direct_plan, stage_overflow, stage_overflow_deferred
 
@@ -123,20 +123,23 @@ def resolve_group(kv, g: int, per_req: torch.Tensor,
     that found no hot-cache victim are staged by device ops (`stage_overflow_deferred`). With the
     reference resolver the call-level direct path (`direct_plan`) and staging read the plan on
     the host."""
+    # one query a request: its top-k holds distinct positions, so the kernel skips deduplication, and a
+    # small call fetches its misses in selection order (no sort: `miss_order_for`)
+    distinct = per_req.shape[1] == 1
+    order = miss_order_for(per_req.shape[0], per_req.shape[1] * per_req.shape[2], distinct)
     if kv.deferred:
-        # one query a request: its top-k holds distinct positions, so the kernel skips deduplication
-        distinct = per_req.shape[1] == 1
         if distinct and kv.debug:
             _check_distinct(per_req)
         plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.now_t, defer=True, workspace=kv.plan_ws,
-                          distinct=distinct, copy=producer_target(kv, g) if kv.fuse_copies else None)
+                          distinct=distinct, copy=producer_target(kv, g) if kv.fuse_copies else None,
+                          miss_order=order)
         staged = None
         if per_req.shape[1] * per_req.shape[2] > kv.B_of[g]:
             staged = stage_overflow_deferred(plan, per_req, slots_t, kv)
     else:
         plan = direct_plan(per_req, slots_t, kv)
         if plan is None:
-            plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.stamp_now)
+            plan = kv.plan_fn(per_req, slots_t, kv.resolver_state(g), kv.stamp_now, miss_order=order)
         else:
             kv.census.direct_calls += 1
         plan, staged = stage_overflow(plan, per_req, slots_t, kv)
