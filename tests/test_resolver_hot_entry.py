@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
-from test_resolver_one import _distinct_sel  # noqa: E402
+from test_resolver_one import distinct_steps  # noqa: E402
 from test_resolver_reference import clone_state, make_state, sel_of  # noqa: E402
 
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
@@ -63,13 +63,12 @@ def test_distinct_lookup_against_reference_with_stale_scratch(S, k, B, L, TT, di
     buffer (claims, hit flags) overwritten with garbage between calls."""
     g = torch.Generator().manual_seed(seed)
     st, top = random_state(g, S, B, L, TT, direct, fill, seed)
-    p, ws = Pair(st, hot_map=True), PlanWorkspace(DEV)
-    for step in range(steps):
-        N = int(torch.randint(1, S + 1, (1,), generator=g))
-        slots = torch.randperm(S, generator=g)[:N]
-        p.step(_distinct_sel(g, N, k, top[slots]), slots, now=6 + step, ws=ws, distinct=True)
+
+    def garbage(ws):
         for t in ws.claims() + [b for name, b in ws._bufs.items() if name == "hitf"]:
             t.copy_(torch.randint(-3, k + 3, t.shape, generator=g).to(t))
+
+    distinct_steps(Pair(st, hot_map=True), g, S, k, top, steps, PlanWorkspace(DEV), garbage)
 
 
 def test_direct_rows_with_a_hot_entry_are_direct_and_leave_their_entry_alone():

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 from test_resolver_fused_copy import _rows  # noqa: E402
 from test_resolver_kernel import DEV, Pair, fill_hot, random_state  # noqa: E402
-from test_resolver_one import _distinct_sel  # noqa: E402
+from test_resolver_one import _distinct_sel, distinct_steps  # noqa: E402
 from test_resolver_reference import clone_state, make_state  # noqa: E402
 
 from dhisparse import SamplingParams  # noqa: E402
@@ -43,11 +43,7 @@ def test_selection_order_against_reference(hot_map, S, k, B, L, TT, direct, fill
     often: misses overflow the victims)."""
     g = torch.Generator().manual_seed(seed)
     st, top = random_state(g, S, B, L, TT, direct, fill, seed)
-    p, ws = Pair(st, hot_map=hot_map), PlanWorkspace(DEV)
-    for step in range(steps):
-        N = int(torch.randint(1, S + 1, (1,), generator=g))
-        slots = torch.randperm(S, generator=g)[:N]
-        p.step(_distinct_sel(g, N, k, top[slots]), slots, now=6 + step, ws=ws, distinct=True, miss_order="selection")
+    distinct_steps(Pair(st, hot_map=hot_map), g, S, k, top, steps, PlanWorkspace(DEV), miss_order="selection")
 
 
 def test_the_orders_differ_and_selection_keeps_entry_order():

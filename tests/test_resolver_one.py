@@ -39,6 +39,17 @@ def _distinct_sel(g, N, k, hi, pad=0.15):
     return torch.where(torch.rand(N, 1, k, generator=g) < pad, -1, sel)
 
 
+def distinct_steps(p: Pair, g, S, k, top, steps, ws, scramble=None, **kw):
+    """`steps` calls of one distinct top-k query a request (random requests of S slots, positions < top of
+    their slot) on pair p through workspace ws, each compared by p; scramble(ws) between calls."""
+    for step in range(steps):
+        N = int(torch.randint(1, S + 1, (1,), generator=g))
+        slots = torch.randperm(S, generator=g)[:N]
+        p.step(_distinct_sel(g, N, k, top[slots]), slots, now=6 + step, ws=ws, distinct=True, **kw)
+        if scramble is not None:
+            scramble(ws)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(S=hs.integers(1, 5), k=hs.integers(1, 16), B=hs.integers(1, 24), L=hs.integers(8, 64), TT=hs.integers(1, 8),
        direct=hs.booleans(), fill=hs.floats(0, 1), steps=hs.integers(1, 3), seed=hs.integers(0, 2**31 - 1))
@@ -46,13 +57,12 @@ def test_distinct_one_query_against_reference(S, k, B, L, TT, direct, fill, step
     """distinct=True on one top-k query a request: the same plans and state as the reference."""
     g = torch.Generator().manual_seed(seed)
     st, top = random_state(g, S, B, L, TT, direct, fill, seed)
-    p, ws = Pair(st), PlanWorkspace(DEV)
-    for step in range(steps):
-        N = int(torch.randint(1, S + 1, (1,), generator=g))
-        slots = torch.randperm(S, generator=g)[:N]
-        p.step(_distinct_sel(g, N, k, top[slots]), slots, now=6 + step, ws=ws, distinct=True)
-        for pv in ws.claims():  # stale claims of every kind between calls
+
+    def stale(ws):  # stale claims of every kind between calls
+        for pv in ws.claims():
             pv.copy_(torch.randint(-3, k + 3, pv.shape, generator=g).to(pv))
+
+    distinct_steps(Pair(st), g, S, k, top, steps, PlanWorkspace(DEV), stale)
 
 
 def test_distinct_with_stale_claims_and_hits_among_them():
