@@ -551,12 +551,13 @@ case ",$STEPS," in *,exact33,*)  # issue 33: CUDA exactness of every file the re
       tests/test_adaptive.py tests/test_source_budgets.py tests/test_spec_engine.py tests/test_graphs.py tests/test_uva.py \
       tests/test_v4_hier.py tests/test_spec_mtp.py tests/test_spec_mtp_v4.py tests/test_spec_dflash.py tests/test_kv_fp8*.py tests/test_launch.py \
       tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py \
-      tests/test_resolver_bound.py tests/test_resolver_outputs.py --junitxml="$OUT/exact33${EXACT33_REUSE:+_reuse}_cuda.xml" ;; esac
+      tests/test_resolver_bound.py tests/test_resolver_outputs.py tests/test_resolver_miss_order.py \
+      --junitxml="$OUT/exact33${EXACT33_REUSE:+_reuse}_cuda.xml" ;; esac
 case ",$STEPS," in *,exact33r,*)  # issue 33: the resolver's own files only, on CUDA (~1.5 min warm)
   run "exactness on CUDA, resolver kernel files" timeout ${EXACT33_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_resolver_kernel.py tests/test_resolver_one.py tests/test_resolver_reference.py tests/test_hierarchy.py tests/test_launch.py \
       tests/test_gather.py tests/test_resolver_fused_copy.py tests/test_resolver_hot_entry.py tests/test_staging_paper.py \
-      --junitxml="$OUT/exact33r_cuda.xml" ;; esac
+      tests/test_resolver_miss_order.py --junitxml="$OUT/exact33r_cuda.xml" ;; esac
 case ",$STEPS," in *,gemm43,*)  # issue 31: FP8 GEMM tiles BM 64 vs 128 at verification pass sizes (s42's round: dense GEMMs 2.43x the step's for 5x the rows: BM 64 reads each weight twice at 100 rows) (~2 min)
   run "FP8 GEMM tiles, BM 64 vs 128" timeout ${GEMM43_TIMEOUT:-200} python3 bench/fp8_gemm_bench.py --tokens 20,100 --prefill-tokens 0 \
       --sweep-tokens 20,47,100,188 --sweep "64:4:3,64:64:4:3,128:64:4:3,128:64:8:3,128:128:8:3,128:64:4:4" --out "$OUT/fp8_gemm_tiles_bm_h200.json" ;; esac
