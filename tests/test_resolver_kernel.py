@@ -113,11 +113,11 @@ def test_victims_are_the_lru_oldest_in_every_threshold_path(stamps, misses):
        seed=hs.integers(0, 2**31 - 1))
 def test_victim_threshold_search_over_stamp_spans(B, span, misses, seed):
     """A full hot cache with random stamps over narrow to very wide spans (ties and gaps) and any number
-    of misses: the threshold search past the walk (`resolver_evict._search_pass`) lands on the reference's
-    LRU-oldest victims exactly. Breakages caught: the upper end kept one short (hi - 1), a pivot's count
-    read at the wrong bits, the second part's upper end taken as the first pivot. Not caught, nor wrong in
-    effect: the lower end pushed one past a pivot that reached the count exactly (the final count of
-    stamps below the threshold takes the same slots unless a tie sits on that one value)."""
+    of misses: the threshold search past the walk (`resolver_evict._victims`' bisection) lands on the
+    reference's LRU-oldest victims exactly. Breakages caught (session 52, on the five-way search then in
+    its place): the upper end kept one short, a pivot's count read at the wrong bits, a part's upper end
+    taken as the pivot below it; on the bisection: the upper end set one below mid, the lower end two past
+    it."""
     g = torch.Generator().manual_seed(seed)
     st = make_state(S=1, B=B, L=400, TT=4)
     fill_hot(st, 0, (200 + torch.randperm(190, generator=g)[:B]).tolist(),

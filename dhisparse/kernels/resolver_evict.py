@@ -84,38 +84,17 @@ def _min_count(av, ac, bv, bc):
 
 
 @triton.jit
-def _search_pass(cand, st, nhost, lo, hi):
-    """One pass of `_victims`' threshold search on [lo, hi] (count(hi) >= nhost > count(lo - 1), where
-    count(v) = #(candidates cand with stamp st <= v)): pivots q_j = lo + floor(j (hi - lo) / 5), j = 1..4,
-    counted in one reduction (16 bits each, packed in int64: counts <= BP <= 32,768); returns the part
-    (lo', hi') of the first pivot reaching nhost, which keeps the invariant and is shorter (the pivots
-    are < hi)."""
-    w = hi - lo
-    q1 = lo + (w // 5) + (w % 5) // 5
-    q2 = lo + 2 * (w // 5) + (2 * (w % 5)) // 5
-    q3 = lo + 3 * (w // 5) + (3 * (w % 5)) // 5
-    q4 = lo + 4 * (w // 5) + (4 * (w % 5)) // 5
-    packed = tl.sum((cand & (st <= q1)).to(tl.int64) + ((cand & (st <= q2)).to(tl.int64) << 16)
-                    + ((cand & (st <= q3)).to(tl.int64) << 32) + ((cand & (st <= q4)).to(tl.int64) << 48), axis=0)
-    r1 = (packed & 0xFFFF) >= nhost
-    r2 = ((packed >> 16) & 0xFFFF) >= nhost
-    r3 = ((packed >> 32) & 0xFFFF) >= nhost
-    r4 = ((packed >> 48) & 0xFFFF) >= nhost
-    nhi = tl.where(r1, q1, tl.where(r2, q2, tl.where(r3, q3, tl.where(r4, q4, hi))))
-    nlo = tl.where(r1, lo, tl.where(r2, q1 + 1, tl.where(r3, q2 + 1, tl.where(r4, q3 + 1, q4 + 1))))
-    return nlo, nhi
-
-
-@triton.jit
 def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
     """P4b. vk[0:nhost] <- slot ids of the first nhost candidate slots (cand [BP]: in range and
     unprotected) in (stamp, slot) order (stamps st [BP] int64), stored in slot order (misses pair
     with them in that order: no sort). The threshold stamp s* (the smallest with #(candidates,
     stamp <= s*) >= nhost) is found by walking up the distinct stamps from the oldest, at most
-    STEPS of them (one group of equal stamps usually covers a round's misses), then by a five-way
-    search on what is left (one reduction a pass for four pivots: about half the passes of a bisection). (A radix selection of s*, 256-bin histograms of 8-bit digits, was measured against
-    this in session 39 and removed: 4-6% faster at 20% and all misses with H 8,192, 10-14% slower at
-    0.1% misses with H 4,096.)"""
+    STEPS of them (one group of equal stamps usually covers a round's misses), then by bisection on
+    what is left. (A five-way search, four pivots counted in one int64 reduction a pass, was measured
+    against this in session 52 and removed: the cases that search ran 1-6% slower against the peer's plan
+    on an H100, the others 3-7% faster, across two machines. A radix selection of s*, 256-bin histograms
+    of 8-bit digits, was measured against this in session 39 and removed: 4-6% faster at 20% and all
+    misses with H 8,192, 10-14% slower at 0.1% misses with H 4,096.)"""
     sl = tl.arange(0, BP)
     # the oldest stamp and how many candidates hold it, in one reduction (`_min_count`)
     lo, have = tl.reduce((tl.where(cand, st, BIG), cand.to(tl.int32)), 0, _min_count)
@@ -127,11 +106,14 @@ def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
         lo, more = tl.reduce((tl.where(up, st, BIG), up.to(tl.int32)), 0, _min_count)
         have += more
         j += 1
-    if have < nhost:  # s* lies in (lo, hi]: a five-way search, four pivots a pass (`_search_pass`)
+    if have < nhost:  # s* lies in (lo, hi]
         hi = tl.max(tl.where(cand, st, -BIG), axis=0)
         lo = lo + 1
         while lo < hi:
-            lo, hi = _search_pass(cand, st, nhost, lo, hi)
+            mid = lo + (hi - lo) // 2
+            ok = tl.sum((cand & (st <= mid)).to(tl.int32), axis=0) >= nhost
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
         nbelow = tl.sum((cand & (st < lo)).to(tl.int32), axis=0)
     below = cand & (st < lo)
     eq = cand & (st == lo)
