@@ -91,10 +91,11 @@ def _victims(cand, st, vk, nhost, BP: tl.constexpr, STEPS: tl.constexpr):
     stamp <= s*) >= nhost) is found by walking up the distinct stamps from the oldest, at most
     STEPS of them (one group of equal stamps usually covers a round's misses), then by bisection on
     what is left. (A five-way search, four pivots counted in one int64 reduction a pass, was measured
-    against this in session 52 and removed: the cases that search ran 1-6% slower against the peer's plan
-    on an H100, the others 3-7% faster, across two machines. A radix selection of s*, 256-bin histograms
-    of 8-bit digits, was measured against this in session 39 and removed: 4-6% faster at 20% and all
-    misses with H 8,192, 10-14% slower at 0.1% misses with H 4,096.)"""
+    against this in session 52 and removed: on an H100, 14 of 16 cases that search came to 1-9% more of
+    the peer's plan than session 51's bisection, the cases that never search 7% less to 1% more, across two
+    machines. A radix selection of s*, 256-bin histograms of 8-bit digits, was measured against this in
+    session 39 and removed: 4-6% faster at 20% and all misses with H 8,192, 10-14% slower at 0.1% misses
+    with H 4,096.)"""
     sl = tl.arange(0, BP)
     # the oldest stamp and how many candidates hold it, in one reduction (`_min_count`)
     lo, have = tl.reduce((tl.where(cand, st, BIG), cand.to(tl.int32)), 0, _min_count)
