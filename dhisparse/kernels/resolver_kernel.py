@@ -20,9 +20,9 @@ I1 bounds them by the host table's reach plus the tail) are their own representa
               speculatively in selection order; counts of valid / not-direct / direct rows
   P3 hot      every hot slot looks its position up in pv (checked against sel); a hit on a
               not-direct row sets out[uid] = hot_loc, protects the slot and refreshes its stamp
-  P4 misses   keys (host location, uid) compacted in uid order and (miss order "host") sorted; victims = the LRU-oldest unprotected
-              slots by (stamp, slot id), listed in slot order; the r-th miss takes the r-th victim
-              (copy plan row r)  [resolver_evict]
+  P4 misses   keys (host location, uid) compacted in uid order and (miss order "host") sorted;
+              victims = the LRU-oldest unprotected slots by (stamp, slot id), listed in slot order;
+              the r-th miss takes the r-th victim (copy plan row r)  [resolver_evict]
   P5 output   loc[i] = out[rep[i]] in selection order, -1 where the selection is -1; counters
 
 Direct fast path (paper §3.2: "a lookup skips the hot-cache scan only when every selected row
