@@ -112,7 +112,6 @@ def _ours(rig: Rig, case: Case, now: torch.Tensor, host, dev, restore, iters: in
     return rec
 
 
-
 def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, ps0: PeerState, flush: Flush, iters: int,
               warmup: int, icase: Case | None = None) -> dict:
     """Ours (plan + copy, fused, plan alone; with icase, the same case on its hot_entry index state: plan + copy

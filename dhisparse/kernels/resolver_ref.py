@@ -75,9 +75,9 @@ class ResolveCounters(NamedTuple):
 @dataclass
 class ResolvePlan:
     """loc [N, K, k] device locations; copy_src [M] host locations, copy_dst [M] device locations
-    (request by request, each in the plan's miss order: by host location, or by selection). deferred: the plan's copy plan and counters
-    are still on the device (a `TritonResolvePlan` from `plan_triton(defer=True)`); a reference
-    plan never is."""
+    (request by request, each in the plan's miss order: by host location, or by selection). deferred:
+    the plan's copy plan and counters are still on the device (a `TritonResolvePlan` from
+    `plan_triton(defer=True)`); a reference plan never is."""
 
     deferred: ClassVar[bool] = False
     loc: torch.Tensor
