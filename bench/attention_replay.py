@@ -8,7 +8,7 @@ int64; one space took 51 us on the same locations. With rows per page compile-ti
 round's pass takes 43 us a layer (..._s11d_h200.json). This replays
 the engine's own inputs: one eager step is run with `MLAttention.sparse` recording its arguments
 (q_abs [T, H, C], q_pe [T, H, R], the row spaces, loc [T, k]) for the first `layers` calls, then each
-recorded call is timed from CUDA-graph replays (as `mla_tune_bench.timed`) under:
+recorded call is timed from CUDA-graph replays (as `kernel_bench.timed`) under:
 
   engine       the recorded inputs, the shipped plan
   sorted       each token's locations sorted (the same rows in address order)
@@ -28,6 +28,7 @@ import os
 import torch
 
 from bench import mla_tune_bench as tune
+from bench.kernel_bench import Timing, timed
 from dhisparse.core.rows import SPACE
 
 # (splits, block_k, warps, stages) of the plans timed besides the shipped one: on CUDA a smaller
@@ -94,7 +95,7 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
     cuda = calls[0][0].is_cuda
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("attention replay times the Triton kernel: run on CUDA, or set TRITON_INTERPRET=1 on CPU")
-    timing = tune.Timing(warmup=2, reps=10, graph=10) if cuda else tune.Timing(warmup=1, reps=2, graph=1)
+    timing = Timing(warmup=2, reps=10, graph=10) if cuda else Timing(warmup=1, reps=2, graph=1)
     per_request = spec_width if preset.endswith("+spec") else 1
     out = []
     for i, (q, qp, rows, loc, scale, fmt) in enumerate(calls):
@@ -103,13 +104,13 @@ def replay(step, preset: str, spec_width: int, layers: int = 3) -> list[dict]:
         rec = {"call": i, **describe(loc, per_request), "ms": {}}
         for name, (r, lc) in variants(q, qp, rows, loc).items():
             o = torch.empty_like(q)
-            rec["ms"][name] = tune.timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, fmt, out=o), timing, cuda)
+            rec["ms"][name] = timed(lambda: run_sparse_mla(shipped, q, qp, r, lc, scale, fmt, out=o), timing, cuda)
         for plan in tune.plans(H, C, R, *SWEEP[cuda], dtype=q.dtype):
             if plan == shipped:
                 continue
             o = torch.empty_like(q)
             key = f"plan split{plan.split_rows} bk{plan.block_k} w{plan.num_warps} s{plan.num_stages}"
-            rec["ms"][key] = tune.timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, scale, fmt, out=o), timing, cuda)
+            rec["ms"][key] = timed(lambda: run_sparse_mla(plan, q, qp, rows, loc, scale, fmt, out=o), timing, cuda)
         out.append(rec)
         best = min(rec["ms"], key=rec["ms"].get)
         print(f"    attention replay call {i}: T={rec['T']} staging {rec['staging_share']:.2f} "

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.mla_tune_bench import Timing, ints, timed  # noqa: E402
+from bench.kernel_bench import Timing, ints, timed  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 from dhisparse.spec.dflash_model import attention_mask, fused_grouped, upcast_grouped  # noqa: E402
 

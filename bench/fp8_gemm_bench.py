@@ -30,7 +30,7 @@ if "--quick" in sys.argv:  # before anything imports triton
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
+from bench.kernel_bench import Timing, device_setup, ints, timed  # noqa: E402
 from bench.resolver_timing import header  # noqa: E402
 from dhisparse.kernels.fp8_gemm_ref import dequantize_block_fp8  # noqa: E402
 from dhisparse.layers.fp8_linear import Fp8Experts, Fp8Linear  # noqa: E402

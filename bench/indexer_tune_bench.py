@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from dhisparse.bench import results as R  # noqa: E402
 from bench.fp8_kernels import index_keys  # noqa: E402
-from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
+from bench.kernel_bench import Timing, device_setup, ints, timed  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ if "--quick" in sys.argv:  # before anything imports triton
 
 import torch  # noqa: E402
 
-from bench.mla_tune_bench import Timing, device_setup, ints, timed  # noqa: E402
+from bench.kernel_bench import Timing, device_setup, ints, timed  # noqa: E402
 from dhisparse.bench import results as R  # noqa: E402
 
 

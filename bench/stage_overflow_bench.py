@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.mla_tune_bench import Timing, timed  # noqa: E402
+from bench.kernel_bench import Timing, timed  # noqa: E402
 from dhisparse.bench.results import write_doc  # noqa: E402
 from dhisparse.core.rows import SPACE  # noqa: E402
 from dhisparse.kernels.stage_overflow import stage_overflow_torch, stage_overflow_triton  # noqa: E402

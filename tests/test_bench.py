@@ -443,9 +443,9 @@ def test_phase_clock_splits_a_step_and_removes_its_wrappers():
 
 
 def test_bench_timing_resets_an_input_before_each_timed_call():
-    """bench/mla_tune_bench.py's `timed` (shared by bench/stage_overflow_bench.py): warm-up calls, then reps timed
-    calls, each after `reset()`; so a call that changes its own input is timed on the same input every time."""
-    from bench.mla_tune_bench import Timing, timed
+    """bench/kernel_bench.py's `timed` (mla_tune_bench.py, attention_replay.py, stage_overflow_bench.py): warm-up
+    calls, then reps timed calls, each after `reset()`; so a call that changes its own input is timed on the same input every time."""
+    from bench.kernel_bench import Timing, timed
 
     x, seen = torch.zeros(1), []
 
