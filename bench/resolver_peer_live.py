@@ -7,7 +7,10 @@
 The issue's 36 cases (bench/resolver_peer.py's `build`: top-k 2,048, one query per request, hot cache H 4,096 /
 8,192, batch 8 / 32 / 100, rows of 656 / 1,152 B, 0.1% / 20% / all of each selection missing). Per case, on
 one GPU in one process, each call after a 256-MiB L2 flush and its state restored (untimed), 20 timed calls,
-median, device time with the GPU spinning while the CPU enqueues (bench/resolver_timing.py):
+median, device time with the GPU spinning while the CPU enqueues (bench/resolver_timing.py). The calls of a case
+are interleaved (`interleaved`): --rounds rounds (default 4) of 5 calls a form, the forms' order rotated by one
+a round, so that a drift of the host link during a case falls on every form alike (session 52 saw one form's
+copy-bound calls take 2.3x another's running the same kernel, timed one block after the other):
 
     ours: plan + copy (`plan_triton(defer=True, workspace=...)` + `launch_copies`, the engine's default),
           the fused plan + copy (`copy=`, `--resolver-copy fused`), the plan alone; and the first two again on
@@ -93,30 +96,45 @@ FORMS = {"ours_plan_copy": "scan, plan + copy", "ours_fused": "scan, fused",
          "ours_index_plan_copy": "index, plan + copy", "ours_index_fused": "index, fused"}
 
 
-def _ours(rig: Rig, case: Case, now: torch.Tensor, host, dev, restore, iters: int, warmup: int, tag: str = "") -> dict:
+def _ours(rig: Rig, case: Case, now: torch.Tensor, host, dev, tag: str = "") -> tuple[dict, str]:
     """Ours on one case (its state: scan or index), in the miss order the engine picks for its shape
-    (`miss_order_for`): plan + copy and the fused plan + copy, as ours{tag}_plan_copy / ours{tag}_fused; where
-    that order is "selection", the fused form in host order too (ours{tag}_fused_host: the plan before it)."""
+    (`miss_order_for`), as forms to time: plan + copy and the fused plan + copy, as ours{tag}_plan_copy /
+    ours{tag}_fused; where that order is "selection", the fused form in host order too (ours{tag}_fused_host);
+    without a tag the plan alone (ours_plan). Returns (forms, the order)."""
     ws = PlanWorkspace(rig.dev)
     order = case_order(case)
     plan = lambda order=order, **kw: plan_triton(case.sel, case.slots, case.state, now, defer=True,  # noqa: E731
                                                  workspace=ws, distinct=True, miss_order=order, **kw)
     fused = row_copy(host, dev)
-    rec = {f"ours{tag}_plan_copy": stats(timeit(rig, lambda: launch_copies(plan(), host, dev), restore, iters, warmup)),
-           f"ours{tag}_fused": stats(timeit(rig, lambda: plan(copy=fused), restore, iters, warmup))}
+    forms = {f"ours{tag}_plan_copy": lambda: launch_copies(plan(), host, dev),
+             f"ours{tag}_fused": lambda: plan(copy=fused)}
     if order != "host":
-        rec[f"ours{tag}_fused_host"] = stats(timeit(rig, lambda: plan("host", copy=fused), restore, iters, warmup))
+        forms[f"ours{tag}_fused_host"] = lambda: plan("host", copy=fused)
     if not tag:
-        rec["ours_plan"] = stats(timeit(rig, plan, restore, iters, warmup))
-        rec["miss_order"] = order
-    return rec
+        forms["ours_plan"] = plan
+    return forms, order
+
+
+def interleaved(rig: Rig, forms: dict, restore, iters: int, warmup: int, rounds: int) -> dict:
+    """Each form of `forms` (name -> call) timed `iters` times in `rounds` rounds (the calls split as evenly as
+    they go), the forms' order rotated by one each round; warm-up calls before a form's first timed round only.
+    Returns name -> `stats` over all of the form's calls."""
+    names, rounds = list(forms), max(1, rounds)
+    times = {k: ([], []) for k in names}
+    for r in range(rounds):
+        calls = iters // rounds + (r < iters % rounds)
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            d, h = timeit(rig, forms[k], restore, calls, warmup if r == 0 else 0)
+            times[k][0].extend(d)
+            times[k][1].extend(h)
+    return {k: stats(times[k]) for k in names}
 
 
 def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, ps0: PeerState, flush: Flush, iters: int,
-              warmup: int, icase: Case | None = None) -> dict:
+              warmup: int, icase: Case | None = None, rounds: int = 4) -> dict:
     """Ours (plan + copy, fused, plan alone; with icase, the same case on its hot_entry index state: plan + copy
-    and fused) and the peer's (full, plan alone, on a copy of the translated state ps0) on one case; every state
-    restored before each call."""
+    and fused) and the peer's (full, plan alone, on a copy of the translated state ps0) on one case, `interleaved`;
+    every state restored before each call."""
     st = case.state
     now = torch.full((1,), int(st.hot_stamp.max()) + 1, dtype=torch.int64, device=rig.dev)
     host, dev = rig.host_rows(case.rb), rig.dev_rows(case.rb, case.dev_rows)
@@ -131,15 +149,17 @@ def time_pair(rig: Rig, peer: PeerKernel | None, case: Case, ps0: PeerState, flu
         ps.lru.copy_(ps0.lru)
         flush()
 
-    rec = _ours(rig, case, now, host, dev, restore, iters, warmup)
+    forms, order = _ours(rig, case, now, host, dev)
     if icase is not None:
-        rec |= _ours(rig, icase, now, host, dev, restore, iters, warmup, "_index")
+        forms |= _ours(rig, icase, now, host, dev, "_index")[0]
     if peer is not None:
         top_k = case.sel[:, 0].to(torch.int32).contiguous()
         out = torch.empty_like(top_k)
         for key, skip in (("peer", False), ("peer_plan", True)):
-            rec[key] = stats(timeit(rig, lambda s=skip: peer.run(ps, top_k, out, host, dev, case.rb, skip_io=s),
-                                    restore, iters, warmup))
+            forms[key] = lambda s=skip: peer.run(ps, top_k, out, host, dev, case.rb, skip_io=s)
+    rec = interleaved(rig, forms, restore, iters, warmup, rounds)
+    rec["miss_order"] = order
+    if peer is not None:
         rec["ratios"] = ratios(rec)
     restore()
     return rec
@@ -162,6 +182,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     plan_bench_args(ap)  # --out, --quick (tiny shapes on the CPU: the translation checks only), --iters
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds a case's timed calls are split into, the forms' "
+                    "order rotated each round (`interleaved`)")
     args = ap.parse_args(argv)
     if args.precompile:
         return precompile_worker(args.precompile)
@@ -185,7 +207,7 @@ def main(argv=None) -> int:
         checks.append(chk)
         rec = {"case": case.name, "H": H, "batch": N, "row_bytes": rb, "miss_level": level,
                "misses": chk["misses"],
-               **time_pair(rig, peer, case, ps0, flush, iters, 0 if args.quick else args.warmup, icase)}
+               **time_pair(rig, peer, case, ps0, flush, iters, 0 if args.quick else args.warmup, icase, args.rounds)}
         key = (level, N, rb)
         if H == 4096 and key in PEER_US:
             rec["issue_figures_us"] = {"peer_h200": PEER_US[key][0], "ours_at_filing_h200": PEER_US[key][1]}
@@ -198,8 +220,8 @@ def main(argv=None) -> int:
                  f"  best/peer {r['best4_over_peer']:.2f} ({r['best4_form']})  plan/peer {r['plan_over_peer_plan']:.2f}"
                  if r else "")
               + f"  checks {chk}", flush=True)
-        write(args.out, rig, sh, iters, peer, checks, records, t0)
-    ok = write(args.out, rig, sh, iters, peer, checks, records, t0)
+        write(args.out, rig, sh, iters, args.rounds, peer, checks, records, t0)
+    ok = write(args.out, rig, sh, iters, args.rounds, peer, checks, records, t0)
     print(f"checks {'pass' if ok else 'FAIL'}; wrote {args.out} in {time.time() - t0:.0f} s")
     return 0 if ok else 1
 
@@ -210,12 +232,13 @@ def _ok(c: dict) -> bool:
         v for k, v in peer.items() if k != "copies")
 
 
-def write(out: str, rig: Rig, sh: dict, iters: int, peer: PeerKernel | None, checks: list, records: list, t0: float) -> bool:
+def write(out: str, rig: Rig, sh: dict, iters: int, rounds: int, peer: PeerKernel | None, checks: list, records: list,
+          t0: float) -> bool:
     """The JSON so far (rewritten after every case)."""
     ok = all(_ok(c) for c in checks)
     doc = header("resolver_peer_live", "bench/resolver_peer_live.py", rig.cuda, t0, shapes=sh, iters=iters,
-                 peer_build=peer.build if peer else None, peer_ran=peer is not None, checks_pass=ok, checks=checks,
-                 records=records)
+                 rounds=rounds, peer_build=peer.build if peer else None, peer_ran=peer is not None, checks_pass=ok,
+                 checks=checks, records=records)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

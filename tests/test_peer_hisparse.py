@@ -207,3 +207,26 @@ def test_live_ratios_name_the_fastest_form():
     assert r["best_over_peer"] == pytest.approx(25 / 24) and r["best4_over_peer"] == pytest.approx(20 / 24)
     assert r["best4_form"] == "index, fused" and r["index_fused_over_peer"] == pytest.approx(20 / 24)
     assert r["plan_copy_over_peer"] == pytest.approx(30 / 24) and r["plan_over_peer_plan"] == pytest.approx(0.9)
+
+
+def test_live_interleaves_the_forms_in_rotated_rounds():
+    """`interleaved`: each form's timed calls split over the rounds (20 calls, 4 rounds: 5 a round; 7 over 3: 3, 2,
+    2), the forms' order rotated by one a round, so a drift during a case falls on every form alike; warm-up calls
+    before a form's first round only, a restore before every call, every timed call counted once. Breakages caught:
+    the rotation dropped (every round A, B, C), warm-up in every round, and the remainder calls lost (7 over 3 as 2 a
+    round)."""
+    from bench import resolver_peer_live as live
+    from bench.resolver_cases import Rig
+
+    rig, seen, restores = Rig(quick=True), [], []
+    forms = {k: (lambda k=k: seen.append(k)) for k in "ABC"}
+    rec = live.interleaved(rig, forms, lambda: restores.append(1), 20, 2, 4)
+    assert seen[:7] == ["A"] * 7 and seen[7:14] == ["B"] * 7  # A's 2 warm-up calls and 5 timed, then B's
+    rounds = [seen[:21], seen[21:36], seen[36:51], seen[51:]]  # round 0 has the 6 warm-up calls
+    assert [r[-1] for r in rounds] == ["C", "A", "B", "C"] and [rounds[r][0] for r in (1, 2, 3)] == ["B", "C", "A"]
+    assert len(seen) == 3 * (20 + 2) == len(restores) and all(rec[k]["n_timings"] == 20 for k in "ABC")
+    seen.clear()
+    rec = live.interleaved(rig, forms, lambda: None, 7, 0, 3)
+    assert seen == ["A"] * 3 + ["B"] * 3 + ["C"] * 3 + ["B"] * 2 + ["C"] * 2 + ["A"] * 2 + ["C"] * 2 + ["A"] * 2 + ["B"] * 2
+    assert all(rec[k]["n_timings"] == 7 for k in "ABC")
+    assert live.interleaved(rig, forms, lambda: None, 2, 0, 4)["A"]["n_timings"] == 2  # more rounds than calls
