@@ -572,8 +572,9 @@ case ",$STEPS," in *,peer33,*)  # issue 33: the issue's cases against the peer's
       --out "$OUT/resolver_peer_h200.json" ;; esac
 case ",$STEPS," in *,peerlive33,*)  # issue 33: ours (scan and hot_entry index states, plan + copy and fused) against SGLang 0.5.23's HiSparse kernel run here, side by side on the issue's 36 cases (the peer built from its wheel on the CPU first: python3 bench/peer/build.py; carry [".whl", ".peer"]; ~4 min cold; session 51's two-form run took 53 s warm)
   [ -f .peer/libhisparse_peer.so ] || { echo "peerlive33: .peer/libhisparse_peer.so missing (bench/peer/build.py, carry .peer)"; exit 2; }
+  # PEERLIVE33_ARGS: e.g. --cases '_N8_.*1152B|20%_N32' --iters 60 --rounds 12 (repeats of the copy-bound cases)
   run "resolver vs the peer's kernel, side by side" timeout ${PEERLIVE33_TIMEOUT:-480} python3 bench/resolver_peer_live.py \
-      --out "$OUT/resolver_peer_live_h200.json" ;; esac
+      ${PEERLIVE33_ARGS:-} --out "$OUT/resolver_peer_live_h200.json" ;; esac
 case ",$STEPS," in *,probe33,*)  # issue 33: the plan stopped after each phase, and across num_warps (~3 min cold)
   run "resolver plan probe" timeout ${PROBE33_TIMEOUT:-240} python3 bench/resolver_probe.py \
       --out "$OUT/resolver_probe_h200.json" ;; esac

@@ -71,7 +71,7 @@ def build(rig: Rig, sh: dict, H: int, N: int, rb: int, level: str) -> Case:
     rows = N * (H + rig.TT)
     st = rig.state(rb, sh["L"], N=N, B=H, rows=rows)
     rig.warm(st, sel, MISS[level], sh["L"])
-    return Case(f"{level}_N{N}_H{H}_{rb}B", rb, st, sel, torch.arange(N, device=rig.dev), sh["L"],
+    return Case(case_name(H, N, rb, level), rb, st, sel, torch.arange(N, device=rig.dev), sh["L"],
                 {"miss_level": level, "batch": N, "H": H}, rows)
 
 
@@ -281,6 +281,11 @@ def start_rig(args, sh: dict, t0: float) -> tuple[Rig, Flush]:
         w.wait()
     print(f"[{time.time() - t0:6.1f}s] {len(workers)} precompile workers done", flush=True)
     return rig, flush
+
+
+def case_name(H: int, N: int, rb: int, level: str) -> str:
+    """A case's name, e.g. 20%_N8_H4096_1152B (`build`; resolver_peer_live.py's --cases matches it)."""
+    return f"{level}_N{N}_H{H}_{rb}B"
 
 
 def case_grid(sh: dict):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -48,8 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.peer.hisparse_peer import PeerKernel, PeerState, peer_expected, peer_state  # noqa: E402
 from bench.resolver_cases import Case, Rig, case_order, check_case, cpu_copy, index_case  # noqa: E402
-from bench.resolver_peer import (PEER_US, Flush, build, case_grid, plan_bench_args, plan_bench_start,  # noqa: E402
-                                 precompile_worker, start_rig)
+from bench.resolver_peer import (PEER_US, Flush, build, case_grid, case_name, plan_bench_args,  # noqa: E402
+                                 plan_bench_start, precompile_worker, start_rig)
 from bench.resolver_timing import header, stats, timeit  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, launch_copies, plan_triton  # noqa: E402
@@ -182,6 +183,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     plan_bench_args(ap)  # --out, --quick (tiny shapes on the CPU: the translation checks only), --iters
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cases", default="", help="only the cases whose name (e.g. 20%%_N8_H4096_1152B) matches this "
+                    "regular expression; with --iters and --rounds, repeats of a few cases in one call")
     ap.add_argument("--rounds", type=int, default=4, help="rounds a case's timed calls are split into, the forms' "
                     "order rotated each round (`interleaved`)")
     args = ap.parse_args(argv)
@@ -193,6 +196,8 @@ def main(argv=None) -> int:
     rig, flush = start_rig(args, sh, t0)
     records, checks = [], []
     for H, N, rb, level in case_grid(sh):
+        if not re.search(args.cases, case_name(H, N, rb, level)):
+            continue
         case = build(rig, sh, H, N, rb, level)
         now = int(case.state.hot_stamp.max()) + 1
         ps0 = peer_state(case.state, case.history)  # the translation, built once a case; every use copies it

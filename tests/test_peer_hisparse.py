@@ -230,3 +230,18 @@ def test_live_interleaves_the_forms_in_rotated_rounds():
     assert seen == ["A"] * 3 + ["B"] * 3 + ["C"] * 3 + ["B"] * 2 + ["C"] * 2 + ["A"] * 2 + ["C"] * 2 + ["A"] * 2 + ["B"] * 2
     assert all(rec[k]["n_timings"] == 7 for k in "ABC")
     assert live.interleaved(rig, forms, lambda: None, 2, 0, 4)["A"]["n_timings"] == 2  # more rounds than calls
+
+
+def test_live_case_filter_names_cases_as_built():
+    """resolver_peer_live.py's --cases matches `case_name`, the name `build` gives a case, so a filter written
+    against a result file's names selects those cases. Breakage caught: build naming cases by another format."""
+    import re
+
+    from bench.resolver_cases import Rig
+    from bench.resolver_peer import build, case_grid, case_name, shapes
+
+    rig, sh = Rig(quick=True), shapes(True)
+    H, N, rb, level = next(c for c in case_grid(sh) if c[3] == "20%")
+    assert build(rig, sh, H, N, rb, level).name == case_name(H, N, rb, level) == f"20%_N{N}_H{H}_{rb}B"
+    picked = [c for c in case_grid(sh) if re.search(r"^20%_N\d+_H32_", case_name(*c))]
+    assert picked and all(c[3] == "20%" and c[0] == 32 for c in picked)
