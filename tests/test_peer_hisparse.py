@@ -9,6 +9,7 @@ the page size (each caught by the contract tests)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import zipfile
@@ -245,3 +246,36 @@ def test_live_case_filter_names_cases_as_built():
     assert build(rig, sh, H, N, rb, level).name == case_name(H, N, rb, level) == f"20%_N{N}_H{H}_{rb}B"
     picked = [c for c in case_grid(sh) if re.search(r"^20%_N\d+_H32_", case_name(*c))]
     assert picked and all(c[3] == "20%" and c[0] == 32 for c in picked)
+
+
+def test_live_checks_the_first_batch_run_of_each_kind():
+    """resolver_peer_live.py checks our plan against the reference on the first case run of each (H, row size, miss
+    level): unfiltered the grid's smallest batch, as before --cases; filtered to larger batches, still one of each.
+    (The breakage of main checking only the grid's smallest batch is caught by the next test.)"""
+    from bench import resolver_peer_live as live
+    from bench.resolver_peer import case_grid, shapes
+
+    sh = shapes(True)
+    seen: set = set()
+    picked = [c for c in case_grid(sh) if live.first_batch(seen, c[0], c[2], c[3])]
+    assert picked == [c for c in case_grid(sh) if c[1] == sh["batches"][0]]
+    seen.clear()
+    later = [c for c in case_grid(sh) if c[1] != sh["batches"][0]]
+    picked = [c for c in later if live.first_batch(seen, c[0], c[2], c[3])]
+    assert len(picked) == len({(c[0], c[2], c[3]) for c in later}) > 0
+
+
+def test_live_filtered_run_checks_its_cases_against_the_reference(tmp_path):
+    """A --cases run of one case past the grid's smallest batch (CPU, quick shapes, one timed call) still checks
+    our plan against the reference, writes only that case and records its rounds. Breakage caught: main checking
+    only the grid's smallest batch, as before --cases."""
+    from bench import resolver_peer_live as live
+    from bench.resolver_peer import shapes
+
+    n = shapes(True)["batches"][-1]
+    out = tmp_path / "live.json"
+    assert live.main(["--quick", "--cases", f"^20%_N{n}_H32_656B$", "--iters", "1", "--rounds", "1",
+                      "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["case"] for r in doc["records"]] == [f"20%_N{n}_H32_656B"] and doc["rounds"] == 1
+    assert doc["checks"][0]["ours_vs_reference"] is True and doc["checks_pass"]
