@@ -21,6 +21,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import dhisparse.kernels.launch as L  # noqa: E402
 import dhisparse.kernels.resolver as kr  # noqa: E402
+import dhisparse.kernels.resolver_args as ra  # noqa: E402
 from dhisparse.kernels.gather import row_copy  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
 from dhisparse.kernels.resolver_ref import ResolverState, with_hot_entry  # noqa: E402
@@ -74,10 +75,10 @@ def _sel(N=3, k=6, L=64, seed=0) -> torch.Tensor:
 
 
 class _FixedOutputs:
-    """kr._outputs returning the same tensors until `swap` (so two calls' output addresses compare)."""
+    """ra.outputs returning the same tensors until `swap` (so two calls' output addresses compare)."""
 
     def __init__(self):
-        self.real, self.held = kr._outputs, None
+        self.real, self.held = ra.outputs, None
 
     def __call__(self, *a):
         if self.held is None:
@@ -95,7 +96,7 @@ def test_a_bound_call_hands_the_launchers_what_the_unbound_path_would(calls, mon
     binding; call 3 repeats call 2 with the bindings dropped. Calls 2 and 3 must launch identically,
     and call 2 must differ from call 1 where the per-call tensors changed (they are live)."""
     outs = _FixedOutputs()
-    monkeypatch.setattr(kr, "_outputs", outs)
+    monkeypatch.setattr(ra, "outputs", outs)
     st, ws = _state(direct=direct, index=index), PlanWorkspace("cpu")
     rc = row_copy(torch.zeros(20, 4, 8), torch.zeros(12, 4, 8)) if copy else None
     run = lambda sel, slots, now: plan_triton(sel, slots, st, now, defer=True, workspace=ws, distinct=True, copy=rc)
@@ -131,7 +132,7 @@ def test_the_binding_follows_the_state_the_workspace_and_the_copy_target(calls):
     big = _state(N=5)  # more requests: the workspace's buffers grow
     plan_triton(_sel(N=5), torch.arange(5), big, now, defer=True, workspace=ws, distinct=True)
     run()
-    scr64 = ws.scratch(3, 8, 8, kr._state_args(st).lcap, torch.int16, 1, False)[0]
+    scr64 = ws.scratch(3, 8, 8, ra.state_args(st).lcap, torch.int16, 1, False)[0]
     assert calls[-1][2][28] == scr64.data_ptr()
     one, two = row_copy(torch.zeros(20, 4, 8), torch.zeros(12, 4, 8)), row_copy(torch.zeros(20, 4, 8), torch.zeros(12, 4, 8))
     run(copy=one)

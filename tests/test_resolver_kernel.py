@@ -459,7 +459,7 @@ def test_a_selection_past_the_packed_counts_is_refused_by_name():
 
 def test_kept_state_follows_a_grown_host_table_and_a_new_map():
     """A store keeps one ResolverState a group and swaps in a reallocated host table
-    (`HierarchicalKV.resolver_state`); the plan's cached state arguments (`resolver._state_args`:
+    (`HierarchicalKV.resolver_state`); the plan's cached state arguments (`resolver_args.state_args`:
     row strides, the positions' bound) must follow the new tensors, not the ones first seen."""
     st = make_state(S=2, B=8, L=32, TT=4, seed=5)
     p = Pair(st)

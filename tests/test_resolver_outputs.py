@@ -1,4 +1,4 @@
-"""plan_triton's kept output blocks (kernels/resolver.py `_OutBlock`, `PlanWorkspace.reuse_outputs`, an experiment
+"""plan_triton's kept output blocks (kernels/resolver_args.py `OutBlock`, `PlanWorkspace.reuse_outputs`, an experiment
 under DHISPARSE_PLAN_OUTPUT_REUSE=1): a call reuses an earlier call's outputs only when nothing holds that call's
 plan or a view of it, and the plans stay exact across reuse.
 
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from test_resolver_kernel import DEV, Pair  # noqa: E402
 from test_resolver_reference import make_state  # noqa: E402
 
-import dhisparse.kernels.resolver as kr  # noqa: E402
+import dhisparse.kernels.resolver_args as ra  # noqa: E402
 from dhisparse.kernels.resolver import PlanWorkspace, plan_triton  # noqa: E402
 
 
@@ -107,15 +107,15 @@ def test_reuse_is_off_by_default_in_a_capture_without_the_count_and_past_the_poo
     _plan(st, ws, sel, 0)
     assert not ws.outputs
     ws = _ws()
-    held = [_plan(st, ws, sel, n) for n in range(kr._OUT_POOL + 2)]  # all held: a block each, the pool bounded
-    assert len({h.loc.data_ptr() for h in held}) == len(held) and len(ws.outputs[next(iter(ws.outputs))]) == kr._OUT_POOL
+    held = [_plan(st, ws, sel, n) for n in range(ra.OUT_POOL + 2)]  # all held: a block each, the pool bounded
+    assert len({h.loc.data_ptr() for h in held}) == len(held) and len(ws.outputs[next(iter(ws.outputs))]) == ra.OUT_POOL
     del held
-    monkeypatch.setattr(kr, "capturing", lambda dev: True)  # a capture takes a fresh block, keeps none
+    monkeypatch.setattr(ra, "capturing", lambda dev: True)  # a capture takes a fresh block, keeps none
     ws = _ws()
     _plan(st, ws, sel, 0)
     assert not ws.outputs
     monkeypatch.undo()
-    monkeypatch.setattr(kr, "_USE_COUNT", None)  # no storage count in this torch: never reused
+    monkeypatch.setattr(ra, "USE_COUNT", None)  # no storage count in this torch: never reused
     ws = _ws()
     first = _plan(st, ws, sel, 0).loc.data_ptr()
     assert not ws.outputs and first is not None
@@ -158,7 +158,7 @@ def test_a_served_run_reuses_the_outputs_and_gives_the_reference_tokens(monkeypa
 @given(ops=hs.lists(hs.tuples(hs.sampled_from(["plan", "drop", "view", "unview"]), hs.integers(0, 7)), max_size=24),
        wide=hs.booleans())
 def test_no_held_output_is_ever_written_by_a_later_call(ops, wide):
-    """A state machine over `_reused_outputs` (the kernel stood in by filling every output with the call's number):
+    """A state machine over `reused_outputs` (the kernel stood in by filling every output with the call's number):
     plans are made, dropped, viewed (a slice of loc kept) and unviewed in any order; every output still held --
     by a plan or by a view of one -- keeps the number of the call that made it, and a shape's pool stays bounded."""
     ws, shape, dtype = _ws(), (2, 1, 5), torch.int64 if wide else torch.int32
@@ -166,7 +166,7 @@ def test_no_held_output_is_ever_written_by_a_later_call(ops, wide):
     for op, i in ops:
         if op == "plan":
             n += 1
-            plans[n] = kr._reused_outputs(ws, shape, 3, dtype, torch.device(DEV))
+            plans[n] = ra.reused_outputs(ws, shape, 3, dtype, torch.device(DEV))
             _fill(plans[n], n)
         elif op == "drop" and plans:
             plans.pop(sorted(plans)[i % len(plans)])
@@ -176,7 +176,7 @@ def test_no_held_output_is_ever_written_by_a_later_call(ops, wide):
         elif op == "unview" and views:
             views.pop(sorted(views)[i % len(views)])
         _check_held(plans, views, op)  # in a function: its loop variables hold no output past the check
-        assert all(len(p) <= kr._OUT_POOL for p in ws.outputs.values())
+        assert all(len(p) <= ra.OUT_POOL for p in ws.outputs.values())
 
 
 def _fill(out: tuple, n: int) -> None:

@@ -9,7 +9,7 @@ turns grouped verification scoring on (`kernels/indexer.py`), `indexer_topk` is 
 indexers' tie-ruled top-k (`core/topk.py`: stable, packed or lean; the same selections), `stage_kernel`
 stages a verification round's overflow in one Triton launch (`kernels/stage_overflow.py`; off: its PyTorch
 form, the same outputs) and `plan_output_reuse` lets a resolver plan workspace hand an earlier call's output
-block to a later one (`kernels/resolver.py` `_OutBlock`; an experiment until a CUDA run has checked it).
+block to a later one (`kernels/resolver_args.py` `OutBlock`; an experiment until a CUDA run has checked it).
 
 The engine calls `configure(EngineConfig.kernel_settings())` at build. Nothing is read from the
 environment at import; the documented environment overrides are applied by

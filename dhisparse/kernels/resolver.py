@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +31,9 @@ from dhisparse.kernels.gather import RowCopy, gather_rows, gather_rows_padded, r
 from dhisparse.core.rows import next_pow2, row_bytes
 from dhisparse.kernels.launch import CompiledLaunch
 from dhisparse.kernels.resolver_kernel import direct_pre_kernel, resolve_plan_kernel
-from dhisparse.kernels.resolver_ref import (ResolveCounters, ResolvePlan, ResolverState, check_miss_order,
-                                            position_bound)
-from dhisparse.kernels.resolver_workspace import PlanWorkspace, capturing
+from dhisparse.kernels.resolver_ref import ResolveCounters, ResolvePlan, ResolverState, check_miss_order
+from dhisparse.kernels.resolver_args import reused_outputs, state_args, state_tensors
+from dhisparse.kernels.resolver_workspace import PlanWorkspace
 
 __all__ = ["TritonResolvePlan", "PlanWorkspace", "plan_triton", "run_copies_triton", "launch_copies", "launch_copies_into",
            "COUNTER_NAMES"]
@@ -90,151 +88,6 @@ class TritonResolvePlan(ResolvePlan):
         return self
 
 
-_STATE_NAMES = ("hot_pos", "hot_stamp", "hot_loc", "tail_loc", "host_table", "direct_loc", "hot_entry")
-
-
-def _row_stride(t: torch.Tensor, name: str) -> int:
-    """The row stride of a 2-D state tensor, which must have a unit last stride (the kernel reads
-    and updates its rows in place)."""
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got {tuple(t.shape)}")
-    st = t.stride()
-    if st[1] != 1 and t.shape[1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (the resolver reads its rows in place)")
-    return st[0]
-
-
-@dataclass(frozen=True)
-class _StateArgs:
-    """What the plan kernel takes from a `ResolverState` besides its tensors: their row strides and
-    the sizes derived from them. `refs`: weak references to the tensors they were read from."""
-
-    refs: tuple
-    strides: tuple  # (s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap)
-    ps: int  # the host page size lcap was derived with
-    TT: int
-    HPW: int
-    LMAX: int
-    lcap: int
-    words: int
-
-
-_STATE_ARGS: dict[int, _StateArgs] = {}  # id(state) -> its arguments, while its tensors are the same objects
-_STATE_ARGS_MAX = 256
-
-
-def _state_tensors(st: ResolverState) -> tuple:
-    return st.hot_pos, st.hot_stamp, st.hot_loc, st.tail_loc, st.host_table, st.direct_loc, st.hot_entry
-
-
-_LCAP_MAX = 1 << 30  # positions a plan can claim (resolver_one._hot_scan_one packs (p << 1) | flag in int32)
-
-
-def _state_args(st: ResolverState) -> _StateArgs:
-    """The plan kernel's state arguments, derived once per state and reused while every tensor of the
-    state is the same object (a store keeps its states: `HierarchicalKV.resolver_state`); weak
-    references, so a kept entry holds no memory. Row layouts are checked on the first call: a state
-    tensor without a unit last stride is refused (the plan reads and updates rows in place)."""
-    ts = _state_tensors(st)
-    hit = _STATE_ARGS.get(id(st))
-    if (hit is not None and hit.ps == st.host_page_size
-            and all((r() if r is not None else None) is t for r, t in zip(hit.refs, ts))):
-        return hit
-    strides = tuple(0 if t is None else _row_stride(t, name) for t, name in zip(ts, _STATE_NAMES))
-    dmap = st.direct_loc
-    TT, HPW, ps = st.tail_loc.shape[1], st.host_table.shape[1], st.host_page_size
-    LMAX = dmap.shape[1] if dmap is not None else 0
-    lcap = position_bound(st)  # positions are < the host table's reach + the tail (I1), or < the map's width
-    if lcap > _LCAP_MAX:  # the plan packs a claimed position and a flag into 31 bits
-        raise ValueError(f"host_table / direct_loc: positions up to {lcap} exceed the plan kernel's 2^30")
-    hmap = st.hot_entry
-    if hmap is not None and (hmap.dtype != torch.int16 or hmap.shape[1] < lcap or hmap.shape[0] != st.hot_pos.shape[0]):
-        raise ValueError(f"hot_entry must be int16 [S, >= {lcap}] (every position the plan can see: the host table's "
-                         f"reach plus the tail, or the optional map's width), got {hmap.dtype} {tuple(hmap.shape)}")
-    words = -(-lcap // 32) if dmap is not None else 1
-    args = _StateArgs(tuple(None if t is None else weakref.ref(t) for t in ts), strides, ps, TT, HPW, LMAX, lcap, words)
-    if len(_STATE_ARGS) >= _STATE_ARGS_MAX:
-        _STATE_ARGS.pop(next(iter(_STATE_ARGS)))
-    _STATE_ARGS[id(st)] = args
-    return args
-
-
-def _output_block(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
-    """(the tensors owning the outputs' storage: the int64 block, and loc when it is its own, (loc [N, K, k]
-    contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N])), the outputs carved from one int64
-    allocation (loc separately when the selection is not int64). The owners are returned because a view's
-    `_base` is None under inference mode."""
-    N, K, k = shape
-    wide = sel_dtype == torch.int64
-    lk = N * K * k if wide else 0
-    blk = torch.empty(lk + N * (2 * C + 7), dtype=torch.int64, device=dev)
-    o = lk + 2 * N * C
-    loc = torch.as_strided(blk, shape, (K * k, k, 1), 0) if wide else torch.empty(shape, dtype=sel_dtype, device=dev)
-    return (blk,) if wide else (blk, loc), (
-        loc, torch.as_strided(blk, (N, C), (C, 1), lk), torch.as_strided(blk, (N, C), (C, 1), lk + N * C),
-        torch.as_strided(blk, (N, 6), (6, 1), o), torch.as_strided(blk, (N,), (1,), o + 6 * N))
-
-
-def _outputs(shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype, dev: torch.device):
-    """(loc [N, K, k] contiguous, src [N, C], dst [N, C], cnt [N, 6], copy_n [N]) (`_output_block`)."""
-    return _output_block(shape, C, sel_dtype, dev)[1]
-
-
-_OUT_POOL = 4  # output blocks kept per shape in a workspace (plans of one shape alive at once, e.g. a step's groups)
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private: without it no block is ever reused
-
-
-def _refs(views: tuple) -> tuple:
-    """Python references to each view (the same count at creation and at the check: one helper)."""
-    return tuple(map(sys.getrefcount, views))
-
-
-def _uses(ts: tuple) -> tuple:
-    """Tensors (TensorImpls) sharing each tensor's storage: views derived from a plan's outputs count."""
-    return tuple(_USE_COUNT(t.untyped_storage()._cdata) for t in ts)
-
-
-@dataclass(eq=False)
-class _OutBlock:
-    """One call's output tensors (`_outputs`), kept in a workspace for a later call of the same shape. Free when
-    nothing outside holds them: each view's Python references and each storage's tensor count are what they
-    were when the block was made (no plan, no view derived from one). Reusing a free block is as safe as the
-    caching allocator's reuse of a freed one: blocks are kept per stream and calls on a stream are ordered
-    (`PlanWorkspace`), and no capture takes one (a graph would bake its addresses while eager calls keep writing
-    them)."""
-
-    views: tuple  # (loc, src_pad, dst_pad, cnt, copy_n)
-    bases: tuple  # the storages' owners: the int64 block (and loc when it is not a view of it)
-    refs0: tuple = ()
-    uses0: tuple = ()
-
-    def free(self) -> bool:
-        return _USE_COUNT is not None and _refs(self.views) == self.refs0 and _uses(self.bases) == self.uses0
-
-
-def _reused_outputs(ws: PlanWorkspace | None, shape: tuple[int, int, int], C: int, sel_dtype: torch.dtype,
-                    dev: torch.device) -> tuple:
-    """`_outputs` through the workspace's kept blocks (`_OutBlock`) when it reuses outputs: a free block of this
-    shape, else a new one kept (at most _OUT_POOL a shape); plain `_outputs` otherwise and inside a capture."""
-    if ws is None or not ws.reuse_outputs or _USE_COUNT is None or capturing(dev):
-        return _outputs(shape, C, sel_dtype, dev)
-    # per stream, as the caching allocator keeps its blocks: a block is reused only on the stream it was made on
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    pool = ws.outputs.setdefault((shape, C, sel_dtype, stream), [])
-    # a new tuple each call: a caller holding it holds the tensors, which the references then count (the
-    # block's own tuple would hide them)
-    for blk in pool:
-        if blk.free():
-            ws.outputs_reused += 1
-            return (*blk.views,)
-    bases, views = _output_block(shape, C, sel_dtype, dev)
-    if len(pool) < _OUT_POOL:
-        blk = _OutBlock(views, bases)
-        blk.refs0, blk.uses0 = _refs(blk.views), _uses(blk.bases)
-        pool.append(blk)
-    return (*views,)
-
-
 def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: "int | torch.Tensor", *,
                 defer: bool = False, num_warps: int | None = None, upto_phase: int = 50,
                 workspace: PlanWorkspace | None = None, distinct: bool = False,
@@ -250,7 +103,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
     workspace: persistent scratch (`PlanWorkspace`, one per store): no scratch allocation and no
     zero-fill launch per call; None allocates per call. With `workspace.reuse_outputs` (an experiment:
     DHISPARSE_PLAN_OUTPUT_REUSE=1) the outputs come from a block an earlier call of this shape made, once
-    nothing holds that call's plan or a view of it (`_OutBlock.free`): no allocation and no views made.
+    nothing holds that call's plan or a view of it (`resolver_args.OutBlock.free`): no allocation and no views made.
     distinct: the caller guarantees that no request's K*k entries hold a position twice (one top-k
     query a request, K == 1, as the engine's decode step): the kernel then skips deduplication (the
     claims' read-back, one dependent round of K*k scattered loads) when K*k <= 2,048. A duplicate
@@ -296,7 +149,7 @@ def plan_triton(sel: torch.Tensor, slots: torch.Tensor, st: ResolverState, now: 
         sel = sel.contiguous()
     if slots.dtype != torch.int64 or slots.device != dev or not slots.is_contiguous():
         slots = slots.to(device=dev, dtype=torch.int64).contiguous()
-    loc, src, dst, cnt, copy_n = _reused_outputs(workspace, tuple(sel.shape), C, sel.dtype, dev)
+    loc, src, dst, cnt, copy_n = reused_outputs(workspace, tuple(sel.shape), C, sel.dtype, dev)
     rc = copy if copy is None or isinstance(copy, RowCopy) else row_copy(*copy)
     plan = TritonResolvePlan(loc, None, None, None, src, dst, copy_n, cnt, copied=rc is not None and upto_phase >= 50)
     # a (host_rows, dev_rows) pair makes a new RowCopy each call: nothing to hold a launch against
@@ -365,7 +218,7 @@ class _Bound:
     the ones they were bound with (identity-checked; held here, so the ids in the key stay unique)."""
 
     st: ResolverState
-    tensors: tuple  # _state_tensors(st) when bound
+    tensors: tuple  # state_tensors(st) when bound
     ps: int
     rc: object
     gen: int
@@ -375,7 +228,7 @@ class _Bound:
 
     def valid(self, st: ResolverState, rc, gen: int) -> bool:
         return (self.st is st and self.rc is rc and self.gen == gen and self.ps == st.host_page_size
-                and all(map(operator.is_, self.tensors, _state_tensors(st))))
+                and all(map(operator.is_, self.tensors, state_tensors(st))))
 
 
 _BOUND_MAX = 256  # held launches per workspace (a store makes one per group, shape and option set)
@@ -398,7 +251,7 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
                 b.pre(b.pre_grid, sel, slots, st.tail_start, plan.loc)
             b.plan((N,), sel, slots, st.tail_start, now_t, plan.loc, plan.src_pad, plan.dst_pad, plan.copy_n, plan.cnt)
             return
-    pre, main = _calls(sel, slots, st, _state_args(st), now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc,
+    pre, main = _calls(sel, slots, st, state_args(st), now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc,
                        host_order)
     if pre is not None:
         _PRE(*pre)
@@ -409,14 +262,14 @@ def _launch(sel, slots, st, now, plan, N, KK, B, C, num_warps, upto=50, ws=None,
         if bp is not None and (pre is None or bpre is not None):
             if len(ws.launches) >= _BOUND_MAX:
                 ws.launches.pop(next(iter(ws.launches)))
-            ws.launches[key] = _Bound(st, _state_tensors(st), st.host_page_size, rc, ws.generation,
+            ws.launches[key] = _Bound(st, state_tensors(st), st.host_page_size, rc, ws.generation,
                                       pre[0] if pre is not None else (), bpre, bp)
 
 
 def _calls(sel, slots, st, a, now_t, plan, N, KK, B, C, num_warps, upto, ws, distinct, rc, host_order=True):
     """(P0's launch or None, the plan kernel's launch), each (grid, args, consts, num_warps)."""
     s_pos, s_stamp, s_loc, s_tail, s_table, s_dmap, s_hmap = a.strides
-    hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap, hmap = _state_tensors(st)
+    hot_pos, hot_stamp, hot_loc, tail_loc, table, dmap, hmap = state_tensors(st)
     dev, ps = hot_pos.device, st.host_page_size
     TT, HPW, LMAX, lcap, words = a.TT, a.HPW, a.LMAX, a.lcap, a.words
     # sorted key sets (misses kept, their victims) never exceed min(K*k, B) entries: sizing the sort

@@ -104,7 +104,7 @@ def _hot_scan_one(pv, LCAP, KK, out, s, hot_stamp_ptr, s_stamp, bm, hp, hl, now,
                   BP: tl.constexpr, DISTINCT: tl.constexpr):
     """P3 (resolver_kernel's `_hot_scan`) with sel and the direct locations read from registers p, o,
     packed as (p << 1) | direct in int32 so one gather through shared memory brings both (a found
-    entry was claimed, so its p < LCAP <= 2^30: `resolver._state_args` refuses more). A hit's location
+    entry was claimed, so its p < LCAP <= 2^30: `resolver_args.state_args` refuses more). A hit's location
     goes to out[u], or with DISTINCT straight to loc_row[u] (u is the entry). Returns (hits, hit
     mask [BP])."""
     sl = tl.arange(0, BP)

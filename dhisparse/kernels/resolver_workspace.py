@@ -59,7 +59,7 @@ class PlanWorkspace:
         self._views: dict[tuple, tuple] = {}  # scratch() results by shape, dropped when a buffer grows
         self.generation = 0  # bumped when a buffer grows (the views, and launches bound to them, change)
         self.launches: dict = {}  # plan_triton's held launches (kernels/resolver.py `_Bound`), by call
-        # plan_triton's output blocks kept for reuse (kernels/resolver.py `_OutBlock`), by output shape: an
+        # plan_triton's output blocks kept for reuse (kernels/resolver_args.py `OutBlock`), by output shape: an
         # experiment (the kernel settings' plan_output_reuse, DHISPARSE_PLAN_OUTPUT_REUSE=1) until a CUDA run
         # has checked it
         self.reuse_outputs = backend.settings().plan_output_reuse
