@@ -12,14 +12,17 @@
   request's scope is marked (`scope["state"]["dhisparse.stalled"]`) so the abort is counted as a
   stall. Progress is read from the kernel (Linux `TCP_INFO.tcpi_bytes_acked`), not from the
   transport's flow control: the kernel's auto-tuned send buffer holds megabytes, so a stalled
-  client would otherwise go unnoticed for tens of thousands of tokens. Elsewhere the signal is the
-  bytes waiting (transport buffer + kernel send queue) not shrinking from one check to the next.
+  client would otherwise go unnoticed for tens of thousands of tokens. Elsewhere the same count is
+  derived: the bytes written to the transport (`_CountingTransport`) less those still waiting
+  (transport buffer + kernel send queue) are the bytes the client's kernel took. A check with
+  nothing written since the last and the transport's buffer empty does not count towards a stall:
+  over loopback delayed ACKs keep 0.5-2 KB unacknowledged, and an engine that sends nothing for a
+  while is not a client that stopped reading.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import struct
 import time
@@ -61,6 +64,26 @@ def _unsent(sock) -> int:
         return 0
 
 
+class _CountingTransport:
+    """The connection's transport, counting the bytes written through it (`written`); everything else
+    is the transport's own (uvicorn writes its responses with `write`)."""
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+        self.written = 0
+
+    def write(self, data) -> None:
+        self.written += len(data)
+        self._transport.write(data)
+
+    def writelines(self, lines) -> None:
+        for data in lines:
+            self.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
     """See the module docstring; `guarded_protocol(...)` makes one with the two timeouts set."""
 
@@ -68,11 +91,12 @@ class GuardedH11Protocol(H11Protocol):
     stall_timeout_s: float = 60.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._counted = _CountingTransport(transport)
+        super().connection_made(self._counted)
         self._sock = transport.get_extra_info("socket")
         self._header_timer = None
         self._stall_timer = None
-        self._progress = (None, math.inf)  # (bytes acked, least pending bytes) since the last progress
+        self._progress = (None, 0)  # (bytes the client took, bytes written) at the last check
         self._progress_at = time.monotonic()
         self._arm_header_timer()
         self._schedule_stall_check()
@@ -113,18 +137,22 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         now = time.monotonic()
-        pending = self.transport.get_write_buffer_size() + _unsent(self._sock)
+        buffered = self.transport.get_write_buffer_size()
+        pending = buffered + _unsent(self._sock)
+        written = self._counted.written
         acked = _bytes_acked(self._sock)
-        last_acked, last_pending = self._progress
-        moved = acked != last_acked if acked is not None else pending < last_pending
-        if pending == 0 or moved:  # nothing waits, or the client took some of it
-            self._progress, self._progress_at = (acked, math.inf if pending == 0 else pending), now
+        if acked is None:  # no TCP_INFO: what was written and no longer waits reached the client's kernel
+            acked = written - pending
+        last_acked, last_written = self._progress
+        moved = acked != last_acked
+        # nothing new to send and nothing buffered: what waits is a residue of delayed ACKs, not a stall
+        idle = written == last_written and buffered == 0
+        self._progress = (acked, written)
+        if pending == 0 or moved or idle:  # nothing waits, or the client took some of it
+            self._progress_at = now
         elif now - self._progress_at >= self.stall_timeout_s:
             self._abort_stalled(pending)
             return
-        else:  # the fallback compares with the last check: over loopback the queue never empties
-            # (delayed ACKs keep 0.5-1.6 KB unacknowledged), so a minimum would never be beaten again
-            self._progress = (acked, pending)
         self._schedule_stall_check()
 
     def _abort_stalled(self, pending: int) -> None:
