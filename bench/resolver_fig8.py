@@ -157,7 +157,7 @@ def plot(fig8: dict, png: str) -> None:
     """Fig. 8 (b)/(c) PNG next to the JSON; skipped (with the reason) when matplotlib is missing:
     `dhisparse plot RESULT.json --out DIR` draws it later from the JSON."""
     try:
-        from dhisparse.bench.plots import plot_fig8bc
+        from dhisparse.bench.plot_resolver import plot_fig8bc
     except ImportError as e:
         print(f"no plot ({e}); the JSON holds everything the figure needs")
         return

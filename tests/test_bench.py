@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dhisparse.bench.loadstep import default_arms, unavailable_arms
-from dhisparse.bench.plots import fit_bandwidth, plot_loadstep, plot_resolver, plot_results, plot_serving
+from dhisparse.bench.plot_resolver import fit_bandwidth, plot_resolver
+from dhisparse.bench.plots import plot_loadstep, plot_results, plot_serving
 from dhisparse.bench.records import RequestRecord, RunTrace, StepSample, percentile, summarize
 from dhisparse.engine.series import SeriesRecorder
 from dhisparse.bench.workload import Phase, Phases, Workload
