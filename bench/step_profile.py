@@ -339,6 +339,22 @@ def isolated(ns, preset: str, graphs: str) -> dict:
             return json.load(f)["runs"][0]
 
 
+def write_doc(ns, runs: list[dict], t0: float, complete: bool) -> None:
+    """Write the profile's JSON with the runs so far; `complete` is False until every preset has run (the file is
+    rewritten after each, so a device call stopped at its limit still brings back the presets it finished)."""
+    import json
+
+    doc = {"kind": "step_profile", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv),
+           "machine": R.machine_info(), "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
+           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs, "complete": complete,
+           "wall_s": time.perf_counter() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
+    tmp = ns.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, ns.out)  # never a half-written file
+
+
 def main(argv=None) -> int:
     ns = parse(argv)
     import faulthandler
@@ -360,6 +376,7 @@ def main(argv=None) -> int:
     for preset, graphs in combos:
         t = time.perf_counter()
         runs.append(isolated(ns, preset, graphs) if isolate else one_preset(ns, loaded, prefixes, preset, graphs))
+        write_doc(ns, runs, t0, complete=len(runs) == len(combos))  # a call cut short keeps the presets it finished
         r = runs[-1]
         print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host (unprofiled) "
               f"{r['host_unprofiled_ms_median']:.2f} ms ({100 * r['host_unprofiled_share']:.1f}%); GPU idle (profiled) "
@@ -375,15 +392,6 @@ def main(argv=None) -> int:
             print(f"    {k:22} {v:8.3f} ms  alone {r['kernels']['alone_ms'].get(k, 0.0):8.3f} ms")
         for t in r["kernels"].get("top_kernels", [])[:12]:
             print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x  [{t['family']}] {t['name'][:90]}")
-    doc = {"kind": "step_profile", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv), "machine": R.machine_info(),
-           "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
-           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs,
-           "wall_s": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    with open(ns.out, "w") as f:
-        import json
-
-        json.dump(doc, f, indent=1, default=str)
     print(f"[done] {ns.out} in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -557,6 +557,37 @@ def test_step_profile_engine_args_cost_the_drafter(tmp_path, monkeypatch):
                                    "adaptive+spec")
 
 
+def test_step_profile_keeps_the_presets_it_finished(tmp_path, monkeypatch):
+    """The profile's JSON is rewritten after each preset: a call stopped during the second still has the first
+    (`complete` False), and a finished call says `complete` True. (Breakage tried: writing only at the end.)"""
+    import json
+
+    from bench import step_profile
+
+    fake = {"wall_ms_median": 1.0, "host_unprofiled_ms_median": 0.1, "host_unprofiled_share": 0.1, "host_top": [],
+            "sync_sites": {}, "kernels": {}}
+    calls = []
+
+    def one(ns, loaded, prefixes, preset, graphs):
+        calls.append(preset)
+        if preset == "adaptive":
+            raise KeyboardInterrupt("the call's limit")
+        return dict(fake, preset=preset)
+
+    monkeypatch.setattr(step_profile, "load_model", lambda ns: None)
+    monkeypatch.setattr(step_profile, "one_preset", one)
+    out = tmp_path / "sp.json"
+    args = ["--quick", "--device", "cpu", "--cuda-graphs", "none", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        step_profile.main([*args, "--presets", "hisparse,adaptive"])
+    doc = json.loads(out.read_text())
+    assert [r["preset"] for r in doc["runs"]] == ["hisparse"] and doc["complete"] is False
+    assert step_profile.main([*args, "--presets", "hisparse,resident"]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["preset"] for r in doc["runs"]] == ["hisparse", "resident"] and doc["complete"] is True
+    assert not (tmp_path / "sp.json.tmp").exists()
+
+
 class _WarmEngine:
     """Engine stand-in for the warm-up: finishes each request in one step; its drafter drafts
     only once a request asks for at least `drafts_from` tokens (n-gram lookup needs a repeat)."""
