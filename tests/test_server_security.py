@@ -256,7 +256,7 @@ def stalled_stream(port: int, max_tokens: int) -> socket.socket:
 def test_stalled_streams_are_aborted_and_free_their_pages(loaded, kernel_acks, monkeypatch):
     """Issue 24 item 8: 3 streams whose clients never read held both slots of a
     --max-running-requests 2 server for 3 x 4000 tokens (a victim waited 12.6 s)."""
-    if not kernel_acks:  # platforms without TCP_INFO: the unsent bytes not draining is the signal
+    if not kernel_acks:  # platforms without TCP_INFO: the bytes written less those still waiting are the signal
         from dhisparse.server import connection
 
         monkeypatch.setattr(connection, "_bytes_acked", lambda sock: None)
