@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from dhisparse.cli.args import HelpFormatter, add_engine_args, build_engine, engine_config, nonneg_int
+from dhisparse.cli.args import HelpFormatter, add_engine_args, build_engine, engine_config
+from dhisparse.cli.flags import nonneg_int
 from dhisparse.core.params import SamplingParams
 
 
