@@ -75,7 +75,7 @@ def test_fp8_rows_flow_through_every_tier():
 
 def test_paper_model_reproduces_table1():
     """The decomposition the comparison lists its components against prints the paper's digits."""
-    from dhisparse.bench.memreport import PAPER_CONTEXTS, PAPER_HOST_100K, PAPER_TABLE1, paper_model
+    from dhisparse.bench.memreport_paper import PAPER_CONTEXTS, PAPER_HOST_100K, PAPER_TABLE1, paper_model
 
     for preset, vals in PAPER_TABLE1.items():
         for label, v in vals.items():
@@ -84,7 +84,7 @@ def test_paper_model_reproduces_table1():
 
 
 def test_paper_comparison_explains_the_gaps():
-    from dhisparse.bench.memreport import paper_comparison
+    from dhisparse.bench.memreport_paper import paper_comparison
 
     cmp = {(e["preset"], e["context"], e["quantity"]): e for e in paper_comparison()}
     hs = cmp[("hisparse", "100K", "device_total")]
