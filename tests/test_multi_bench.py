@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dhisparse.bench import multi as M
+from dhisparse.bench import multi_exact as X
 from dhisparse.bench import multi_sizing as MS
 from dhisparse.core.logits import TokenLogprob
 
@@ -81,13 +82,13 @@ def test_a_file_reference_answers_once_written_and_nothing_before(tmp_path):
 def test_compare_tokens_gives_the_first_divergence_and_its_margin():
     def g(tokens, top=None):
         tops = [top or ((t, -0.1), (99, -0.3)) for t in tokens]
-        return M.Greedy(tokens, [TokenLogprob(t, dict(tp)[t], tp) for t, tp in zip(tokens, tops)])
+        return X.Greedy(tokens, [TokenLogprob(t, dict(tp)[t], tp) for t, tp in zip(tokens, tops)])
 
-    assert M.compare_tokens([g([1, 2]), g([3])], [g([1, 2]), g([3])])["equal"]
-    r = M.compare_tokens([g([1, 2, 5]), g([3])], [g([1, 99, 5]), g([3])])
+    assert X.compare_tokens([g([1, 2]), g([3])], [g([1, 2]), g([3])])["equal"]
+    r = X.compare_tokens([g([1, 2, 5]), g([3])], [g([1, 99, 5]), g([3])])
     assert not r["equal"] and r["diverged"] == [{"request": 0, "position": 1, "reference_token": 2, "got_token": 99,
                                                  "margin": pytest.approx(0.2), "tie": False}]
-    near = M.compare_tokens([g([4], ((4, -0.69310), (8, -0.69315)))], [g([8])])
+    near = X.compare_tokens([g([4], ((4, -0.69310), (8, -0.69315)))], [g([8])])
     assert near["diverged"][0]["tie"] and near["diverged"][0]["margin"] == pytest.approx(5e-5)
 
 

@@ -11,7 +11,7 @@ bf16 ties are avoided by running in float32: on the CPU (gloo), bf16 worlds of t
 already differ from one process under TP2 and EP2 (tensor-parallel partial sums and expert tiles
 round differently in bf16; tiny under TP2: 4 of 6 prompts), while float32 worlds were identical
 for both models, both presets tried, and TP2, DP2+EP2 and 1+1. A divergence is still reported
-with the one-GPU run's logprob margin at the first differing token (`dhisparse.bench.multi
+with the one-GPU run's logprob margin at the first differing token (`dhisparse.bench.multi_exact
 .compare_tokens`: `tie` when under 1e-4), so a near-tie can be told from a broken path; the test
 fails on any divergence. Worlds run without CUDA graphs (capture costs seconds a world; graph
 exactness on one GPU is tests/test_graphs.py's and test_step_graphs.py's).
@@ -37,7 +37,8 @@ import time
 import pytest
 import torch
 
-from dhisparse.bench.multi import compare_tokens, greedy_outputs, multicast_off, parse_layout
+from dhisparse.bench.multi import multicast_off, parse_layout
+from dhisparse.bench.multi_exact import compare_tokens, greedy_outputs
 from dhisparse.core.params import SamplingParams
 from dhisparse.engine.config import EngineConfig
 

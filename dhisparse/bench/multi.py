@@ -16,7 +16,6 @@ ranks spawned), so a benchmark of one needs its own driver. This module is that 
                   the timed window (rank stats after the warm-up and at the end)
     run_world     one (layout, preset) world: build, [oracle reference], prefix, warm-up, window, close;
                   speculation's counters over the window alone (`window_spec`)
-    greedy_outputs / compare_tokens   the exactness check of tests/test_parallel_cuda.py
 
 Output per GPU: the window's output tokens / duration / the world's GPUs (a disaggregated world also
 per decode GPU). TTFT split (the paper's Table A2; `dhisparse.bench.tables.ttft_split` reads each
@@ -41,8 +40,6 @@ drafts is plain decoding) and writes it; later requests read it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
 import re
 import time
@@ -335,99 +332,3 @@ def device_memory(engine) -> dict:
         return {}
     weights = sum(t.numel() * t.element_size() for t in [*inner.model.parameters(), *inner.model.buffers()])
     return {"device": str(dev), "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev), "weight_bytes": weights}
-
-
-# -- exactness (tests/test_parallel_cuda.py) -----------------------------------------------------
-
-@dataclass
-class Greedy:
-    """One request's generated token ids and, when asked for, one TokenLogprob per token."""
-
-    token_ids: list
-    logprobs: list
-
-
-def greedy_outputs(cfg, prompts, params, on_engine: str | None = None) -> list[Greedy]:
-    """Every prompt's tokens (input order) from the engine or world `cfg` builds, closed after. The
-    logprobs are gathered from every report (a RequestOutput's own `logprobs` are its last
-    report's only)."""
-    from dhisparse.engine.launch import build
-
-    engine = build(cfg, on_engine=on_engine)
-    try:
-        rids = [engine.add_request(list(p), params) for p in prompts]
-        got = {r: Greedy([], []) for r in rids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                g = got.get(o.request_id)
-                if g is not None:
-                    g.token_ids.extend(o.new_token_ids)
-                    g.logprobs.extend(o.logprobs or [])
-        return [got[r] for r in rids]
-    finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
-
-
-def compare_tokens(reference: list, got: list, tie_margin: float = 1e-4) -> dict:
-    """Token ids of `got` against `reference` (`Greedy`s). A request that diverges is reported
-    with its first differing position and the reference's logprob margin there (its token's logprob
-    minus the other token's, or minus its runner-up's when the other is not in its top list: the
-    reference needs SamplingParams(logprobs >= 1)); `tie`: margin <= tie_margin (a near-tie that
-    rounding may flip). equal: every token the same."""
-    diverged = []
-    for i, (a, b) in enumerate(zip(reference, got)):
-        ta, tb = list(a.token_ids), list(b.token_ids)
-        if ta == tb:
-            continue
-        pos = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-        margin = None
-        lps = getattr(a, "logprobs", None)
-        if lps and pos < len(lps) and pos < len(tb):
-            lp = lps[pos]
-            other = dict(lp.top).get(tb[pos])
-            if other is None and len(lp.top) > 1:
-                other = sorted((v for _, v in lp.top), reverse=True)[1]
-            margin = None if other is None else float(lp.logprob - other)
-        diverged.append({"request": i, "position": pos, "reference_token": ta[pos] if pos < len(ta) else None,
-                         "got_token": tb[pos] if pos < len(tb) else None, "margin": margin,
-                         "tie": margin is not None and margin <= tie_margin})
-    return {"equal": not diverged and len(reference) == len(got), "requests": len(reference), "diverged": diverged}
-
-
-def weight_bytes_per_gpu(model: str, ep: int = 1) -> dict | None:
-    """Weight bytes a GPU holds for a built-in GLM-family model (meta device, nothing allocated):
-    {total, routed_experts, per_gpu} with the routed experts split over `ep` ranks; None for others."""
-    split = _weight_split(model)
-    if split is None:
-        return None
-    total, experts = split
-    return {"total": total, "routed_experts": experts, "per_gpu": total - experts + math.ceil(experts / ep)}
-
-
-@functools.lru_cache(maxsize=8)
-def _weight_split(model: str) -> tuple[int, int] | None:
-    """(all weight bytes, routed-expert bytes) of a built-in model, built on the meta device
-    (glm5-faithful's layers quantized as its builder quantizes them)."""
-    import torch
-
-    from dhisparse.models.dsa import DsaForCausalLM
-    from dhisparse.models.faithful import FAITHFUL_CONFIGS, faithful_config, quantize_module
-    from dhisparse.models.registry import builtin_config
-
-    try:
-        cfg = faithful_config(model) if model in FAITHFUL_CONFIGS else builtin_config(model)
-    except KeyError:
-        return None
-    with torch.device("meta"):
-        m = DsaForCausalLM(cfg).to(torch.float32 if model == "tiny" else torch.bfloat16)
-        if model in FAITHFUL_CONFIGS:
-            for layer in m.model.layers:
-                quantize_module(layer)
-    total = experts = 0
-    for name, t in [*m.named_parameters(), *m.named_buffers()]:
-        n = t.numel() * t.element_size()
-        total += n
-        experts += n if ".mlp.experts." in name else 0
-    return total, experts

@@ -10,15 +10,17 @@ prefill ranks keep the colocated sizing's (`prefill_host_pool_for`). `ns` is ben
     clients          a world's clients: --concurrency, or --per-gpu x its decode GPUs
     memory_rows      per layout: weights a GPU holds (routed experts split under EP), pools per rank and world
     estimate_s       a rough guess of one world's wall time (printed before it runs)
+    weight_bytes_per_gpu  a built-in model's weight bytes a GPU holds, routed experts split over EP ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
-from dhisparse.bench.multi import Layout, weight_bytes_per_gpu
+from dhisparse.bench.multi import Layout
 
 GIB = float(1 << 30)
 # guesses for the printed estimate (s): a world's start (spawn, CUDA context, model build) and prefill rate
@@ -110,3 +112,40 @@ def estimate_s(ns, layout: Layout, preset: str) -> float:
     ref = ns.output_len * 0.15 if preset.endswith("+spec") and not ns.reference_dir else 0.0
     warm = 10 + clients(ns, layout) / layout.decode_gpus * 0.5
     return build + prefill + ref + warm + ns.duration + 10
+
+
+def weight_bytes_per_gpu(model: str, ep: int = 1) -> dict | None:
+    """Weight bytes a GPU holds for a built-in GLM-family model (meta device, nothing allocated):
+    {total, routed_experts, per_gpu} with the routed experts split over `ep` ranks; None for others."""
+    split = _weight_split(model)
+    if split is None:
+        return None
+    total, experts = split
+    return {"total": total, "routed_experts": experts, "per_gpu": total - experts + math.ceil(experts / ep)}
+
+
+@functools.lru_cache(maxsize=8)
+def _weight_split(model: str) -> tuple[int, int] | None:
+    """(all weight bytes, routed-expert bytes) of a built-in model, built on the meta device
+    (glm5-faithful's layers quantized as its builder quantizes them)."""
+    import torch
+
+    from dhisparse.models.dsa import DsaForCausalLM
+    from dhisparse.models.faithful import FAITHFUL_CONFIGS, faithful_config, quantize_module
+    from dhisparse.models.registry import builtin_config
+
+    try:
+        cfg = faithful_config(model) if model in FAITHFUL_CONFIGS else builtin_config(model)
+    except KeyError:
+        return None
+    with torch.device("meta"):
+        m = DsaForCausalLM(cfg).to(torch.float32 if model == "tiny" else torch.bfloat16)
+        if model in FAITHFUL_CONFIGS:
+            for layer in m.model.layers:
+                quantize_module(layer)
+    total = experts = 0
+    for name, t in [*m.named_parameters(), *m.named_buffers()]:
+        n = t.numel() * t.element_size()
+        total += n
+        experts += n if ".mlp.experts." in name else 0
+    return total, experts
