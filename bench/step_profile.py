@@ -339,22 +339,6 @@ def isolated(ns, preset: str, graphs: str) -> dict:
             return json.load(f)["runs"][0]
 
 
-def write_doc(ns, runs: list[dict], t0: float, complete: bool) -> None:
-    """Write the profile's JSON with the runs so far; `complete` is False until every preset has run (the file is
-    rewritten after each, so a device call stopped at its limit still brings back the presets it finished)."""
-    import json
-
-    doc = {"kind": "step_profile", "date": R.now_iso(), "commit": R.source_commit(), "command": R.command_line(ns.argv),
-           "machine": R.machine_info(), "gpu": torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
-           "config": {k: v for k, v in vars(ns).items() if k != "argv"}, "runs": runs, "complete": complete,
-           "wall_s": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    tmp = ns.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, ns.out)  # never a half-written file
-
-
 def main(argv=None) -> int:
     ns = parse(argv)
     import faulthandler
@@ -376,7 +360,10 @@ def main(argv=None) -> int:
     for preset, graphs in combos:
         t = time.perf_counter()
         runs.append(isolated(ns, preset, graphs) if isolate else one_preset(ns, loaded, prefixes, preset, graphs))
-        write_doc(ns, runs, t0, complete=len(runs) == len(combos))  # a call cut short keeps the presets it finished
+        # rewritten after each preset (complete: False until the last): a call cut short keeps the presets it finished
+        R.write_doc("step_profile", ns, ns.out, json_default=str, runs=runs, complete=len(runs) == len(combos),
+                    gpu=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu",
+                    wall_s=time.perf_counter() - t0)
         r = runs[-1]
         print(f"[profile] {preset:14} graphs={graphs:5} C{ns.concurrency} step {r['wall_ms_median']:.2f} ms; host (unprofiled) "
               f"{r['host_unprofiled_ms_median']:.2f} ms ({100 * r['host_unprofiled_share']:.1f}%); GPU idle (profiled) "

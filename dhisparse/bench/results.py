@@ -170,14 +170,18 @@ def write_bench(kind: str, ns, runs: list, notes: list[str], **config) -> Path:
     return path
 
 
-def write_doc(kind: str, ns, path: str | Path, **fields) -> Path:
+def write_doc(kind: str, ns, path: str | Path, json_default=None, **fields) -> Path:
     """Write a plain benchmark document: kind, date, commit, the command (ns.argv), machine and config
-    (ns's other attributes), then `fields`; indented JSON. Returns the path."""
+    (ns's other attributes), then `fields`; indented JSON (`json_default`: json.dumps's `default`, for values
+    JSON has no form for). Written whole or not at all (a file beside it, then renamed), so a script that
+    rewrites its document as it goes never leaves a half-written one. Returns the path."""
     doc = {"kind": kind, "date": now_iso(), "commit": source_commit(), "command": command_line(ns.argv),
            "machine": machine_info(), "config": {k: v for k, v in vars(ns).items() if k != "argv"}, **fields}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=json_default) + "\n")
+    os.replace(tmp, path)
     return path
 
 
