@@ -42,8 +42,7 @@ def _protocol(monkeypatch, kernel_acks: bool, stall_s: float = 1.0):
     """A protocol made without uvicorn's machinery: the transport counted as `connection_made` counts it."""
     p = object.__new__(cn.GuardedH11Protocol)
     raw = _Transport()
-    p._counted = cn._CountingTransport(raw)
-    p.transport, p._sock, p.loop, p.cycle = p._counted, None, _Loop(), None
+    p.transport, p._sock, p.loop, p.cycle = cn._CountingTransport(raw), None, _Loop(), None
     p.stall_timeout_s = stall_s
     p._progress, p._progress_at = (None, 0), 0.0
     state = {"unsent": 0, "acked": 0, "now": 0.0}
@@ -58,7 +57,7 @@ def _run(p, raw, state, checks, dt=0.25) -> int | None:
     Returns the index of the check that aborted, or None."""
     for i, (w, buffered, unsent, acked) in enumerate(checks):
         state["now"] += dt
-        p._counted.write(b"x" * w)
+        p.transport.write(b"x" * w)
         raw.buffered, state["unsent"], state["acked"] = buffered, unsent, acked
         p._check_stall()
         if raw.aborted:

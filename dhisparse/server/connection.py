@@ -91,8 +91,7 @@ class GuardedH11Protocol(H11Protocol):
     stall_timeout_s: float = 60.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        self._counted = _CountingTransport(transport)
-        super().connection_made(self._counted)
+        super().connection_made(_CountingTransport(transport))  # self.transport: the counting one
         self._sock = transport.get_extra_info("socket")
         self._header_timer = None
         self._stall_timer = None
@@ -139,7 +138,7 @@ class GuardedH11Protocol(H11Protocol):
         now = time.monotonic()
         buffered = self.transport.get_write_buffer_size()
         pending = buffered + _unsent(self._sock)
-        written = self._counted.written
+        written = self.transport.written
         acked = _bytes_acked(self._sock)
         if acked is None:  # no TCP_INFO: what was written and no longer waits reached the client's kernel
             acked = written - pending
